@@ -1,0 +1,21 @@
+# labkit — the two commands a newcomer needs:
+#   make lab    set up .venv (first time: a few minutes) and open JupyterLab on the course
+#   make test   set up .venv and run the whole test suite
+PY := .venv/bin/python
+
+.PHONY: setup lab test bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+lab: setup
+	$(PY) -m jupyter lab --notebook-dir=notebooks
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_data_parallel.py
+
+clean:
+	rm -rf .venv build *.egg-info

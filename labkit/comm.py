@@ -1,0 +1,222 @@
+"""The instrumented collectives and point-to-point calls every strategy uses.
+
+This module is the only place that talks to ``torch.distributed`` during a step and the
+only place that records comm events, so no strategy can forget to. Each call
+
+* gets a sequence number in a small flight recorder (op, group, shape, dtype, peer, step,
+  state), so a hang can be explained afterwards from every rank's log;
+* is timed from issue to completion (CPU: host clock, completion seen by the work's
+  future; GPU: CUDA events on a dedicated comm stream);
+* turns torch's terse failures into errors that name the rank, the operation and the step.
+
+>>> labkit.comm.all_reduce(t, name="grad 0")              # on an engine, inside lab.apply
+>>> h = labkit.comm.all_reduce(t, async_op=True); ...; h.wait()
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveTimeout, CommFailure
+from .recorder import Recorder
+
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class CommContext:
+    """Per-engine state of this module: who we are, where events go, how long to wait."""
+
+    rank: int
+    recorder: Recorder
+    timeout_s: float
+    flight: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    seq: itertools.count = field(default_factory=itertools.count)
+    comm_stream: object = None      # torch.cuda.Stream on GPU engines
+
+
+_ctx: CommContext | None = None
+
+
+def bind(ctx: CommContext | None) -> None:
+    """Install this engine's context (done by the engine session)."""
+    global _ctx
+    _ctx = ctx
+
+
+def context() -> CommContext:
+    if _ctx is None:
+        raise RuntimeError("labkit.comm is used outside a lab engine; call it through lab.apply or lab.run")
+    return _ctx
+
+
+def flight_log() -> list[dict]:
+    """The last calls this rank made, oldest first (each a dict; ``state`` says how it ended)."""
+    return [dict(entry) for entry in context().flight]
+
+
+# -- bytes on the wire ----------------------------------------------------------------------
+def wire_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for ``op`` on ``nbytes`` of payload over ``n`` ranks.
+
+    Ring algorithms (what nccl-tests' bus-bandwidth factors assume): all-reduce sends
+    2(n-1)/n·S, reduce-scatter and all-gather (n-1)/n·S of the full tensor, send S.
+    """
+    if n <= 1 and op != "send":
+        return 0
+    factor = {"allreduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "allgather": (n - 1) / n,
+              "broadcast": 1.0, "send": 1.0}.get(op, 0.0)
+    return int(round(factor * nbytes))
+
+
+# -- handles --------------------------------------------------------------------------------
+class Handle:
+    """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
+
+    def __init__(self, ctx: CommContext, entry: dict, work, event: dict | None, start):
+        self._ctx, self.entry, self.work, self._event, self._start = ctx, entry, work, event, start
+        self._done_at = None
+        if work is not None and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
+            # gloo completes collectives on its own thread: note when, without blocking.
+            work.get_future().add_done_callback(lambda _f: self._completed())
+
+    def _completed(self):
+        if self._done_at is None:
+            self._done_at = self._ctx.recorder.mark()
+
+    def wait(self):
+        """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
+        if self.work is not None:
+            _guard(self._ctx, self.entry, lambda: _wait_work(self._ctx, self.work))
+        self._completed()
+        self.entry["state"] = "done"
+        _record(self._ctx, self.entry, self._start, self._done_at)
+        return self
+
+    def future(self) -> torch.futures.Future:
+        """A future resolving to the (reduced) tensors, for DDP communication hooks."""
+        def finish(fut):
+            self._completed()
+            self.entry["state"] = "done"
+            _record(self._ctx, self.entry, self._start, self._done_at)
+            return fut.value()
+        return self.work.get_future().then(finish)
+
+
+def _wait_work(ctx, work):
+    if ctx.comm_stream is None:
+        work.wait()
+        return
+    with torch.cuda.stream(ctx.comm_stream):
+        work.wait()              # the comm stream now waits on the collective's own stream
+    torch.cuda.current_stream().wait_stream(ctx.comm_stream)
+
+
+def _record(ctx, entry, start, end):
+    if entry.get("_recorded"):
+        return
+    entry["_recorded"] = True
+    ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm", microbatch=entry["microbatch"],
+                     nbytes=entry["bytes"], peer=entry["peer"])
+
+
+def _guard(ctx: CommContext, entry: dict, call):
+    """Run ``call``; translate torch's failure into one that names rank, op, step and group."""
+    try:
+        return call()
+    except Exception as exc:  # torch raises RuntimeError / DistBackendError with terse text
+        text = str(exc)
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        entry["state"] = "timeout" if timed_out else "failed"
+        where = (f"rank {ctx.rank}, step {entry['step']}: {entry['op']} '{entry['name']}' "
+                 f"(call #{entry['seq']}, group {entry['group']}, shape {entry['shape']}, {entry['dtype']}"
+                 + (f", peer {entry['peer']}" if entry["peer"] is not None else "") + ")")
+        if timed_out:
+            raise CollectiveTimeout(f"{where} timed out after {ctx.timeout_s:g} s; a rank of the group "
+                                    f"never reached this call. Torch said: {text.splitlines()[0]}") from None
+        raise CommFailure(f"{where} failed: {text.splitlines()[0] if text else type(exc).__name__}") from None
+
+
+# -- issuing --------------------------------------------------------------------------------
+def _issue(op: str, kind: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
+           async_op: bool):
+    ctx = context()
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        raise ValueError(f"labkit.comm.{op}: needs a non-empty tensor, got {tensor!r:.60}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"labkit.comm.{op}: tensor '{name}' is not contiguous; call .contiguous() first")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    entry = {"seq": next(ctx.seq), "op": op, "kind": kind, "name": name or op, "group": ranks,
+             "shape": tuple(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""), "peer": peer,
+             "step": ctx.recorder.step, "microbatch": microbatch, "bytes": nbytes, "state": "issued"}
+    ctx.flight.append(entry)
+    if ctx.comm_stream is not None:
+        ctx.comm_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(ctx.comm_stream):
+            start = ctx.recorder.mark()
+            work = _guard(ctx, entry, call)
+    else:
+        start = ctx.recorder.mark()
+        work = _guard(ctx, entry, call)
+    handle = Handle(ctx, entry, work, None, start)
+    return handle if async_op else handle.wait()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce(tensor, group=None, name="", op="sum", async_op=False, microbatch=None):
+    """Reduce ``tensor`` in place over ``group`` (sum by default)."""
+    nbytes = wire_bytes("allreduce", tensor.numel() * tensor.element_size(), _group_size(group))
+    return _issue("all_reduce", "allreduce", tensor, group, name, None, microbatch, nbytes,
+                  lambda: dist.all_reduce(tensor, op=OPS[op], group=group, async_op=True), async_op)
+
+
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", async_op=False):
+    """Gather every rank's ``tensor`` into ``output`` (n times as long, rank order)."""
+    nbytes = wire_bytes("allgather", output.numel() * output.element_size(), _group_size(group))
+    return _issue("all_gather", "allgather", tensor, group, name, None, None, nbytes,
+                  lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=True), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", op="sum", async_op=False):
+    """Reduce ``tensor`` over the group and leave this rank's 1/n slice in ``output``."""
+    nbytes = wire_bytes("reduce_scatter", tensor.numel() * tensor.element_size(), _group_size(group))
+    return _issue("reduce_scatter", "reduce_scatter", tensor, group, name, None, None, nbytes,
+                  lambda: dist.reduce_scatter_tensor(output, tensor, op=OPS[op], group=group, async_op=True),
+                  async_op)
+
+
+def broadcast(tensor, src: int, group=None, name="", async_op=False):
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    sends = context().rank == src
+    nbytes = tensor.numel() * tensor.element_size() if sends else 0
+    return _issue("broadcast", "broadcast", tensor, group, name, src, None, nbytes,
+                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), async_op)
+
+
+def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0) -> Handle:
+    """Start sending ``tensor`` to global rank ``dst``; wait on the handle before reusing it."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return _issue("send", "send", tensor, group, name, dst, microbatch, nbytes,
+                  lambda: dist.isend(tensor, dst, group=group, tag=tag), True)
+
+
+def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0) -> Handle:
+    """Start receiving into ``tensor`` from global rank ``src``."""
+    nbytes = tensor.numel() * tensor.element_size()   # received; metrics count only what is sent
+    return _issue("recv", "recv", tensor, group, name, src, microbatch, nbytes,
+                  lambda: dist.irecv(tensor, src, group=group, tag=tag), True)
+
+
+def send(tensor, dst: int, group=None, name="", microbatch=None) -> Handle:
+    return isend(tensor, dst, group, name, microbatch).wait()
+
+
+def recv(tensor, src: int, group=None, name="", microbatch=None) -> Handle:
+    return irecv(tensor, src, group, name, microbatch).wait()

@@ -1,0 +1,112 @@
+"""The strategy: how a model is spread over the engines.
+
+A :class:`Strategy` is a small keyword-only dataclass, validated on construction, so an
+impossible combination fails in the notebook before any engine is touched. Widgets derive
+new strategies with ``dataclasses.replace``.
+
+>>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
+2
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DP_MODES = ("naive", "bucketed", "overlap", "ddp")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+# Settings that change neither the process groups nor the model's placement: a widget
+# change of only these reuses what the engines already hold.
+CHEAP_FIELDS = ("microbatches", "dp_mode", "bucket_mb", "compression", "schedule")
+
+
+def _check_choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"Strategy.{field}={value!r} is unknown; use one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive_int(field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Strategy.{field}={value!r} must be a whole number ≥ 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """Degrees of parallelism and the knobs of each; ``dp * pp * tp`` must equal the engines."""
+
+    dp: int = 1
+    """Data-parallel degree: replicas that each see 1/dp of the global batch."""
+    pp: int = 1
+    """Pipeline-parallel degree: consecutive blocks of the model on different ranks."""
+    tp: int = 1
+    """Tensor-parallel degree (this version supports tp=1)."""
+    zero: int = 0
+    """ZeRO stage for sharding optimizer state (this version supports zero=0)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule, used when pp > 1: "gpipe", "1f1b" or "interleaved"."""
+    microbatches: int = 1
+    """Micro-batches per step; each rank's share of the batch is split into this many."""
+    chunks: int = 1
+    """Model chunks (virtual stages) per pipeline rank; > 1 only with schedule="interleaved"."""
+    dp_mode: str = "overlap"
+    """How gradients are averaged over dp: "naive", "bucketed", "overlap" or "ddp"."""
+    bucket_mb: float = 1.0
+    """Bucket size in MiB for the "bucketed", "overlap" and "ddp" modes."""
+    compression: str = "none"
+    """Gradient compression on the wire: "none", "fp16", "bf16" or "int8"."""
+
+    def __post_init__(self) -> None:
+        for field in ("dp", "pp", "tp", "microbatches", "chunks"):
+            _check_positive_int(field, getattr(self, field))
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("dp_mode", self.dp_mode, DP_MODES)
+        _check_choice("compression", self.compression, COMPRESSIONS)
+        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise ValueError(f"Strategy.bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB)")
+        if self.tp != 1:
+            raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
+        if self.zero != 0:
+            raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise ValueError(f"Strategy.chunks={self.chunks} needs schedule='interleaved'; "
+                             "set chunks=1 or schedule='interleaved'")
+        if self.schedule == "interleaved" and self.pp > 1:
+            if self.chunks < 2:
+                raise ValueError("Strategy.chunks: the interleaved schedule needs chunks ≥ 2 "
+                                 "(model chunks per rank); or use schedule='1f1b'")
+            if self.microbatches % self.pp:
+                raise ValueError(f"Strategy.microbatches={self.microbatches} must be a multiple of "
+                                 f"pp={self.pp} for the interleaved schedule")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this strategy needs: dp * pp * tp."""
+        return self.dp * self.pp * self.tp
+
+    def check_engines(self, engines: int) -> None:
+        """Raise ValueError unless this strategy fits exactly ``engines`` ranks."""
+        if self.world_size != engines:
+            raise ValueError(f"Strategy needs dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} "
+                             f"ranks but the lab has {engines} engines; change the degrees so their "
+                             f"product is {engines}, or start the lab with engines={self.world_size}")
+
+    def check_batch(self, batch: int) -> None:
+        """Raise ValueError unless the global batch splits evenly over dp and micro-batches."""
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch={batch!r} must be a whole number ≥ 1")
+        if batch % self.dp:
+            raise ValueError(f"batch={batch} does not divide by dp={self.dp}; use a multiple of {self.dp}")
+        per_rank = batch // self.dp
+        if per_rank % self.microbatches:
+            raise ValueError(f"each dp rank's batch ({per_rank}) does not divide into microbatches="
+                             f"{self.microbatches}; use a batch that is a multiple of "
+                             f"{self.dp * self.microbatches} or change microbatches")
+
+    def groups_key(self) -> tuple[int, int, int]:
+        """What defines the process groups: changing anything else reuses them."""
+        return (self.dp, self.pp, self.tp)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,159 @@
+"""The engine side: what each ipyparallel engine holds between notebook cells.
+
+One :class:`EngineSession` per engine process keeps the rank, the rendezvous store (rank 0),
+the process groups and the current job (model, optimizer, gradient sync). The notebook calls
+the module-level functions below through ``lab.view.apply``; they are plain functions so they
+travel by reference. Groups are rebuilt only when the degrees change; a change of
+micro-batches, bucket size or mode reuses them.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .grid import ParallelDims, build_groups
+from .placement import choose_device, rank_from_env
+from .recorder import Recorder
+
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+
+class EngineSession:
+    """This engine's rank, device, process groups and current job."""
+
+    def __init__(self):
+        found = rank_from_env(os.environ) or {"rank": None, "local_rank": 0, "world_size": None, "source": "lab"}
+        self.rank, self.local_rank = found["rank"], found["local_rank"]
+        self.world_size, self.rank_source = found["world_size"], found["source"]
+        self.host = socket.gethostname()
+        self.device = None
+        self.store = None            # the TCPStore, kept alive on rank 0 only
+        self.timeout_s = 60.0
+        self.groups = None
+        self.job = None
+        self.recorder = None
+
+    def describe(self) -> dict:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = choose_device(self.local_rank, gpus, self.host) if self.rank is not None else "?"
+        return {"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size,
+                "host": self.host, "pid": os.getpid(), "device": device, "gpus": gpus,
+                "backend": "nccl" if gpus else "gloo", "rank_source": self.rank_source,
+                "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "initialized": dist.is_initialized()}
+
+
+_session: EngineSession | None = None
+
+
+def session() -> EngineSession:
+    """This engine's session (created on first use)."""
+    global _session
+    if _session is None:
+        _session = EngineSession()
+    return _session
+
+
+# -- called from the notebook through lab.view.apply ------------------------------------------
+def describe() -> dict:
+    return session().describe()
+
+
+def assign_rank(rank: int, world_size: int, local_rank: int) -> dict:
+    """For launchers that set no rank variables (SSH): the lab assigns them, hosts in order."""
+    s = session()
+    s.rank, s.world_size, s.local_rank, s.rank_source = rank, world_size, local_rank, "lab"
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    return s.describe()
+
+
+def open_store(host: str, world_size: int, timeout_s: float) -> int:
+    """Rank 0: a fresh rendezvous store on a port the OS picks (bound, never closed and reused)."""
+    s = session()
+    _teardown(s)
+    s.store = dist.TCPStore(host, 0, world_size, is_master=True,
+                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return s.store.port
+
+
+def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: float, threads: int | None) -> dict:
+    """Join the world group through the store at ``master_addr:port``; gloo on CPU, NCCL on GPU."""
+    s = session()
+    if s.rank != 0:
+        _teardown(s)
+        s.store = dist.TCPStore(master_addr, port, world_size, is_master=False,
+                                timeout=timedelta(seconds=timeout_s))
+    if threads:
+        torch.set_num_threads(threads)
+    info = s.describe()
+    s.device = torch.device(info["device"])
+    if s.device.type == "cuda":
+        torch.cuda.set_device(s.device)
+    s.timeout_s, s.world_size = timeout_s, world_size
+    dist.init_process_group(info["backend"], store=s.store, rank=s.rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    s.recorder = Recorder(s.rank, s.device)
+    stream = torch.cuda.Stream() if s.device.type == "cuda" else None
+    comm.bind(comm.CommContext(s.rank, s.recorder, timeout_s, comm_stream=stream))
+    s.groups = None
+    return s.describe()
+
+
+def _teardown(s: EngineSession) -> None:
+    s.job = None
+    s.groups = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    comm.bind(None)
+    s.store = None
+
+
+def ensure_groups(dp: int, pp: int, tp: int) -> bool:
+    """Build the grid's groups unless the same degrees are already in place; True if rebuilt."""
+    s = session()
+    dims = ParallelDims(dp, pp, tp)
+    if s.groups is not None and s.groups.dims == dims:
+        return False
+    s.job = None
+    s.groups = build_groups(dims, s.rank, s.timeout_s)
+    return True
+
+
+def setup_run(spec) -> dict:
+    """Build this rank's part of the run: model, optimizer, gradient sync."""
+    from .job import build_job
+
+    s = session()
+    s.recorder.enabled = spec.record
+    s.job = build_job(spec, s.groups, s.recorder, s.device)
+    return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters())}
+
+
+def run_step(step: int) -> dict:
+    """One training step, aligned across ranks by a barrier; returns loss and events."""
+    s = session()
+    if s.job is None:
+        raise RuntimeError(f"rank {s.rank}: no run is set up on this engine (call lab.run)")
+    dist.barrier()
+    s.recorder.start_step(step)
+    result = s.job.step(step)
+    result["events"] = s.recorder.drain()
+    result["rank"] = s.rank
+    return result
+
+
+def parameters() -> dict:
+    """This rank's part of the trained parameters, on CPU, keyed as in the model's state_dict."""
+    s = session()
+    return s.job.parameters() if s.job is not None else {}
+
+
+def shutdown() -> None:
+    """Leave the process group and drop the store (before engines stop)."""
+    _teardown(session())

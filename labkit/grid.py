@@ -1,0 +1,102 @@
+"""The rank grid: which ranks form the data-, pipeline- and tensor-parallel groups.
+
+Ranks are laid out as ``arange(world).view(dp, pp, tp)`` (tp innermost, as Megatron does,
+so tensor-parallel peers are neighbours on one node). :class:`ParallelDims` is pure and
+validated once; :func:`build_groups` turns it into torch process groups on the engines, each
+with an explicit timeout, because sub-groups do not inherit the world group's.
+
+>>> dims = ParallelDims(dp=2, pp=2, tp=1)
+>>> dims.dp_groups(), dims.pp_groups()
+([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        if min(self.dp, self.pp, self.tp) < 1:
+            raise ValueError(f"degrees must be ≥ 1, got dp={self.dp} pp={self.pp} tp={self.tp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp index, pp stage, tp index) of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a grid of {self.world_size}")
+        dp_i, rest = divmod(rank, self.pp * self.tp)
+        pp_i, tp_i = divmod(rest, self.tp)
+        return dp_i, pp_i, tp_i
+
+    def rank_of(self, dp: int, pp: int, tp: int = 0) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same model part: they average gradients together."""
+        return [[self.rank_of(d, p, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        """Ranks forming one pipeline, stage 0 first."""
+        return [[self.rank_of(d, p, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(d, p, t) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The ranks of ``rank``'s ``kind`` ("dp", "pp" or "tp") group."""
+        groups = {"dp": self.dp_groups, "pp": self.pp_groups, "tp": self.tp_groups}[kind]()
+        return next(g for g in groups if rank in g)
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's torch process groups for a grid (engine side)."""
+
+    dims: ParallelDims
+    rank: int
+    dp: object
+    pp: object
+    tp: object
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    tp_ranks: list[int]
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return self.dims.coords(self.rank)
+
+
+def build_groups(dims: ParallelDims, rank: int, timeout_s: float, backend: str | None = None) -> ProcessGroups:
+    """Create every group of the grid (each rank must create all of them, in the same order)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    mine = {}
+    for kind, groups in (("dp", dims.dp_groups()), ("pp", dims.pp_groups()), ("tp", dims.tp_groups())):
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[kind] = (group, ranks)
+    return ProcessGroups(dims, rank, mine["dp"][0], mine["pp"][0], mine["tp"][0],
+                         mine["dp"][1], mine["pp"][1], mine["tp"][1])

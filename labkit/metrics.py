@@ -1,0 +1,195 @@
+"""Step metrics from timeline events, defined once for plots, widgets, the CLI and tests.
+
+An event is a plain dict (DESIGN.md, "Events")::
+
+    {"rank", "stream": "compute"|"comm", "kind", "name", "step", "microbatch",
+     "start", "end", "bytes", "peer"}
+
+with times in seconds from the start of its step, aligned across ranks. For one rank in one
+step we take three sets of time (DESIGN.md, "Metrics"):
+
+    T = the step's duration: the latest end over *all* ranks (steps start at 0)
+    C = union of the rank's compute spans
+    X = union of the rank's comm-stream spans other than ``wait``
+
+A ``wait`` span is the part of a receive before the sender posted its send: a pipeline
+dependency, so it is bubble, never comm. Everything else on the comm stream (unknown kinds
+included) is comm. From those sets:
+
+    comm_fraction         |X| / T
+    exposed_comm_fraction |X − C| / T        comm that the compute lane had to wait out
+    overlap_fraction      |X ∩ C| / |X|      HTA's "comm/compute overlap"; 0 with no comm
+    bubble_fraction       (T − |C ∪ X|) / T  idle: neither computing nor communicating
+
+T is the step's duration rather than the rank's own last end because a rank that finishes
+early still idles until the step ends; with per-rank T the last pipeline stage's idle tail
+would vanish and GPipe's bubble would not come out as (p−1)/(m+p−1) (GPipe, Huang et al.
+2019, §2.3).
+
+Run the tests with ``python -m pytest tests/test_metrics.py``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import mean, median
+
+Span = tuple[float, float]
+
+# Kinds whose `bytes` left this rank. recv counts on the sender's side, wait moves nothing,
+# and compress is compute that shrinks what the next collective sends.
+SEND_KINDS = frozenset(
+    {"allreduce", "reduce_scatter", "allgather", "broadcast", "send", "reduce", "all_to_all"}
+)
+
+FRACTION_KEYS = ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction")
+
+
+# --- interval arithmetic on sorted, disjoint unions ----------------------------------------
+
+
+def union(spans) -> list[Span]:
+    """Merge (start, end) spans into a sorted list of disjoint spans; empty spans drop out."""
+    merged: list[list[float]] = []
+    for start, end in sorted((float(s), float(e)) for s, e in spans if e > s):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def total(spans) -> float:
+    """Length of the union of `spans` (overlaps counted once)."""
+    return sum(e - s for s, e in union(spans))
+
+
+def intersection_length(a, b) -> float:
+    """|A ∩ B| for two collections of spans, by one sweep over both unions."""
+    a, b = union(a), union(b)
+    i = j = 0
+    length = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        length += max(0.0, hi - lo)
+        # Advance whichever span ends first; the other may still meet the next one.
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return length
+
+
+def difference_length(a, b) -> float:
+    """|A − B|: the part of A that B does not cover."""
+    return total(a) - intersection_length(a, b)
+
+
+# --- per rank, per step ---------------------------------------------------------------------
+
+
+def is_comm(event: dict) -> bool:
+    """True for time spent communicating: comm stream, not waiting for a peer."""
+    return event["stream"] == "comm" and event["kind"] != "wait"
+
+
+def step_duration(step_events) -> float:
+    """T of a step: the latest end over all ranks (times are aligned, steps start at 0)."""
+    return max((float(e["end"]) for e in step_events), default=0.0)
+
+
+def _rank_metrics(step_events, rank: int, duration: float) -> dict:
+    """Fractions and bytes of one rank, given all events of its step and the step's T."""
+    mine = [e for e in step_events if e["rank"] == rank]
+    compute = [(e["start"], e["end"]) for e in mine if e["stream"] == "compute"]
+    comm = [(e["start"], e["end"]) for e in mine if is_comm(e)]
+    comm_len = total(comm)
+    both = intersection_length(comm, compute)
+    busy = total(compute + comm)
+    per_t = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    return {
+        "step_time_s": duration,
+        "comm_fraction": per_t(comm_len),
+        "exposed_comm_fraction": per_t(comm_len - both),
+        "overlap_fraction": both / comm_len if comm_len > 0 else 0.0,
+        "bubble_fraction": per_t(duration - busy),
+        "bytes_sent": sum(int(e.get("bytes") or 0) for e in mine if e["kind"] in SEND_KINDS),
+    }
+
+
+def per_rank_metrics(events, rank: int, step: int) -> dict:
+    """The fractions of one rank in one step (plots label each lane with these).
+
+    `events` may hold every rank and step: T comes from all ranks of `step`.
+    Returns step_time_s, comm_fraction, exposed_comm_fraction, overlap_fraction,
+    bubble_fraction and bytes_sent.
+    """
+    step_events = [e for e in events if e["step"] == step]
+    return _rank_metrics(step_events, rank, step_duration(step_events))
+
+
+# --- whole run ------------------------------------------------------------------------------
+
+
+def _by_step(events) -> dict[int, list[dict]]:
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for e in events:
+        groups[e["step"]].append(e)
+    return dict(sorted(groups.items()))
+
+
+def step_metrics(events, world_size: int | None, global_batch: int,
+                 peak_activation_bytes: list[int] | None = None) -> dict:
+    """The DESIGN.md metrics of a run's events (one or several steps).
+
+    step_time_s is the median over steps of the step's T (the slowest rank's last end).
+    Fractions are averaged per rank over steps, then over ranks 0..world_size-1; a rank with
+    no event in a step was idle for all of it. bytes_sent is a list per rank of the mean
+    bytes sent per step, bytes_sent_total their sum. peak_activation_bytes is not in the
+    events: the caller passes it through (a list per rank), else zeros.
+
+        >>> step_metrics(run_events, world_size=4, global_batch=64)["bubble_fraction"]
+    """
+    if world_size is None:
+        world_size = 1 + max((e["rank"] for e in events), default=0)
+    steps = _by_step(events)
+    durations = [step_duration(evs) for evs in steps.values()]
+    per_rank = [
+        [_rank_metrics(evs, rank, t) for evs, t in zip(steps.values(), durations)]
+        for rank in range(world_size)
+    ]
+    step_time = median(durations) if durations else 0.0
+    out = {
+        "step_time_s": step_time,
+        # 0 rather than inf when nothing was timed, so a table shows "0" and not a guess.
+        "throughput_samples_s": global_batch / step_time if step_time > 0 else 0.0,
+    }
+    for key in FRACTION_KEYS:
+        out[key] = _mean_over_ranks(per_rank, key)
+    bytes_sent = [_mean([m["bytes_sent"] for m in rows]) for rows in per_rank]
+    out["bytes_sent"] = bytes_sent
+    out["bytes_sent_total"] = sum(bytes_sent)
+    out["peak_activation_bytes"] = (list(peak_activation_bytes) if peak_activation_bytes
+                                    is not None else [0] * world_size)
+    return out
+
+
+def _mean(values) -> float:
+    return mean(values) if values else 0.0
+
+
+def _mean_over_ranks(per_rank, key: str) -> float:
+    """Mean over steps for each rank, then mean over ranks."""
+    return _mean([_mean([m[key] for m in rows]) for rows in per_rank])
+
+
+def speedup(step_time_1: float, step_time_n: float, n: int) -> dict:
+    """Strong-scaling speed-up of an n-engine run against a one-engine run.
+
+    Both runs train the same global batch, so
+
+        speedup            = step_time_1 / step_time_n
+        scaling_efficiency = speedup / n     (1.0 is perfect linear scaling)
+    """
+    s = step_time_1 / step_time_n if step_time_n > 0 else 0.0
+    return {"speedup": s, "scaling_efficiency": s / n if n else 0.0}

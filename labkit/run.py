@@ -1,0 +1,46 @@
+"""What ``lab.run`` returns: losses, metrics, the timeline and the trained parameters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import Strategy
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state_dicts with the same keys."""
+    if set(a) != set(b):
+        missing = sorted(set(a) ^ set(b))
+        raise KeyError(f"the parameter sets differ: {missing[:6]}")
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@dataclass
+class Run:
+    """One run of a strategy: ``losses`` (one per step), ``metrics``, ``timeline``, ``parameters()``."""
+
+    strategy: Strategy
+    losses: list[float]
+    timeline: object
+    metrics: dict
+    batch: int
+    params: dict = field(default_factory=dict, repr=False)
+    ranks: list[dict] = field(default_factory=list, repr=False)
+    interrupted: bool = False
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state_dict, gathered from the engines, same keys as the model's."""
+        return dict(self.params)
+
+    def max_diff(self, other) -> float:
+        """Largest parameter difference from another run or ``labkit.reference`` result."""
+        return max_abs_diff(self.parameters(), other.parameters())
+
+    def __repr__(self) -> str:
+        s = self.strategy
+        m = self.metrics
+        return (f"Run(dp={s.dp}, pp={s.pp}, dp_mode={s.dp_mode!r}, steps={len(self.losses)}, "
+                f"loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}, "
+                f"step {1e3 * m.get('step_time_s', float('nan')):.1f} ms, "
+                f"overlap {m.get('overlap_fraction', 0):.2f})")

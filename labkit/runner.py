@@ -1,0 +1,114 @@
+"""``lab.run`` step by step: validate in the notebook, build on the engines, run each step
+as its own call (so a run can be watched, interrupted at a step boundary and its failure
+pinned to a step), gather events after every step, and turn them into metrics.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from torch import nn
+
+from . import engine
+from .config import Strategy
+from .job import RunSpec
+from .metrics import step_metrics
+from .run import Run
+from .timeline import Timeline
+from .training import build_model, resolve_loss
+
+
+def validate(spec: RunSpec, engines: int) -> None:
+    """Everything that can be checked before an engine is called; ValueError names the fix."""
+    s = spec.strategy
+    if not isinstance(s, Strategy):
+        raise TypeError(f"strategy must be a labkit.Strategy, got {type(s).__name__}")
+    s.check_engines(engines)
+    s.check_batch(spec.batch)
+    if not isinstance(spec.steps, int) or spec.steps < 1:
+        raise ValueError(f"steps={spec.steps!r} must be a whole number ≥ 1")
+    if not spec.lr > 0:
+        raise ValueError(f"lr={spec.lr!r} must be > 0")
+    resolve_loss(spec.loss)
+    if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
+        raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
+    blocks = len(build_model(spec.model, spec.seed))
+    if s.pp > 1:
+        from .strategies.pipeline import check_split
+        check_split(s, blocks)
+
+
+def measured_steps(steps: int) -> int:
+    """The first step warms up (allocations, DDP's bucket set-up): skip it when there are ≥ 3."""
+    return 1 if steps >= 3 else 0
+
+
+def ship_by_value(*objects) -> None:
+    """Send user code defined outside installed packages by value, not by module name.
+
+    Functions from a notebook travel by value already (cloudpickle); functions from a
+    user's own .py file next to the notebook would otherwise be looked up by module name on
+    engines whose working directory or path may not contain it.
+    """
+    import cloudpickle
+
+    installed = [p for p in sys.path if "site-packages" in p] + [sys.base_prefix]
+    for obj in objects:
+        if obj is None or isinstance(obj, str):
+            continue
+        name = getattr(obj, "__module__", None) or type(obj).__module__
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if module is None or name == "__main__" or name.split(".")[0] in ("labkit", "torch") or path is None:
+            continue
+        if not any(os.path.abspath(path).startswith(os.path.abspath(p)) for p in installed):
+            cloudpickle.register_pickle_by_value(module)
+
+
+def execute(lab, spec: RunSpec, on_step: Callable | None = None) -> Run:
+    validate(spec, lab.world_size)
+    ship_by_value(spec.model, spec.data, spec.loss)
+    s = spec.strategy
+    lab._interrupt = False
+    lab.apply(engine.ensure_groups, s.dp, s.pp, s.tp)
+    lab.apply(engine.setup_run, spec)
+    losses, events, peak = [], [], [0] * lab.world_size
+    run = Run(s, losses, Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
+    for step in range(spec.steps):
+        results = lab.apply(engine.run_step, step)
+        losses.append(_global_loss(results))
+        for r in results:
+            events.extend(r["events"])
+            peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
+        run.timeline = Timeline(events, lab.world_size)
+        run.metrics = _metrics(events, lab.world_size, spec, peak, step)
+        if on_step is not None:
+            on_step(run, step)
+        if lab._interrupt and step < spec.steps - 1:
+            run.interrupted = True
+            break
+    run.params = _gather_parameters(lab, s)
+    return run
+
+
+def _global_loss(results: list[dict]) -> float:
+    """Mean over the ranks that computed a loss (dp replicas of the last stage), weighted."""
+    scored = [r for r in results if r.get("loss_weight", 0) > 0]
+    return sum(r["loss"] * r["loss_weight"] for r in scored) / sum(r["loss_weight"] for r in scored)
+
+
+def _metrics(events, world_size, spec, peak, step) -> dict:
+    skip = measured_steps(spec.steps) if step >= measured_steps(spec.steps) else 0
+    kept = [e for e in events if e["step"] >= skip]
+    return step_metrics(kept, world_size, spec.batch, peak_activation_bytes=peak)
+
+
+def _gather_parameters(lab, s: Strategy) -> dict:
+    """Each model part once: from the ranks with dp index 0 (one per pipeline stage)."""
+    parts = lab.apply(engine.parameters)
+    merged = {}
+    for rank, part in enumerate(parts):
+        if rank < s.pp * s.tp:        # dp index 0 (ranks are laid out dp-major)
+            merged.update(part)
+    return merged

@@ -1,0 +1,1 @@
+"""One file per strategy. :mod:`.data_parallel` holds the four ways to average gradients."""

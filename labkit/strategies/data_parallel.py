@@ -1,0 +1,186 @@
+"""Data parallelism four ways: every rank holds the whole model and sees 1/dp of the batch;
+after backward the gradients are averaged over the dp group, so every replica takes the
+same optimizer step as one process would on the whole batch.
+
+* ``naive``    — one all-reduce per gradient tensor, after backward (many small messages);
+* ``bucketed`` — gradients packed into flat buckets of ``bucket_mb``, reduced after backward
+                 (few large messages, still no overlap);
+* ``overlap``  — the same buckets, each launched asynchronously from autograd hooks the
+                 moment its last gradient is ready, while backward carries on with earlier
+                 layers; waited for before the optimizer step;
+* ``ddp``      — torch's DistributedDataParallel with the same bucket size, its comm hook
+                 routing the all-reduce through :mod:`labkit.comm` so it is timed the same way.
+
+Every sync object follows one lifecycle::
+
+    model = sync.wrap(model)                 # once
+    with sync.microbatch(last=is_last):      # around each micro-batch's backward
+        loss.backward()
+    sync.finish()                            # gradients averaged when it returns
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from .. import comm
+
+MiB = 1024 * 1024
+
+
+def build_grad_sync(mode: str, group, dp: int, bucket_mb: float) -> "GradSync":
+    """The gradient synchroniser for ``dp_mode`` (see the module docstring)."""
+    kinds = {"naive": NaiveSync, "bucketed": BucketedSync, "overlap": OverlapSync, "ddp": DDPSync}
+    if mode not in kinds:
+        raise ValueError(f"dp_mode={mode!r} is unknown; use one of {sorted(kinds)}")
+    return kinds[mode](group, dp, bucket_mb)
+
+
+def make_buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
+    """Group parameters into buckets of about ``bucket_bytes``, in the order gradients arrive.
+
+    Backward runs from the last layer to the first, so buckets are filled in reverse
+    registration order (as DDP does); a bucket closes once it reaches the cap.
+    """
+    buckets, current, size = [], [], 0
+    for name, p in reversed(params):
+        current.append((name, p))
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradSync:
+    """Base: averages gradients over ``group`` (``dp`` ranks)."""
+
+    def __init__(self, group, dp: int, bucket_mb: float):
+        self.group, self.dp, self.bucket_bytes = group, dp, bucket_mb * MiB
+        self.last = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return model
+
+    @contextmanager
+    def microbatch(self, last: bool):
+        """Backward of one micro-batch; only the last one's gradients are reduced."""
+        self.last = last
+        yield
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveSync(GradSync):
+    """One blocking all-reduce per gradient tensor, after backward."""
+
+    def finish(self):
+        for name, p in self.params:
+            if p.grad is not None:
+                comm.all_reduce(p.grad, self.group, name=name)
+                p.grad.div_(self.dp)
+
+
+class _Bucket:
+    """A flat buffer for a few parameters' gradients, reduced as one message."""
+
+    def __init__(self, index: int, members: list[tuple[str, nn.Parameter]]):
+        self.index, self.members = index, members
+        self.name = f"bucket {index} ({len(members)} tensors)"
+        self.numel = sum(p.numel() for _, p in members)
+        self.handle = None
+        self.ready = 0
+
+    def pack(self) -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1) for _, p in self.members])
+
+    def unpack(self, flat: torch.Tensor, dp: int) -> None:
+        offset = 0
+        for _, p in self.members:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad)).div_(dp)
+            offset += n
+
+    def launch(self, group) -> None:
+        self.flat = self.pack()
+        self.handle = comm.all_reduce(self.flat, group, name=self.name, async_op=True)
+
+    def complete(self, dp: int) -> None:
+        self.handle.wait()
+        self.unpack(self.flat, dp)
+        self.handle = self.flat = None
+        self.ready = 0
+
+
+class BucketedSync(GradSync):
+    """Flat buckets of ``bucket_mb``, all launched after backward, then waited for."""
+
+    def wrap(self, model):
+        super().wrap(model)
+        self.buckets = [_Bucket(i, m) for i, m in enumerate(make_buckets(self.params, self.bucket_bytes))]
+        return model
+
+    def finish(self):
+        for bucket in self.buckets:
+            bucket.launch(self.group)
+        for bucket in self.buckets:
+            bucket.complete(self.dp)
+
+
+class OverlapSync(BucketedSync):
+    """Buckets launched from gradient hooks during backward, as soon as each is full."""
+
+    def wrap(self, model):
+        super().wrap(model)
+        for bucket in self.buckets:
+            for _, p in bucket.members:
+                p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
+        return model
+
+    def _on_grad(self, bucket: _Bucket) -> None:
+        if not self.last:          # earlier micro-batches only accumulate
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.members):
+            bucket.launch(self.group)
+
+    def finish(self):
+        for bucket in self.buckets:
+            if bucket.handle is None:       # a parameter that got no gradient this step
+                bucket.launch(self.group)
+            bucket.complete(self.dp)
+
+
+class DDPSync(GradSync):
+    """torch's DistributedDataParallel; its comm hook sends each bucket through labkit.comm."""
+
+    def wrap(self, model):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        super().wrap(model)
+        device_ids = None
+        if next(model.parameters()).is_cuda:
+            device_ids = [next(model.parameters()).device.index]
+        self.ddp = DDP(model, process_group=self.group, bucket_cap_mb=self.bucket_bytes / MiB,
+                       device_ids=device_ids, broadcast_buffers=False)
+        self.ddp.register_comm_hook(self, _ddp_allreduce_hook)
+        return self.ddp
+
+    def microbatch(self, last: bool):
+        return nullcontext() if last else self.ddp.no_sync()
+
+    def finish(self):
+        pass     # DDP's backward already waited for every bucket
+
+
+def _ddp_allreduce_hook(sync, bucket):  # no annotations: DDP checks them literally
+    """Like torch's default ``allreduce_hook`` (divide, then sum), but timed by labkit.comm."""
+    flat = bucket.buffer().div_(sync.dp)
+    handle = comm.all_reduce(flat, sync.group, name=f"ddp bucket {bucket.index()}", async_op=True)
+    return handle.future().then(lambda fut: fut.value()[0])

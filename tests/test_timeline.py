@@ -1,0 +1,128 @@
+"""Timeline views: lanes and legend of the plot, Chrome trace layout, step filtering."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import io  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from labkit.metrics import step_metrics  # noqa: E402
+from labkit.timeline import STREAM_TIDS, Timeline, compare  # noqa: E402
+
+
+def ev(rank, stream, kind, start, end, step=0, microbatch=None, nbytes=0, peer=None):
+    return {"rank": rank, "stream": stream, "kind": kind, "name": f"{kind}_op", "step": step,
+            "microbatch": microbatch, "start": start, "end": end, "bytes": nbytes, "peer": peer}
+
+
+def two_rank_run():
+    """Two ranks, two steps: step 0 lasts 4 ms, step 1 lasts 6 ms (rank 1 waits first)."""
+    events = []
+    for step, lag in ((0, 0.0), (1, 0.002)):
+        for rank in (0, 1):
+            t0 = lag * rank
+            if t0:
+                events.append(ev(rank, "comm", "wait", 0.0, t0, step, peer=0))
+            events += [ev(rank, "compute", "fwd", t0, t0 + 0.001, step, microbatch=0),
+                       ev(rank, "compute", "bwd", t0 + 0.001, t0 + 0.003, step, microbatch=0),
+                       ev(rank, "comm", "allreduce", t0 + 0.002, t0 + 0.004, step, nbytes=64)]
+    return events
+
+
+def lanes(ax):
+    return [t.get_text() for t in ax.get_yticklabels()]
+
+
+def legend_labels(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_basics_and_repr():
+    tl = Timeline(two_rank_run(), title="dp")
+    assert len(tl) == 13 and tl.ranks == [0, 1] and tl.steps == [0, 1]
+    assert tl.step_durations() == pytest.approx({0: 0.004, 1: 0.006})
+    assert tl.step_offsets() == pytest.approx({0: 0.0, 1: 0.004})
+    text = repr(tl)
+    assert "2 ranks" in text and "2 steps" in text and "13 events" in text
+    assert Timeline(two_rank_run(), world_size=4).ranks == [0, 1, 2, 3]
+
+
+def test_step_filtering():
+    tl = Timeline(two_rank_run(), world_size=2)
+    one = tl.step(1)
+    assert isinstance(one, Timeline)
+    assert one.steps == [1] and len(one) == 7
+    assert all(e["step"] == 1 for e in one.events)
+    assert one.world_size == 2
+
+
+def test_metrics_match_step_metrics():
+    events = two_rank_run()
+    assert Timeline(events).metrics(global_batch=8) == step_metrics(events, 2, 8)
+
+
+def test_plot_lanes_legend_and_labels():
+    fig = Timeline(two_rank_run()).plot()
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert lanes(ax) == ["rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+    assert legend_labels(ax) == ["fwd", "bwd", "allreduce", "wait"]  # palette order
+    texts = {t.get_text() for t in ax.texts}
+    assert {"F0", "B0"} <= texts
+    assert ax.get_xlim()[1] == pytest.approx(6.0)  # last step, in ms
+    assert "step 1" in ax.get_title()
+    fig.savefig(io.BytesIO(), format="png")  # renders under Agg
+
+
+def test_plot_one_step_and_all_steps():
+    tl = Timeline(two_rank_run())
+    ax0 = tl.plot(step=0).axes[0]
+    assert ax0.get_xlim()[1] == pytest.approx(4.0)
+    assert legend_labels(ax0) == ["fwd", "bwd", "allreduce"]
+    assert tl.plot(step="all").axes[0].get_xlim()[1] == pytest.approx(10.0)
+
+
+def test_plot_into_given_axes_without_labels():
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    assert Timeline(two_rank_run()).plot(ax=ax, labels=False) is fig
+    assert len(ax.texts) == 0
+    plt.close(fig)
+
+
+def test_save_trace(tmp_path):
+    path = tmp_path / "trace.json"
+    Timeline(two_rank_run()).save_trace(path)
+    trace = json.loads(path.read_text())
+    assert trace["displayTimeUnit"] == "ms"
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert len(spans) == 13
+    bwd = [e for e in spans if e["cat"] == "bwd" and e["pid"] == 1]
+    assert [e["tid"] for e in bwd] == [STREAM_TIDS["compute"]] * 2
+    # Step 0 bwd at 1 ms; step 1 bwd at 2 + 1 ms, shifted by step 0's 4 ms.
+    assert [e["ts"] for e in bwd] == pytest.approx([1000.0, 7000.0])
+    assert [e["dur"] for e in bwd] == pytest.approx([2000.0, 2000.0])
+    assert bwd[1]["args"] == {"stream": "compute", "kind": "bwd", "step": 1, "microbatch": 0,
+                              "bytes": 0, "peer": None}
+    names = {(e["name"], e["pid"], e["tid"]): e["args"].get("name") for e in meta}
+    assert names[("process_name", 1, 0)] == "rank 1"
+    assert names[("thread_name", 0, STREAM_TIDS["comm"])] == "comm"
+    assert names[("thread_name", 0, STREAM_TIDS["compute"])] == "compute"
+
+
+def test_compare_shares_the_time_axis():
+    a = Timeline(two_rank_run())
+    b = Timeline([e for e in two_rank_run() if e["step"] == 0])  # 4 ms vs 6 ms
+    fig = compare(a, b, labels=("GPipe", "1F1B"))
+    ax_a, ax_b = fig.axes
+    assert ax_a.get_shared_x_axes().joined(ax_a, ax_b)
+    assert ax_a.get_xlim() == ax_b.get_xlim() == pytest.approx((0.0, 6.0))
+    assert ax_a.get_title().startswith("GPipe") and ax_b.get_title().startswith("1F1B")
+    assert len(lanes(ax_a)) == len(lanes(ax_b)) == 4
+    fig.savefig(io.BytesIO(), format="png")
