@@ -17,6 +17,7 @@ from .metrics import step_metrics
 from .run import Run
 from .timeline import Timeline
 from .training import build_model, resolve_loss
+from .waits import split_waits
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -78,9 +79,11 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None) -> Run:
     for step in range(spec.steps):
         results = lab.apply(engine.run_step, step)
         losses.append(_global_loss(results))
+        step_events = []
         for r in results:
-            events.extend(r["events"])
+            step_events.extend(r["events"])
             peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
+        events.extend(split_waits(step_events))
         run.timeline = Timeline(events, lab.world_size)
         run.metrics = _metrics(events, lab.world_size, spec, peak, step)
         if on_step is not None:

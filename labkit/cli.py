@@ -1,0 +1,90 @@
+"""``labkit`` on the command line: the same engine as the notebooks, headless.
+
+    labkit run --engines 4 --dp 2 --pp 2 --schedule 1f1b --microbatches 8 --batch 64 \\
+               --steps 5 --json run.json --trace trace.json --plot timeline.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="train a model under a strategy on local engines and report")
+    p.add_argument("--engines", type=int, default=None, help="local engines to start (default dp*pp*tp)")
+    for name in ("dp", "pp", "tp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--dp-mode", choices=DP_MODES, default="overlap")
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--compression", choices=COMPRESSIONS, default="none")
+    p.add_argument("--width", type=int, default=256, help="MLP width")
+    p.add_argument("--depth", type=int, default=8, help="MLP depth (Linear layers)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--json", help="write strategy, losses, metrics and events here")
+    p.add_argument("--trace", help="write a Chrome trace (Perfetto) here")
+    p.add_argument("--plot", help="write the last step's timeline as an image here")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    import labkit
+
+    try:
+        strategy = Strategy(dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
+                            microbatches=args.microbatches, chunks=args.chunks, dp_mode=args.dp_mode,
+                            bucket_mb=args.bucket_mb, compression=args.compression)
+        engines = args.engines or strategy.world_size
+        strategy.check_engines(engines)
+        strategy.check_batch(args.batch)
+    except ValueError as exc:
+        print(f"labkit run: {exc}", file=sys.stderr)
+        return 2
+    model = labkit.models.mlp(width=args.width, depth=args.depth)
+    with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
+        run = lab.run(strategy, model=model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed,
+                      on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
+    _report(run)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"strategy": strategy.to_dict(), "losses": run.losses, "metrics": run.metrics,
+                       "events": run.timeline.events}, f, indent=1)
+    if args.trace:
+        run.timeline.save_trace(args.trace)
+    if args.plot:
+        run.timeline.plot().savefig(args.plot, dpi=120, bbox_inches="tight")
+    return 0
+
+
+def _report(run) -> None:
+    m = run.metrics
+    print(f"losses: {' '.join(f'{x:.5f}' for x in run.losses)}")
+    print(f"step time {1e3 * m['step_time_s']:.2f} ms  throughput {m['throughput_samples_s']:.1f} samples/s")
+    for key in ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction"):
+        print(f"{key:>22}: {m[key]:.3f}")
+    print(f"{'bytes_sent per rank':>22}: {[int(b) for b in m['bytes_sent']]}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
