@@ -6,7 +6,7 @@
 >>> run.losses, run.metrics["overlap_fraction"]
 >>> run.timeline.plot()
 """
-from . import comm, models
+from . import comm, engine, models, report
 from .config import Strategy
 from .errors import CollectiveTimeoutError, EngineDiedError, LabError
 from .lab import Lab

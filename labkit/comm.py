@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommFailure
+from .errors import CollectiveTimeout, CommFailure, CommMismatch
 from .recorder import Recorder
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -37,6 +38,8 @@ class CommContext:
     flight: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
     seq: itertools.count = field(default_factory=itertools.count)
     comm_stream: object = None      # torch.cuda.Stream on GPU engines
+    calls: collections.Counter = field(default_factory=collections.Counter)   # channel → calls made
+    check_p2p: bool = True          # receives check shape and dtype in a small header first
 
 
 _ctx: CommContext | None = None
@@ -55,8 +58,23 @@ def context() -> CommContext:
 
 
 def flight_log() -> list[dict]:
-    """The last calls this rank made, oldest first (each a dict; ``state`` says how it ended)."""
-    return [dict(entry) for entry in context().flight]
+    """The last calls this rank made, oldest first (each a dict; ``state`` says how it ended).
+
+    ``channel`` and ``call`` line calls up across ranks: the n-th call on a group (or the n-th
+    message from one rank to another) has the same ``call`` number on every rank that made it.
+    """
+    return [{k: v for k, v in entry.items() if not k.startswith("_")} for entry in context().flight]
+
+
+def set_p2p_check(on: bool) -> None:
+    """Switch the shape/dtype header of point-to-point messages on or off (on every rank alike).
+
+    On (the default), each message is preceded by a small header, so a receive whose tensor
+    does not match what was sent raises :class:`CommMismatch` naming both ranks instead of
+    killing the receiving process (gloo aborts on a size mismatch). Off saves one small
+    message per send.
+    """
+    context().check_p2p = bool(on)
 
 
 # -- bytes on the wire ----------------------------------------------------------------------
@@ -128,6 +146,9 @@ def _guard(ctx: CommContext, entry: dict, call):
     """Run ``call``; translate torch's failure into one that names rank, op, step and group."""
     try:
         return call()
+    except CommMismatch:
+        entry["state"] = "mismatch"
+        raise
     except Exception as exc:  # torch raises RuntimeError / DistBackendError with terse text
         text = str(exc)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
@@ -145,13 +166,18 @@ def _guard(ctx: CommContext, entry: dict, call):
 def _issue(op: str, kind: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
            async_op: bool):
     ctx = context()
-    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
-        raise ValueError(f"labkit.comm.{op}: needs a non-empty tensor, got {tensor!r:.60}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"labkit.comm.{op}: tensor '{name}' is not contiguous; call .contiguous() first")
+    if op != "barrier":
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            raise ValueError(f"labkit.comm.{op}: needs a non-empty tensor, got {tensor!r:.60}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"labkit.comm.{op}: tensor '{name}' is not contiguous; call .contiguous() first")
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    channel = _channel(ctx.rank, op, ranks, peer, group is None)
+    ctx.calls[channel] += 1
     entry = {"seq": next(ctx.seq), "op": op, "kind": kind, "name": name or op, "group": ranks,
-             "shape": tuple(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""), "peer": peer,
+             "channel": channel, "call": ctx.calls[channel], "time": time.time(),
+             "shape": tuple(tensor.shape) if tensor is not None else (),
+             "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "-", "peer": peer,
              "step": ctx.recorder.step, "microbatch": microbatch, "bytes": nbytes, "state": "issued"}
     ctx.flight.append(entry)
     if ctx.comm_stream is not None:
@@ -164,6 +190,15 @@ def _issue(op: str, kind: str, tensor: torch.Tensor, group, name: str, peer, mic
         work = _guard(ctx, entry, call)
     handle = Handle(ctx, entry, work, None, start)
     return handle if async_op else handle.wait()
+
+
+def _channel(rank: int, op: str, ranks: list[int], peer, world: bool) -> str:
+    """What lines calls up across ranks: a group's collectives, or one direction of a pair."""
+    if op == "send":
+        return f"p2p {rank}->{peer}"
+    if op == "recv":
+        return f"p2p {peer}->{rank}"
+    return f"{'world' if world else 'group'} {ranks}"
 
 
 def _group_size(group) -> int:

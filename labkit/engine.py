@@ -148,6 +148,15 @@ def run_step(step: int) -> dict:
     return result
 
 
+def traced(fn, args: tuple, kwargs: dict):
+    """Run user code as one recorded "step": its labkit.comm calls land on the timeline."""
+    s = session()
+    dist.barrier()
+    s.recorder.start_step(0)
+    result = fn(*args, **kwargs)
+    return {"result": result, "events": s.recorder.drain()}
+
+
 def parameters() -> dict:
     """This rank's part of the trained parameters, on CPU, keyed as in the model's state_dict."""
     s = session()

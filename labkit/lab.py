@@ -136,6 +136,15 @@ class Lab:
         ar = self.view.apply_async(fn, *args, **kwargs)
         return self._gather(ar, timeout, what=getattr(fn, "__name__", "call"))
 
+    def trace(self, fn: Callable, *args, **kwargs):
+        """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
+        from .timeline import Timeline
+        from .waits import split_waits
+
+        out = self.apply(engine.traced, fn, args, kwargs)
+        events = split_waits([e for r in out for e in r["events"]])
+        return [r["result"] for r in out], Timeline(events, self.world_size)
+
     def _on_rank(self, rank: int, fn: Callable, *args):
         ar = self.client[self._engine_of[rank]].apply_async(fn, *args)
         return self._gather(ar, None, what=fn.__name__)

@@ -136,8 +136,9 @@ class Timeline:
         events, offsets = self._plot_events(step)
         _draw_lanes(ax, self.ranks)
         extent = max((offsets[e["step"]] + e["end"] for e in events), default=0.0) * 1e3
+        slots = _stack_overlaps(events, offsets)
         for e in events:
-            _draw_span(ax, self.ranks, e, offsets[e["step"]], extent if labels else None)
+            _draw_span(ax, self.ranks, e, offsets[e["step"]], extent if labels else None, slots[id(e)])
         for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
             ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
         ax.set_xlim(0, extent or 1.0)
@@ -236,18 +237,44 @@ def _draw_lanes(ax, ranks) -> None:
         ax.axhline(2 * y - 0.5, color="#DDDDDD", linewidth=0.8)
 
 
-def _draw_span(ax, ranks, e: dict, offset: float, extent: float | None) -> None:
-    """One event as a bar in its lane; labelled when `extent` is given and it is wide."""
+def _stack_overlaps(events, offsets) -> dict[int, tuple[int, int]]:
+    """(row, rows) per event: spans that overlap in one lane (several buckets in flight at
+    once) get thinner rows of that lane instead of hiding each other."""
+    lanes: dict[tuple, list[dict]] = {}
+    for e in events:
+        lanes.setdefault((e["rank"], e["stream"]), []).append(e)
+    slots = {}
+    for lane in lanes.values():
+        lane.sort(key=lambda e: offsets[e["step"]] + e["start"])
+        row_ends: list[float] = []
+        rows_of = {}
+        for e in lane:
+            start = offsets[e["step"]] + e["start"]
+            row = next((i for i, end in enumerate(row_ends) if end <= start + 1e-12), len(row_ends))
+            if row == len(row_ends):
+                row_ends.append(0.0)
+            row_ends[row] = offsets[e["step"]] + e["end"]
+            rows_of[id(e)] = row
+        for e in lane:
+            slots[id(e)] = (rows_of[id(e)], len(row_ends))
+    return slots
+
+
+def _draw_span(ax, ranks, e: dict, offset: float, extent: float | None, slot=(0, 1)) -> None:
+    """One event as a bar in its lane (or in row ``slot[0]`` of ``slot[1]`` when spans
+    overlap); labelled when `extent` is given and it is wide."""
     if e["rank"] not in ranks:
         return
-    y = _lane(ranks, e["rank"], e["stream"])
+    row, rows = slot
+    height = 0.8 / rows
+    y = _lane(ranks, e["rank"], e["stream"]) - 0.4 + height * (row + 0.5)
     start, width = (offset + e["start"]) * 1e3, (e["end"] - e["start"]) * 1e3
     color = PALETTE.get(e["kind"], OTHER_COLOR)
-    ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=color,
+    ax.broken_barh([(start, width)], (y - height / 2, height), facecolors=color,
                    edgecolor="white" if e["kind"] != "wait" else "#777777", linewidth=0.5,
                    hatch="//" if e["kind"] == "wait" else None)
     room = int(LABEL_CHARS_PER_AXIS * width / extent) if extent else 0
-    if room >= 2:
+    if room >= 2 and rows <= 3:
         ax.text(start + width / 2, y, _span_label(e, room), ha="center", va="center",
                 fontsize="x-small", color=_text_color(color), clip_on=True)
 

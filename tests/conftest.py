@@ -22,6 +22,12 @@ def lab_with(engines: int):
     return lab
 
 
+def release_labs() -> None:
+    """Close the shared labs (before something that starts its own engines)."""
+    for engines in list(_labs):
+        _labs.pop(engines).close()
+
+
 @pytest.fixture
 def lab2():
     return lab_with(2)

@@ -119,7 +119,7 @@ class _Bucket:
 
 
 class BucketedSync(GradSync):
-    """Flat buckets of ``bucket_mb``, all launched after backward, then waited for."""
+    """Flat buckets of ``bucket_mb``, reduced one after another once backward is over."""
 
     def wrap(self, model):
         super().wrap(model)
@@ -129,7 +129,6 @@ class BucketedSync(GradSync):
     def finish(self):
         for bucket in self.buckets:
             bucket.launch(self.group)
-        for bucket in self.buckets:
             bucket.complete(self.dp)
 
 

@@ -1,0 +1,100 @@
+"""The Lab itself: ranks from the environment, apply, errors that name the rank, close, CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+import labkit
+
+
+def test_ranks_come_from_the_environment(lab2):
+    infos = lab2.apply(lambda: __import__("os").environ["RANK"])
+    assert infos == ["0", "1"]
+    assert [r["rank"] for r in lab2.ranks] == [0, 1]
+    assert all(r["backend"] == "gloo" and r["device"] == "cpu" for r in lab2.ranks)
+    assert "rank 1" in repr(lab2) and "<table>" in lab2._repr_html_()
+
+
+def test_apply_runs_user_code_with_groups_ready(lab2):
+    def total():
+        import torch
+        import labkit
+        t = torch.ones(3) * (labkit.engine.session().rank + 1)
+        labkit.comm.all_reduce(t, name="by hand")
+        return t.tolist()
+
+    assert lab2.apply(total) == [[3.0] * 3, [3.0] * 3]
+
+
+def test_failure_names_the_rank_and_carries_its_traceback(lab2):
+    def fail_on_one():
+        import labkit
+        if labkit.engine.session().rank == 1:
+            raise ValueError("bad input on this rank")
+        return "fine"
+
+    with pytest.raises(labkit.LabError) as info:
+        lab2.apply(fail_on_one)
+    err = info.value
+    assert err.ranks == [1]
+    assert "rank 1: ValueError: bad input on this rank" in str(err)
+    assert "fail_on_one" in err.traceback(1)
+    assert lab2.apply(lambda: 1) == [1, 1]            # the lab is still usable
+
+
+def test_groups_survive_a_change_of_mode_and_rebuild_for_new_degrees(lab2):
+    from labkit import engine
+    model = labkit.models.mlp(width=16, depth=2)
+    lab2.run(labkit.Strategy(dp=2, dp_mode="naive"), model=model, batch=8, steps=1)
+    assert lab2.apply(engine.ensure_groups, 2, 1, 1) == [False, False]
+    lab2.run(labkit.Strategy(dp=2, dp_mode="ddp", bucket_mb=0.5, microbatches=2), model=model, batch=8, steps=1)
+    assert lab2.apply(engine.ensure_groups, 2, 1, 1) == [False, False]
+
+
+def test_close_leaves_no_process_behind():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with labkit.Lab.start(engines=2, timeout=30, progress=False) as lab:
+        pids = [r["pid"] for r in lab.ranks]
+        assert lab.apply(lambda: 2 + 2) == [4, 4]
+    assert lab.client is None
+    psutil.wait_procs([p for p in map(_proc, pids) if p], timeout=10)
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    after = {p.pid for p in psutil.Process().children(recursive=True) if p.status() != "zombie"}
+    assert after <= before
+
+
+def _proc(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def test_start_rejects_nonsense():
+    with pytest.raises(ValueError, match="engines"):
+        labkit.Lab.start(engines=0)
+
+
+def test_cli_run_writes_json_trace_and_plot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--engines", "2", "--dp", "2",
+                          "--dp-mode", "bucketed", "--width", "32", "--depth", "3", "--batch", "16",
+                          "--steps", "3", "--json", str(tmp_path / "run.json"), "--trace",
+                          str(tmp_path / "trace.json"), "--plot", str(tmp_path / "tl.png")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert set(run) == {"strategy", "losses", "metrics", "events"}
+    assert len(run["losses"]) == 3 and run["strategy"]["dp_mode"] == "bucketed"
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert (tmp_path / "tl.png").stat().st_size > 1000
+
+
+def test_cli_rejects_impossible_strategy_before_starting():
+    out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--engines", "3", "--dp", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "dp*pp*tp" in out.stderr
