@@ -135,7 +135,7 @@ def _wait_work(ctx, work):
 
 
 def _record(ctx, entry, start, end):
-    if entry.get("_recorded"):
+    if entry.get("_recorded") or entry["op"] == "barrier":     # a barrier only aligns ranks
         return
     entry["_recorded"] = True
     ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm", microbatch=entry["microbatch"],
@@ -146,16 +146,16 @@ def _guard(ctx: CommContext, entry: dict, call):
     """Run ``call``; translate torch's failure into one that names rank, op, step and group."""
     try:
         return call()
-    except CommMismatch:
-        entry["state"] = "mismatch"
-        raise
     except Exception as exc:  # torch raises RuntimeError / DistBackendError with terse text
         text = str(exc)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         entry["state"] = "timeout" if timed_out else "failed"
         where = (f"rank {ctx.rank}, step {entry['step']}: {entry['op']} '{entry['name']}' "
-                 f"(call #{entry['seq']}, group {entry['group']}, shape {entry['shape']}, {entry['dtype']}"
+                 f"(call #{entry['call']} on {entry['channel']}, shape {entry['shape']}, {entry['dtype']}"
                  + (f", peer {entry['peer']}" if entry["peer"] is not None else "") + ")")
+        if isinstance(exc, CommMismatch):
+            entry["state"] = "mismatch"
+            raise CommMismatch(f"{where}: {text}") from None
         if timed_out:
             raise CollectiveTimeout(f"{where} timed out after {ctx.timeout_s:g} s; a rank of the group "
                                     f"never reached this call. Torch said: {text.splitlines()[0]}") from None
@@ -235,18 +235,40 @@ def broadcast(tensor, src: int, group=None, name="", async_op=False):
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), async_op)
 
 
+def barrier(group=None, name="barrier") -> Handle:
+    """Wait until every rank of ``group`` gets here (logged like any call, not drawn)."""
+    return _issue("barrier", "barrier", None, group, name, None, None, 0,
+                  lambda: dist.barrier(group=group, async_op=True), False)
+
+
 def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0) -> Handle:
     """Start sending ``tensor`` to global rank ``dst``; wait on the handle before reusing it."""
     nbytes = tensor.numel() * tensor.element_size()
-    return _issue("send", "send", tensor, group, name, dst, microbatch, nbytes,
-                  lambda: dist.isend(tensor, dst, group=group, tag=tag), True)
+
+    def call():
+        if not context().check_p2p:
+            return dist.isend(tensor, dst, group=group, tag=tag)
+        header = _header(tensor)       # posted first, so the receiver learns what is coming
+        return _Works([dist.isend(header, dst, group=group, tag=tag), dist.isend(tensor, dst, group=group, tag=tag)],
+                      keep=header)
+    return _issue("send", "send", tensor, group, name, dst, microbatch, nbytes, call, True)
 
 
 def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0) -> Handle:
-    """Start receiving into ``tensor`` from global rank ``src``."""
+    """Start receiving into ``tensor`` from global rank ``src``.
+
+    With the header check on (the default) the shape and dtype the sender announced are
+    compared with ``tensor`` before the payload is received; on a mismatch the payload is
+    drained into a scratch buffer (so both ranks stay in step and alive) and ``wait()``
+    raises :class:`CommMismatch` naming both ranks.
+    """
     nbytes = tensor.numel() * tensor.element_size()   # received; metrics count only what is sent
-    return _issue("recv", "recv", tensor, group, name, src, microbatch, nbytes,
-                  lambda: dist.irecv(tensor, src, group=group, tag=tag), True)
+
+    def call():
+        if not context().check_p2p:
+            return dist.irecv(tensor, src, group=group, tag=tag)
+        return _CheckedRecv(tensor, src, group, tag)
+    return _issue("recv", "recv", tensor, group, name, src, microbatch, nbytes, call, True)
 
 
 def send(tensor, dst: int, group=None, name="", microbatch=None) -> Handle:
@@ -255,3 +277,74 @@ def send(tensor, dst: int, group=None, name="", microbatch=None) -> Handle:
 
 def recv(tensor, src: int, group=None, name="", microbatch=None) -> Handle:
     return irecv(tensor, src, group, name, microbatch).wait()
+
+
+# -- the point-to-point header: [dtype code, ndim, dims…], int64 ------------------------------
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+MAX_DIMS = 14
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
+        raise ValueError(f"labkit.comm: cannot describe a {tensor.dim()}-d {tensor.dtype} tensor in a "
+                         f"message header; call labkit.comm.set_p2p_check(False) on every rank")
+    values = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (MAX_DIMS - tensor.dim())
+    return torch.tensor(values, dtype=torch.int64, device=tensor.device)
+
+
+def _describe(dtype, shape) -> str:
+    return f"shape {tuple(shape)} {str(dtype).replace('torch.', '')}"
+
+
+class _Works:
+    """Several torch works waited for as one (a header and its payload)."""
+
+    def __init__(self, works, keep=None):
+        self.works, self._keep = works, keep
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def get_future(self):
+        return self.works[-1].get_future()
+
+
+class _CheckedRecv:
+    """A receive that reads the sender's header before posting the payload's receive."""
+
+    def __init__(self, tensor, src, group, tag):
+        self.tensor, self.src, self.group, self.tag = tensor, src, group, tag
+        self.header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=tensor.device)
+        self.header_work = dist.irecv(self.header, src, group=group, tag=tag)
+        self._done = False
+
+    def wait(self):
+        if self._done:
+            return True
+        self.header_work.wait()
+        code, ndim, *dims = self.header.tolist()
+        dtype, shape = DTYPES[code], tuple(dims[:ndim])
+        if dtype == self.tensor.dtype and shape == tuple(self.tensor.shape):
+            dist.irecv(self.tensor, self.src, group=self.group, tag=self.tag).wait()
+            self._done = True
+            return True
+        scratch = torch.empty(shape, dtype=dtype, device=self.tensor.device)
+        dist.irecv(scratch, self.src, group=self.group, tag=self.tag).wait()     # drain: both stay in step
+        self._done = True
+        raise CommMismatch(f"this rank expected {_describe(self.tensor.dtype, self.tensor.shape)} from rank "
+                           f"{self.src}, but rank {self.src} sent {_describe(dtype, shape)}")
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def get_future(self):
+        self.wait()
+        future = torch.futures.Future()
+        future.set_result([self.tensor])
+        return future

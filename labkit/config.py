@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("naive", "bucketed", "overlap", "ddp")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "powersgd")
 # Settings that change neither the process groups nor the model's placement: a widget
 # change of only these reuses what the engines already hold.
-CHEAP_FIELDS = ("microbatches", "dp_mode", "bucket_mb", "compression", "schedule")
+CHEAP_FIELDS = ("microbatches", "dp_mode", "bucket_mb", "compression", "error_feedback", "schedule")
 
 
 def _check_choice(field: str, value, choices) -> None:
@@ -52,7 +52,13 @@ class Strategy:
     bucket_mb: float = 1.0
     """Bucket size in MiB for the "bucketed", "overlap" and "ddp" modes."""
     compression: str = "none"
-    """Gradient compression on the wire: "none", "fp16", "bf16" or "int8"."""
+    """Gradient compression on the wire: "none", "fp16", "bf16", "int8" (bucketed, overlap)
+    or "powersgd" (ddp); see labkit.compression."""
+    error_feedback: bool = True
+    """Add what compression rounded away to the next step's gradient (fp16, bf16, int8, powersgd)."""
+    split_at: tuple[int, ...] = ()
+    """Pipeline stage boundaries: the block indices where stages 1, 2, … start (pp·chunks − 1
+    of them); empty means balanced by parameter count (interleaved: equal block counts)."""
 
     def __post_init__(self) -> None:
         for field in ("dp", "pp", "tp", "microbatches", "chunks"):
@@ -60,6 +66,7 @@ class Strategy:
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("dp_mode", self.dp_mode, DP_MODES)
         _check_choice("compression", self.compression, COMPRESSIONS)
+        self._check_compression()
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise ValueError(f"Strategy.bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB)")
         if self.tp != 1:
@@ -68,7 +75,34 @@ class Strategy:
             raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
         self._check_pipeline()
 
+    def _check_compression(self) -> None:
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"Strategy.error_feedback={self.error_feedback!r} must be True or False")
+        c, mode = self.compression, self.dp_mode
+        if c != "none" and mode == "naive":
+            raise ValueError(f"Strategy.compression={c!r} works per bucket, and dp_mode='naive' has no buckets; "
+                             "use dp_mode='bucketed', 'overlap' or 'ddp'")
+        if c == "int8" and mode == "ddp":
+            raise ValueError("Strategy.compression='int8': torch has no int8 DDP hook; use dp_mode='bucketed' "
+                             "or 'overlap' (labkit's int8), or compression='fp16'/'bf16'/'powersgd' with ddp")
+        if c == "powersgd" and mode != "ddp":
+            raise ValueError("Strategy.compression='powersgd' is torch's DDP comm hook; use dp_mode='ddp'")
+
     def _check_pipeline(self) -> None:
+        if not isinstance(self.split_at, tuple):
+            if not isinstance(self.split_at, (list, range)):
+                raise ValueError(f"Strategy.split_at={self.split_at!r} must be a tuple of block indices")
+            object.__setattr__(self, "split_at", tuple(self.split_at))
+        if self.split_at:
+            at = self.split_at
+            stages = self.pp * self.chunks
+            if not all(isinstance(b, int) and not isinstance(b, bool) for b in at) or \
+                    list(at) != sorted(set(at)) or at[0] < 1:
+                raise ValueError(f"Strategy.split_at={at} must be increasing block indices ≥ 1, "
+                                 "e.g. (3, 6) for three stages starting at blocks 0, 3 and 6")
+            if len(at) != stages - 1:
+                raise ValueError(f"Strategy.split_at has {len(at)} boundaries but pp*chunks = {stages} "
+                                 f"stages need {stages - 1}; give {stages - 1} or leave split_at empty")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise ValueError(f"Strategy.chunks={self.chunks} needs schedule='interleaved'; "
                              "set chunks=1 or schedule='interleaved'")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import warnings
 from datetime import timedelta
 
@@ -77,14 +78,36 @@ def open_store(host: str, world_size: int, timeout_s: float) -> int:
     """Rank 0: a fresh rendezvous store on a port the OS picks (bound, never closed and reused)."""
     s = session()
     _teardown(s)
-    s.store = dist.TCPStore(host, 0, world_size, is_master=True,
-                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    s.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                            wait_for_workers=False, master_listen_fd=_listen_on(host))
     return s.store.port
 
 
-def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: float, threads: int | None) -> dict:
-    """Join the world group through the store at ``master_addr:port``; gloo on CPU, NCCL on GPU."""
+def _listen_on(host: str) -> int:
+    """A socket bound to ``host`` only (TCPStore alone listens on every interface); its fd.
+
+    For a local lab the host is 127.0.0.1, so the store, which has no authentication, is
+    not reachable from other machines. The store takes ownership of the descriptor.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock.detach()
+
+
+def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: float, threads: int | None,
+                     debug: bool = False) -> dict:
+    """Join the world group through the store at ``master_addr:port``; gloo on CPU, NCCL on GPU.
+
+    ``debug`` switches on ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read when a group is created):
+    collectives are checked for matching op and shapes across ranks, at a few ms per call.
+    """
     s = session()
+    if debug:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
     if s.rank != 0:
         _teardown(s)
         s.store = dist.TCPStore(master_addr, port, world_size, is_master=False,
@@ -140,9 +163,14 @@ def run_step(step: int) -> dict:
     s = session()
     if s.job is None:
         raise RuntimeError(f"rank {s.rank}: no run is set up on this engine (call lab.run)")
-    dist.barrier()
+    s.recorder.step = step
+    comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
     s.recorder.start_step(step)
+    t0 = time.perf_counter()
     result = s.job.step(step)
+    if s.device.type == "cuda":
+        torch.cuda.synchronize()
+    result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
     return result
@@ -155,6 +183,16 @@ def traced(fn, args: tuple, kwargs: dict):
     s.recorder.start_step(0)
     result = fn(*args, **kwargs)
     return {"result": result, "events": s.recorder.drain()}
+
+
+def flight_log() -> dict:
+    """This rank's flight recorder (its last labkit.comm calls), for the lab's failure reports."""
+    s = session()
+    try:
+        entries = comm.flight_log()
+    except RuntimeError:          # not initialised (yet, or any more)
+        entries = []
+    return {"rank": s.rank, "entries": entries}
 
 
 def parameters() -> dict:

@@ -60,7 +60,7 @@ class DataParallelJob:
         self.data = resolve_data(spec.data, model, spec.batch, spec.seed)
         self.loss_fn = resolve_loss(spec.loss)
         self.hooks = instrument_backward(model, recorder)
-        self.sync = build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb)
+        self.sync = build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb, s.compression, s.error_feedback)
         self.model = model
         self.wrapped = self.sync.wrap(model)
         self.optimizer = build_optimizer(model.parameters(), spec.lr, spec.momentum)

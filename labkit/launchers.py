@@ -28,6 +28,7 @@ import tempfile
 import time
 
 import ipyparallel as ipp
+from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from traitlets.config import Config
 
 from .errors import LabError
@@ -92,7 +93,7 @@ def start_cluster(launcher: str, engines: int, timeout: float = 120.0, progress:
     try:
         say(f"labkit: starting controller and {engines} engines through {launcher}…")
         if launcher == "ssh":
-            _check_ssh(cluster.config.SSHEngineSetLauncher, engines, timeout)
+            _check_ssh(cluster, timeout)
         cluster.start_controller_sync()
         try:
             cluster.start_engines_sync(n=engines, environment=env)
@@ -107,3 +108,233 @@ def start_cluster(launcher: str, engines: int, timeout: float = 120.0, progress:
     return cluster, client
 
 
+# -- building the Cluster --------------------------------------------------------------------
+class LabMPIEngineSetLauncher(MPIEngineSetLauncher):
+    """ipyparallel's MPI engine set, forwarding the engines' variables to every node.
+
+    mpirun passes its own environment only to ranks on its own node; ranks elsewhere get the
+    variables named with ``-x`` (Open MPI) or ``-genvlist`` (MPICH, Intel MPI).
+    """
+
+    def find_args(self):
+        names = sorted(self.get_env())
+        forward = [arg for name in names for arg in ("-x", name)] if _is_open_mpi(self.mpi_cmd) \
+            else ["-genvlist", ",".join(names)]
+        return self.mpi_cmd + ["-n", str(self.n)] + forward + self.mpi_args + self.program + self.program_args
+
+
+def _build(launcher: str, engines: int, work_dir: str, options: dict) -> tuple[ipp.Cluster, dict]:
+    """The Cluster for ``launcher``: labkit's defaults < the profile's config < explicit options."""
+    python = options.pop("python", sys.executable)
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // engines)), **options.pop("environment", {})}
+    profile = options.pop("profile", None)
+    controller_ip = options.pop("controller_ip", "*")
+    extra = options.pop("config", None)
+    defaults, explicit = Config(), Config()
+    BUILDERS[launcher](engines, work_dir, python, options, defaults, explicit)
+    if options:
+        raise TypeError(f"launcher={launcher!r} takes no option(s) {sorted(options)}")
+    if extra:
+        explicit.merge(extra)
+    cls = LabMPIEngineSetLauncher if launcher == "mpi" else launcher
+    cluster = _Cluster(work_dir=work_dir, engines=cls, n=engines, controller_ip=controller_ip, delay=0,
+                       log_level=logging.ERROR, **({"profile": profile} if profile else {}))
+    merged = Config()
+    for layer in (defaults, cluster.profile_config, explicit):
+        merged.merge(layer)
+    cluster.config = merged
+    return cluster, env
+
+
+def _slurm(engines, work_dir, python, options, defaults, explicit) -> None:
+    d, x = defaults.SlurmEngineSetLauncher, explicit.SlurmEngineSetLauncher
+    d.engine_cmd = [python, "-m", "ipyparallel.engine"]
+    d.batch_template = SLURM_TEMPLATE
+    x.batch_file_name = os.path.join(work_dir, "slurm_engine.sbatch")    # absolute: never the cwd
+    # sbatch prints its refusals on stderr, which ipyparallel does not capture: merge it.
+    x.submit_command = ["sh", "-c", 'exec sbatch "$@" 2>&1', "sbatch"]
+    x.job_id_regexp, x.job_id_regexp_group = r"Submitted batch job (\d+)", 1
+    lines = [f"#SBATCH {flag}={options.pop(key)}" for key, flag in
+             (("partition", "--partition"), ("account", "--account"), ("time_limit", "--time"))
+             if options.get(key)]
+    gpus = options.pop("gpus_per_node", None)
+    if gpus:   # one task per GPU, every task sees its node's GPUs and takes cuda:SLURM_LOCALID
+        lines += [f"#SBATCH --nodes={-(-engines // gpus)}", f"#SBATCH --ntasks-per-node={gpus}",
+                  f"#SBATCH --gpus-per-node={gpus}"]
+    lines += [f"#SBATCH {opt}" for opt in options.pop("sbatch", [])]
+    for key in ("partition", "account", "time_limit"):
+        options.pop(key, None)
+    x.options = "\n".join(lines)
+
+
+def _mpi(engines, work_dir, python, options, defaults, explicit) -> None:
+    defaults.MPIEngineSetLauncher.engine_cmd = [python, "-m", "ipyparallel.engine"]
+    args = list(options.pop("mpi_args", []))
+    hosts = options.pop("hosts", None)
+    if hosts:
+        args += ["--host", ",".join(hosts)]
+    if options.pop("oversubscribe", False):
+        args.append("--oversubscribe")
+    if args:
+        explicit.MPIEngineSetLauncher.mpi_args = args
+
+
+def _ssh(engines, work_dir, python, options, defaults, explicit) -> None:
+    x = explicit.SSHEngineSetLauncher
+    hosts = options.pop("hosts", None)
+    if not hosts:
+        raise ValueError('launcher="ssh" needs hosts={"node1": engines_on_node1, ...}')
+    if not isinstance(hosts, dict):
+        hosts = {h: list(hosts).count(h) for h in dict.fromkeys(hosts)}
+    if sum(hosts.values()) < engines:
+        raise ValueError(f"hosts={hosts} has {sum(hosts.values())} engine slot(s) for {engines} engines")
+    x.engines = dict(hosts)
+    # BatchMode: fail at once on a refused key instead of prompting for a password nobody sees.
+    ssh_args = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"] + list(options.pop("ssh_args", []))
+    x.ssh_args, x.scp_args = ssh_args, list(ssh_args)
+    x.remote_python = python
+    # A profile folder of its own on the remote side (on localhost the same path would be
+    # copied onto itself).
+    x.remote_profile_dir = options.pop("remote_profile_dir", None) or os.path.join(work_dir, "remote-profile")
+
+
+BUILDERS = {"slurm": _slurm, "mpi": _mpi, "ssh": _ssh}
+
+
+# -- checking, waiting, reporting ------------------------------------------------------------
+def _check_ssh(cluster: ipp.Cluster, timeout: float) -> None:
+    """Log in to every host once and import labkit's needs, so ssh's own refusal is what we show."""
+    s = cluster.config.SSHEngineSetLauncher
+    for host in s.engines:
+        target, _, port = host.partition(":")
+        cmd = ["ssh", *s.ssh_args, *(["-p", port] if port else []), target,
+               s.remote_python, "-c", "'import ipyparallel, torch'"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                  timeout=min(timeout, 60))
+        except subprocess.TimeoutExpired:
+            raise LabError(f"ssh: no answer from {host} within {min(timeout, 60):g} s ({' '.join(cmd)})") from None
+        if done.returncode:
+            said = (done.stderr or done.stdout).strip()[-1500:]
+            raise LabError(f"ssh: {host} refused or failed (exit {done.returncode}): {said}\n"
+                           f"  command: {' '.join(cmd)}")
+
+
+def _wait_for_engines(launcher: str, cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float,
+                      say, t0: float) -> None:
+    """Until ``n`` engines have registered: progress lines, the launcher watched, a hard deadline."""
+    watch = {"slurm": _watch_slurm, "mpi": _watch_mpi, "ssh": lambda cluster: ""}[launcher]
+    last = None
+    while len(client.ids) < n:
+        elapsed = time.monotonic() - t0
+        state = watch(cluster)
+        line = f"{len(client.ids)}/{n} engines up" + (f", {state}" if state else "")
+        if line != last:
+            say(f"labkit: {line} ({elapsed:.0f} s)")
+            last = line
+        if elapsed > timeout:
+            raise LabError(f"{launcher}: {len(client.ids)} of {n} engines registered within {timeout:g} s"
+                           + (f"; {state}" if state else "") + _hint(launcher, state) + _engine_output(cluster))
+        time.sleep(0.5)
+
+
+def _hint(launcher: str, state: str) -> str:
+    if "PENDING" in state:
+        return ("\n  the job never started: check `squeue`/`sinfo` (free nodes? partition? time limit?) or "
+                "raise start_timeout")
+    return ("\n  engines did not reach the controller: is controller_ip an address the engines' nodes can "
+            "reach, and can they import ipyparallel and torch?")
+
+
+def _slurm_job(cluster: ipp.Cluster) -> str:
+    return next((es.job_id for es in cluster.engines.values() if getattr(es, "job_id", "")), "")
+
+
+def _watch_slurm(cluster: ipp.Cluster) -> str:
+    """The job's state and reason; a job that ended before its engines registered is an error."""
+    job = _slurm_job(cluster)
+    if not job:
+        return ""
+    state = _run(["squeue", "-h", "-j", job, "-o", "%T %r"]).strip()
+    if state:
+        kind, _, reason = state.partition(" ")
+        return f"slurm job {job} {kind}" + (f" ({reason})" if reason and reason != "None" else "")
+    info = _run(["scontrol", "-o", "show", "job", job])
+    fields = dict(f.split("=", 1) for f in info.split() if "=" in f)
+    raise LabError(f"slurm: job {job} ended ({fields.get('JobState', 'gone')}, reason "
+                   f"{fields.get('Reason', '?')}, exit {fields.get('ExitCode', '?')}) before its engines "
+                   f"registered" + _engine_output(cluster))
+
+
+def _watch_mpi(cluster: ipp.Cluster) -> str:
+    """mpirun that exited before its engines registered: quote what it printed."""
+    for es in cluster.engines.values():
+        proc = getattr(es, "_popen_process", None)
+        if proc is not None and proc.poll() is not None:
+            raise LabError(f"mpi: {' '.join(es.args)} exited with code {proc.returncode} before its engines "
+                           f"registered" + _engine_output(cluster))
+    return ""
+
+
+def _engine_output(cluster: ipp.Cluster, lines: int = 25) -> str:
+    """The last lines the engines (or the launcher running them) printed."""
+    texts = []
+    for es in cluster.engines.values():
+        for launcher in [es, *getattr(es, "launchers", {}).values()]:
+            text = _output_of(launcher)
+            if text.strip():
+                texts.append("\n".join("    " + line for line in text.strip().splitlines()[-lines:]))
+    return ("\n  engine output:\n" + "\n".join(texts)) if texts else "\n  (no engine output)"
+
+
+def _output_of(launcher) -> str:
+    path = getattr(launcher, "output_file", "")
+    if path and os.path.isfile(path):
+        with open(path, errors="replace") as f:
+            return f.read()
+    if hasattr(launcher, "remote_output_file") and getattr(launcher, "pid", -1) > 0:
+        try:
+            return launcher.get_output() or ""      # fetched over ssh
+        except Exception as exc:
+            return f"(could not fetch {launcher.remote_output_file}: {exc})"
+    return ""
+
+
+def _message(exc: BaseException) -> str:
+    """An exception with what the launcher's command printed, if it captured any."""
+    out = getattr(exc, "output", None) or getattr(exc, "stderr", None)
+    if isinstance(out, bytes):
+        out = out.decode(errors="replace")
+    return f"{exc}" + (f"\n  {out.strip()}" if out and out.strip() else "")
+
+
+# -- stopping --------------------------------------------------------------------------------
+def _stop(cluster: ipp.Cluster) -> None:
+    try:
+        cluster.stop_cluster_sync()
+    except Exception:
+        pass
+
+
+def _wait_for_jobs_to_leave(jobs: list[str], timeout: float) -> None:
+    """scancel returns at once; wait (bounded) until Slurm has really ended the jobs."""
+    deadline = time.monotonic() + timeout
+    while jobs and time.monotonic() < deadline and _run(["squeue", "-h", "-j", ",".join(jobs), "-o", "%i"]).strip():
+        time.sleep(0.25)
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+_open_mpi: dict[str, bool] = {}
+
+
+def _is_open_mpi(mpi_cmd: list[str]) -> bool:
+    key = mpi_cmd[0]
+    if key not in _open_mpi:
+        _open_mpi[key] = "Open MPI" in _run([key, "--version"]) or "OpenRTE" in _run([key, "--version"])
+    return _open_mpi[key]

@@ -28,6 +28,8 @@ class Run:
     params: dict = field(default_factory=dict, repr=False)
     ranks: list[dict] = field(default_factory=list, repr=False)
     interrupted: bool = False
+    step_times: list[float] = field(default_factory=list, repr=False)
+    """Wall time of each step on the slowest rank (measured whether or not events are recorded)."""
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state_dict, gathered from the engines, same keys as the model's."""

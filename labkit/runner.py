@@ -79,6 +79,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None) -> Run:
     for step in range(spec.steps):
         results = lab.apply(engine.run_step, step)
         losses.append(_global_loss(results))
+        run.step_times.append(max(r["step_s"] for r in results))
         step_events = []
         for r in results:
             step_events.extend(r["events"])

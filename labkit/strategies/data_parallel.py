@@ -11,6 +11,9 @@ same optimizer step as one process would on the whole batch.
 * ``ddp``      — torch's DistributedDataParallel with the same bucket size, its comm hook
                  routing the all-reduce through :mod:`labkit.comm` so it is timed the same way.
 
+``compression`` ("fp16", "bf16", "int8"; "powersgd" with ddp) shrinks each bucket's message;
+see :mod:`labkit.compression`. The naive mode has no buckets and sends gradients as they are.
+
 Every sync object follows one lifecycle::
 
     model = sync.wrap(model)                 # once
@@ -30,12 +33,17 @@ from .. import comm
 MiB = 1024 * 1024
 
 
-def build_grad_sync(mode: str, group, dp: int, bucket_mb: float) -> "GradSync":
+def build_grad_sync(mode: str, group, dp: int, bucket_mb: float, compression: str = "none",
+                    error_feedback: bool = True) -> "GradSync":
     """The gradient synchroniser for ``dp_mode`` (see the module docstring)."""
     kinds = {"naive": NaiveSync, "bucketed": BucketedSync, "overlap": OverlapSync, "ddp": DDPSync}
     if mode not in kinds:
         raise ValueError(f"dp_mode={mode!r} is unknown; use one of {sorted(kinds)}")
-    return kinds[mode](group, dp, bucket_mb)
+    if compression != "none" and mode == "naive":
+        raise ValueError("compression needs buckets; use dp_mode='bucketed', 'overlap' or 'ddp'")
+    sync = kinds[mode](group, dp, bucket_mb)
+    sync.compression, sync.error_feedback = compression, error_feedback
+    return sync
 
 
 def make_buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: float) -> list[list[tuple[str, nn.Parameter]]]:
@@ -58,6 +66,8 @@ def make_buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: float) ->
 
 class GradSync:
     """Base: averages gradients over ``group`` (``dp`` ranks)."""
+
+    compression, error_feedback = "none", True
 
     def __init__(self, group, dp: int, bucket_mb: float):
         self.group, self.dp, self.bucket_bytes = group, dp, bucket_mb * MiB
@@ -107,13 +117,19 @@ class _Bucket:
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad)).div_(dp)
             offset += n
 
-    def launch(self, group) -> None:
+    def launch(self, group, compressor=None) -> None:
         self.flat = self.pack()
-        self.handle = comm.all_reduce(self.flat, group, name=self.name, async_op=True)
+        if compressor is None:
+            self.handle = comm.all_reduce(self.flat, group, name=self.name, async_op=True)
+        else:       # compressed and sent; ``handle`` holds what finishing needs
+            self.handle = compressor.start(self.index, self.name, self.flat)
 
-    def complete(self, dp: int) -> None:
-        self.handle.wait()
-        self.unpack(self.flat, dp)
+    def complete(self, dp: int, compressor=None) -> None:
+        if compressor is None:
+            self.handle.wait()
+            self.unpack(self.flat, dp)
+        else:
+            self.unpack(compressor.finish(self.handle), 1)      # already the average
         self.handle = self.flat = None
         self.ready = 0
 
@@ -124,12 +140,16 @@ class BucketedSync(GradSync):
     def wrap(self, model):
         super().wrap(model)
         self.buckets = [_Bucket(i, m) for i, m in enumerate(make_buckets(self.params, self.bucket_bytes))]
+        self.compressor = None
+        if self.compression != "none":
+            from ..compression import BucketCompressor
+            self.compressor = BucketCompressor(self.compression, self.group, self.dp, self.error_feedback)
         return model
 
     def finish(self):
         for bucket in self.buckets:
-            bucket.launch(self.group)
-            bucket.complete(self.dp)
+            bucket.launch(self.group, self.compressor)
+            bucket.complete(self.dp, self.compressor)
 
 
 class OverlapSync(BucketedSync):
@@ -147,13 +167,13 @@ class OverlapSync(BucketedSync):
             return
         bucket.ready += 1
         if bucket.ready == len(bucket.members):
-            bucket.launch(self.group)
+            bucket.launch(self.group, self.compressor)
 
     def finish(self):
         for bucket in self.buckets:
             if bucket.handle is None:       # a parameter that got no gradient this step
-                bucket.launch(self.group)
-            bucket.complete(self.dp)
+                bucket.launch(self.group, self.compressor)
+            bucket.complete(self.dp, self.compressor)
 
 
 class DDPSync(GradSync):
@@ -168,7 +188,12 @@ class DDPSync(GradSync):
             device_ids = [next(model.parameters()).device.index]
         self.ddp = DDP(model, process_group=self.group, bucket_cap_mb=self.bucket_bytes / MiB,
                        device_ids=device_ids, broadcast_buffers=False)
-        self.ddp.register_comm_hook(self, _ddp_allreduce_hook)
+        if self.compression == "none":
+            self.ddp.register_comm_hook(self, _ddp_allreduce_hook)
+        else:
+            from ..compression import register_ddp_hook
+            self.hook_state = register_ddp_hook(self.ddp, self.compression, self.group, self.dp,
+                                                self.error_feedback)
         return self.ddp
 
     def microbatch(self, last: bool):

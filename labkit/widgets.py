@@ -1,0 +1,447 @@
+"""The dashboard: tune a strategy with widgets and watch every rank's timeline redraw live.
+
+    %matplotlib widget                       # ipympl: the timeline redraws in place
+    dash = labkit.widgets.Dashboard(lab, model=labkit.models.mlp(width=256, depth=8), batch=64)
+    dash                                     # show it; change a slider and the run follows
+
+Every change of a control checks the settings in the notebook (an impossible combination is
+shown in the status line and disables Run; it never reaches the engines) and, with "run on
+change" ticked, submits a run. Runs go through :class:`labkit.live.LiveRunner`: one at a
+time, the latest settings queued, Stop at the next step boundary. The kernel never waits;
+answers arrive on ipyparallel's client thread, and one painter thread does all the drawing,
+so a slow redraw never holds up the next step and only the newest timeline is drawn.
+
+Pin keeps the latest run; the Compare tab then shows it above the newest run on one time
+axis, with the metric differences. From code (tests, a guided tour)::
+
+    dash.set(microbatches=4, dp_mode="bucketed")     # one run for both changes
+    dash.wait()                                      # block until idle (not in callbacks)
+    dash.latest.run.metrics["overlap_fraction"]
+"""
+from __future__ import annotations
+
+import html
+import io
+import threading
+import time
+from dataclasses import replace
+
+import ipywidgets as W
+import matplotlib
+
+from .config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
+from .job import RunSpec
+from .live import LiveRun, LiveRunner, describe_error
+from .runner import validate
+
+# Controls that map one to one onto Strategy fields, in the order they are shown.
+STRATEGY_FIELDS = ("dp", "pp", "tp", "schedule", "chunks", "microbatches", "dp_mode", "bucket_mb",
+                   "compression")
+COLORS = {"ok": "#1b7a3d", "busy": "#1f5fa8", "problem": "#a35a00", "error": "#b00020"}
+
+
+class Dashboard:
+    """Strategy controls, Run/Stop/Pin, a live per-rank timeline, metrics and a status line."""
+
+    def __init__(self, lab, model, batch: int = 64, steps: int = 3, data=None, loss="mse",
+                 lr: float = 0.1, seed: int = 0, strategy: Strategy | None = None,
+                 auto: bool = True, plot: str = "auto"):
+        self.lab, self.model, self.batch, self.data = lab, model, batch, data
+        self.loss, self.lr, self.seed = loss, lr, seed
+        self.pinned: LiveRun | None = None
+        self.draws = 0                   # timeline redraws so far
+        self.last_draw: tuple | None = None       # (run number, step, perf_counter) of the latest
+        self._problem, self._state = "", ("ok", "ready")
+        self._holding = False
+        self.runner = LiveRunner(lab, on_start=self._started, on_update=self._stepped,
+                                 on_finish=self._finished)
+        self._painter = _Painter()
+        self._build_controls(strategy or Strategy(dp=lab.world_size), steps, auto)
+        self._build_views(plot)
+        self.widget = self._layout()
+        self._check()
+
+    # -- what a notebook or test calls --------------------------------------------------------
+    def run(self, *_) -> str | None:
+        """Submit the current settings ("started", "queued", or None when they are invalid)."""
+        spec = self._check()
+        if spec is None:
+            return None
+        try:
+            outcome = self.runner.submit(spec)
+        except Exception as exc:                 # validation raced a change: show, do not raise
+            self._set_problem(describe_error(exc))
+            return None
+        if outcome == "queued":
+            self._show(("busy", f"run {self.runner.current.number if self.runner.current else '?'} "
+                                f"in flight · your change is queued"))
+        return outcome
+
+    def stop(self, *_) -> None:
+        """End the run in flight at the next step boundary; drop queued changes."""
+        self.runner.stop()
+
+    def pin(self, *_) -> None:
+        """Keep the latest run to compare the next ones against (Compare tab)."""
+        live = self.runner.current or self.runner.last
+        if live is None or not live.run.losses:
+            return
+        self.pinned = live
+        self._painter.request("compare", self._draw_compare)
+
+    def set(self, **values) -> str | None:
+        """Set several controls at once (one check, one run when "run on change" is ticked)."""
+        unknown = set(values) - set(self.controls)
+        if unknown:
+            raise KeyError(f"no such control: {sorted(unknown)}; controls are {sorted(self.controls)}")
+        self._holding = True
+        try:
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._holding = False
+        if self.controls["auto"].value:
+            return self.run()
+        self._check()
+        return None
+
+    def wait(self, timeout: float = 120.0) -> LiveRun | None:
+        """Block until no run is in flight or queued and the timeline is drawn. Not in callbacks."""
+        live = self.runner.wait(timeout)
+        self._painter.wait(timeout)
+        return live
+
+    @property
+    def latest(self) -> LiveRun | None:
+        """The run in flight, else the last one that ended."""
+        return self.runner.current or self.runner.last
+
+    @property
+    def status_text(self) -> str:
+        return self._problem or self._state[1]
+
+    def strategy(self) -> Strategy:
+        """The Strategy the controls describe (ValueError if impossible)."""
+        return Strategy(**{name: self.controls[name].value for name in STRATEGY_FIELDS})
+
+    def spec(self) -> RunSpec:
+        return RunSpec(self.strategy(), self.model, self.data, self.loss, self.batch,
+                       self.controls["steps"].value, self.lr, 0.0, self.seed)
+
+    def close(self) -> None:
+        self.runner.stop()
+        self._painter.close()
+        self.widget.close()
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # -- building -----------------------------------------------------------------------------
+    def _build_controls(self, s: Strategy, steps: int, auto: bool) -> None:
+        degrees = list(range(1, self.lab.world_size + 1))
+        style = {"description_width": "110px"}
+        c = {
+            "dp": W.Dropdown(options=degrees, value=s.dp, description="dp"),
+            "pp": W.Dropdown(options=degrees, value=s.pp, description="pp"),
+            "tp": W.Dropdown(options=degrees, value=s.tp, description="tp"),
+            "schedule": W.Dropdown(options=SCHEDULES, value=s.schedule, description="schedule"),
+            "chunks": W.IntSlider(value=s.chunks, min=1, max=4, description="chunks / rank"),
+            "microbatches": W.IntSlider(value=s.microbatches, min=1, max=16, description="micro-batches"),
+            "dp_mode": W.Dropdown(options=DP_MODES, value=s.dp_mode, description="dp mode"),
+            "bucket_mb": W.FloatLogSlider(value=s.bucket_mb, base=2, min=-6, max=4, step=1,
+                                          description="bucket (MiB)", readout_format=".3g"),
+            "compression": W.Dropdown(options=COMPRESSIONS, value=s.compression, description="compression"),
+            "steps": W.IntSlider(value=steps, min=1, max=20, description="steps"),
+            "auto": W.Checkbox(value=auto, description="run on change", indent=False),
+        }
+        for name, w in c.items():
+            if name != "auto":
+                w.style, w.layout.width = style, "320px"
+            w.observe(self._changed, names="value")
+        self.controls = c
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play")
+        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
+        self.pin_button = W.Button(description="Pin", icon="thumb-tack", tooltip="compare later runs with this one")
+        self.run_button.on_click(self.run)
+        self.stop_button.on_click(self.stop)
+        self.pin_button.on_click(self.pin)
+        self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="160px"))
+        self.status = W.HTML(layout=W.Layout(min_width="400px"))
+
+    def _build_views(self, plot: str) -> None:
+        interactive = _use_ipympl(plot)
+        world = self.lab.world_size
+        self.timeline_view = _Figure((9, 1.2 + 0.6 * world), 1, interactive)
+        self.compare_view = _Figure((9, 1.8 + 1.2 * world), 2, interactive, sharex=True)
+        self.metrics = W.HTML(_metrics_table(None))
+        self.diff = W.HTML("<i>Pin a run, change a setting, run again: the two appear here.</i>")
+        self.tabs = W.Tab(children=[W.VBox([self.timeline_view.widget, self.metrics]),
+                                    W.VBox([self.compare_view.widget, self.diff])])
+        self.tabs.set_title(0, "Timeline")
+        self.tabs.set_title(1, "Compare")
+
+    def _layout(self) -> W.Widget:
+        c = self.controls
+        group = lambda title, *names: [W.HTML(f"<b>{title}</b>")] + [c[n] for n in names]  # noqa: E731
+        panel = W.VBox(group("Degrees", "dp", "pp", "tp")
+                       + group("Pipeline (pp > 1)", "schedule", "chunks", "microbatches")
+                       + group("Data parallel", "dp_mode", "bucket_mb", "compression")
+                       + group("Run", "steps", "auto"), layout=W.Layout(min_width="340px"))
+        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, self.progress, self.status])
+        return W.VBox([bar, W.HBox([panel, self.tabs])], layout=W.Layout(width="100%"))
+
+    # -- checking and submitting (notebook thread) ------------------------------------------------
+    def _changed(self, change) -> None:
+        if self._holding:
+            return
+        if self._check() is not None and self.controls["auto"].value and change["owner"] is not self.controls["auto"]:
+            self.run()
+
+    def _check(self) -> RunSpec | None:
+        """The spec the controls describe, or None after showing why it cannot run."""
+        try:
+            spec = self.spec()
+            validate(spec, self.lab.world_size)
+        except Exception as exc:      # ValueError from Strategy/validate; ImportError: pp not built
+            self._set_problem(f"cannot run: {_first_line(exc)}")
+            return None
+        self._set_problem("")
+        return spec
+
+    def _set_problem(self, text: str) -> None:
+        self._problem = text
+        self.run_button.disabled = bool(text)
+        self._render_status()
+
+    def _show(self, state: tuple[str, str]) -> None:
+        self._state = state
+        self._render_status()
+
+    def _render_status(self) -> None:
+        kind, text = ("problem", self._problem) if self._problem else self._state
+        self.status.value = f'<span style="color:{COLORS[kind]}">{html.escape(text)}</span>'
+
+    # -- runner callbacks (ipyparallel's client thread: quick, no waiting) -----------------------
+    def _started(self, live: LiveRun) -> None:
+        self.progress.max, self.progress.value = live.steps, 0
+        self.stop_button.disabled = False
+        self._show(("busy", f"run {live.number}: starting {_describe(live.spec.strategy)}"))
+
+    def _stepped(self, live: LiveRun) -> None:
+        self.progress.value = live.step + 1
+        queued = " · 1 change queued" if self.runner.pending is not None else ""
+        self._show(("busy", f"run {live.number}: step {live.step + 1}/{live.steps} · "
+                            f"loss {live.run.losses[-1]:.4g}{queued}"))
+        self.metrics.value = _metrics_table(live)
+        self._painter.request("timeline", lambda: self._draw_timeline(live, live.step))
+
+    def _finished(self, live: LiveRun) -> None:
+        self.stop_button.disabled = self.runner.pending is None
+        if live.state == "failed":
+            self._show(("error", f"run {live.number} failed: {describe_error(live.error)}"))
+            return
+        m, groups = live.run.metrics, "kept" if not any(live.groups_rebuilt or [True]) else "rebuilt"
+        ended = "done" if live.state == "done" else f"stopped after step {live.step + 1}/{live.steps}"
+        self._show(("ok", f"run {live.number} {ended} · {1e3 * m.get('step_time_s', 0):.1f} ms/step · "
+                          f"process groups {groups}"))
+        if self.pinned is not None and self.pinned is not live:
+            self._painter.request("compare", self._draw_compare)
+
+    # -- drawing (painter thread) --------------------------------------------------------------
+    def _draw_timeline(self, live: LiveRun, step: int) -> None:
+        view = self.timeline_view
+        ax = view.axes[0]
+        ax.clear()
+        live.run.timeline.plot(ax=ax, step=step)
+        ax.set_title(f"run {live.number} · {_describe(live.spec.strategy)} · {ax.get_title()}", fontsize="medium")
+        view.show()
+        self.draws += 1
+        self.last_draw = (live.number, step, time.perf_counter())
+
+    def _draw_compare(self) -> None:
+        a, b = self.pinned, self.runner.last
+        if a is None:
+            return
+        if b is None or b is a or not b.run.losses:
+            b = None
+        labels = _labels(a, b)
+        view = self.compare_view
+        right = 0.0
+        for ax, live, label in zip(view.axes, (a, b), labels):   # as labkit.timeline.compare
+            ax.clear()
+            if live is None:
+                ax.set_title("run again with other settings to compare", fontsize="medium")
+                continue
+            live.run.timeline.plot(ax=ax)
+            ax.set_title(f"{label} — {ax.get_title()}", fontsize="medium")
+            right = max(right, ax.get_xlim()[1])
+        view.axes[0].set_xlim(0, right or 1.0)
+        view.axes[0].set_xlabel("")
+        view.show()
+        self.diff.value = _diff_table(a, b, labels)
+
+
+class _Figure:
+    """A figure shown in a widget and redrawn in place: ipympl's canvas, or a PNG (fallback)."""
+
+    def __init__(self, figsize, nrows: int, interactive: bool, **kwargs):
+        from matplotlib.figure import Figure
+
+        self.fig = Figure(figsize=figsize, layout="constrained")
+        self.axes = list(self.fig.subplots(nrows, 1, squeeze=False, **kwargs)[:, 0])
+        self.interactive = interactive
+        if interactive:   # a canvas widget of our own: not in pyplot's list, never auto-shown
+            from ipympl.backend_nbagg import Canvas, FigureManager
+
+            canvas = Canvas(self.fig)
+            FigureManager(canvas, 0)
+            canvas.header_visible = canvas.footer_visible = False
+            canvas.toolbar_position = "right"
+            self.widget = canvas
+        else:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            FigureCanvasAgg(self.fig)
+            self.widget = W.Image(format="png", layout=W.Layout(max_width="900px"))
+        for ax in self.axes:
+            ax.set_axis_off()
+
+    def show(self) -> None:
+        for ax in self.axes:
+            ax.set_axis_on()
+        if self.interactive:
+            self.fig.canvas.draw()           # ipympl renders and sends the changed pixels
+        else:
+            buf = io.BytesIO()
+            self.fig.savefig(buf, format="png", dpi=90)
+            self.widget.value = buf.getvalue()
+
+
+class _Painter:
+    """One daemon thread that runs drawing jobs; a newer job of the same kind replaces an older."""
+
+    def __init__(self):
+        self._jobs: dict[str, object] = {}
+        self._busy = self._closed = False
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def request(self, kind: str, job) -> None:
+        with self._cv:
+            self._jobs.pop(kind, None)
+            self._jobs[kind] = job
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="labkit-painter", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._jobs and not self._busy, timeout):
+                raise TimeoutError(f"drawing did not finish within {timeout:g} s")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closed)
+                if self._closed:
+                    return
+                kind = next(iter(self._jobs))
+                job, self._busy = self._jobs.pop(kind), True
+            try:
+                job()
+            except Exception:
+                import traceback
+                traceback.print_exc()
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+
+# -- text helpers ------------------------------------------------------------------------------
+def _use_ipympl(plot: str) -> bool:
+    if plot not in ("auto", "ipympl", "image"):
+        raise ValueError(f"plot={plot!r}; use 'auto', 'ipympl' or 'image'")
+    if plot == "auto":
+        backend = matplotlib.get_backend().lower()
+        return "ipympl" in backend or backend == "widget"
+    return plot == "ipympl"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _describe(s: Strategy) -> str:
+    """The settings that matter for these degrees, short: "dp=2 overlap 1 MiB mb=2"."""
+    parts = [f"dp={s.dp}"] + ([f"pp={s.pp} {s.schedule}"] if s.pp > 1 else []) + ([f"tp={s.tp}"] if s.tp > 1 else [])
+    if s.dp > 1:
+        parts.append(s.dp_mode + (f" {s.bucket_mb:g} MiB" if s.dp_mode != "naive" else ""))
+        if s.compression != "none":
+            parts.append(s.compression)
+    parts.append(f"mb={s.microbatches}")
+    return " ".join(parts)
+
+
+def _labels(a: LiveRun, b: LiveRun | None) -> tuple[str, str]:
+    """Name two runs by the settings that differ ("microbatches=1" vs "microbatches=4")."""
+    if b is None:
+        return f"pinned run {a.number}", "—"
+    sa, sb = a.spec.strategy.to_dict(), b.spec.strategy.to_dict()
+    differ = [k for k in sa if sa[k] != sb[k]] + (["steps"] if a.steps != b.steps else [])
+    if not differ:
+        return f"pinned run {a.number}", f"run {b.number}"
+    value = lambda live, k: live.steps if k == "steps" else getattr(live.spec.strategy, k)  # noqa: E731
+    say = lambda live: ", ".join(f"{k}={value(live, k)}" for k in differ[:3])  # noqa: E731
+    return f"pinned run {a.number} ({say(a)})", f"run {b.number} ({say(b)})"
+
+
+ROWS = (  # (label, how to read it from a Run, format)
+    ("step time (ms)", lambda r: 1e3 * r.metrics["step_time_s"], "{:.2f}"),
+    ("throughput (samples/s)", lambda r: r.metrics["throughput_samples_s"], "{:.0f}"),
+    ("comm", lambda r: 100 * r.metrics["comm_fraction"], "{:.1f}%"),
+    ("exposed comm", lambda r: 100 * r.metrics["exposed_comm_fraction"], "{:.1f}%"),
+    ("overlap", lambda r: 100 * r.metrics["overlap_fraction"], "{:.1f}%"),
+    ("bubble", lambda r: 100 * r.metrics["bubble_fraction"], "{:.1f}%"),
+    ("bytes sent / step (all ranks)", lambda r: r.metrics["bytes_sent_total"] / 2**10, "{:.1f} KiB"),
+    ("peak activations (max rank)", lambda r: max(r.metrics["peak_activation_bytes"] or [0]) / 2**10,
+     "{:.1f} KiB"),
+    ("loss (last step)", lambda r: r.losses[-1], "{:.5g}"),
+)
+TABLE = '<table style="border-collapse:collapse;font-size:90%">{}</table>'
+CELL = '<td style="padding:1px 10px;text-align:{}">{}</td>'
+
+
+def _metrics_table(live: LiveRun | None) -> str:
+    if live is None or not live.run.losses:
+        return "<i>No run yet: press Run or change a setting.</i>"
+    head = f"<tr><th colspan=2 style='text-align:left'>run {live.number}, after step {live.step + 1}</th></tr>"
+    rows = "".join("<tr>" + CELL.format("left", label) + CELL.format("right", fmt.format(get(live.run)))
+                   + "</tr>" for label, get, fmt in ROWS)
+    return TABLE.format(head + rows)
+
+
+def _change(a: float, b: float, points: bool) -> str:
+    """Fractions differ in percentage points, everything else relatively."""
+    if points:
+        return f"{b - a:+.1f} pts"
+    return f"{(b - a) / abs(a):+.0%}" if a else f"{b - a:+.3g}"
+
+
+def _diff_table(a: LiveRun, b: LiveRun | None, labels) -> str:
+    head = "<tr><th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in labels) + "<th>change</th></tr>"
+    body = ""
+    for label, get, fmt in ROWS:
+        va = get(a.run)
+        vb = get(b.run) if b is not None else None
+        change = "" if vb is None else _change(va, vb, points=fmt.endswith("%"))
+        cells = [label, fmt.format(va), "" if vb is None else fmt.format(vb), change]
+        body += "<tr>" + "".join(CELL.format("left" if i == 0 else "right", c) for i, c in enumerate(cells)) + "</tr>"
+    return TABLE.format(head + body)
