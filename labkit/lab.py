@@ -14,11 +14,12 @@ import os
 import socket
 import sys
 import time
+from concurrent import futures
 from typing import Callable
 
 import ipyparallel as ipp
 
-from . import engine
+from . import diagnose, engine
 from .config import Strategy
 from .errors import CollectiveTimeoutError, EngineDiedError, LabError, RankReport
 from .job import RunSpec
@@ -26,6 +27,9 @@ from .placement import check_device_map
 from .run import Run
 
 TIMEOUT_ERRORS = ("CollectiveTimeout",)
+COMM_ERRORS = ("CollectiveTimeout", "CommFailure", "CommMismatch", "DistBackendError", "DistNetworkError")
+# Once one rank has failed, how long the others get to finish or fail before the lab reports.
+GRACE_S = 2.0
 
 
 class Lab:
@@ -41,14 +45,22 @@ class Lab:
         self._rank_of: dict[int, int] = {}       # engine id → rank
         self._interrupt = False
         self.view = None
+        self.debug = False
+        self._dead: list[int] = []      # ranks whose engine died: lab.recover() restarts them
+        self._dirty = False             # a call failed: fresh store and groups before the next one
+        self._busy: list = []           # futures of ranks still running a call that failed elsewhere
+        self._groups_key = None
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
     def start(cls, engines: int = 2, timeout: float = 60.0, launcher: str = "local",
-              progress: bool = True, start_timeout: float = 120.0, **cluster_kwargs) -> "Lab":
+              progress: bool = True, start_timeout: float = 120.0, debug: bool = False,
+              **cluster_kwargs) -> "Lab":
         """Start ``engines`` local engines (one rank each) and initialise torch.distributed.
 
         ``timeout`` is the collective timeout in seconds (every group and barrier gets it).
+        ``debug=True`` starts the engines with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives
+        checked across ranks for matching op and shapes; a few ms per call).
         """
         if not isinstance(engines, int) or engines < 1:
             raise ValueError(f"engines={engines!r} must be a whole number ≥ 1")
@@ -56,12 +68,14 @@ class Lab:
             from .launchers import start_cluster
             cluster, client = start_cluster(launcher, engines, start_timeout, progress, **cluster_kwargs)
             lab = cls(client, cluster, timeout, progress=progress)
+            lab.debug = debug
         else:
             threads = max(1, (os.cpu_count() or 1) // engines)
             cluster = ipp.Cluster(n=engines, log_level=logging.ERROR, controller_ip="127.0.0.1", **cluster_kwargs)
             lab = cls(None, cluster, timeout, master_addr="127.0.0.1", threads=threads, progress=progress)
+            lab.debug = debug
             try:
-                lab.client = _start_local(cluster, engines, threads, start_timeout, lab._say)
+                lab.client = _start_local(cluster, engines, threads, start_timeout, lab._say, debug)
             except BaseException:
                 _stop_quietly(cluster)
                 raise
@@ -91,10 +105,10 @@ class Lab:
         if self._progress:
             print(text, end=end, file=sys.stderr, flush=True)
 
-    def _attach(self, expected: int) -> None:
+    def _attach(self, expected: int, targets=None) -> None:
         """Learn each engine's rank from its environment, then join the world group."""
         self._say(f"labkit: importing torch on {expected} engines…")
-        everyone = self.client.direct_view("all")
+        everyone = self.client.direct_view(targets if targets is not None else "all")
         infos = everyone.apply_async(engine.describe).get_dict(timeout=180)
         if any(info["rank"] is None for info in infos.values()):
             infos = self._assign_ranks(infos)
@@ -120,10 +134,11 @@ class Lab:
         """A fresh rendezvous store on rank 0 (port chosen by the OS), then every rank joins."""
         world = len(self.ranks)
         master = self._master_addr or _address_of(self.ranks[0]["host"])
+        self._dirty, self._groups_key = False, None
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
-        self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads)
+        self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
         self.ranks = self.apply(engine.describe)
-        self._groups_key = None
+        self.store = (master, port)
         self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port})")
 
     # -- running code on the ranks ----------------------------------------------------------

@@ -35,13 +35,13 @@ from .errors import LabError
 
 LAUNCHERS = ("slurm", "mpi", "ssh")
 
-# The engine job ipyparallel submits; {options} holds the #SBATCH lines labkit adds.
+# The engine job ipyparallel submits; {labkit_options} holds the #SBATCH lines labkit adds.
 SLURM_TEMPLATE = """#!/bin/sh
 #SBATCH --job-name=ipengine-{cluster_id}
 #SBATCH --ntasks={n}
 #SBATCH --output={output_file}
 #SBATCH --export=ALL
-{options}
+{labkit_options}
 srun {program_and_args}
 """
 
@@ -54,6 +54,9 @@ class _Cluster(ipp.Cluster):
         self._work_dir = work_dir
 
     async def stop_cluster(self):
+        for key, es in list(self.engines.items()):
+            if getattr(es, "job_id", None) == "":      # a batch job never submitted: nothing to cancel
+                self.engines.pop(key)
         jobs = [es.job_id for es in self.engines.values() if getattr(es, "job_id", "")]
         try:
             await super().stop_cluster()
@@ -164,7 +167,7 @@ def _slurm(engines, work_dir, python, options, defaults, explicit) -> None:
     lines += [f"#SBATCH {opt}" for opt in options.pop("sbatch", [])]
     for key in ("partition", "account", "time_limit"):
         options.pop(key, None)
-    x.options = "\n".join(lines)
+    x.namespace = {"labkit_options": "\n".join(lines)}
 
 
 def _mpi(engines, work_dir, python, options, defaults, explicit) -> None:

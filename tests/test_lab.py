@@ -98,3 +98,28 @@ def test_cli_rejects_impossible_strategy_before_starting():
     out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--engines", "3", "--dp", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "dp*pp*tp" in out.stderr
+
+
+def test_connect_attaches_to_a_running_cluster_and_assigns_ranks():
+    """Engines started without rank variables (like SSH engines): the lab assigns ranks."""
+    import logging
+
+    import ipyparallel as ipp
+
+    from conftest import release_labs
+    release_labs()
+    cluster = ipp.Cluster(n=2, log_level=logging.ERROR, controller_ip="127.0.0.1")
+    cluster.start_cluster_sync()
+    try:
+        lab = labkit.Lab.connect(cluster_id=cluster.cluster_id, profile=cluster.profile, engines=2, timeout=30)
+        try:
+            assert sorted(r["rank"] for r in lab.ranks) == [0, 1]
+            assert {r["rank_source"] for r in lab.ranks} == {"lab"}
+            model = labkit.models.mlp(width=16, depth=2)
+            run = lab.run(labkit.Strategy(dp=2, dp_mode="bucketed"), model=model, batch=8, steps=2)
+            assert run.max_diff(labkit.reference(model, batch=8, steps=2)) <= 1e-5
+        finally:
+            lab.close()
+        assert cluster.engines            # connect() leaves someone else's cluster running
+    finally:
+        cluster.stop_cluster_sync()

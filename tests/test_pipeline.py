@@ -1,0 +1,179 @@
+"""Pipeline parallelism through the real Lab: every schedule equals the single-process run.
+
+Pure tests of the stage split and of bad input come first (no engines); then gpipe, 1f1b and
+interleaved at pp=2 and pp=4, and dp=2 × pp=2 with every gradient-sync mode.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import labkit
+from labkit.errors import LabError
+from labkit.job import RunSpec
+from labkit.runner import validate
+from labkit.strategies.pipeline import check_split, split_blocks, stage_blocks
+
+STEPS = 5
+MLP = labkit.models.mlp(width=24, depth=4)          # 7 blocks: Linear, GELU, ..., Linear
+
+
+def eight_blocks():
+    """8 blocks of unequal sizes (interleaved needs a block count divisible by pp·chunks)."""
+    sizes = [12, 20, 16, 24, 8]
+    layers = [nn.Linear(sizes[i % 4], sizes[(i + 1) % 4 if i < 3 else 4 if i == 3 else 0])
+              for i in range(4)]
+    return nn.Sequential(layers[0], nn.Tanh(), layers[1], nn.Tanh(),
+                         layers[2], nn.LayerNorm(24), layers[3], nn.Tanh())
+
+
+def eight_data(step):
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 8, generator=g)
+
+
+@pytest.fixture(scope="module")
+def mlp_ref():
+    return labkit.reference(MLP, batch=16, steps=STEPS, lr=0.1, seed=4)
+
+
+@pytest.fixture(scope="module")
+def eight_ref():
+    return labkit.reference(eight_blocks, data=eight_data, batch=16, steps=STEPS, lr=0.05, seed=6)
+
+
+def _check(run, ref):
+    assert set(run.parameters()) == set(ref.parameters())
+    assert run.max_diff(ref) <= 1e-5
+    assert run.losses == pytest.approx(ref.losses, abs=1e-5)
+
+
+# -- the stage split (no engines) ---------------------------------------------------------------
+def test_split_balances_parameters_and_keeps_stages_contiguous():
+    assert split_blocks([10, 0, 10, 0, 10], 2) == [range(0, 3), range(3, 5)]
+    assert split_blocks([1, 1, 1, 100], 2) == [range(0, 3), range(3, 4)]    # uneven is fine
+    assert split_blocks([0, 0, 0, 0], 4) == [range(i, i + 1) for i in range(4)]
+    assert split_blocks([5] * 8, 4, equal=True) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_blocks([5] * 7, 3, split_at=(1, 5)) == [range(0, 1), range(1, 5), range(5, 7)]
+    stages = stage_blocks(MLP(), labkit.Strategy(pp=2))
+    assert [len(s) for s in stages] in ([4, 3], [3, 4])
+
+
+@pytest.mark.parametrize("strategy,engines,batch,message", [
+    (labkit.Strategy(pp=2, microbatches=3), 2, 16, "does not divide into microbatches=3"),
+    (labkit.Strategy(pp=8), 8, 16, "7 top-level blocks but pp\\*chunks = 8"),
+    (labkit.Strategy(pp=2, schedule="interleaved", chunks=2, microbatches=2), 2, 16,
+     "multiple of 4"),
+    (labkit.Strategy(dp=2, pp=2), 2, 16, "start the lab with engines=4"),
+    (labkit.Strategy(pp=2, split_at=(9,)), 2, 16, "every boundary must be < 7"),
+])
+def test_bad_input_is_a_value_error_before_any_engine(strategy, engines, batch, message):
+    with pytest.raises(ValueError, match=message):
+        validate(RunSpec(strategy, MLP, batch=batch), engines)
+
+
+def test_bad_strategy_fields_name_the_fix():
+    with pytest.raises(ValueError, match="need 1"):
+        labkit.Strategy(pp=2, split_at=(2, 4))
+    with pytest.raises(ValueError, match="increasing"):
+        labkit.Strategy(pp=3, split_at=(4, 2))
+    check_split(labkit.Strategy(pp=2, schedule="interleaved", chunks=2, microbatches=2, split_at=(1, 2, 5)), 7)
+
+
+# -- equivalence through the real Lab -----------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_match_reference_pp2(lab2, schedule, mlp_ref):
+    run = lab2.run(labkit.Strategy(pp=2, schedule=schedule, microbatches=4), model=MLP, batch=16,
+                   steps=STEPS, seed=4)
+    _check(run, mlp_ref)
+    step = [e for e in run.timeline.events if e["step"] == STEPS - 1]
+    for rank in (0, 1):
+        fwd = sorted(e["microbatch"] for e in step if e["rank"] == rank and e["kind"] == "fwd")
+        assert fwd == [0, 1, 2, 3]
+        assert {e["name"] for e in step if e["rank"] == rank and e["kind"] == "bwd"} == {"B0", "B1", "B2", "B3"}
+    sends = [e for e in step if e["kind"] == "send"]
+    assert {(e["rank"], e["peer"]) for e in sends} == {(0, 1), (1, 0)} and len(sends) == 8
+    assert all(e["stream"] == "comm" for e in step if e["kind"] in ("send", "recv", "wait"))
+    assert any(e["kind"] == "wait" for e in step)      # stage 1 waits for stage 0's first forward
+
+
+def test_interleaved_matches_reference_pp2(lab2, eight_ref):
+    run = lab2.run(labkit.Strategy(pp=2, schedule="interleaved", chunks=2, microbatches=4),
+                   model=eight_blocks, data=eight_data, batch=16, steps=STEPS, lr=0.05, seed=6)
+    _check(run, eight_ref)
+    names = {e["name"] for e in run.timeline.events if e["kind"] == "fwd" and e["rank"] == 0}
+    assert {"F0 c0", "F0 c1", "F3 c1"} <= names
+
+
+def test_user_boundaries_and_activation_memory(lab2, mlp_ref):
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        run = lab2.run(labkit.Strategy(pp=2, schedule=schedule, microbatches=8, split_at=(2,)),
+                       model=MLP, batch=16, steps=STEPS, seed=4)
+        _check(run, mlp_ref)
+        peaks[schedule] = run.metrics["peak_activation_bytes"]
+    # m = 8 ≥ 2p: 1F1B holds at most p − r micro-batches, GPipe all 8
+    assert all(0 < one < g for one, g in zip(peaks["1f1b"], peaks["gpipe"]))
+
+
+class ShrinksOnThirdCall(nn.Module):
+    """A block whose output loses a row from its third call on: a data-dependent shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x if self.calls < 3 else x[:-1]
+
+
+def shrinking_model():
+    return nn.Sequential(nn.Linear(24, 24), ShrinksOnThirdCall(), nn.Linear(24, 24))
+
+
+def test_a_changing_shape_is_a_clear_error_not_a_dead_engine(lab2, mlp_ref):
+    with pytest.raises(LabError) as info:
+        lab2.run(labkit.Strategy(pp=2, schedule="gpipe", microbatches=4, split_at=(2,)),
+                 model=shrinking_model, batch=16, steps=1)
+    text = " ".join(r.message for r in info.value.reports)
+    assert "must keep one output shape" in text and "changed its output shape" in text
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=4), model=MLP, batch=16, steps=STEPS, seed=4)
+    _check(run, mlp_ref)                                  # both engines alive and in step
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedules_match_reference_pp4(lab4, schedule, mlp_ref):
+    run = lab4.run(labkit.Strategy(pp=4, schedule=schedule, microbatches=4), model=MLP, batch=16,
+                   steps=STEPS, seed=4)
+    _check(run, mlp_ref)
+    assert run.metrics["bubble_fraction"] > 0
+
+
+def test_interleaved_matches_reference_pp4(lab4, eight_ref):
+    run = lab4.run(labkit.Strategy(pp=4, schedule="interleaved", chunks=2, microbatches=4),
+                   model=eight_blocks, data=eight_data, batch=16, steps=STEPS, lr=0.05, seed=6)
+    _check(run, eight_ref)
+
+
+@pytest.mark.parametrize("mode", ["naive", "bucketed", "overlap", "ddp"])
+def test_dp2_pp2_matches_reference(lab4, mode, mlp_ref):
+    run = lab4.run(labkit.Strategy(dp=2, pp=2, microbatches=2, dp_mode=mode, bucket_mb=0.001),
+                   model=MLP, batch=16, steps=STEPS, seed=4)
+    _check(run, mlp_ref)
+    step = [e for e in run.timeline.events if e["step"] == STEPS - 1]
+    reduced = {e["rank"] for e in step if e["kind"] == "allreduce"}
+    assert reduced == {0, 1, 2, 3}                    # every stage reduced over its dp group
+    pairs = {(e["rank"], e["peer"]) for e in step if e["kind"] == "send"}
+    assert pairs == {(0, 1), (1, 0), (2, 3), (3, 2)}  # two pipelines, no cross traffic
+
+
+def test_overlap_launches_only_on_the_last_microbatch(lab4, mlp_ref):
+    run = lab4.run(labkit.Strategy(dp=2, pp=2, microbatches=4, schedule="gpipe", dp_mode="overlap",
+                                   bucket_mb=0.001), model=MLP, batch=16, steps=STEPS, seed=4)
+    _check(run, mlp_ref)
+    step = [e for e in run.timeline.events if e["step"] == STEPS - 1 and e["rank"] == 0]
+    last_bwd = next(e for e in step if e["kind"] == "bwd" and e["microbatch"] == 3)
+    first_reduce = min(e["start"] for e in step if e["kind"] == "allreduce")
+    assert first_reduce >= last_bwd["start"]
