@@ -72,9 +72,10 @@ class DataParallelJob:
         total = 0.0
         for mb, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
             rec.microbatch = mb
-            with rec.span("fwd", f"F{mb}", microbatch=mb):
-                loss = self.loss_fn(self.wrapped(xm), ym) / s.microbatches
+            # forward too inside: DDP decides in forward whether this backward reduces
             with self.sync.microbatch(last=mb == s.microbatches - 1):
+                with rec.span("fwd", f"F{mb}", microbatch=mb):
+                    loss = self.loss_fn(self.wrapped(xm), ym) / s.microbatches
                 loss.backward()
             total += loss.item()
         rec.microbatch = None

@@ -103,3 +103,15 @@ def test_make_buckets_follows_gradient_order():
     buckets = make_buckets(params, bucket_bytes=2048)
     assert [[n for n, _ in b] for b in buckets] == [["p5", "p4"], ["p3", "p2"], ["p1", "p0"]]
     assert len(make_buckets(params, bucket_bytes=1e9)) == 1
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ddp"])
+def test_microbatches_reduce_once_per_step(lab2, mode, mlp_reference):
+    model = labkit.models.mlp(width=48, depth=4)
+    counts = []
+    for m in (1, 3):
+        run = lab2.run(labkit.Strategy(dp=2, dp_mode=mode, microbatches=m, bucket_mb=0.004), model=model,
+                       batch=24, steps=STEPS, seed=3)
+        _check(run, mlp_reference)
+        counts.append(sum(1 for e in run.timeline.events if e["kind"] == "allreduce" and e["step"] == 2))
+    assert counts[0] == counts[1] > 0

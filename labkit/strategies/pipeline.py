@@ -5,10 +5,9 @@ Three parts, top to bottom:
 * the **stage split** — top-level blocks into p·v contiguous stages, balanced by parameter
   count (interleaved: equal block counts, as Megatron does), or at ``Strategy.split_at``;
 * the **link** — activations and gradients between neighbour stages with labkit.comm's
-  isend/irecv, so every transfer is on the comm lane. Gloo aborts a receiver whose buffer
-  size disagrees with the message, so each channel's first message is preceded by a shape
-  header and every activation carries a status element: a shape that changes later is a
-  clear error on both ends, never a killed engine;
+  isend/irecv, so every transfer is on the comm lane. Each channel's first activation is
+  preceded by a shape header (the receiver allocates from it); a shape that changes later is
+  a clear error on both ends, never a gloo abort (see :class:`_Link`);
 * the **executor** — :class:`PipelineJob` runs one rank's action list from
   :mod:`labkit.schedules` (gpipe, 1f1b, interleaved), then reduces each stage's gradients
   over its dp group with the foundation's gradient sync, then steps the optimizer.
@@ -56,7 +55,7 @@ def split_blocks(weights: list[int], stages: int, split_at=(), equal: bool = Fal
     programming); among equally heavy splits the one with the fewest blocks in its largest
     stage wins, so parameter-free blocks (activations) spread out too.
 
-    >>> split_blocks([10, 0, 10, 0, 10], 2)
+    >>> split_blocks([4, 0, 4, 0, 8], 2)
     [range(0, 3), range(3, 5)]
     """
     n = len(weights)
@@ -109,10 +108,13 @@ class ShapeChanged(ValueError):
 class _Link:
     """Activations forward and gradients backward, each transfer a labkit.comm call.
 
-    A channel is the pair of neighbour stages; its first activation is preceded by a shape
-    header (every later one must keep that shape), and every activation ends with one status
-    element: 0 for data, 1 for "the sender's shape changed" (the payload is then padding).
-    Gradients need neither: the receiving stage knows its own output's shape.
+    A channel is the pair of neighbour stages. Its first activation is preceded by a shape
+    header, so the receiver can allocate; every later one must keep that shape. A change is
+    caught twice: here on the sender (ShapeChanged), and by labkit.comm's per-message header
+    check on the receiver (CommMismatch; it drains the message, so neither engine dies). With
+    that check switched off (``comm.set_p2p_check(False)``) the changed tensor is not sent at
+    all: the receiver then times out instead of gloo aborting it. Gradients need no header:
+    the receiving stage knows its own output's shape.
     """
 
     def __init__(self, pp_ranks: list[int], group, device, tag: int):
@@ -130,7 +132,7 @@ class _Link:
         return tensor
 
     def send_activation(self, a, out: torch.Tensor) -> None:
-        meta = (tuple(out.shape), out.dtype)
+        meta, out = (tuple(out.shape), out.dtype), out.detach().contiguous()
         if a.stage not in self.shapes:
             if out.dtype not in DTYPES or out.dim() > HEADER - 2:
                 raise ValueError(f"stage {a.stage} output {out.dtype} with {out.dim()} dims cannot be sent; "
@@ -139,14 +141,13 @@ class _Link:
             header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
             header[:2 + out.dim()] = torch.tensor([DTYPES.index(out.dtype), out.dim(), *out.shape])
             self._send(header, a, f"{a} shape")
-        shape, dtype = self.shapes[a.stage]
         if meta == self.shapes[a.stage]:
-            self._send(torch.cat([out.detach().reshape(-1), out.new_zeros(1)]), a)
+            self._send(out, a)
             return
-        poison = torch.zeros(_numel(shape) + 1, dtype=dtype, device=self.device)
-        poison[-1] = 1
-        self._send(poison, a)           # the receiver expects this size: tell it, do not abort it
-        raise ShapeChanged(f"stage {a.stage} made {tuple(meta[0])} {meta[1]} for micro-batch {a.microbatch} "
+        if comm.context().check_p2p:
+            self._send(out, a)          # the receiver's header check reports it and drains it
+        shape, dtype = self.shapes[a.stage]
+        raise ShapeChanged(f"stage {a.stage} made {meta[0]} {meta[1]} for micro-batch {a.microbatch} "
                            f"but {shape} {dtype} before; pipeline stages must keep one output shape and "
                            "dtype (same batch size every step, no data-dependent shapes)")
 
@@ -157,11 +158,8 @@ class _Link:
             code, ndim, *sizes = header.tolist()
             self.shapes[sender] = (tuple(sizes[:ndim]), DTYPES[code])
         shape, dtype = self.shapes[sender]
-        buf = self._recv(torch.empty(_numel(shape) + 1, dtype=dtype, device=self.device), a)
-        if buf[-1].item() != 0:
-            raise ShapeChanged(f"stage {sender} (rank {self.pp_ranks[a.peer]}) changed its output shape at "
-                               f"micro-batch {a.microbatch} (was {shape}); see that rank's error")
-        return buf[:-1].view(shape).detach().requires_grad_(dtype.is_floating_point)
+        buf = self._recv(torch.empty(shape, dtype=dtype, device=self.device), a)
+        return buf.requires_grad_(dtype.is_floating_point)
 
     def send_grad(self, a, grad: torch.Tensor) -> None:
         self._send(grad.detach().contiguous(), a)
@@ -183,13 +181,6 @@ class _Link:
         for handle in self.pending:
             handle.wait()
         self.pending = []
-
-
-def _numel(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 # -- memory: what each micro-batch keeps for its backward --------------------------------------
@@ -280,7 +271,7 @@ class PipelineJob:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
         last = self.last_stage % s.pp == self.pp_index
-        return {"loss": self.loss if last else 0.0, "loss_weight": 1.0 if last else 0.0,
+        return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
                 "peak_activation_bytes": self.meter.peak}
 
     def _batch(self, step: int):
@@ -311,7 +302,7 @@ class PipelineJob:
             out = self.run_chunks[a.chunk](inp)
             if a.stage == self.last_stage:
                 out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches
-                self.loss += out.item()
+                self.loss = self.loss + out.detach()      # read once per step, not per micro-batch
             kept.append(out)
         self.outputs[key] = out
 
