@@ -129,7 +129,8 @@ class LabMPIEngineSetLauncher(MPIEngineSetLauncher):
 def _build(launcher: str, engines: int, work_dir: str, options: dict) -> tuple[ipp.Cluster, dict]:
     """The Cluster for ``launcher``: labkit's defaults < the profile's config < explicit options."""
     python = options.pop("python", sys.executable)
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // engines)), **options.pop("environment", {})}
+    # No OMP_NUM_THREADS guess: this machine's core count says nothing about the engines' nodes.
+    env = dict(options.pop("environment", {}))
     profile = options.pop("profile", None)
     controller_ip = options.pop("controller_ip", "*")
     extra = options.pop("config", None)
@@ -272,10 +273,11 @@ def _watch_slurm(cluster: ipp.Cluster) -> str:
 def _watch_mpi(cluster: ipp.Cluster) -> str:
     """mpirun that exited before its engines registered: quote what it printed."""
     for es in cluster.engines.values():
-        proc = getattr(es, "_popen_process", None)
-        if proc is not None and proc.poll() is not None:
-            raise LabError(f"mpi: {' '.join(es.args)} exited with code {proc.returncode} before its engines "
-                           f"registered" + _engine_output(cluster))
+        proc = getattr(es, "process", None)
+        if proc is not None and not proc.is_running():
+            code = (es.stop_data or {}).get("exit_code")
+            raise LabError(f"mpi: `{' '.join(es.args)}` exited{'' if code is None else f' with code {code}'} "
+                           f"before its engines registered" + _engine_output(cluster))
     return ""
 
 
@@ -284,17 +286,25 @@ def _engine_output(cluster: ipp.Cluster, lines: int = 25) -> str:
     texts = []
     for es in cluster.engines.values():
         for launcher in [es, *getattr(es, "launchers", {}).values()]:
-            text = _output_of(launcher)
-            if text.strip():
-                texts.append("\n".join("    " + line for line in text.strip().splitlines()[-lines:]))
+            said = _output_of(launcher).strip().splitlines()
+            # Open MPI frames its messages with "-----" lines: show from the first frame on.
+            start = next((i for i, line in enumerate(said) if line.startswith("-----")), None)
+            said = said[start:start + 2 * lines] if start is not None else said[-lines:]
+            if said:
+                texts.append("\n".join("    " + line for line in said))
     return ("\n  engine output:\n" + "\n".join(texts)) if texts else "\n  (no engine output)"
 
 
 def _output_of(launcher) -> str:
     path = getattr(launcher, "output_file", "")
-    if path and os.path.isfile(path):
-        with open(path, errors="replace") as f:
-            return f.read()
+    if path:
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            pass
+    if getattr(launcher, "_output", None):      # ipyparallel read it, then removed the file, at exit
+        return launcher._output
     if hasattr(launcher, "remote_output_file") and getattr(launcher, "pid", -1) > 0:
         try:
             return launcher.get_output() or ""      # fetched over ssh
@@ -308,7 +318,12 @@ def _message(exc: BaseException) -> str:
     out = getattr(exc, "output", None) or getattr(exc, "stderr", None)
     if isinstance(out, bytes):
         out = out.decode(errors="replace")
-    return f"{exc}" + (f"\n  {out.strip()}" if out and out.strip() else "")
+    if isinstance(exc, subprocess.CalledProcessError):
+        cmd = exc.cmd[-2:] if exc.cmd[:2] == ["sh", "-c"] else exc.cmd     # our sbatch wrapper
+        head = f"`{' '.join(map(str, cmd))}` failed (exit {exc.returncode})"
+    else:
+        head = f"{type(exc).__name__}: {exc}"
+    return head + ("".join(f"\n    {line}" for line in out.strip().splitlines()) if out and out.strip() else "")
 
 
 # -- stopping --------------------------------------------------------------------------------

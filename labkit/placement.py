@@ -29,9 +29,15 @@ def rank_from_env(env) -> dict | None:
 
 
 def choose_device(local_rank: int, gpu_count: int, host: str) -> str:
-    """One engine per GPU: local rank i drives cuda:i; no GPU means CPU."""
+    """One engine per GPU: local rank i drives cuda:i; no GPU means CPU.
+
+    An engine that sees exactly one GPU drives it whatever its local rank: the launcher has
+    bound one GPU to each task (``srun --gpus-per-task=1``, a per-rank CUDA_VISIBLE_DEVICES).
+    """
     if gpu_count == 0:
         return "cpu"
+    if gpu_count == 1:
+        return "cuda:0"
     if local_rank >= gpu_count:
         raise RuntimeError(f"host {host}: local rank {local_rank} but only {gpu_count} GPU(s) visible; "
                            f"start one engine per GPU (engines per node = GPUs per node)")
@@ -52,7 +58,8 @@ def check_device_map(ranks: list[dict]) -> None:
                            f"disagree with the number of engines")
     seen = {}
     for r in on_gpu:
-        key = (r["host"], r["device"])
+        # Two engines that each see one GPU both say cuda:0; what they see tells them apart.
+        key = (r["host"], r.get("cuda_visible_devices"), r["device"])
         if key in seen:
             raise RuntimeError(f"ranks {seen[key]} and {r['rank']} both use {r['device']} on {r['host']}; "
                                f"give each engine its own LOCAL_RANK")

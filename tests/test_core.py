@@ -89,3 +89,12 @@ def test_reference_learns_and_is_deterministic():
     assert r1.losses == r2.losses
     assert r1.losses[-1] < 0.7 * r1.losses[0]
     assert labkit.max_abs_diff(r1.parameters(), r2.parameters()) == 0.0
+
+
+def test_rendezvous_address_is_never_loopback_across_hosts():
+    from labkit.errors import LabError
+    from labkit.lab import _master_address
+    assert _master_address([{"host": "n1"}, {"host": "n1"}]) == "127.0.0.1"
+    assert _master_address([{"host": "n1", "master_addr": "10.1.2.3"}, {"host": "n2"}]) == "10.1.2.3"
+    with pytest.raises(LabError, match="MASTER_ADDR"):
+        _master_address([{"host": "localhost"}, {"host": "n2"}])
