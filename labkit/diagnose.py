@@ -62,12 +62,14 @@ def stuck_call(logs: dict[int, list[dict]]) -> tuple[int, dict] | None:
     return None
 
 
-def explain_hang(logs: dict[int, list[dict]], silent: dict[int, str] | None = None) -> HangReport | None:
+def explain_hang(logs: dict[int, list[dict]], silent: dict[int, str] | None = None,
+                 timeout_s: float | None = None) -> HangReport | None:
     """Line up every rank's flight log at the call that did not complete.
 
     ``logs`` maps rank → :func:`labkit.comm.flight_log` entries; ``silent`` maps the ranks
-    whose log could not be read to why ("still busy", "engine died"). None if no call is
-    pending in any log.
+    whose log could not be read to why ("still busy", "engine died"). A rank that made the
+    call more than ``timeout_s`` after the first one counts as not having reached it (it
+    came too late). None if no call is pending in any log.
     """
     silent = dict(silent or {})
     found = stuck_call(logs)
@@ -83,12 +85,17 @@ def explain_hang(logs: dict[int, list[dict]], silent: dict[int, str] | None = No
             continue
         on_channel = [e for e in logs.get(rank, []) if e["channel"] == channel]
         same = [e for e in on_channel if e["call"] == n]
-        if same or any(e["call"] > n for e in on_channel):
+        late = same and timeout_s is not None and same[0]["time"] - entry["time"] > timeout_s
+        if late:
+            missing.append(rank)
+            notes[rank] = (f"arrived {same[0]['time'] - entry['time']:.1f} s after the first rank, "
+                           f"when the others had given up (a straggler)")
+        elif same or any(e["call"] > n for e in on_channel):
             reached.append(rank)
             if same and same[0]["op"] not in _counterpart(entry)[1:] + (entry["op"],):
                 notes[rank] = f"made {same[0]['op']} '{same[0]['name']}' as call #{n} instead: the ranks disagree"
             elif same and same[0]["state"] not in ("done", "issued"):
-                notes[rank] = f"{same[0]['state']} there"
+                notes[rank] = "timed out there" if same[0]["state"] == "timeout" else f"{same[0]['state']} there"
         else:
             missing.append(rank)
             notes[rank] = _last_seen(logs.get(rank, []), channel)

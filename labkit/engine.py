@@ -47,7 +47,9 @@ class EngineSession:
                 "host": self.host, "pid": os.getpid(), "device": device, "gpus": gpus,
                 "backend": "nccl" if gpus else "gloo", "rank_source": self.rank_source,
                 "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "initialized": dist.is_initialized()}
+                "initialized": dist.is_initialized(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "master_addr": os.environ.get("MASTER_ADDR")}
 
 
 _session: EngineSession | None = None

@@ -50,6 +50,7 @@ class Lab:
         self._dirty = False             # a call failed: fresh store and groups before the next one
         self._busy: list = []           # futures of ranks still running a call that failed elsewhere
         self._groups_key = None
+        self._launcher = "connect"
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
@@ -68,12 +69,12 @@ class Lab:
             from .launchers import start_cluster
             cluster, client = start_cluster(launcher, engines, start_timeout, progress, **cluster_kwargs)
             lab = cls(client, cluster, timeout, progress=progress)
-            lab.debug = debug
+            lab.debug, lab._launcher = debug, launcher
         else:
             threads = max(1, (os.cpu_count() or 1) // engines)
             cluster = ipp.Cluster(n=engines, log_level=logging.ERROR, controller_ip="127.0.0.1", **cluster_kwargs)
             lab = cls(None, cluster, timeout, master_addr="127.0.0.1", threads=threads, progress=progress)
-            lab.debug = debug
+            lab.debug, lab._launcher = debug, "local"
             try:
                 lab.client = _start_local(cluster, engines, threads, start_timeout, lab._say, debug)
             except BaseException:
@@ -133,7 +134,7 @@ class Lab:
     def _init_distributed(self) -> None:
         """A fresh rendezvous store on rank 0 (port chosen by the OS), then every rank joins."""
         world = len(self.ranks)
-        master = self._master_addr or _address_of(self.ranks[0]["host"])
+        master = self._master_addr or _master_address(self.ranks)
         self._dirty, self._groups_key = False, None
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
         self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
@@ -148,6 +149,7 @@ class Lab:
 
     def apply(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError."""
+        self._ready()
         ar = self.view.apply_async(fn, *args, **kwargs)
         return self._gather(ar, timeout, what=getattr(fn, "__name__", "call"))
 
@@ -165,16 +167,42 @@ class Lab:
         return self._gather(ar, None, what=fn.__name__)
 
     def _gather(self, ar, timeout: float | None, what: str) -> list:
-        deadline = timeout if timeout is not None else 10 * self.timeout + 60
+        """Wait for every rank; once one fails, the others get GRACE_S to finish or fail too.
+
+        So a dead engine or a timed-out collective is reported within seconds, even when
+        other ranks are still blocked (they are freed before the next call, see _ready).
+        """
+        limit = timeout if timeout is not None else 10 * self.timeout + 60
+        children, targets = list(ar._children), list(ar._targets)
+        deadline, first_failure, pending = time.monotonic() + limit, None, set(children)
         try:
-            return ar.get(timeout=deadline)
-        except ipp.error.CompositeError as exc:
-            raise self._lab_error(exc.elist, what) from None
-        except ipp.error.RemoteError as exc:
-            raise self._lab_error([(exc.ename, exc.evalue, exc.traceback, exc.engine_info)], what) from None
-        except TimeoutError:
-            waiting = [self._rank_of.get(e) for e, done in zip(ar._targets, _done_flags(ar)) if not done]
-            raise LabError(f"{what}: no answer after {deadline:g} s from ranks {waiting}") from None
+            while pending:
+                until = deadline if first_failure is None else min(deadline, first_failure + GRACE_S)
+                if time.monotonic() >= until:
+                    break
+                done, pending = futures.wait(pending, timeout=until - time.monotonic(),
+                                             return_when=futures.FIRST_COMPLETED)
+                if first_failure is None and any(_error_of(f) for f in done):
+                    first_failure = time.monotonic()
+        except KeyboardInterrupt:
+            self._dirty = True
+            self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if not f.done()]
+            raise
+        failed = [(t, _error_of(f)) for t, f in zip(targets, children) if f not in pending and _error_of(f)]
+        if not failed and not pending:
+            return ar.get(timeout=5)
+        self._dirty = True
+        self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if f in pending]
+        if not failed:
+            raise LabError(f"{what}: no answer after {limit:g} s from ranks {[r for r, _ in self._busy]}")
+        elist = []
+        for target, exc in failed:
+            if isinstance(exc, ipp.error.RemoteError):
+                info = dict(exc.engine_info or {}, engine_id=(exc.engine_info or {}).get("engine_id", target))
+                elist.append((exc.ename, exc.evalue, exc.traceback, info))
+            else:
+                elist.append((type(exc).__name__, str(exc), "", {"engine_id": target}))
+        raise self._lab_error(elist, what) from None
 
     def _lab_error(self, elist, what: str) -> LabError:
         reports = []
@@ -182,13 +210,128 @@ class Lab:
             rank = self._rank_of.get((info or {}).get("engine_id"))
             reports.append(RankReport(rank, ename, str(evalue).strip(), tb or ""))
         names = {r.error for r in reports}
-        if "EngineError" in names:
-            cls, head = EngineDiedError, "an engine died"
+        failed = sorted(r.rank for r in reports if r.rank is not None)
+        busy = sorted(r for r, _ in self._busy if r is not None)
+        dead = sorted(r.rank for r in reports if r.error == "EngineError" and r.rank is not None)
+        if dead:
+            self._dead = dead
+            cls, head = EngineDiedError, (f"the engine of rank(s) {dead} died (killed, crashed or out of memory); "
+                                          f"lab.recover() restarts the engines")
         elif names & set(TIMEOUT_ERRORS):
-            cls, head = CollectiveTimeoutError, "a collective timed out"
+            cls, head = CollectiveTimeoutError, f"a collective timed out on rank(s) {failed}"
+        elif "CommMismatch" in names:
+            cls, head = LabError, (f"a message's shape or dtype differs from what rank(s) {failed} expected "
+                                   f"(nothing was corrupted; the engines are alive)")
         else:
-            cls, head = LabError, "failed"
-        return cls(f"{what}: {head} on rank(s) {sorted(r.rank for r in reports if r.rank is not None)}", reports)
+            cls, head = LabError, f"failed on rank(s) {failed}"
+        lines = [f"{what}: {head}"]
+        if busy:
+            lines.append(f"  rank(s) {busy} still busy after the others failed (blocked in the same step); "
+                         f"the lab frees them before the next call")
+        logs, hang = {}, None
+        if not dead and (names & set(COMM_ERRORS) or busy):
+            logs = self._flight_logs(skip=busy)
+            hang = diagnose.explain_hang(logs, {r: "still busy" for r in busy}, self.timeout)
+            if hang is not None and hang.not_reached:
+                lines.append("  " + str(hang).replace("\n", "\n  "))
+        error = cls("\n".join(lines), reports)
+        error.hang, error.flight_logs, error.busy, error.dead = hang, logs, busy, dead
+        return error
+
+    def _flight_logs(self, skip=()) -> dict[int, list[dict]]:
+        """Every answering rank's flight recorder (rank → entries); {} if none can be read."""
+        ranks = [r for r in range(self.world_size) if r not in skip]
+        if not ranks:
+            return {}
+        try:
+            ar = self.client.direct_view(targets=[self._engine_of[r] for r in ranks]).apply_async(engine.flight_log)
+            return {log["rank"]: log["entries"] for log in ar.get(timeout=10)}
+        except Exception:
+            return {}
+
+    def _ready(self) -> None:
+        """Before a call: refuse while an engine is dead; after a failure, start on a fresh store."""
+        registered = set(self.client.ids)
+        self._dead = sorted(set(self._dead) | {r for r, e in self._engine_of.items() if e not in registered})
+        if self._dead:
+            error = EngineDiedError(f"the engine of rank(s) {self._dead} died; call lab.recover() to restart "
+                                    f"the engines (the lab keeps its settings)")
+            error.hang, error.flight_logs, error.busy, error.dead = None, {}, [], list(self._dead)
+            raise error
+        if self._dirty:
+            self._reset()
+
+    def _reset(self) -> None:
+        """Leave the old groups (which frees ranks still blocked in them), then a fresh store."""
+        self._dirty = False
+        busy = {rank: future for rank, future in self._busy if not future.done()}
+        if busy:
+            idle = [self._engine_of[r] for r in range(self.world_size) if r not in busy]
+            try:
+                self.client.direct_view(targets=idle).apply_async(engine.shutdown).get(timeout=self.timeout + 10)
+            except Exception:
+                pass
+            pending = futures.wait(list(busy.values()), timeout=self.timeout + 10)[1]
+            if pending:
+                self._dirty = True
+                stuck = sorted(r for r, f in busy.items() if f in pending)
+                raise LabError(f"rank(s) {stuck} are still running the call that failed, {self.timeout + 10:g} s "
+                               f"after the others left their groups (stuck outside labkit.comm?); "
+                               f"lab.recover() restarts the engines")
+        self._busy = []
+        try:
+            self._init_distributed()
+        except BaseException:
+            self._dirty = True
+            raise
+
+    def recover(self, timeout: float = 180.0, debug: bool | None = None) -> "Lab":
+        """Restart the engines (after one died or got stuck) and start torch.distributed afresh.
+
+        A local lab stops every rank's engine set and starts it again with the same
+        environment; a lab on a launcher restarts its engine sets; a lab from ``connect()``
+        waits for engines someone restarted. Engine ids change, so the rank map is rebuilt
+        from the engines' environment, and the world group joins a fresh store. The next
+        ``lab.run`` builds its process groups again. ``debug`` switches
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on or off for the restarted engines.
+        """
+        if debug is not None:
+            self.debug = bool(debug)
+        n, t0 = self.world_size, time.monotonic()
+        old = set(self.client.ids)
+        self._say(f"labkit: restarting {n} engines…")
+        if self.cluster is not None and self._launcher == "local":
+            for rank in range(n):
+                try:
+                    self.cluster.stop_engines_sync(engine_set_id=f"rank{rank}")
+                except Exception:
+                    pass               # its engine is already gone
+            for rank in range(n):
+                self.cluster.start_engines_sync(n=1, engine_set_id=f"rank{rank}",
+                                                environment=_rank_env(rank, n, self.threads, self.debug))
+        elif self.cluster is not None:
+            self.cluster.restart_engines_sync()
+        fresh = []
+        while len(fresh) < n:
+            if time.monotonic() - t0 > timeout:
+                raise LabError(f"recover: only {len(fresh)} of {n} engines came back within {timeout:g} s")
+            time.sleep(0.25)
+            fresh = [e for e in self.client.ids if e not in old]
+        self._dead, self._busy, self._dirty, self._groups_key = [], [], False, None
+        self._attach(expected=n, targets=fresh[:n])
+        self._say(f"labkit: {n} engines restarted ({time.monotonic() - t0:.0f} s)")
+        return self
+
+    def _ensure_groups(self, dp: int, pp: int, tp: int) -> None:
+        """The engines' process groups for these degrees; a change of degrees starts on a fresh store.
+
+        Re-initialising costs well under a second and drops every old group and its sockets,
+        so any number of changes in a row starts from the same clean state.
+        """
+        if self._groups_key is not None and self._groups_key != (dp, pp, tp):
+            self._init_distributed()
+        self.apply(engine.ensure_groups, dp, pp, tp)
+        self._groups_key = (dp, pp, tp)
 
     # -- training ---------------------------------------------------------------------------
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
@@ -238,8 +381,29 @@ class Lab:
         return f"<table>{head}{body}</table>"
 
 
-def _done_flags(ar) -> list[bool]:
-    return [msg_id not in ar._client.outstanding for msg_id in ar.msg_ids]
+def _error_of(future) -> Exception | None:
+    """The error a finished per-engine future carries (ipyparallel returns remote errors as values)."""
+    exc = future.exception()
+    if exc is not None:
+        return exc
+    result = future.result()
+    return result if isinstance(result, Exception) else None
+
+
+def _master_address(ranks: list[dict]) -> str:
+    """Where the rendezvous store listens: rank 0's MASTER_ADDR if its launcher set one, else
+    rank 0's host — and never a loopback address when ranks live on several hosts."""
+    first = ranks[0]
+    if first.get("master_addr"):
+        return first["master_addr"]
+    if len({r["host"] for r in ranks}) == 1:
+        return "127.0.0.1"
+    address = _address_of(first["host"])
+    if address.startswith("127."):
+        raise LabError(f"rank 0's host {first['host']} resolves to {address}, which other hosts cannot reach; "
+                       f"set MASTER_ADDR in the engines' environment to an address of {first['host']} on the "
+                       f"cluster network")
+    return address
 
 
 def _address_of(host: str) -> str:
@@ -249,15 +413,22 @@ def _address_of(host: str) -> str:
         return host
 
 
-def _start_local(cluster: ipp.Cluster, n: int, threads: int, timeout: float, say) -> ipp.Client:
+def _rank_env(rank: int, n: int, threads: int, debug: bool = False) -> dict:
+    """The environment of a local engine: its rank variables, loopback only, its thread share."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+           "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(threads)}
+    if debug:
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    return env
+
+
+def _start_local(cluster: ipp.Cluster, n: int, threads: int, timeout: float, say, debug: bool = False) -> ipp.Client:
     """One engine set per rank, each with its own rank variables (never engine ids)."""
     t0 = time.monotonic()
     say(f"labkit: starting controller and {n} engines…")
     cluster.start_controller_sync()
     for rank in range(n):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-               "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(threads)}
-        cluster.start_engines_sync(n=1, engine_set_id=f"rank{rank}", environment=env)
+        cluster.start_engines_sync(n=1, engine_set_id=f"rank{rank}", environment=_rank_env(rank, n, threads, debug))
     client = cluster.connect_client_sync()
     seen = -1
     while len(client.ids) < n:

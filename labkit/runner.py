@@ -31,6 +31,10 @@ def validate(spec: RunSpec, engines: int) -> None:
         raise ValueError(f"steps={spec.steps!r} must be a whole number ≥ 1")
     if not spec.lr > 0:
         raise ValueError(f"lr={spec.lr!r} must be > 0")
+    if not spec.momentum >= 0:
+        raise ValueError(f"momentum={spec.momentum!r} must be ≥ 0 (0: plain SGD)")
+    if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
+        raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     resolve_loss(spec.loss)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
@@ -72,7 +76,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None) -> Run:
     ship_by_value(spec.model, spec.data, spec.loss)
     s = spec.strategy
     lab._interrupt = False
-    lab.apply(engine.ensure_groups, s.dp, s.pp, s.tp)
+    lab._ensure_groups(s.dp, s.pp, s.tp)        # a change of degrees starts on a fresh store
     lab.apply(engine.setup_run, spec)
     losses, events, peak = [], [], [0] * lab.world_size
     run = Run(s, losses, Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
