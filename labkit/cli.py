@@ -20,6 +20,8 @@ def _add_run(sub) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    p.add_argument("--split-at", type=int, nargs="*", default=(), metavar="BLOCK",
+                   help="first block index of each stage after the first (default: balance parameters)")
     p.add_argument("--dp-mode", choices=DP_MODES, default="overlap")
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--compression", choices=COMPRESSIONS, default="none")
@@ -38,18 +40,20 @@ def _add_run(sub) -> None:
 
 def cmd_run(args) -> int:
     import labkit
+    from .job import RunSpec
+    from .runner import validate
 
     try:
         strategy = Strategy(dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
-                            microbatches=args.microbatches, chunks=args.chunks, dp_mode=args.dp_mode,
+                            microbatches=args.microbatches, chunks=args.chunks, split_at=tuple(args.split_at),
+                            dp_mode=args.dp_mode,
                             bucket_mb=args.bucket_mb, compression=args.compression)
         engines = args.engines or strategy.world_size
-        strategy.check_engines(engines)
-        strategy.check_batch(args.batch)
+        model = labkit.models.mlp(width=args.width, depth=args.depth)
+        validate(RunSpec(strategy, model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed), engines)
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
-    model = labkit.models.mlp(width=args.width, depth=args.depth)
     with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
         run = lab.run(strategy, model=model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed,
                       on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
