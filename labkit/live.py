@@ -78,10 +78,12 @@ class LiveRunner:
         self._idle.set()
 
     # -- the notebook side --------------------------------------------------------------------
-    def submit(self, spec: RunSpec) -> str:
-        """Validate ``spec`` (ValueError/TypeError here, before any engine), then run it now
-        ("started") or after the run in flight ("queued", replacing anything queued before)."""
-        validate(spec, self.lab.world_size)
+    def submit(self, spec: RunSpec, checked: bool = False) -> str:
+        """Validate ``spec`` (ValueError/TypeError here, before any engine; ``checked``: the
+        caller just did), then run it now ("started") or after the run in flight ("queued",
+        replacing anything queued before)."""
+        if not checked:
+            validate(spec, self.lab.world_size)
         ship_by_value(spec.model, spec.data, spec.loss)
         with self._lock:
             if self.current is not None:

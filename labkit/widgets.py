@@ -24,7 +24,6 @@ import html
 import io
 import threading
 import time
-from dataclasses import replace
 
 import ipywidgets as W
 import matplotlib
@@ -53,6 +52,7 @@ class Dashboard:
         self.last_draw: tuple | None = None       # (run number, step, perf_counter) of the latest
         self._problem, self._state = "", ("ok", "ready")
         self._holding = False
+        self._status_lock = threading.Lock()      # the notebook and client threads both write it
         self.runner = LiveRunner(lab, on_start=self._started, on_update=self._stepped,
                                  on_finish=self._finished)
         self._painter = _Painter()
@@ -68,7 +68,7 @@ class Dashboard:
         if spec is None:
             return None
         try:
-            outcome = self.runner.submit(spec)
+            outcome = self.runner.submit(spec, checked=True)
         except Exception as exc:                 # validation raced a change: show, do not raise
             self._set_problem(describe_error(exc))
             return None
@@ -82,8 +82,8 @@ class Dashboard:
         self.runner.stop()
 
     def pin(self, *_) -> None:
-        """Keep the latest run to compare the next ones against (Compare tab)."""
-        live = self.runner.current or self.runner.last
+        """Keep the latest finished run to compare the next ones against (Compare tab)."""
+        live = self.runner.last
         if live is None or not live.run.losses:
             return
         self.pinned = live
@@ -139,7 +139,7 @@ class Dashboard:
     # -- building -----------------------------------------------------------------------------
     def _build_controls(self, s: Strategy, steps: int, auto: bool) -> None:
         degrees = list(range(1, self.lab.world_size + 1))
-        style = {"description_width": "110px"}
+        style = {"description_width": "100px"}
         c = {
             "dp": W.Dropdown(options=degrees, value=s.dp, description="dp"),
             "pp": W.Dropdown(options=degrees, value=s.pp, description="pp"),
@@ -151,29 +151,35 @@ class Dashboard:
             "bucket_mb": W.FloatLogSlider(value=s.bucket_mb, base=2, min=-6, max=4, step=1,
                                           description="bucket (MiB)", readout_format=".3g"),
             "compression": W.Dropdown(options=COMPRESSIONS, value=s.compression, description="compression"),
-            "steps": W.IntSlider(value=steps, min=1, max=20, description="steps"),
+            "steps": W.IntSlider(value=steps, min=1, max=20, description="steps per run"),
             "auto": W.Checkbox(value=auto, description="run on change", indent=False),
         }
         for name, w in c.items():
             if name != "auto":
-                w.style, w.layout.width = style, "320px"
+                w.style, w.layout.width = style, "270px"
             w.observe(self._changed, names="value")
+            w.add_class(f"labkit-{name}")            # stable handles for browser tests
         self.controls = c
-        self.run_button = W.Button(description="Run", button_style="primary", icon="play")
-        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
-        self.pin_button = W.Button(description="Pin", icon="thumb-tack", tooltip="compare later runs with this one")
+        button = W.Layout(width="90px")
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play", layout=button)
+        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, layout=button)
+        self.pin_button = W.Button(description="Pin", icon="thumb-tack", layout=button,
+                                   tooltip="keep this run; the Compare tab shows it beside the next")
         self.run_button.on_click(self.run)
         self.stop_button.on_click(self.stop)
         self.pin_button.on_click(self.pin)
-        self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="160px"))
+        self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="120px"))
         self.status = W.HTML(layout=W.Layout(min_width="400px"))
+        self.status.add_class("labkit-status")
 
     def _build_views(self, plot: str) -> None:
         interactive = _use_ipympl(plot)
         world = self.lab.world_size
-        self.timeline_view = _Figure((9, 1.2 + 0.6 * world), 1, interactive)
-        self.compare_view = _Figure((9, 1.8 + 1.2 * world), 2, interactive, sharex=True)
+        self.timeline_view = _Figure((8, 1.2 + 0.6 * world), 1, interactive)
+        self.compare_view = _Figure((8, 1.8 + 1.2 * world), 2, interactive, sharex=True)
         self.metrics = W.HTML(_metrics_table(None))
+        self.metrics.add_class("labkit-metrics")
+        self.timeline_view.widget.add_class("labkit-timeline")
         self.diff = W.HTML("<i>Pin a run, change a setting, run again: the two appear here.</i>")
         self.tabs = W.Tab(children=[W.VBox([self.timeline_view.widget, self.metrics]),
                                     W.VBox([self.compare_view.widget, self.diff])])
@@ -182,13 +188,14 @@ class Dashboard:
 
     def _layout(self) -> W.Widget:
         c = self.controls
-        group = lambda title, *names: [W.HTML(f"<b>{title}</b>")] + [c[n] for n in names]  # noqa: E731
-        panel = W.VBox(group("Degrees", "dp", "pp", "tp")
-                       + group("Pipeline (pp > 1)", "schedule", "chunks", "microbatches")
-                       + group("Data parallel", "dp_mode", "bucket_mb", "compression")
-                       + group("Run", "steps", "auto"), layout=W.Layout(min_width="340px"))
-        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, self.progress, self.status])
-        return W.VBox([bar, W.HBox([panel, self.tabs])], layout=W.Layout(width="100%"))
+        group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
+        panel = W.HBox([group("Degrees", "dp", "pp", "tp"),
+                        group("Pipeline (pp > 1)", "schedule", "chunks", "microbatches"),
+                        group("Data parallel", "dp_mode", "bucket_mb", "compression")],
+                       layout=W.Layout(flex_flow="row wrap"))
+        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["steps"], c["auto"]],
+                     layout=W.Layout(flex_flow="row wrap"))
+        return W.VBox([bar, W.HBox([self.progress, self.status]), panel, self.tabs], layout=W.Layout(width="100%"))
 
     # -- checking and submitting (notebook thread) ------------------------------------------------
     def _changed(self, change) -> None:
@@ -209,17 +216,19 @@ class Dashboard:
         return spec
 
     def _set_problem(self, text: str) -> None:
-        self._problem = text
         self.run_button.disabled = bool(text)
-        self._render_status()
+        self._render_status(problem=text)
 
     def _show(self, state: tuple[str, str]) -> None:
-        self._state = state
-        self._render_status()
+        self._render_status(state=state)
 
-    def _render_status(self) -> None:
-        kind, text = ("problem", self._problem) if self._problem else self._state
-        self.status.value = f'<span style="color:{COLORS[kind]}">{html.escape(text)}</span>'
+    def _render_status(self, problem: str | None = None, state: tuple[str, str] | None = None) -> None:
+        """One line: a settings problem while there is one, else the run's state."""
+        with self._status_lock:
+            self._problem = self._problem if problem is None else problem
+            self._state = state or self._state
+            kind, text = ("problem", self._problem) if self._problem else self._state
+            self.status.value = f'<span style="color:{COLORS[kind]}">{html.escape(text)}</span>'
 
     # -- runner callbacks (ipyparallel's client thread: quick, no waiting) -----------------------
     def _started(self, live: LiveRun) -> None:
@@ -233,7 +242,8 @@ class Dashboard:
         self._show(("busy", f"run {live.number}: step {live.step + 1}/{live.steps} · "
                             f"loss {live.run.losses[-1]:.4g}{queued}"))
         self.metrics.value = _metrics_table(live)
-        self._painter.request("timeline", lambda: self._draw_timeline(live, live.step))
+        timeline, step = live.run.timeline, live.step        # this step's, whatever comes next
+        self._painter.request("timeline", lambda: self._draw_timeline(live, timeline, step))
 
     def _finished(self, live: LiveRun) -> None:
         self.stop_button.disabled = self.runner.pending is None
@@ -248,11 +258,11 @@ class Dashboard:
             self._painter.request("compare", self._draw_compare)
 
     # -- drawing (painter thread) --------------------------------------------------------------
-    def _draw_timeline(self, live: LiveRun, step: int) -> None:
+    def _draw_timeline(self, live: LiveRun, timeline, step: int) -> None:
         view = self.timeline_view
         ax = view.axes[0]
         ax.clear()
-        live.run.timeline.plot(ax=ax, step=step)
+        timeline.plot(ax=ax, step=step)
         ax.set_title(f"run {live.number} · {_describe(live.spec.strategy)} · {ax.get_title()}", fontsize="medium")
         view.show()
         self.draws += 1
@@ -297,6 +307,10 @@ class _Figure:
             FigureManager(canvas, 0)
             canvas.header_visible = canvas.footer_visible = False
             canvas.toolbar_position = "right"
+            # ipympl keeps a PNG copy in the widget state until the page's view says it is
+            # ready; a draw from our thread before then ships a copy the page cannot decode
+            # and the canvas in a box stays 0×0. The page asks for a full image anyway.
+            canvas.syncing_data_url = False
             self.widget = canvas
         else:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -310,7 +324,10 @@ class _Figure:
         for ax in self.axes:
             ax.set_axis_on()
         if self.interactive:
-            self.fig.canvas.draw()           # ipympl renders and sends the changed pixels
+            # A whole frame, not a difference from the last one: a page that missed a frame
+            # (drawn while it was busy) would otherwise keep stale pixels.
+            self.fig.canvas._force_full = True
+            self.fig.canvas.draw()
         else:
             buf = io.BytesIO()
             self.fig.savefig(buf, format="png", dpi=90)
@@ -404,28 +421,32 @@ def _labels(a: LiveRun, b: LiveRun | None) -> tuple[str, str]:
 
 
 ROWS = (  # (label, how to read it from a Run, format)
-    ("step time (ms)", lambda r: 1e3 * r.metrics["step_time_s"], "{:.2f}"),
-    ("throughput (samples/s)", lambda r: r.metrics["throughput_samples_s"], "{:.0f}"),
+    ("step time", lambda r: 1e3 * r.metrics["step_time_s"], "{:.2f} ms"),
+    ("samples/s", lambda r: r.metrics["throughput_samples_s"], "{:.0f}"),
     ("comm", lambda r: 100 * r.metrics["comm_fraction"], "{:.1f}%"),
     ("exposed comm", lambda r: 100 * r.metrics["exposed_comm_fraction"], "{:.1f}%"),
     ("overlap", lambda r: 100 * r.metrics["overlap_fraction"], "{:.1f}%"),
     ("bubble", lambda r: 100 * r.metrics["bubble_fraction"], "{:.1f}%"),
-    ("bytes sent / step (all ranks)", lambda r: r.metrics["bytes_sent_total"] / 2**10, "{:.1f} KiB"),
-    ("peak activations (max rank)", lambda r: max(r.metrics["peak_activation_bytes"] or [0]) / 2**10,
-     "{:.1f} KiB"),
-    ("loss (last step)", lambda r: r.losses[-1], "{:.5g}"),
+    ("sent / step", lambda r: r.metrics["bytes_sent_total"] / 2**10, "{:.0f} KiB"),
+    ("peak activations", lambda r: max(r.metrics["peak_activation_bytes"] or [0]) / 2**10, "{:.0f} KiB"),
+    ("loss", lambda r: r.losses[-1], "{:.4g}"),
 )
-TABLE = '<table style="border-collapse:collapse;font-size:90%">{}</table>'
-CELL = '<td style="padding:1px 10px;text-align:{}">{}</td>'
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Metrics as columns, runs as rows: compact under a wide figure."""
+    cell = '<{0} style="padding:2px 9px;text-align:{1};white-space:nowrap">{2}</{0}>'
+    head = "".join(cell.format("th", "right" if i else "left", html.escape(h)) for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(cell.format("td", "right" if i else "left", html.escape(v))
+                                    for i, v in enumerate(row)) + "</tr>" for row in rows)
+    return f'<table style="border-collapse:collapse;font-size:90%"><tr>{head}</tr>{body}</table>'
 
 
 def _metrics_table(live: LiveRun | None) -> str:
     if live is None or not live.run.losses:
         return "<i>No run yet: press Run or change a setting.</i>"
-    head = f"<tr><th colspan=2 style='text-align:left'>run {live.number}, after step {live.step + 1}</th></tr>"
-    rows = "".join("<tr>" + CELL.format("left", label) + CELL.format("right", fmt.format(get(live.run)))
-                   + "</tr>" for label, get, fmt in ROWS)
-    return TABLE.format(head + rows)
+    values = [fmt.format(get(live.run)) for _, get, fmt in ROWS]
+    return _table([""] + [label for label, _, _ in ROWS], [[f"run {live.number}, step {live.step + 1}"] + values])
 
 
 def _change(a: float, b: float, points: bool) -> str:
@@ -436,12 +457,8 @@ def _change(a: float, b: float, points: bool) -> str:
 
 
 def _diff_table(a: LiveRun, b: LiveRun | None, labels) -> str:
-    head = "<tr><th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in labels) + "<th>change</th></tr>"
-    body = ""
-    for label, get, fmt in ROWS:
-        va = get(a.run)
-        vb = get(b.run) if b is not None else None
-        change = "" if vb is None else _change(va, vb, points=fmt.endswith("%"))
-        cells = [label, fmt.format(va), "" if vb is None else fmt.format(vb), change]
-        body += "<tr>" + "".join(CELL.format("left" if i == 0 else "right", c) for i, c in enumerate(cells)) + "</tr>"
-    return TABLE.format(head + body)
+    rows = [[labels[0]] + [fmt.format(get(a.run)) for _, get, fmt in ROWS]]
+    if b is not None:
+        rows.append([labels[1]] + [fmt.format(get(b.run)) for _, get, fmt in ROWS])
+        rows.append(["change"] + [_change(get(a.run), get(b.run), fmt.endswith("%")) for _, get, fmt in ROWS])
+    return _table([""] + [label for label, _, _ in ROWS], rows)

@@ -1,0 +1,156 @@
+"""The dashboard driven from Python, no browser: controls → runs on the engines → timeline and
+metrics. Answers arrive on ipyparallel's client thread, so tests wait with a deadline
+(``dash.wait``), never sleep a fixed time.
+
+    python -m pytest tests/test_widgets.py
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import labkit
+from labkit import engine
+from labkit.widgets import Dashboard
+
+MODEL = labkit.models.mlp(width=32, depth=3)
+DEADLINE = 120
+
+
+class NoEngines:
+    """A lab whose engines must never be called (bad input stops in the notebook)."""
+
+    world_size, ranks = 2, []
+
+    @property
+    def view(self):
+        raise AssertionError("the dashboard reached the engines")
+
+
+def slow_data(step):
+    """Synthetic data that takes ~0.2 s per step, so a run is still in flight while we change things."""
+    time.sleep(0.2)
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+
+
+def failing_model():
+    """Builds in the notebook; raises on rank 1 when the engines build their part."""
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank one refuses on purpose")
+    return nn.Sequential(nn.Linear(32, 32))
+
+
+def fwd_per_rank(live) -> dict[int, int]:
+    """Forward spans of each rank in the last finished step."""
+    counts: dict[int, int] = {}
+    for e in live.run.timeline.events:
+        if e["step"] == live.step and e["kind"] == "fwd":
+            counts[e["rank"]] = counts.get(e["rank"], 0) + 1
+    return counts
+
+
+def test_impossible_settings_disable_run_and_never_reach_the_engines():
+    dash = Dashboard(NoEngines(), model=MODEL, batch=32, auto=True, plot="image")
+    assert not dash.run_button.disabled
+    dash.controls["dp"].value = 1                       # 1*1*1 ranks on a 2-engine lab
+    assert dash.run_button.disabled and "dp*pp*tp" in dash.status_text
+    assert dash.run() is None
+    dash.set(dp=2, microbatches=3)                      # 16 rows per rank do not split into 3
+    assert dash.run_button.disabled and "microbatches=3" in dash.status_text
+    dash.set(dp=2, microbatches=4, auto=False)          # fixed: Run comes back
+    assert not dash.run_button.disabled and dash.status_text == "ready"
+    dash.close()
+
+
+@pytest.mark.slow
+def test_slider_change_reruns_and_redraws_with_the_new_settings(lab2):
+    dash = Dashboard(lab2, model=MODEL, batch=32, steps=2, plot="image",
+                     strategy=labkit.Strategy(dp=2, dp_mode="naive"))
+    assert dash.run() == "started"
+    first = dash.wait(DEADLINE)
+    assert first.state == "done" and len(first.run.losses) == 2
+    assert fwd_per_rank(first) == {0: 1, 1: 1}
+    image, table = bytes(dash.timeline_view.widget.value), dash.metrics.value
+    assert image.startswith(b"\x89PNG") and "step time" in table
+
+    dash.controls["microbatches"].value = 4             # "run on change": this starts run 2
+    second = dash.wait(DEADLINE)
+    assert second.number == first.number + 1 and second.state == "done"
+    assert second.spec.strategy.microbatches == 4
+    assert fwd_per_rank(second) == {0: 4, 1: 4}         # the timeline holds 4 micro-batches
+    assert second.groups_rebuilt == [False, False]      # same degrees: groups kept
+    assert bytes(dash.timeline_view.widget.value) != image and dash.metrics.value != table
+    assert dash.last_draw[:2] == (second.number, 1)     # the drawn timeline is run 2's last step
+    assert f"run {second.number} done" in dash.status_text and "groups kept" in dash.status_text
+
+    dash.pin()
+    dash.set(dp_mode="bucketed", bucket_mb=0.0625)      # one run for both changes
+    third = dash.wait(DEADLINE)
+    assert third.number == second.number + 1 and third.groups_rebuilt == [False, False]
+    names = {e["name"] for e in third.run.timeline.events if e["kind"] == "allreduce"}
+    assert any("bucket" in n for n in names)
+    assert "microbatches=4" not in dash.diff.value      # labels name what differs: the mode
+    assert "dp_mode=naive" in dash.diff.value and "dp_mode=bucketed" in dash.diff.value
+    assert bytes(dash.compare_view.widget.value).startswith(b"\x89PNG")
+    dash.close()
+
+
+@pytest.mark.slow
+def test_changes_during_a_run_coalesce_and_stop_ends_at_a_step_boundary(lab2):
+    dash = Dashboard(lab2, model=MODEL, data=slow_data, batch=16, steps=4, plot="image",
+                     strategy=labkit.Strategy(dp=2, dp_mode="naive"))
+    dash.run()
+    for mb in (2, 4, 8):                                 # while run 1 is in flight
+        dash.controls["microbatches"].value = mb
+    assert dash.runner.pending.strategy.microbatches == 8
+    last = dash.wait(DEADLINE)
+    assert dash.runner.started == 2                      # run 1, then only the latest change
+    assert last.spec.strategy.microbatches == 8 and fwd_per_rank(last) == {0: 8, 1: 8}
+    assert last.groups_rebuilt == [False, False]
+
+    dash.run()
+    deadline = time.monotonic() + DEADLINE
+    while dash.latest.step < 0:                          # stop after the first step is in
+        assert time.monotonic() < deadline, "no step finished"
+        time.sleep(0.01)
+    dash.controls["microbatches"].value = 2             # queued ...
+    dash.stop()                                          # ... and dropped by Stop
+    stopped = dash.wait(DEADLINE)
+    assert stopped.state == "stopped" and stopped.run.interrupted
+    assert len(stopped.run.losses) < 4 and dash.runner.started == 3
+    assert "stopped after step" in dash.status_text
+    dash.close()
+
+
+@pytest.mark.slow
+def test_a_change_of_degrees_rebuilds_the_groups(lab2):
+    lab2.apply(engine.ensure_groups, 1, 2, 1)
+    dash = Dashboard(lab2, model=MODEL, batch=32, steps=1, plot="image",
+                     strategy=labkit.Strategy(dp=2, dp_mode="naive"))
+    dash.run()
+    assert dash.wait(DEADLINE).groups_rebuilt == [True, True]
+    assert "groups rebuilt" in dash.status_text
+    dash.close()
+
+
+@pytest.mark.slow
+def test_an_engine_failure_names_the_rank_and_leaves_the_dashboard_usable(lab2):
+    dash = Dashboard(lab2, model=failing_model, batch=32, steps=2, plot="image",
+                     strategy=labkit.Strategy(dp=2, dp_mode="naive"))
+    dash.run()
+    failed = dash.wait(DEADLINE)
+    assert failed.state == "failed" and failed.error.ranks == [1]
+    assert "rank 1" in dash.status_text and "refuses on purpose" in dash.status_text
+    assert not dash.run_button.disabled
+
+    dash.model = MODEL
+    dash.run()
+    again = dash.wait(DEADLINE)
+    assert again.state == "done" and len(again.run.losses) == 2
+    assert f"run {again.number} done" in dash.status_text
+    dash.close()
