@@ -2,6 +2,7 @@
 
     labkit run --engines 4 --dp 2 --pp 2 --schedule 1f1b --microbatches 8 --batch 64 \\
                --steps 5 --json run.json --trace trace.json --plot timeline.png
+    labkit bench comm --engines 4 --max-mb 16 --json comm.json --plot comm.png
 """
 from __future__ import annotations
 
@@ -78,10 +79,57 @@ def _report(run) -> None:
     print(f"{'bytes_sent per rank':>22}: {[int(b) for b in m['bytes_sent']]}")
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="measure communication on local engines (nccl-tests style)")
+    what = p.add_subparsers(dest="bench", required=True)
+    c = what.add_parser("comm", help="time, algbw and busbw per collective and size; α-β fit")
+    c.add_argument("--engines", type=int, default=2, help="local engines to start")
+    c.add_argument("--max-mb", type=float, default=16.0, help="largest size in MiB (sizes 4 B … this, ×4 apart)")
+    c.add_argument("--sizes", type=int, nargs="+", help="sizes in bytes instead of the ×4 sweep")
+    c.add_argument("--collectives", nargs="+", default=None,
+                   help="all_reduce all_gather reduce_scatter broadcast sendrecv (default: all)")
+    c.add_argument("--algorithms", nargs="+", default=["ring", "ps"], help="hand all-reduce algorithms: ring ps")
+    c.add_argument("--seconds-per-point", type=float, default=0.05, help="time spent on each size")
+    c.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    c.add_argument("--json", help="write rows and fits here")
+    c.add_argument("--plot", help="write time and busbw against size as an image here")
+    c.set_defaults(func=cmd_bench_comm)
+
+
+def cmd_bench_comm(args) -> int:
+    import labkit
+    import labkit.collectives
+    from labkit import bench
+
+    collectives = args.collectives or list(bench.COLLECTIVES)
+    try:
+        for name in collectives:
+            bench.bus_factor(name, 2)
+        for name in args.algorithms:
+            if name not in labkit.collectives.ALGORITHMS:
+                raise ValueError(f"--algorithms {name}: unknown; use {' '.join(labkit.collectives.ALGORITHMS)}")
+        if args.engines < 2:
+            raise ValueError(f"--engines {args.engines}: communication needs at least 2 engines")
+    except ValueError as exc:
+        print(f"labkit bench comm: {exc}", file=sys.stderr)
+        return 2
+    with labkit.Lab.start(engines=args.engines, timeout=args.timeout) as lab:
+        sweep = bench.comm_sweep(lab, sizes=args.sizes, collectives=collectives, algorithms=args.algorithms,
+                                 max_bytes=int(args.max_mb * 2 ** 20), seconds_per_point=args.seconds_per_point)
+    print(sweep.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(sweep.to_dict(), f, indent=1)
+    if args.plot:
+        sweep.plot().savefig(args.plot, dpi=120, bbox_inches="tight")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -58,12 +58,16 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 
 
 def _exchange(send_buf, dst: int, recv_buf, src: int, group, name: str) -> None:
-    """Send to ``dst`` and receive from ``src`` at once (both posted before either is waited on)."""
+    """Send to ``dst`` and receive from ``src`` at once.
+
+    Both are posted before either is waited on, and the receive is waited on first: a send
+    may complete only once its receiver has posted the matching receive.
+    """
     handles = []
-    if send_buf.numel():
-        handles.append(comm.isend(send_buf, dst, group, name=name))
     if recv_buf.numel():
         handles.append(comm.irecv(recv_buf, src, group, name=name))
+    if send_buf.numel():
+        handles.append(comm.isend(send_buf, dst, group, name=name))
     for h in handles:
         h.wait()
 

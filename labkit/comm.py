@@ -100,7 +100,10 @@ class Handle:
         self._done_at = None
         if work is not None and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
             # gloo completes collectives on its own thread: note when, without blocking.
-            work.get_future().add_done_callback(lambda _f: self._completed())
+            try:
+                work.get_future().add_done_callback(lambda _f: self._completed())
+            except RuntimeError:     # gloo's reduce_scatter_tensor has no future: completion seen at wait()
+                pass
 
     def _completed(self):
         if self._done_at is None:

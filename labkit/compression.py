@@ -18,16 +18,21 @@ wraps around at ±127, so int8 is never summed in int8):
     chunk j of its int8 bucket (plus its 4-byte scale) straight to rank j; rank j
     dequantises and averages its chunk in fp32, re-quantises it with its own scale, and an
     all-gather of those int8 chunks finishes the job. Each rank sends 2(n-1)/n·N bytes plus
-    8(n-1) bytes of scales, a quarter of fp32's 2(n-1)/n·4N.
+    8(n-1) bytes of scales, a quarter of fp32's 2(n-1)/n·4N. (With labkit.comm's
+    point-to-point header check on, each direct send is preceded by a 128-byte header, which
+    ``bytes_sent`` leaves out as it does for every point-to-point message.)
 error feedback
     What rounding lost this step is added to the next step's gradient (Seide et al. 2014;
     Karimireddy et al. 2019), so small gradient components are delayed, not dropped. The
     int8 average keeps a second residual on the rank that re-quantises its chunk.
 
-In ``dp_mode="ddp"`` the same choices go through DDP's ``register_comm_hook``: fp16 and bf16
-mirror torch's ``fp16_compress_hook`` / ``bf16_compress_hook``, and ``"powersgd"`` runs
+In ``dp_mode="ddp"`` compression goes through DDP's ``register_comm_hook``: fp16 and bf16
+mirror torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` (without error feedback, as
+torch's do; there is no int8 hook), and ``"powersgd"`` runs
 torch's own ``powerSGD_hook`` (Vogels et al. 2019) with its all-reduces sent through
-labkit.comm so they are timed and counted.
+labkit.comm so they are timed and counted. PowerSGD issues its second and third all-reduce
+from future callbacks; on gloo, with several buckets, ranks then meet them in different orders
+and hang (torch's own hook as well), so on gloo labkit gives DDP a single bucket for it.
 
 A non-finite gradient never turns silently into NaN weights: the bucket is checked before
 it is compressed, the verdict travels with the data (an int8 scale, a non-finite sum), and
@@ -59,7 +64,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not torch.isfinite(amax):
         return torch.zeros(x.shape, dtype=torch.int8, device=x.device), amax.reshape(1)
     scale = (amax / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.div(x, scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale.reshape(1)
 
 
@@ -73,7 +78,7 @@ def _with_scale(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _split_scale(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return msg[..., :-4], msg[..., -4:].contiguous().view(torch.float32)
+    return msg[..., :-4], msg[..., -4:].clone().view(torch.float32)     # clone: aligned for the view
 
 
 # -- the bucket path (bucketed and overlap modes) ---------------------------------------------
@@ -132,18 +137,18 @@ class BucketCompressor:
         n = len(self.ranks)
         chunk = math.ceil(g.numel() / n)
         q, scale = quantize_int8(g)
-        if self.error_feedback:
-            self.residual[index] = g - dequantize_int8(q, scale)
+        if self.error_feedback:            # g is a fresh tensor (the packed bucket, or g + residual)
+            self.residual[index] = g.sub_(q.float().mul_(scale))
         padded = torch.zeros(n * chunk, dtype=torch.int8, device=g.device)
         padded[:g.numel()] = q
         outbox = [_with_scale(padded[j * chunk:(j + 1) * chunk], scale) for j in range(n)]
         inbox = [outbox[j] if j == self.me else torch.empty_like(outbox[j]) for j in range(n)]
-        handles = []
+        recvs, sends = [], []          # waited for receives first: a send completes once its receive is posted
         for j, peer in enumerate(self.ranks):
             if j != self.me:
-                handles.append(comm.isend(outbox[j], peer, self.group, name=f"int8 {name} → {peer}", tag=index))
-                handles.append(comm.irecv(inbox[j], peer, self.group, name=f"int8 {name} ← {peer}", tag=index))
-        return {"handles": handles, "inbox": inbox, "outbox": outbox, "chunk": chunk}
+                recvs.append(comm.irecv(inbox[j], peer, self.group, name=f"int8 {name} ← {peer}", tag=index))
+                sends.append(comm.isend(outbox[j], peer, self.group, name=f"int8 {name} → {peer}", tag=index))
+        return {"handles": recvs + sends, "inbox": inbox, "outbox": outbox, "chunk": chunk}
 
     def _finish_int8(self, p: dict) -> torch.Tensor:
         for h in p["handles"]:
@@ -154,12 +159,15 @@ class BucketCompressor:
         if bad:                                   # every rank sees the same scales: all stop here
             self._fail(p, others=bad)
         with rec.span("decompress", f"int8 {p['name']} chunk {self.me}"):
-            mine = sum(dequantize_int8(q, s) for q, s in parts) / self.dp
+            mine = torch.zeros(p["chunk"], device=parts[0][0].device)
+            for q, s in parts:
+                mine.addcmul_(q.float(), s)
+            mine.div_(self.dp)
         with rec.span("compress", f"int8 {p['name']} chunk {self.me}"):
             mine = self._feedback(p["index"], mine, self.chunk_residual)
             q2, s2 = quantize_int8(mine)
             if self.error_feedback:
-                self.chunk_residual[p["index"]] = mine - dequantize_int8(q2, s2)
+                self.chunk_residual[p["index"]] = mine.sub_(q2.float().mul_(s2))
             msg = _with_scale(q2, s2)
         gathered = torch.empty(n * msg.numel(), dtype=torch.int8, device=msg.device)
         comm.all_gather(gathered, msg, self.group, name=f"int8 {p['name']} gather")
@@ -169,7 +177,7 @@ class BucketCompressor:
         return mean
 
     def _fail(self, pending: dict, others: list | None) -> None:
-        where = f"bucket {pending['index']} ({pending['name']})"
+        where = pending["name"]
         step = context().recorder.step
         mine = dist.get_rank()
         if not pending["finite"]:
@@ -226,10 +234,10 @@ def _cast_hook(state, bucket):  # no annotations: DDP checks them literally
         out = buffer.copy_(fut.value()[0])
         rec.add("decompress", f"{state.codec} {name}", start, rec.mark())
         if not torch.isfinite(out).all():
-            who = "came back non-finite (another rank sent inf/NaN, or the fp16 sum overflowed)" if finite \
-                else "holds a non-finite gradient (inf or NaN) on this rank"
-            raise FloatingPointError(f"rank {dist.get_rank()}, step {rec.step}: {name} {who}; "
-                                     f"compression={state.codec!r}")
+            what = f"non-finite gradient (inf or NaN) in {name}" if not finite else \
+                f"{name} came back non-finite: another rank sent inf/NaN" + \
+                (", or the fp16 sum overflowed (max 65504; try bf16)" if state.codec == "fp16" else "")
+            raise FloatingPointError(f"rank {dist.get_rank()}, step {rec.step}: {what}; compression={state.codec!r}")
         return out
 
     return handle.future().then(decompress)

@@ -55,7 +55,8 @@ class Strategy:
     """Gradient compression on the wire: "none", "fp16", "bf16", "int8" (bucketed, overlap)
     or "powersgd" (ddp); see labkit.compression."""
     error_feedback: bool = True
-    """Add what compression rounded away to the next step's gradient (fp16, bf16, int8, powersgd)."""
+    """Add what compression rounded away to the next step's gradient: fp16, bf16 and int8 in the
+    bucketed and overlap modes, powersgd in ddp (torch's fp16/bf16 DDP hooks have none)."""
     split_at: tuple[int, ...] = ()
     """Pipeline stage boundaries: the block indices where stages 1, 2, … start (pp·chunks − 1
     of them); empty means balanced by parameter count (interleaved: equal block counts)."""

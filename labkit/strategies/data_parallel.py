@@ -186,7 +186,13 @@ class DDPSync(GradSync):
         device_ids = None
         if next(model.parameters()).is_cuda:
             device_ids = [next(model.parameters()).device.index]
-        self.ddp = DDP(model, process_group=self.group, bucket_cap_mb=self.bucket_bytes / MiB,
+        cap_mb = self.bucket_bytes / MiB
+        if self.compression == "powersgd" and torch.distributed.get_backend(self.group) == "gloo":
+            # torch's PowerSGD issues its P and Q all-reduces from future callbacks; with several
+            # buckets gloo then meets them in different orders on different ranks and hangs
+            # (torch's own hook too, measured). One bucket keeps the order.
+            cap_mb = max(cap_mb, 1 + sum(p.numel() * p.element_size() for p in model.parameters()) / MiB)
+        self.ddp = DDP(model, process_group=self.group, bucket_cap_mb=cap_mb,
                        device_ids=device_ids, broadcast_buffers=False)
         if self.compression == "none":
             self.ddp.register_comm_hook(self, _ddp_allreduce_hook)

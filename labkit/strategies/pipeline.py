@@ -249,7 +249,7 @@ class PipelineJob:
     def _build_sync(s, groups, chunk):
         if s.dp == 1 or not any(p.requires_grad for p in chunk.parameters()):
             return None
-        return build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb)
+        return build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb, s.compression, s.error_feedback)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
