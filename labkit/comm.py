@@ -98,7 +98,7 @@ class Handle:
     def __init__(self, ctx: CommContext, entry: dict, work, event: dict | None, start):
         self._ctx, self.entry, self.work, self._event, self._start = ctx, entry, work, event, start
         self._done_at = None
-        if work is not None and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
+        if work is not None and ctx.recorder.enabled and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
             # gloo completes collectives on its own thread: note when, without blocking.
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())

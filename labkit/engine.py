@@ -166,10 +166,11 @@ def run_step(step: int) -> dict:
     if s.job is None:
         raise RuntimeError(f"rank {s.rank}: no run is set up on this engine (call lab.run)")
     s.recorder.step = step
+    batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
     comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
     s.recorder.start_step(step)
     t0 = time.perf_counter()
-    result = s.job.step(step)
+    result = s.job.step(step, batch)
     if s.device.type == "cuda":
         torch.cuda.synchronize()
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not

@@ -1,33 +1,49 @@
-"""Compute spans for a model's blocks, taken with module hooks.
+"""Compute spans for a model's blocks, taken with autograd hooks.
 
 Timing ``loss.backward()`` as one span would be wrong for data parallelism: DDP (and any
 strategy that waits for its buckets inside backward) returns only after communication
 finished, so that span would swallow the comm wait and claim perfect overlap. Each block's
-backward is timed on its own instead: from its backward pre-hook to the moment its input
-gradient *and* its parameters' gradients exist.
+backward is timed on its own instead: from the moment the gradient of its output arrives to
+the moment its input gradient *and* its parameters' gradients exist.
+
+Plain tensor hooks do this (registered on each block's output and input during forward),
+rather than ``register_full_backward_hook``: full hooks wrap every block's inputs and outputs
+in extra autograd nodes, which cost several percent of a step on CPU.
 
 >>> handles = instrument_backward(model, recorder)   # once; ``remove_hooks(handles)`` undoes it
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
 class _BlockSpan:
-    """The backward span of one block: opened by the pre-hook, closed when all its grads exist."""
+    """The backward span of one block: opened when its output's gradient arrives, closed
+    when its input's gradient and all its parameters' gradients exist."""
 
     def __init__(self, recorder, name: str, n_params: int):
         self.recorder, self.name, self.n_params = recorder, name, n_params
         self.start = None
         self.pending = 0
         self.inputs_done = False
+        self.expects_input_grad = False
 
-    def open(self, *_):
+    def forward_done(self, _module, inputs, output) -> None:
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        self.expects_input_grad = first is not None and first.requires_grad
+        output.register_hook(self.open)
+        if self.expects_input_grad:
+            first.register_hook(self.inputs_ready)
+
+    def open(self, _grad):
         self.start = self.recorder.mark()
         self.pending = self.n_params
-        self.inputs_done = False
+        self.inputs_done = not self.expects_input_grad
 
-    def inputs_ready(self, *_):
+    def inputs_ready(self, _grad):
         self.inputs_done = True
         self._maybe_close()
 
@@ -42,25 +58,15 @@ class _BlockSpan:
             self.start = None
 
 
-def _disable_inplace(module: nn.Module) -> None:
-    # Full backward hooks wrap a block's output; an in-place op after it (ReLU(inplace=True))
-    # would then modify a hooked view. The result is the same without in-place.
-    for sub in module.modules():
-        if getattr(sub, "inplace", False) is True:
-            sub.inplace = False
-
-
 def instrument_backward(model: nn.Sequential, recorder, names: list[str] | None = None) -> list:
     """Record a ``bwd`` span per top-level block of ``model``; returns the hook handles."""
     handles = []
     if not recorder.enabled:
         return handles
     for i, block in enumerate(model):
-        _disable_inplace(block)
         params = [p for p in block.parameters() if p.requires_grad]
         span = _BlockSpan(recorder, names[i] if names else f"{type(block).__name__} {i}", len(params))
-        handles.append(block.register_full_backward_pre_hook(span.open))
-        handles.append(block.register_full_backward_hook(span.inputs_ready))
+        handles.append(block.register_forward_hook(span.forward_done))
         handles += [p.register_post_accumulate_grad_hook(span.param_ready) for p in params]
     return handles
 

@@ -65,10 +65,15 @@ class DataParallelJob:
         self.wrapped = self.sync.wrap(model)
         self.optimizer = build_optimizer(model.parameters(), spec.lr, spec.momentum)
 
-    def step(self, step: int) -> dict:
-        s, rec = self.spec.strategy, self.recorder
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's 1/dp of the step's global batch, on its device."""
+        s = self.spec.strategy
         x, y = self.data(step)
-        x, y = shard(x, self.dp_index, s.dp).to(self.device), shard(y, self.dp_index, s.dp).to(self.device)
+        return shard(x, self.dp_index, s.dp).to(self.device), shard(y, self.dp_index, s.dp).to(self.device)
+
+    def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
+        s, rec = self.spec.strategy, self.recorder
+        x, y = batch
         total = 0.0
         for mb, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
             rec.microbatch = mb

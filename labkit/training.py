@@ -6,6 +6,7 @@ same data" mean the same weights and the same batches.
 from __future__ import annotations
 
 import copy
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,12 +56,16 @@ class SyntheticRegression:
     batch: int
     seed: int = 0
 
+    @cached_property
+    def teacher(self) -> torch.Tensor:
+        """The fixed map the model learns (made once per data object, seeded)."""
+        g = torch.Generator().manual_seed(self.seed + 7919)
+        return torch.randn(self.in_features, self.out_features, generator=g) / self.in_features ** 0.5
+
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        teacher = torch.Generator().manual_seed(self.seed + 7919)
-        w = torch.randn(self.in_features, self.out_features, generator=teacher) / self.in_features ** 0.5
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         x = torch.randn(self.batch, self.in_features, generator=g)
-        return x, torch.tanh(x @ w)
+        return x, torch.tanh(x @ self.teacher)
 
 
 def resolve_data(data, model: nn.Sequential, batch: int, seed: int) -> Callable:

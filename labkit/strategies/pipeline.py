@@ -252,9 +252,9 @@ class PipelineJob:
         return build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb, s.compression, s.error_feedback)
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self, step: int) -> dict:
+    def step(self, step: int, batch) -> dict:
         s = self.spec.strategy
-        x, y = self._batch(step)
+        x, y = batch
         self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
         self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
         self.meter.live, self.meter.peak = {}, 0
@@ -274,7 +274,8 @@ class PipelineJob:
         return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
                 "peak_activation_bytes": self.meter.peak}
 
-    def _batch(self, step: int):
+    def batch(self, step: int):
+        """This rank's 1/dp of the step's global batch, on its device."""
         s, batch = self.spec.strategy, self.spec.batch
         x, y = self.data(step)
         if x.shape[0] != batch or y.shape[0] != batch:
