@@ -244,12 +244,16 @@ def barrier(group=None, name="barrier") -> Handle:
                   lambda: dist.barrier(group=group, async_op=True), False)
 
 
-def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0) -> Handle:
-    """Start sending ``tensor`` to global rank ``dst``; wait on the handle before reusing it."""
+def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0, check: bool | None = None) -> Handle:
+    """Start sending ``tensor`` to global rank ``dst``; wait on the handle before reusing it.
+
+    ``check`` overrides the shape/dtype header for this message (None: the rank's setting);
+    the matching ``irecv`` must pass the same value.
+    """
     nbytes = tensor.numel() * tensor.element_size()
 
     def call():
-        if not context().check_p2p:
+        if not (context().check_p2p if check is None else check):
             return dist.isend(tensor, dst, group=group, tag=tag)
         header = _header(tensor)       # posted first, so the receiver learns what is coming
         return _Works([dist.isend(header, dst, group=group, tag=tag), dist.isend(tensor, dst, group=group, tag=tag)],
@@ -257,7 +261,7 @@ def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0) 
     return _issue("send", "send", tensor, group, name, dst, microbatch, nbytes, call, True)
 
 
-def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0) -> Handle:
+def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0, check: bool | None = None) -> Handle:
     """Start receiving into ``tensor`` from global rank ``src``.
 
     With the header check on (the default) the shape and dtype the sender announced are
@@ -268,7 +272,7 @@ def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0) 
     nbytes = tensor.numel() * tensor.element_size()   # received; metrics count only what is sent
 
     def call():
-        if not context().check_p2p:
+        if not (context().check_p2p if check is None else check):
             return dist.irecv(tensor, src, group=group, tag=tag)
         return _CheckedRecv(tensor, src, group, tag)
     return _issue("recv", "recv", tensor, group, name, src, microbatch, nbytes, call, True)
