@@ -14,6 +14,8 @@ in extra autograd nodes, which cost several percent of a step on CPU.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -74,3 +76,38 @@ def instrument_backward(model: nn.Sequential, recorder, names: list[str] | None 
 def remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()
+
+
+# -- memory: what each micro-batch keeps for its backward --------------------------------------
+class ActivationMeter:
+    """Bytes held for backward at once: autograd's saved tensors, stage inputs and outputs.
+
+    Measured with ``saved_tensors_hooks`` (parameters excluded, shared storage counted once),
+    added when a micro-batch's forward ends, dropped when its backward ends.
+    """
+
+    def __init__(self, params):
+        self.param_ptrs = {p.data_ptr() for p in params}
+        self.live: dict[tuple, int] = {}
+        self.peak = 0
+
+    @contextmanager
+    def forward(self, key, inputs):
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            if t.data_ptr() not in self.param_ptrs:
+                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kept = []
+            yield kept                   # the body appends the tensors it keeps (the output)
+        for t in [inputs, *kept]:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+        self.live[key] = sum(seen.values())
+        self.peak = max(self.peak, sum(self.live.values()))
+
+    def release(self, key) -> None:
+        self.live.pop(key, None)

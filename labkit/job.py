@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .config import Strategy
-from .instrument import instrument_backward
+from .instrument import ActivationMeter, instrument_backward
 from .strategies.data_parallel import build_grad_sync
 from .training import build_model, build_optimizer, resolve_data, resolve_loss
 
@@ -64,6 +64,7 @@ class DataParallelJob:
         self.model = model
         self.wrapped = self.sync.wrap(model)
         self.optimizer = build_optimizer(model.parameters(), spec.lr, spec.momentum)
+        self.meter = ActivationMeter(list(model.parameters()))
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's 1/dp of the step's global batch, on its device."""
@@ -75,20 +76,24 @@ class DataParallelJob:
         s, rec = self.spec.strategy, self.recorder
         x, y = batch
         total = 0.0
+        self.meter.live, self.meter.peak = {}, 0
         for mb, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
             rec.microbatch = mb
             # forward too inside: DDP decides in forward whether this backward reduces
             with self.sync.microbatch(last=mb == s.microbatches - 1):
-                with rec.span("fwd", f"F{mb}", microbatch=mb):
-                    loss = self.loss_fn(self.wrapped(xm), ym) / s.microbatches
+                with rec.span("fwd", f"F{mb}", microbatch=mb), self.meter.forward(mb, xm) as kept:
+                    out = self.wrapped(xm)
+                    loss = self.loss_fn(out, ym) / s.microbatches
+                    kept.append(out)
                 loss.backward()
+            self.meter.release(mb)
             total += loss.item()
         rec.microbatch = None
         self.sync.finish()
         with rec.span("optimizer", "SGD step"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
-        return {"loss": total, "loss_weight": 1.0}
+        return {"loss": total, "loss_weight": 1.0, "peak_activation_bytes": self.meter.peak}
 
     def parameters(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

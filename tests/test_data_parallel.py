@@ -115,3 +115,13 @@ def test_microbatches_reduce_once_per_step(lab2, mode, mlp_reference):
         _check(run, mlp_reference)
         counts.append(sum(1 for e in run.timeline.events if e["kind"] == "allreduce" and e["step"] == 2))
     assert counts[0] == counts[1] > 0
+
+
+def test_activation_memory_shrinks_with_microbatches(lab2):
+    model = labkit.models.mlp(width=48, depth=4)
+    peaks = []
+    for m in (1, 4):
+        run = lab2.run(labkit.Strategy(dp=2, microbatches=m), model=model, batch=32, steps=1)
+        peaks.append(run.metrics["peak_activation_bytes"])
+    assert all(p > 0 for p in peaks[0])
+    assert all(a > 3 * b for a, b in zip(peaks[0], peaks[1]))      # one micro-batch held at a time

@@ -18,12 +18,13 @@ Three parts, top to bottom:
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from .. import comm
+from ..instrument import ActivationMeter
 from ..schedules import build_schedule
 from ..training import build_model, build_optimizer, resolve_data, resolve_loss
 from .data_parallel import DDPSync, build_grad_sync
@@ -184,41 +185,6 @@ class _Link:
         self.pending = []
 
 
-# -- memory: what each micro-batch keeps for its backward --------------------------------------
-class _ActivationMeter:
-    """Bytes held for backward at once: autograd's saved tensors, stage inputs and outputs.
-
-    Measured with ``saved_tensors_hooks`` (parameters excluded, shared storage counted once),
-    added when a micro-batch's forward ends, dropped when its backward ends.
-    """
-
-    def __init__(self, params):
-        self.param_ptrs = {p.data_ptr() for p in params}
-        self.live: dict[tuple, int] = {}
-        self.peak = 0
-
-    @contextmanager
-    def forward(self, key, inputs):
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            if t.data_ptr() not in self.param_ptrs:
-                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            kept = []
-            yield kept                   # the body appends the tensors it keeps (the output)
-        for t in [inputs, *kept]:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                seen[t.data_ptr()] = t.numel() * t.element_size()
-        self.live[key] = sum(seen.values())
-        self.peak = max(self.peak, sum(self.live.values()))
-
-    def release(self, key) -> None:
-        self.live.pop(key, None)
-
-
 # -- the executor -------------------------------------------------------------------------------
 class PipelineJob:
     """This rank's stages of the model, run by the strategy's schedule, then dp-reduced."""
@@ -244,7 +210,7 @@ class PipelineJob:
         self.run_chunks = [sync.wrap(c) if sync else c for sync, c in zip(self.syncs, self.chunks)]
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, spec.lr, spec.momentum) if params else None
-        self.meter = _ActivationMeter(params)
+        self.meter = ActivationMeter(params)
 
     @staticmethod
     def _build_sync(s, groups, chunk):
