@@ -2,6 +2,8 @@
 #   make lab    set up .venv (first time: a few minutes) and open JupyterLab on the course
 #   make test   set up .venv and run the whole test suite
 PY := .venv/bin/python
+# root (a container, a fresh VM) needs jupyter's explicit consent
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: setup lab test bench clean
 
@@ -9,7 +11,7 @@ setup:
 	@bash scripts/setup.sh
 
 lab: setup
-	$(PY) -m jupyter lab --notebook-dir=notebooks
+	$(PY) -m jupyter lab --notebook-dir=notebooks $(ROOT_FLAG)
 
 test: setup
 	$(PY) -m pytest -q
