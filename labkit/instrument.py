@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 
-class _BlockSpan:
+class BackwardSpan:
     """The backward span of one block: opened when its output's gradient arrives, closed
     when its input's gradient and all its parameters' gradients exist."""
 
@@ -55,6 +55,11 @@ class _BlockSpan:
 
     def _maybe_close(self):
         if self.start is not None and self.inputs_done and self.pending <= 0:
+            self.finish()
+
+    def finish(self):
+        """Close the span now if it is still open (e.g. a parameter got no gradient)."""
+        if self.start is not None:
             rec = self.recorder
             rec.add("bwd", self.name, self.start, rec.mark(), microbatch=getattr(rec, "microbatch", None))
             self.start = None
@@ -67,7 +72,7 @@ def instrument_backward(model: nn.Sequential, recorder, names: list[str] | None 
         return handles
     for i, block in enumerate(model):
         params = [p for p in block.parameters() if p.requires_grad]
-        span = _BlockSpan(recorder, names[i] if names else f"{type(block).__name__} {i}", len(params))
+        span = BackwardSpan(recorder, names[i] if names else f"{type(block).__name__} {i}", len(params))
         handles.append(block.register_forward_hook(span.forward_done))
         handles += [p.register_post_accumulate_grad_hook(span.param_ready) for p in params]
     return handles

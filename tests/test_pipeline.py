@@ -187,3 +187,16 @@ def test_dp2_pp2_carries_gradient_compression(lab4, mlp_ref):
     assert half.max_diff(mlp_ref) < 1e-2                     # close, not exact: fp16 on the wire
     sent = lambda run: sum(e["bytes"] for e in run.timeline.events if e["kind"] == "allreduce")
     assert sent(half) == pytest.approx(sent(plain) / 2, rel=0.01)
+
+
+def test_ddp_wait_is_not_counted_as_backward_compute(lab4, mlp_ref):
+    # DDP waits for its all-reduces inside backward(); the chunk's backward span must end when
+    # its gradients exist, so the last all-reduce finishes after it instead of inside it.
+    run = lab4.run(labkit.Strategy(dp=2, pp=2, microbatches=2, schedule="gpipe", dp_mode="ddp",
+                                   bucket_mb=0.001), model=MLP, batch=16, steps=STEPS, seed=4)
+    _check(run, mlp_ref)
+    for rank in range(4):
+        step = [e for e in run.timeline.events if e["step"] == STEPS - 1 and e["rank"] == rank]
+        last_bwd = max((e for e in step if e["kind"] == "bwd"), key=lambda e: e["end"])
+        last_reduce = max(e["end"] for e in step if e["kind"] == "allreduce")
+        assert last_reduce > last_bwd["end"], rank

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..instrument import ActivationMeter
+from ..instrument import ActivationMeter, BackwardSpan
 from ..schedules import build_schedule
 from ..training import build_model, build_optimizer, resolve_data, resolve_loss
 from .data_parallel import DDPSync, build_grad_sync
@@ -211,6 +211,18 @@ class PipelineJob:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, spec.lr, spec.momentum) if params else None
         self.meter = ActivationMeter(params)
+        self.bwd_spans = [self._backward_span(c) for c in self.chunks]
+
+    def _backward_span(self, chunk) -> BackwardSpan:
+        """A chunk's backward ends when its input gradient and all its parameter gradients
+        exist, not when ``backward()`` returns: DDP waits for its all-reduces inside
+        ``backward()``, and that wait is comm, not compute."""
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        span = BackwardSpan(self.recorder, "B", len(params))
+        if self.recorder.enabled:
+            for p in params:
+                p.register_post_accumulate_grad_hook(span.param_ready)
+        return span
 
     @staticmethod
     def _build_sync(s, groups, chunk):
@@ -290,10 +302,16 @@ class PipelineJob:
             sync.ddp.reducer.prepare_for_backward([])
         rec.microbatch = a.microbatch
         out, grad = self.outputs.pop(key), self.grads.pop(key, None)
-        with rec.span("bwd", self._label("B", a), microbatch=a.microbatch), \
-                (sync.microbatch(last=last) if sync else nullcontext()):
+        span, inp = self.bwd_spans[a.chunk], self.inputs.get(key)
+        span.name, span.expects_input_grad = self._label("B", a), inp is not None and inp.requires_grad
+        if rec.enabled:
+            span.open(None)
+            if span.expects_input_grad:
+                inp.register_hook(span.inputs_ready)
+        with sync.microbatch(last=last) if sync else nullcontext():
             if out.requires_grad:        # a stage with no parameters and a plain input has no graph
                 torch.autograd.backward(out, grad)
+        span.finish()
         self.meter.release(key)
 
     def _send_b(self, a):
