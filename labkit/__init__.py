@@ -18,3 +18,11 @@ from .timeline import Timeline
 __all__ = ["Lab", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
            "bench", "collectives", "comm", "compression", "models", "reference", "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``labkit.widgets`` on first use: the dashboard needs ipywidgets, the engines do not."""
+    if name in ("widgets", "live"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
