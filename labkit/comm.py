@@ -95,8 +95,8 @@ def wire_bytes(op: str, nbytes: int, n: int) -> int:
 class Handle:
     """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
 
-    def __init__(self, ctx: CommContext, entry: dict, work, event: dict | None, start):
-        self._ctx, self.entry, self.work, self._event, self._start = ctx, entry, work, event, start
+    def __init__(self, ctx: CommContext, entry: dict, work, start):
+        self._ctx, self.entry, self.work, self._start = ctx, entry, work, start
         self._done_at = None
         if work is not None and ctx.recorder.enabled and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
             # gloo completes collectives on its own thread: note when, without blocking.
@@ -191,7 +191,7 @@ def _issue(op: str, kind: str, tensor: torch.Tensor, group, name: str, peer, mic
     else:
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
-    handle = Handle(ctx, entry, work, None, start)
+    handle = Handle(ctx, entry, work, start)
     return handle if async_op else handle.wait()
 
 
