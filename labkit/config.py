@@ -14,9 +14,6 @@ from dataclasses import asdict, dataclass
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("naive", "bucketed", "overlap", "ddp")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "powersgd")
-# Settings that change neither the process groups nor the model's placement: a widget
-# change of only these reuses what the engines already hold.
-CHEAP_FIELDS = ("microbatches", "dp_mode", "bucket_mb", "compression", "error_feedback", "schedule")
 
 
 def _check_choice(field: str, value, choices) -> None:
@@ -138,10 +135,6 @@ class Strategy:
             raise ValueError(f"each dp rank's batch ({per_rank}) does not divide into microbatches="
                              f"{self.microbatches}; use a batch that is a multiple of "
                              f"{self.dp * self.microbatches} or change microbatches")
-
-    def groups_key(self) -> tuple[int, int, int]:
-        """What defines the process groups: changing anything else reuses them."""
-        return (self.dp, self.pp, self.tp)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -63,11 +63,6 @@ class ParallelDims:
     def tp_groups(self) -> list[list[int]]:
         return [[self.rank_of(d, p, t) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
 
-    def group_of(self, kind: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s ``kind`` ("dp", "pp" or "tp") group."""
-        groups = {"dp": self.dp_groups, "pp": self.pp_groups, "tp": self.tp_groups}[kind]()
-        return next(g for g in groups if rank in g)
-
 
 @dataclass
 class ProcessGroups:
