@@ -10,22 +10,34 @@ import argparse
 import json
 import sys
 
-from .config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
+from .config import Strategy, strategy_fields
+
+
+def add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per Strategy field, from its metadata (``--dp-mode``, ``--error-feedback``, …)."""
+    for f in strategy_fields():
+        flag, m = "--" + f.name.replace("_", "-"), f.metadata
+        help_text = m["doc"] + (f" (default {f.default!r})" if f.default != () else "")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.type.startswith("tuple"):
+            p.add_argument(flag, type=int, nargs="*", default=f.default, metavar="BLOCK", help=help_text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type]
+            p.add_argument(flag, type=kind, choices=m["choices"], default=f.default, help=help_text)
+
+
+def strategy_from_args(args) -> Strategy:
+    """The Strategy the flags describe (ValueError names the field and the fix)."""
+    values = {f.name: getattr(args, f.name) for f in strategy_fields()}
+    values["split_at"] = tuple(values["split_at"])
+    return Strategy(**values)
 
 
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="train a model under a strategy on local engines and report")
     p.add_argument("--engines", type=int, default=None, help="local engines to start (default dp*pp*tp)")
-    for name in ("dp", "pp", "tp"):
-        p.add_argument(f"--{name}", type=int, default=1)
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
-    p.add_argument("--split-at", type=int, nargs="*", default=(), metavar="BLOCK",
-                   help="first block index of each stage after the first (default: balance parameters)")
-    p.add_argument("--dp-mode", choices=DP_MODES, default="overlap")
-    p.add_argument("--bucket-mb", type=float, default=1.0)
-    p.add_argument("--compression", choices=COMPRESSIONS, default="none")
+    add_strategy_flags(p)
     p.add_argument("--width", type=int, default=256, help="MLP width")
     p.add_argument("--depth", type=int, default=8, help="MLP depth (Linear layers)")
     p.add_argument("--batch", type=int, default=64)
@@ -45,10 +57,7 @@ def cmd_run(args) -> int:
     from .run.runner import validate
 
     try:
-        strategy = Strategy(dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
-                            microbatches=args.microbatches, chunks=args.chunks, split_at=tuple(args.split_at),
-                            dp_mode=args.dp_mode,
-                            bucket_mb=args.bucket_mb, compression=args.compression)
+        strategy = strategy_from_args(args)
         engines = args.engines or strategy.world_size
         model = labkit.models.mlp(width=args.width, depth=args.depth)
         validate(RunSpec(strategy, model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed), engines)

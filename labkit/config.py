@@ -4,118 +4,140 @@ A :class:`Strategy` is a small keyword-only dataclass, validated on construction
 impossible combination fails in the notebook before any engine is touched. Widgets derive
 new strategies with ``dataclasses.replace``.
 
+Each field is declared once, with :func:`setting`: its docstring, its axis, its choices and
+how a control or a run label shows it. The CLI's flags (:func:`labkit.cli`), the dashboard's
+controls and run labels (:meth:`Strategy.label`) are derived from that metadata, so a new
+field is one declaration here. Each axis checks its own fields in its own package
+(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``);
+``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
+
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
 2
+>>> Strategy(dp=2, pp=2, microbatches=4).label()
+'dp=2 pp=2 1f1b mb=4 overlap 1 MiB'
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("naive", "bucketed", "overlap", "ddp")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "powersgd")
+from .parallel import data as _data
+from .parallel import pipeline as _pipeline
+from .parallel.data import COMPRESSIONS, DP_MODES
+from .parallel.pipeline.schedules import SCHEDULES
+
+__all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
 
-def _check_choice(field: str, value, choices) -> None:
+def setting(default, doc: str, *, axis: str, choices=None, control=None, title: str | None = None,
+            label: str | None = None, show: str = "axis"):
+    """A Strategy field and what every view needs to know about it.
+
+    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on) or "degrees".
+    ``control``: how the dashboard shows it: "degree", "choice", "bool", ("int", lo, hi),
+    ("log2", lo, hi), or None (no control; the CLI still has a flag).
+    ``label``: a format for run labels ("dp={}"); ``show``: "always", "axis" (while the axis
+    is on) or "changed" (while the axis is on and the value is not the default).
+    """
+    return field(default=default, metadata={"doc": doc, "axis": axis, "choices": choices, "control": control,
+                                             "title": title, "label": label, "show": show})
+
+
+def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise ValueError(f"Strategy.{field}={value!r} is unknown; use one of {', '.join(map(repr, choices))}")
+        raise ValueError(f"Strategy.{name}={value!r} is unknown; use one of {', '.join(map(repr, choices))}")
 
 
-def _check_positive_int(field: str, value) -> None:
+def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"Strategy.{field}={value!r} must be a whole number ≥ 1")
+        raise ValueError(f"Strategy.{name}={value!r} must be a whole number ≥ 1")
+
+
+def _check_tensor(s) -> None:
+    # The tensor-parallel axis plugs in here: labkit.parallel.tensor.check_strategy(s).
+    if s.tp != 1:
+        raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
+
+
+def _check_zero(s) -> None:
+    # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
+    if s.zero != 0:
+        raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
+
+
+# Each axis's own rule, called in this order by Strategy.__post_init__.
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     """Degrees of parallelism and the knobs of each; ``dp * pp * tp`` must equal the engines."""
 
-    dp: int = 1
-    """Data-parallel degree: replicas that each see 1/dp of the global batch."""
-    pp: int = 1
-    """Pipeline-parallel degree: consecutive blocks of the model on different ranks."""
-    tp: int = 1
-    """Tensor-parallel degree (this version supports tp=1)."""
-    zero: int = 0
-    """ZeRO stage for sharding optimizer state (this version supports zero=0)."""
-    schedule: str = "1f1b"
-    """Pipeline schedule, used when pp > 1: "gpipe", "1f1b" or "interleaved"."""
-    microbatches: int = 1
-    """Micro-batches per step; each rank's share of the batch is split into this many."""
-    chunks: int = 1
-    """Model chunks (virtual stages) per pipeline rank; > 1 only with schedule="interleaved"."""
-    dp_mode: str = "overlap"
-    """How gradients are averaged over dp: "naive", "bucketed", "overlap" or "ddp"."""
-    bucket_mb: float = 1.0
-    """Bucket size in MiB for the "bucketed", "overlap" and "ddp" modes."""
-    compression: str = "none"
-    """Gradient compression on the wire: "none", "fp16", "bf16", "int8" (bucketed, overlap)
-    or "powersgd" (ddp); see labkit.compression."""
-    error_feedback: bool = True
-    """Add what compression rounded away to the next step's gradient: fp16, bf16 and int8 in the
-    bucketed and overlap modes, powersgd in ddp (torch's fp16/bf16 DDP hooks have none)."""
-    split_at: tuple[int, ...] = ()
-    """Pipeline stage boundaries: the block indices where stages 1, 2, … start (pp·chunks − 1
-    of them); empty means balanced by parameter count (interleaved: equal block counts)."""
+    dp: int = setting(1, "Data-parallel degree: replicas that each see 1/dp of the global batch.",
+                      axis="degrees", control="degree", label="dp={}", show="always")
+    pp: int = setting(1, "Pipeline-parallel degree: consecutive blocks of the model on different ranks.",
+                      axis="degrees", control="degree", label="pp={}")
+    tp: int = setting(1, "Tensor-parallel degree (this version supports tp=1).",
+                      axis="degrees", control="degree", label="tp={}")
+    zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
+                        axis="zero", label="zero={}", show="changed")
+    schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,
+                            control="choice", label="{}")
+    microbatches: int = setting(1, "Micro-batches per step; each rank's share of the batch is split into this many.",
+                                axis="pp", control=("int", 1, 16), title="micro-batches", label="mb={}",
+                                show="always")
+    chunks: int = setting(1, "Model chunks (virtual stages) per pipeline rank; > 1 only with "
+                             "schedule='interleaved'.", axis="pp", control=("int", 1, 4), title="chunks / rank",
+                          label="chunks={}", show="changed")
+    dp_mode: str = setting("overlap", "How gradients are averaged over dp.", axis="dp", choices=DP_MODES,
+                           control="choice", title="dp mode", label="{}")
+    bucket_mb: float = setting(1.0, "Bucket size in MiB for the 'bucketed', 'overlap' and 'ddp' modes.",
+                               axis="dp", control=("log2", -6, 4), title="bucket (MiB)", label="{:g} MiB")
+    compression: str = setting("none", "Gradient compression on the wire: fp16, bf16, int8 (bucketed, overlap) "
+                                       "or powersgd (ddp); see labkit.compression.", axis="dp",
+                               choices=COMPRESSIONS, control="choice", label="{}", show="changed")
+    error_feedback: bool = setting(True, "Add what compression rounded away to the next step's gradient: fp16, "
+                                         "bf16 and int8 in the bucketed and overlap modes, powersgd in ddp "
+                                         "(torch's fp16/bf16 DDP hooks have none).", axis="dp", control="bool",
+                                   title="error feedback", label="error_feedback={}", show="changed")
+    split_at: tuple[int, ...] = setting((), "Pipeline stage boundaries: the block indices where stages 1, 2, … "
+                                            "start (pp·chunks − 1 of them); empty means balanced by parameter "
+                                            "count (interleaved: equal block counts).", axis="pp",
+                                        label="split_at={}", show="changed")
 
     def __post_init__(self) -> None:
-        for field in ("dp", "pp", "tp", "microbatches", "chunks"):
-            _check_positive_int(field, getattr(self, field))
-        _check_choice("schedule", self.schedule, SCHEDULES)
-        _check_choice("dp_mode", self.dp_mode, DP_MODES)
-        _check_choice("compression", self.compression, COMPRESSIONS)
-        self._check_compression()
-        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
-            raise ValueError(f"Strategy.bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB)")
-        if self.tp != 1:
-            raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
-        if self.zero != 0:
-            raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
-        self._check_pipeline()
-
-    def _check_compression(self) -> None:
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"Strategy.error_feedback={self.error_feedback!r} must be True or False")
-        c, mode = self.compression, self.dp_mode
-        if c != "none" and mode == "naive":
-            raise ValueError(f"Strategy.compression={c!r} works per bucket, and dp_mode='naive' has no buckets; "
-                             "use dp_mode='bucketed', 'overlap' or 'ddp'")
-        if c == "int8" and mode == "ddp":
-            raise ValueError("Strategy.compression='int8': torch has no int8 DDP hook; use dp_mode='bucketed' "
-                             "or 'overlap' (labkit's int8), or compression='fp16'/'bf16'/'powersgd' with ddp")
-        if c == "powersgd" and mode != "ddp":
-            raise ValueError("Strategy.compression='powersgd' is torch's DDP comm hook; use dp_mode='ddp'")
-
-    def _check_pipeline(self) -> None:
-        if not isinstance(self.split_at, tuple):
-            if not isinstance(self.split_at, (list, range)):
-                raise ValueError(f"Strategy.split_at={self.split_at!r} must be a tuple of block indices")
-            object.__setattr__(self, "split_at", tuple(self.split_at))
-        if self.split_at:
-            at = self.split_at
-            stages = self.pp * self.chunks
-            if not all(isinstance(b, int) and not isinstance(b, bool) for b in at) or \
-                    list(at) != sorted(set(at)) or at[0] < 1:
-                raise ValueError(f"Strategy.split_at={at} must be increasing block indices ≥ 1, "
-                                 "e.g. (3, 6) for three stages starting at blocks 0, 3 and 6")
-            if len(at) != stages - 1:
-                raise ValueError(f"Strategy.split_at has {len(at)} boundaries but pp*chunks = {stages} "
-                                 f"stages need {stages - 1}; give {stages - 1} or leave split_at empty")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise ValueError(f"Strategy.chunks={self.chunks} needs schedule='interleaved'; "
-                             "set chunks=1 or schedule='interleaved'")
-        if self.schedule == "interleaved" and self.pp > 1:
-            if self.chunks < 2:
-                raise ValueError("Strategy.chunks: the interleaved schedule needs chunks ≥ 2 "
-                                 "(model chunks per rank); or use schedule='1f1b'")
-            if self.microbatches % self.pp:
-                raise ValueError(f"Strategy.microbatches={self.microbatches} must be a multiple of "
-                                 f"pp={self.pp} for the interleaved schedule")
+        for f in fields(self):
+            if f.type in ("int", int) and f.name != "zero":
+                _check_positive_int(f.name, getattr(self, f.name))
+            if f.metadata["choices"] is not None:
+                _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
+        for check in AXIS_CHECKS:
+            check(self)
 
     @property
     def world_size(self) -> int:
         """Ranks this strategy needs: dp * pp * tp."""
         return self.dp * self.pp * self.tp
+
+    def axis_on(self, axis: str) -> bool:
+        """Whether ``axis`` ("dp", "pp", "tp", "zero", "degrees") does anything here."""
+        return {"dp": self.dp > 1, "pp": self.pp > 1, "tp": self.tp > 1, "zero": self.zero > 0}.get(axis, True)
+
+    def label(self) -> str:
+        """The settings that matter for these degrees, short: "dp=2 pp=2 1f1b mb=4 overlap 1 MiB"."""
+        parts = []
+        for f in strategy_fields():
+            m, value = f.metadata, getattr(self, f.name)
+            if m["label"] is None or m["show"] != "always" and not self._shows(f, value):
+                continue
+            parts.append(m["label"].format(value))
+        return " ".join(parts)
+
+    def _shows(self, f, value) -> bool:
+        m = f.metadata
+        on = self.axis_on(f.name if m["axis"] == "degrees" else m["axis"])
+        if f.name == "bucket_mb" and self.dp_mode == "naive":
+            return False          # the naive mode has no buckets
+        return on and (m["show"] == "axis" or value != f.default)
 
     def check_engines(self, engines: int) -> None:
         """Raise ValueError unless this strategy fits exactly ``engines`` ranks."""
@@ -138,3 +160,8 @@ class Strategy:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def strategy_fields() -> tuple:
+    """Strategy's fields with their metadata, in declaration order (CLI, dashboard, labels)."""
+    return fields(Strategy)

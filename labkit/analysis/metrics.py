@@ -36,11 +36,9 @@ from statistics import mean, median
 
 Span = tuple[float, float]
 
-# Kinds whose `bytes` left this rank. recv counts on the sender's side, wait moves nothing,
-# and compress is compute that shrinks what the next collective sends.
-SEND_KINDS = frozenset(
-    {"allreduce", "reduce_scatter", "allgather", "broadcast", "send", "reduce", "all_to_all"}
-)
+# Kinds whose `bytes` left this rank (the kind table's moves_bytes): recv counts on the
+# sender's side, wait moves nothing, and compress is compute that shrinks what is sent.
+from .events import SEND_KINDS  # noqa: E402
 
 FRACTION_KEYS = ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction")
 

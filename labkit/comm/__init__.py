@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..analysis.events import kind_of_call
 from ..errors import CollectiveTimeout, CommFailure, CommMismatch
 from ..record.recorder import Recorder
 
@@ -166,7 +167,7 @@ def _guard(ctx: CommContext, entry: dict, call):
 
 
 # -- issuing --------------------------------------------------------------------------------
-def _issue(op: str, kind: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
+def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
            async_op: bool):
     ctx = context()
     if op != "barrier":
@@ -177,7 +178,7 @@ def _issue(op: str, kind: str, tensor: torch.Tensor, group, name: str, peer, mic
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     channel = _channel(ctx.rank, op, ranks, peer, group is None)
     ctx.calls[channel] += 1
-    entry = {"seq": next(ctx.seq), "op": op, "kind": kind, "name": name or op, "group": ranks,
+    entry = {"seq": next(ctx.seq), "op": op, "kind": kind_of_call(op), "name": name or op, "group": ranks,
              "channel": channel, "call": ctx.calls[channel], "time": time.time(),
              "shape": tuple(tensor.shape) if tensor is not None else (),
              "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "-", "peer": peer,
@@ -211,21 +212,21 @@ def _group_size(group) -> int:
 def all_reduce(tensor, group=None, name="", op="sum", async_op=False, microbatch=None):
     """Reduce ``tensor`` in place over ``group`` (sum by default)."""
     nbytes = wire_bytes("allreduce", tensor.numel() * tensor.element_size(), _group_size(group))
-    return _issue("all_reduce", "allreduce", tensor, group, name, None, microbatch, nbytes,
+    return _issue("all_reduce", tensor, group, name, None, microbatch, nbytes,
                   lambda: dist.all_reduce(tensor, op=OPS[op], group=group, async_op=True), async_op)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", async_op=False):
     """Gather every rank's ``tensor`` into ``output`` (n times as long, rank order)."""
     nbytes = wire_bytes("allgather", output.numel() * output.element_size(), _group_size(group))
-    return _issue("all_gather", "allgather", tensor, group, name, None, None, nbytes,
+    return _issue("all_gather", tensor, group, name, None, None, nbytes,
                   lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=True), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", op="sum", async_op=False):
     """Reduce ``tensor`` over the group and leave this rank's 1/n slice in ``output``."""
     nbytes = wire_bytes("reduce_scatter", tensor.numel() * tensor.element_size(), _group_size(group))
-    return _issue("reduce_scatter", "reduce_scatter", tensor, group, name, None, None, nbytes,
+    return _issue("reduce_scatter", tensor, group, name, None, None, nbytes,
                   lambda: dist.reduce_scatter_tensor(output, tensor, op=OPS[op], group=group, async_op=True),
                   async_op)
 
@@ -234,13 +235,13 @@ def broadcast(tensor, src: int, group=None, name="", async_op=False):
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     sends = context().rank == src
     nbytes = tensor.numel() * tensor.element_size() if sends else 0
-    return _issue("broadcast", "broadcast", tensor, group, name, src, None, nbytes,
+    return _issue("broadcast", tensor, group, name, src, None, nbytes,
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), async_op)
 
 
 def barrier(group=None, name="barrier") -> Handle:
     """Wait until every rank of ``group`` gets here (logged like any call, not drawn)."""
-    return _issue("barrier", "barrier", None, group, name, None, None, 0,
+    return _issue("barrier", None, group, name, None, None, 0,
                   lambda: dist.barrier(group=group, async_op=True), False)
 
 
@@ -258,7 +259,7 @@ def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0, 
         header = _header(tensor)       # posted first, so the receiver learns what is coming
         return _Works([dist.isend(header, dst, group=group, tag=tag), dist.isend(tensor, dst, group=group, tag=tag)],
                       keep=header)
-    return _issue("send", "send", tensor, group, name, dst, microbatch, nbytes, call, True)
+    return _issue("send", tensor, group, name, dst, microbatch, nbytes, call, True)
 
 
 def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0, check: bool | None = None) -> Handle:
@@ -275,7 +276,7 @@ def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0, 
         if not (context().check_p2p if check is None else check):
             return dist.irecv(tensor, src, group=group, tag=tag)
         return _CheckedRecv(tensor, src, group, tag)
-    return _issue("recv", "recv", tensor, group, name, src, microbatch, nbytes, call, True)
+    return _issue("recv", tensor, group, name, src, microbatch, nbytes, call, True)
 
 
 def send(tensor, dst: int, group=None, name="", microbatch=None) -> Handle:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from ..analysis.events import make_event
+
 
 class Recorder:
     """Collects this rank's events for the current step."""
@@ -52,13 +54,13 @@ class Recorder:
         return event
 
     # -- events --------------------------------------------------------------------------
-    def add(self, kind: str, name: str, start, end, stream: str = "compute", microbatch=None,
+    def add(self, kind: str, name: str, start, end, stream: str | None = None, microbatch=None,
             nbytes: int = 0, peer=None) -> dict | None:
-        """Record one span between two marks (floats, or CUDA events on GPU)."""
+        """Record one span between two marks (floats, or CUDA events on GPU); the stream is the
+        kind's (labkit.analysis.events) unless given."""
         if not self.enabled:
             return None
-        event = {"rank": self.rank, "stream": stream, "kind": kind, "name": name, "step": self.step,
-                 "microbatch": microbatch, "start": start, "end": end, "bytes": int(nbytes), "peer": peer}
+        event = make_event(self.rank, kind, name, self.step, start, end, microbatch, nbytes, peer, stream)
         if isinstance(start, float) and isinstance(end, float):
             self._events.append(event)
         else:
@@ -66,7 +68,7 @@ class Recorder:
         return event
 
     @contextmanager
-    def span(self, kind: str, name: str = "", stream: str = "compute", microbatch=None, nbytes=0, peer=None):
+    def span(self, kind: str, name: str = "", stream: str | None = None, microbatch=None, nbytes=0, peer=None):
         """Time the body as one span (a no-op when recording is off)."""
         if not self.enabled:
             yield

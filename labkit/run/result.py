@@ -42,7 +42,7 @@ class Run:
     def __repr__(self) -> str:
         s = self.strategy
         m = self.metrics
-        return (f"Run(dp={s.dp}, pp={s.pp}, dp_mode={s.dp_mode!r}, steps={len(self.losses)}, "
+        return (f"Run({s.label()}, steps={len(self.losses)}, "
                 f"loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}, "
                 f"step {1e3 * m.get('step_time_s', float('nan')):.1f} ms, "
                 f"overlap {m.get('overlap_fraction', 0):.2f})")

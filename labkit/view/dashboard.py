@@ -28,14 +28,16 @@ import time
 import ipywidgets as W
 import matplotlib
 
-from ..config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
+from ..config import Strategy, strategy_fields
 from ..parallel.build import RunSpec
 from ..run.live import LiveRun, LiveRunner, describe_error
 from ..run.runner import validate
 
-# Controls that map one to one onto Strategy fields, in the order they are shown.
-STRATEGY_FIELDS = ("dp", "pp", "tp", "schedule", "chunks", "microbatches", "dp_mode", "bucket_mb",
-                   "compression")
+# Controls that map one to one onto Strategy fields: every field whose metadata names a
+# control, in declaration order, grouped by axis (labkit.config.setting).
+STRATEGY_FIELDS = tuple(f.name for f in strategy_fields() if f.metadata["control"] is not None)
+GROUPS = (("Degrees", "degrees"), ("Pipeline (pp > 1)", "pp"), ("Data parallel", "dp"),
+          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"))
 COLORS = {"ok": "#1b7a3d", "busy": "#1f5fa8", "problem": "#a35a00", "error": "#b00020"}
 
 
@@ -138,22 +140,13 @@ class Dashboard:
 
     # -- building -----------------------------------------------------------------------------
     def _build_controls(self, s: Strategy, steps: int, auto: bool) -> None:
-        degrees = list(range(1, self.lab.world_size + 1))
         style = {"description_width": "100px"}
-        c = {
-            "dp": W.Dropdown(options=degrees, value=s.dp, description="dp"),
-            "pp": W.Dropdown(options=degrees, value=s.pp, description="pp"),
-            "tp": W.Dropdown(options=degrees, value=s.tp, description="tp"),
-            "schedule": W.Dropdown(options=SCHEDULES, value=s.schedule, description="schedule"),
-            "chunks": W.IntSlider(value=s.chunks, min=1, max=4, description="chunks / rank"),
-            "microbatches": W.IntSlider(value=s.microbatches, min=1, max=16, description="micro-batches"),
-            "dp_mode": W.Dropdown(options=DP_MODES, value=s.dp_mode, description="dp mode"),
-            "bucket_mb": W.FloatLogSlider(value=s.bucket_mb, base=2, min=-6, max=4, step=1,
-                                          description="bucket (MiB)", readout_format=".3g"),
-            "compression": W.Dropdown(options=COMPRESSIONS, value=s.compression, description="compression"),
+        c = {f.name: _control(f, getattr(s, f.name), self.lab.world_size)
+             for f in strategy_fields() if f.metadata["control"] is not None}
+        c.update({
             "steps": W.IntSlider(value=steps, min=1, max=20, description="steps per run"),
             "auto": W.Checkbox(value=auto, description="run on change", indent=False),
-        }
+        })
         for name, w in c.items():
             if name != "auto":
                 w.style, w.layout.width = style, "270px"
@@ -189,9 +182,9 @@ class Dashboard:
     def _layout(self) -> W.Widget:
         c = self.controls
         group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
-        panel = W.HBox([group("Degrees", "dp", "pp", "tp"),
-                        group("Pipeline (pp > 1)", "schedule", "chunks", "microbatches"),
-                        group("Data parallel", "dp_mode", "bucket_mb", "compression")],
+        axis_of = {f.name: f.metadata["axis"] for f in strategy_fields()}
+        groups = [(title, [n for n in STRATEGY_FIELDS if axis_of[n] == axis]) for title, axis in GROUPS]
+        panel = W.HBox([group(title, *names) for title, names in groups if names],
                        layout=W.Layout(flex_flow="row wrap"))
         bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["steps"], c["auto"]],
                      layout=W.Layout(flex_flow="row wrap"))
@@ -397,14 +390,23 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _describe(s: Strategy) -> str:
-    """The settings that matter for these degrees, short: "dp=2 overlap 1 MiB mb=2"."""
-    parts = [f"dp={s.dp}"] + ([f"pp={s.pp} {s.schedule}"] if s.pp > 1 else []) + ([f"tp={s.tp}"] if s.tp > 1 else [])
-    if s.dp > 1:
-        parts.append(s.dp_mode + (f" {s.bucket_mb:g} MiB" if s.dp_mode != "naive" else ""))
-        if s.compression != "none":
-            parts.append(s.compression)
-    parts.append(f"mb={s.microbatches}")
-    return " ".join(parts)
+    """The settings that matter for these degrees, short (Strategy.label)."""
+    return s.label()
+
+
+def _control(f, value, world_size: int) -> W.Widget:
+    """The widget a Strategy field's metadata asks for (labkit.config.setting)."""
+    kind, title = f.metadata["control"], f.metadata["title"] or f.name
+    if kind == "degree":
+        return W.Dropdown(options=list(range(1, world_size + 1)), value=value, description=title)
+    if kind == "choice":
+        return W.Dropdown(options=f.metadata["choices"], value=value, description=title)
+    if kind == "bool":
+        return W.Checkbox(value=value, description=title)
+    name, lo, hi = kind
+    if name == "int":
+        return W.IntSlider(value=value, min=lo, max=hi, description=title)
+    return W.FloatLogSlider(value=value, base=2, min=lo, max=hi, step=1, description=title, readout_format=".3g")
 
 
 def _labels(a: LiveRun, b: LiveRun | None) -> tuple[str, str]:

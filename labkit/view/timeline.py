@@ -27,6 +27,7 @@ import matplotlib.colors
 from matplotlib.patches import Patch
 
 from ..analysis import metrics as _metrics
+from ..analysis.events import KINDS, OTHER_COLOR
 
 STREAMS = ("compute", "comm")
 # Trace thread ids. Integers with thread_name metadata, as the trace format specifies:
@@ -34,15 +35,8 @@ STREAMS = ("compute", "comm")
 # idle thread, which it treats specially (perfetto json_trace_parser_impl.cc; issue #394).
 STREAM_TIDS = {"compute": 1, "comm": 2}
 
-# Okabe & Ito (2008) colour-blind-safe colours, topped up from Paul Tol's muted scheme.
-# Compute is blue-green, collectives warm, point-to-point wine/teal; wait is grey and hatched.
-PALETTE = {
-    "fwd": "#56B4E9", "bwd": "#0072B2", "optimizer": "#009E73",
-    "allreduce": "#D55E00", "reduce_scatter": "#E69F00", "allgather": "#CC79A7",
-    "broadcast": "#F0E442", "send": "#882255", "recv": "#44AA99", "wait": "#BBBBBB",
-    "compress": "#999933", "decompress": "#DDCC77",
-}
-OTHER_COLOR = "#666666"
+# Colours come from the kind table (labkit.analysis.events), in its order for the legend.
+PALETTE = {name: kind.color for name, kind in KINDS.items()}
 # Characters of x-small text that fit across a default-width figure: a span that is 10% of
 # the x range holds about 11; spans with room for fewer than 2 get no label.
 LABEL_CHARS_PER_AXIS = 110

@@ -1,0 +1,104 @@
+"""The event and its kinds, defined once: recorder, simulator, metrics, plots and traces read them.
+
+An event is one span on one rank's lane (docs/design.md, "Events")::
+
+    {"rank", "stream": "compute"|"comm", "kind", "name", "step", "microbatch",
+     "start", "end", "bytes", "peer"}
+
+times in seconds from the step's start, aligned across ranks. Events stay plain dicts (they
+travel from the engines by pickle and into JSON files unchanged); :class:`Event` types them.
+
+Each kind is one row of :data:`KINDS`: its stream, its colour on the timeline, whether its
+``bytes`` left the rank (metrics count those as sent), and for comm kinds the
+:mod:`labkit.comm` call that records it. The call is spelled as torch spells it
+(``all_reduce``), the kind once, as the timeline shows it (``allreduce``). A new kind is one
+row here, and every view picks it up.
+
+>>> KINDS["allreduce"].moves_bytes, KINDS["wait"].moves_bytes
+(True, False)
+>>> kind_of_call("all_gather")
+'allgather'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+STREAMS = ("compute", "comm")
+
+
+class Event(TypedDict):
+    """One span of one rank; see the module docstring."""
+
+    rank: int
+    stream: str
+    kind: str
+    name: str
+    step: int
+    microbatch: int | None
+    start: float
+    end: float
+    bytes: int
+    peer: int | None
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One row of the kind table."""
+
+    name: str
+    stream: str
+    color: str
+    moves_bytes: bool = False
+    """Its ``bytes`` left this rank (a recv's bytes count on the sender's side; wait moves none)."""
+    call: str | None = None
+    """The labkit.comm function that records it (comm kinds)."""
+    description: str = ""
+
+
+# Colours: Okabe & Ito (2008), colour-blind safe, topped up from Paul Tol's muted scheme.
+# Compute is blue-green, collectives warm, point-to-point wine/teal; wait is grey (hatched).
+_ROWS = (
+    Kind("fwd", "compute", "#56B4E9", description="forward of a micro-batch (or a block)"),
+    Kind("bwd", "compute", "#0072B2", description="backward of a micro-batch (or a block)"),
+    Kind("bwd_input", "compute", "#3B8BC2", description="split backward: input gradient only (I)"),
+    Kind("bwd_weight", "compute", "#1F4E79", description="split backward: weight gradient only (W)"),
+    Kind("optimizer", "compute", "#009E73", description="the optimizer step"),
+    Kind("allreduce", "comm", "#D55E00", True, "all_reduce"),
+    Kind("reduce_scatter", "comm", "#E69F00", True, "reduce_scatter"),
+    Kind("allgather", "comm", "#CC79A7", True, "all_gather"),
+    Kind("broadcast", "comm", "#F0E442", True, "broadcast"),
+    Kind("send", "comm", "#882255", True, "send"),
+    Kind("recv", "comm", "#44AA99", False, "recv"),
+    Kind("wait", "comm", "#BBBBBB", False, description="a receive before its sender posted (bubble)"),
+    Kind("compress", "compute", "#999933", description="shrinking a bucket before it is sent"),
+    Kind("decompress", "compute", "#DDCC77", description="restoring a received bucket"),
+)
+KINDS: dict[str, Kind] = {k.name: k for k in _ROWS}
+OTHER_COLOR = "#666666"      # a kind outside the table (user code): drawn, never dropped
+
+# Kinds whose bytes left this rank (metrics' bytes_sent).
+SEND_KINDS = frozenset(k.name for k in _ROWS if k.moves_bytes)
+_BY_CALL = {k.call: k.name for k in _ROWS if k.call}
+
+
+def kind_of_call(call: str) -> str:
+    """The event kind a labkit.comm call records ("all_reduce" → "allreduce")."""
+    return _BY_CALL.get(call, call)
+
+
+def color_of(kind: str) -> str:
+    row = KINDS.get(kind)
+    return row.color if row else OTHER_COLOR
+
+
+def stream_of(kind: str) -> str:
+    row = KINDS.get(kind)
+    return row.stream if row else "compute"
+
+
+def make_event(rank: int, kind: str, name: str, step: int, start, end, microbatch=None,
+               nbytes: int = 0, peer=None, stream: str | None = None) -> Event:
+    """An event; the stream comes from the kind table unless given."""
+    return {"rank": rank, "stream": stream or stream_of(kind), "kind": kind, "name": name, "step": step,
+            "microbatch": microbatch, "start": start, "end": end, "bytes": int(nbytes), "peer": peer}
