@@ -49,6 +49,11 @@ class EngineDiedError(LabError):
     """An engine process died (killed, crashed, out of memory)."""
 
 
+# Errors a rank raises because of a peer (it waited, or its connection went): the echo of a
+# failure elsewhere, never its root cause (labkit.run.live.root_cause).
+PEER_ERRORS = ("CollectiveTimeout", "CommFailure", "DistBackendError", "DistNetworkError")
+
+
 # Raised on the engines themselves (they travel back as the remote error's class name).
 class CollectiveTimeout(RuntimeError):
     """Engine side: one instrumented call did not complete within the group timeout."""

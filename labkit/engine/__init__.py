@@ -38,6 +38,7 @@ class EngineSession:
         self.timeout_s = 60.0
         self.groups = None
         self.job = None
+        self.run_id = None           # the run the job was built for; every step names it
         self.recorder = None
 
     def describe(self) -> dict:
@@ -131,7 +132,7 @@ def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: fl
 
 
 def _teardown(s: EngineSession) -> None:
-    s.job = None
+    s.job, s.run_id = None, None
     s.groups = None
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -145,26 +146,35 @@ def ensure_groups(dp: int, pp: int, tp: int) -> bool:
     dims = ParallelDims(dp, pp, tp)
     if s.groups is not None and s.groups.dims == dims:
         return False
-    s.job = None
+    s.job, s.run_id = None, None
     s.groups = build_groups(dims, s.rank, s.timeout_s)
     return True
 
 
-def setup_run(spec) -> dict:
-    """Build this rank's part of the run: model, optimizer, gradient sync."""
+def setup_run(spec, run_id: str | None = None) -> dict:
+    """Build this rank's part of the run (model, stages, gradient sync, executor) for ``run_id``."""
     from ..parallel.build import build_job
 
     s = session()
+    s.job, s.run_id = None, None
     s.recorder.enabled = spec.record
     s.job = build_job(spec, s.groups, s.recorder, s.device)
+    s.run_id = run_id
     return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters())}
 
 
-def run_step(step: int) -> dict:
-    """One training step, aligned across ranks by a barrier; returns loss and events."""
+def run_step(step: int, run_id: str | None = None) -> dict:
+    """One training step of run ``run_id``, aligned across ranks by a barrier; loss and events.
+
+    A step that names another run than the one set up here (a stray call left from a run that
+    failed or was replaced) is refused before it touches the job.
+    """
     s = session()
     if s.job is None:
         raise RuntimeError(f"rank {s.rank}: no run is set up on this engine (call lab.run)")
+    if run_id != s.run_id:
+        raise RuntimeError(f"rank {s.rank}: step {step} belongs to run {run_id} but run {s.run_id} is set up "
+                           f"here; a step never runs another run's job")
     s.recorder.step = step
     batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
     comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
@@ -199,9 +209,10 @@ def flight_log() -> dict:
 
 
 def parameters() -> dict:
-    """This rank's part of the trained parameters, on CPU, keyed as in the model's state_dict."""
+    """The parameters this rank's job reports (its ``full_state_dict()``), on CPU, keyed as in
+    the model's state_dict; merged over ranks they are the whole model."""
     s = session()
-    return s.job.parameters() if s.job is not None else {}
+    return s.job.full_state_dict() if s.job is not None else {}
 
 
 def shutdown() -> None:

@@ -1,21 +1,35 @@
-"""A run on one rank: the spec that travels from the notebook, and the builder that composes
-strategies into a job, in one commented order.
+"""A run on one rank: the spec that travels from the notebook, and the one builder that
+composes the axes into a job, in one commented order.
 
-Order of composition (as picotron and torchtitan do it): pipeline split (which blocks live on
-this rank) → data parallelism over the ranks holding the same blocks. Tensor parallelism and
-ZeRO would slot in before and after the pipeline split.
+Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → compile → FSDP):
+
+1. the whole model, built under the run's seed (so every rank starts from the reference's weights);
+2. the tensor-parallel split (``tp == 1``: the model as it is);
+3. the pipeline split: which blocks form each stage, and which stages live on this rank
+   (``pp == 1``: one stage holding every block);
+4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
+   dp = 1: none; sharding slots in here later);
+5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions.
+
+    >>> job = build_job(spec, groups, recorder, device)     # engine side (labkit.engine.setup_run)
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from torch import nn
 
 from ..config import Strategy
-from ..record.instrument import ActivationMeter, instrument_backward
-from .data.sync import build_grad_sync
 from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward
+from .data.sync import build_grad_sync
+from .executor import Executor, Stage
+from .pipeline.schedules import build_schedule
+from .pipeline.stages import Link, stage_blocks
+
+_serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 
 
 @dataclass
@@ -35,65 +49,73 @@ class RunSpec:
     extra: dict = field(default_factory=dict)
 
 
-def build_job(spec: RunSpec, groups, recorder, device):
+def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     """This rank's job for ``spec``, on the groups already built for its degrees."""
-    if spec.strategy.pp > 1:
-        from .pipeline.stages import PipelineJob
-        return PipelineJob(spec, groups, recorder, device)
-    return DataParallelJob(spec, groups, recorder, device)
+    s = spec.strategy
+    dp_index, pp_index, _ = groups.coords
+    full = build_model(spec.model, spec.seed)                              # 1. whole, under the seed
+    data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
+    full = build_tensor_split(full, s, groups)                             # 2. tensor parallel
+    blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
+    mine = [g for g in range(len(blocks)) if g % s.pp == pp_index]        # chunk c = stage c·pp + r
+    stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
+              for c, g in enumerate(mine)]
+    params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
+    return Executor(                                                       # 5. one executor
+        spec, stages, len(blocks) - 1, build_actions(s, pp_index),
+        Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
+        build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
+        recorder, device, dp_index, owns_parameters=dp_index == 0)
 
 
-def shard(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
-    """Rows ``index``/``parts`` of the global batch (equal shares, so means average exactly)."""
-    size = x.shape[0] // parts
-    return x[index * size:(index + 1) * size]
+def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
+    """Step 2: split the model's layers over the tp group; ``tp == 1`` leaves it whole.
+
+    The tensor-parallel axis plugs in here, and only here:
+    ``labkit.parallel.tensor.build_tensor_parallel(model, strategy, groups, plan)``
+    (Strategy rejects tp > 1 until it does).
+    """
+    if strategy.tp == 1:
+        return model
+    raise NotImplementedError("tensor parallelism is not wired into the builder yet")
 
 
-class DataParallelJob:
-    """The whole model on every rank; gradients averaged over dp by the chosen mode."""
+def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: Strategy, groups,
+                recorder, device) -> Stage:
+    """Step 4: one stage's blocks, on the device, wrapped by its gradient sync.
 
-    def __init__(self, spec: RunSpec, groups, recorder, device):
-        self.spec, self.recorder, self.device = spec, recorder, device
-        s = spec.strategy
-        self.dp_index = groups.coords[0]
-        model = build_model(spec.model, spec.seed).to(device)
-        self.data = resolve_data(spec.data, model, spec.batch, spec.seed)
-        self.loss_fn = resolve_loss(spec.loss)
-        self.hooks = instrument_backward(model, recorder)
-        self.sync = build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb, s.compression, s.error_feedback)
-        self.model = model
-        self.wrapped = self.sync.wrap(model)
-        self.optimizer = build_optimizer(model.parameters(), spec.lr, spec.momentum)
-        self.meter = ActivationMeter(list(model.parameters()))
+    Backward is timed per block when a rank holds the whole model (the data-parallel lesson:
+    buckets overlap with the backward of earlier blocks), per micro-batch otherwise (the
+    pipeline's lesson). Either way a span ends when the gradients exist, not when
+    ``backward()`` returns: DDP waits for its all-reduces inside ``backward()``, and that wait
+    is comm, not compute.
+    """
+    module = nn.Sequential()
+    for i in blocks:                   # keep the full model's indices: same state_dict keys
+        module.add_module(str(i), full[i])
+    module = module.to(device)
+    has_grads = any(p.requires_grad for p in module.parameters())
+    sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
+                           s.error_feedback)
+    span = None
+    if s.pp == 1:
+        instrument_backward(module, recorder)
+    else:
+        span = _stage_span(module, recorder)
+    return Stage(index, chunk, module, sync.wrap(module), sync, span)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's 1/dp of the step's global batch, on its device."""
-        s = self.spec.strategy
-        x, y = self.data(step)
-        return shard(x, self.dp_index, s.dp).to(self.device), shard(y, self.dp_index, s.dp).to(self.device)
 
-    def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
-        s, rec = self.spec.strategy, self.recorder
-        x, y = batch
-        total = 0.0
-        self.meter.live, self.meter.peak = {}, 0
-        for mb, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
-            rec.microbatch = mb
-            # forward too inside: DDP decides in forward whether this backward reduces
-            with self.sync.microbatch(last=mb == s.microbatches - 1):
-                with rec.span("fwd", f"F{mb}", microbatch=mb), self.meter.forward(mb, xm) as kept:
-                    out = self.wrapped(xm)
-                    loss = self.loss_fn(out, ym) / s.microbatches
-                    kept.append(out)
-                loss.backward()
-            self.meter.release(mb)
-            total += loss.item()
-        rec.microbatch = None
-        self.sync.finish()
-        with rec.span("optimizer", "SGD step"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
-        return {"loss": total, "loss_weight": 1.0, "peak_activation_bytes": self.meter.peak}
+def _stage_span(module: nn.Module, recorder) -> BackwardSpan:
+    params = [p for p in module.parameters() if p.requires_grad]
+    span = BackwardSpan(recorder, "B", len(params))
+    if recorder.enabled:
+        for p in params:
+            p.register_post_accumulate_grad_hook(span.param_ready)
+    return span
 
-    def parameters(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+def build_actions(s: Strategy, pp_index: int) -> list:
+    """Step 5's list: this rank's schedule actions (pp = 1: forward then backward per micro-batch)."""
+    if s.pp == 1:
+        return build_schedule("1f1b", 1, s.microbatches, 1)[0]
+    return build_schedule(s.schedule, s.pp, s.microbatches, s.chunks)[pp_index]

@@ -1,10 +1,12 @@
-"""Runs for the dashboard: step by step, asynchronously, one at a time.
+"""Runs for the dashboard: step by step, on a worker thread, one at a time.
 
 ``lab.run`` holds the notebook until the run ends; a dashboard must not. :class:`LiveRunner`
-makes the same calls as ``labkit.runner.execute`` (validate in the notebook, then
-ensure_groups → setup_run → run_step per step on the engines) but chains them with
-``AsyncResult.add_done_callback``, so the kernel stays free and every step's timeline and
-metrics arrive as soon as that step ends.
+runs each submitted spec through the very step loop ``lab.run`` uses
+(:func:`labkit.run.runner.execute`) on a worker thread, so the kernel stays free, every
+step's timeline and metrics arrive as soon as that step ends, and a failure or a change of
+degrees is handled exactly as in ``lab.run`` (fresh store, blocked ranks freed). While a run
+is in flight the lab is held: a ``lab.run`` or ``lab.apply`` from the notebook raises
+LabError instead of interleaving with it on the engines.
 
     >>> live = LiveRunner(lab, on_update=lambda lr: print(lr.step, lr.run.losses[-1]))
     >>> live.submit(RunSpec(Strategy(dp=2), labkit.models.mlp(width=64, depth=4), steps=5))
@@ -16,8 +18,8 @@ Coalescing: at most one run is in flight; of the specs submitted meanwhile only 
 runs next. ``engine.ensure_groups`` keeps the process groups when the degrees are unchanged;
 each run records what it answered in ``LiveRun.groups_rebuilt``.
 
-Callbacks (``on_start``, ``on_update``, ``on_finish``) run on ipyparallel's client thread:
-they must be quick and must not wait for the engines (that thread delivers the answers).
+Callbacks (``on_start``, ``on_update``, ``on_finish``) run on the worker thread: they must be
+quick (widget updates; drawing goes to the dashboard's painter thread).
 """
 from __future__ import annotations
 
@@ -26,13 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import engine
-from ..errors import LabError
+from ..errors import PEER_ERRORS, LabError
 from ..parallel.build import RunSpec
-from .result import Run
-from .runner import _global_loss, _metrics, ship_by_value, validate
 from ..view.timeline import Timeline
-from ..analysis.waits import split_waits
+from .result import Run
+from .runner import execute, ship_by_value, validate
 
 
 @dataclass
@@ -50,7 +50,6 @@ class LiveRun:
     step_done_at: list[float] = field(default_factory=list)
     finished_at: float | None = None
     stop_requested: bool = False
-    peak: list[int] = field(default_factory=list, repr=False)   # activation bytes per rank
     finished: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -114,7 +113,7 @@ class LiveRunner:
             raise TimeoutError(f"the live run did not finish within {timeout:g} s")
         return self.last
 
-    # -- the chain of calls ---------------------------------------------------------------------
+    # -- the worker thread ----------------------------------------------------------------------
     def _begin(self, spec: RunSpec) -> LiveRun:
         """Under the lock: make ``spec`` the run in flight."""
         self.started += 1
@@ -124,61 +123,28 @@ class LiveRunner:
         return self.current
 
     def _start(self, live: LiveRun) -> None:
+        threading.Thread(target=self._drive, args=(live,), name=f"labkit-run-{live.number}", daemon=True).start()
+
+    def _drive(self, live: LiveRun) -> None:
+        """The run, through lab.run's own step loop; never lets an exception die on the thread."""
         _notify(self.on_start, live)
-        s = live.spec.strategy
-        self._call(live, engine.ensure_groups, (s.dp, s.pp, s.tp), self._after_groups)
-
-    def _call(self, live: LiveRun, fn, args: tuple, then: Callable) -> None:
-        """``fn(*args)`` on every rank; ``then(live, results)`` once all have answered."""
         try:
-            ar = self.lab.view.apply_async(fn, *args)
-        except Exception as exc:          # a closed lab, a spec that does not pickle, ...
+            run = execute(self.lab, live.spec, on_step=lambda run, step: self._stepped(live, run, step),
+                          stop=lambda: live.stop_requested, on_groups=lambda rebuilt: self._grouped(live, rebuilt),
+                          what=f"dashboard run {live.number}")
+        except BaseException as exc:
             self._finish(live, "failed", exc)
             return
-        ar.add_done_callback(lambda _: self._resume(live, ar, fn.__name__, then))
+        live.run = run
+        self._finish(live, "stopped" if run.interrupted else "done")
 
-    def _resume(self, live: LiveRun, ar, what: str, then: Callable) -> None:
-        if live.ended:
-            return
-        try:
-            results = self.lab._gather(ar, 5, what)      # done already: rank reports on failure
-            then(live, results)
-        except BaseException as exc:     # never let an exception die on the client thread
-            self._finish(live, "failed", exc)
+    def _grouped(self, live: LiveRun, rebuilt: list[bool]) -> None:
+        live.groups_rebuilt, live.state = rebuilt, "running"
 
-    def _after_groups(self, live: LiveRun, rebuilt: list[bool]) -> None:
-        live.groups_rebuilt = rebuilt
-        self._call(live, engine.setup_run, (live.spec,), self._after_setup)
-
-    def _after_setup(self, live: LiveRun, _) -> None:
-        live.state = "running"
-        live.peak = [0] * self.lab.world_size
-        if live.stop_requested:
-            self._finish(live, "stopped")
-            return
-        self._call(live, engine.run_step, (0,), self._after_step)
-
-    def _after_step(self, live: LiveRun, results: list[dict]) -> None:
-        """As ``runner.execute`` does after each step: loss, events, timeline, metrics."""
-        live.step += 1
+    def _stepped(self, live: LiveRun, run: Run, step: int) -> None:
+        live.run, live.step = run, step
         live.step_done_at.append(time.perf_counter())
-        run, world = live.run, self.lab.world_size
-        run.losses.append(_global_loss(results))
-        events = list(run.timeline.events)
-        step_events = []
-        for r in results:
-            step_events.extend(r["events"])
-            live.peak[r["rank"]] = max(live.peak[r["rank"]], r.get("peak_activation_bytes", 0))
-        events.extend(split_waits(step_events))
-        run.timeline = Timeline(events, world)
-        run.metrics = _metrics(events, world, live.spec, list(live.peak), live.step)
-        last, stop = live.step == live.steps - 1, live.stop_requested
-        if not last and not stop:   # send the next step first: the engines
-            self._call(live, engine.run_step, (live.step + 1,), self._after_step)   # work meanwhile
         _notify(self.on_update, live)
-        if last or stop:                   # Stop acts here, at a step boundary
-            run.interrupted = not last
-            self._finish(live, "done" if last else "stopped")
 
     def _finish(self, live: LiveRun, state: str, error: BaseException | None = None) -> None:
         """End ``live``; start the latest queued spec, if any."""
@@ -211,13 +177,30 @@ def _notify(callback: Callable | None, live: LiveRun) -> None:
 
 
 def describe_error(error: BaseException) -> str:
-    """One line for a status bar: the failing ranks and why, else the exception itself."""
+    """One line for a status bar: the root cause — the rank whose own error started it, not a
+    peer that timed out waiting for it — else the exception itself."""
     if isinstance(error, LabError) and error.reports:
-        first = error.reports[0]
-        where = "rank ?" if first.rank is None else f"rank {first.rank}"
         more = f" (+{len(error.reports) - 1} more)" if len(error.reports) > 1 else ""
-        return f"{where}: {first.error}: {_first_line(first.message)}{more}"
+        return root_cause(error) + more
     return f"{type(error).__name__}: {_first_line(str(error))}"
+
+
+def root_cause(error: LabError) -> str:
+    """A rank's own error if one raised it; else the rank a hang report names as missing; else
+    the first report. Peers that timed out or lost their connection are only the echo."""
+    own = [r for r in error.reports if r.error not in PEER_ERRORS]
+    if own:
+        return _say(own[0])
+    hang = getattr(error, "hang", None)
+    if hang is not None and hang.not_reached:
+        return (f"rank {hang.not_reached[0]} never reached {hang.op} '{hang.name}' (step {hang.step}); "
+                f"rank(s) {hang.reached} timed out waiting for it")
+    return _say(error.reports[0])
+
+
+def _say(report) -> str:
+    where = "rank ?" if report.rank is None else f"rank {report.rank}"
+    return f"{where}: {report.error}: {_first_line(report.message)}"
 
 
 def _first_line(text: str) -> str:

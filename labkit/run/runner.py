@@ -1,11 +1,15 @@
-"""``lab.run`` step by step: validate in the notebook, build on the engines, run each step
+"""The run driver, step by step: validate in the notebook, build on the engines, run each step
 as its own call (so a run can be watched, interrupted at a step boundary and its failure
 pinned to a step), gather events after every step, and turn them into metrics.
+
+:func:`execute` is the one step loop: ``lab.run`` and the CLI call it directly, the dashboard's
+:class:`labkit.run.live.LiveRunner` calls it on a worker thread.
 """
 from __future__ import annotations
 
 import os
 import sys
+import uuid
 from typing import Callable
 
 from torch import nn
@@ -71,33 +75,48 @@ def ship_by_value(*objects) -> None:
             cloudpickle.register_pickle_by_value(module)
 
 
-def execute(lab, spec: RunSpec, on_step: Callable | None = None) -> Run:
+def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[[], bool] | None = None,
+            on_groups: Callable | None = None, what: str = "lab.run") -> Run:
+    """The one step loop: ``lab.run``, the CLI and the dashboard's runner all come through here.
+
+    Validate in the notebook; hold the lab (another thread's ``lab.run``/``lab.apply`` is
+    refused meanwhile); groups for the degrees (a fresh store after a failure or a change of
+    degrees, as every lab call does); build on the engines under a fresh run id; one call per
+    step, tagged with that id; after each step, append its events (O(events of the step)) and
+    refresh the metrics; ``on_step(run, step)``; stop at a step boundary when ``stop()`` says so.
+    """
     validate(spec, lab.world_size)
     ship_by_value(spec.model, spec.data, spec.loss)
     s = spec.strategy
-    lab._interrupt = False
-    lab._ensure_groups(s.dp, s.pp, s.tp)        # a change of degrees starts on a fresh store
-    lab.apply(engine.setup_run, spec)
-    losses, events, peak = [], [], [0] * lab.world_size
-    run = Run(s, losses, Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
-    for step in range(spec.steps):
-        results = lab.apply(engine.run_step, step)
-        losses.append(_global_loss(results))
-        run.step_times.append(max(r["step_s"] for r in results))
-        step_events = []
-        for r in results:
-            step_events.extend(r["events"])
-            peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
-        events.extend(split_waits(step_events))
-        run.timeline = Timeline(events, lab.world_size)
-        run.metrics = _metrics(events, lab.world_size, spec, peak, step)
-        if on_step is not None:
-            on_step(run, step)
-        if lab._interrupt and step < spec.steps - 1:
-            run.interrupted = True
-            break
-    run.params = _gather_parameters(lab, s)
+    with lab.hold(what):
+        rebuilt = lab.ensure_groups(s.dp, s.pp, s.tp)
+        if on_groups is not None:
+            on_groups(rebuilt)
+        run_id = uuid.uuid4().hex[:12]
+        lab.apply(engine.setup_run, spec, run_id)
+        run = Run(s, [], Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
+        peak = [0] * lab.world_size
+        for step in range(spec.steps):
+            record_step(run, lab.apply(engine.run_step, step, run_id), spec, peak, step)
+            if on_step is not None:
+                on_step(run, step)
+            if stop is not None and stop() and step < spec.steps - 1:
+                run.interrupted = True
+                break
+        run.params = gather_parameters(lab)
     return run
+
+
+def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], step: int) -> None:
+    """Fold one step's answers into ``run``: loss, wall time, events (appended), metrics."""
+    run.losses.append(_global_loss(results))
+    run.step_times.append(max(r["step_s"] for r in results))
+    step_events = []
+    for r in results:
+        step_events.extend(r["events"])
+        peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
+    run.timeline.extend(split_waits(step_events))
+    run.metrics = _metrics(run.timeline.events, len(peak), spec, list(peak), step)
 
 
 def _global_loss(results: list[dict]) -> float:
@@ -112,11 +131,10 @@ def _metrics(events, world_size, spec, peak, step) -> dict:
     return step_metrics(kept, world_size, spec.batch, peak_activation_bytes=peak)
 
 
-def _gather_parameters(lab, s: Strategy) -> dict:
-    """Each model part once: from the ranks with dp index 0 (one per pipeline stage)."""
-    parts = lab.apply(engine.parameters)
+def gather_parameters(lab) -> dict:
+    """The full state_dict: every rank's job reports the keys it owns (its full_state_dict),
+    so nothing here assumes which ranks hold which parameters."""
     merged = {}
-    for rank, part in enumerate(parts):
-        if rank < s.pp * s.tp:        # dp index 0 (ranks are laid out dp-major)
-            merged.update(part)
+    for part in lab.apply(engine.parameters):
+        merged.update(part)
     return merged

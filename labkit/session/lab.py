@@ -13,8 +13,10 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from concurrent import futures
+from contextlib import contextmanager
 from typing import Callable
 
 import ipyparallel as ipp
@@ -38,7 +40,7 @@ class Lab:
 
     def __init__(self, client: ipp.Client, cluster: ipp.Cluster | None, timeout: float,
                  master_addr: str | None = None, threads: int | None = None, progress: bool = True):
-        self.client, self.cluster, self.timeout = client, cluster, float(timeout)
+        self.client, self.cluster, self._timeout = client, cluster, float(timeout)
         self.threads, self._progress = threads, progress
         self._master_addr = master_addr
         self.ranks: list[dict] = []
@@ -52,6 +54,8 @@ class Lab:
         self._busy: list = []           # futures of ranks still running a call that failed elsewhere
         self._groups_key = None
         self._launcher = "connect"
+        self._holder: tuple[int, str] | None = None     # (thread id, what) of a run holding the lab
+        self._hold_lock = threading.Lock()
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
@@ -148,8 +152,45 @@ class Lab:
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def timeout(self) -> float:
+        """The collective timeout in seconds; setting it starts the next call on a fresh store
+        (groups take their timeout when they are created)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"timeout={seconds!r} must be a number of seconds > 0")
+        self._timeout, self._dirty = float(seconds), True
+
+    @contextmanager
+    def hold(self, what: str):
+        """Keep the engines for one thread while ``what`` runs (a run of lab.run or the dashboard).
+
+        Meanwhile a call from any other thread raises LabError instead of interleaving its
+        calls with the run's on the engines. The holding thread's own calls go through.
+        """
+        me = threading.get_ident()
+        with self._hold_lock:
+            if self._holder is not None and self._holder[0] != me:
+                raise self._held_error(what)
+            outer, self._holder = self._holder, (me, what)
+        try:
+            yield self
+        finally:
+            with self._hold_lock:
+                self._holder = outer
+
+    def _held_error(self, what: str) -> LabError:
+        return LabError(f"{what}: the engines are busy with {self._holder[1]}; wait for it to end "
+                        f"(dash.wait()) or stop it (dash.stop()), then try again")
+
     def apply(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError."""
+        holder = self._holder
+        if holder is not None and holder[0] != threading.get_ident():
+            raise self._held_error(f"lab.apply({getattr(fn, '__name__', 'call')})")
         self._ready()
         ar = self.view.apply_async(fn, *args, **kwargs)
         return self._gather(ar, timeout, what=getattr(fn, "__name__", "call"))
@@ -323,16 +364,19 @@ class Lab:
         self._say(f"labkit: {n} engines restarted ({time.monotonic() - t0:.0f} s)")
         return self
 
-    def _ensure_groups(self, dp: int, pp: int, tp: int) -> None:
-        """The engines' process groups for these degrees; a change of degrees starts on a fresh store.
+    def ensure_groups(self, dp: int, pp: int, tp: int) -> list[bool]:
+        """The engines' process groups for these degrees; a change of degrees starts on a fresh
+        store. Returns, per rank, whether its groups were built anew.
 
         Re-initialising costs well under a second and drops every old group and its sockets,
         so any number of changes in a row starts from the same clean state.
         """
+        self._ready()           # after a failure: free blocked ranks, fresh store
         if self._groups_key is not None and self._groups_key != (dp, pp, tp):
             self._init_distributed()
-        self.apply(engine.ensure_groups, dp, pp, tp)
+        rebuilt = self.apply(engine.ensure_groups, dp, pp, tp)
         self._groups_key = (dp, pp, tp)
+        return rebuilt
 
     # -- training ---------------------------------------------------------------------------
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
@@ -341,7 +385,8 @@ class Lab:
         """Train ``model`` for ``steps`` under ``strategy``; see DESIGN.md for the contract."""
         from ..run.runner import execute
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record)
-        return execute(self, spec, on_step)
+        self._interrupt = False
+        return execute(self, spec, on_step, stop=lambda: self._interrupt)
 
     def interrupt(self) -> None:
         """Ask a running ``lab.run`` to stop at the next step boundary."""

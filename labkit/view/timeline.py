@@ -54,6 +54,10 @@ class Timeline:
     def __len__(self) -> int:
         return len(self.events)
 
+    def extend(self, events) -> None:
+        """Append more events (a step's, as it arrives); those already held are not copied again."""
+        self.events.extend(dict(e) for e in events)
+
     def __repr__(self) -> str:
         durations = list(self.step_durations().values())
         time = f", step {median(durations) * 1e3:.2f} ms" if durations else ""

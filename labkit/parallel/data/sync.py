@@ -14,12 +14,16 @@ same optimizer step as one process would on the whole batch.
 ``compression`` ("fp16", "bf16", "int8"; "powersgd" with ddp) shrinks each bucket's message;
 see :mod:`labkit.compression`. The naive mode has no buckets and sends gradients as they are.
 
-Every sync object follows one lifecycle::
+Every sync object has the methods the executor needs, and no caller asks which class it is::
 
     model = sync.wrap(model)                 # once
-    with sync.microbatch(last=is_last):      # around each micro-batch's backward
-        loss.backward()
+    with sync.defer():                       # around each forward: no reduction armed
+        out = model(x)
+    with sync.backward(last=is_last):        # around each micro-batch's backward; the last
+        loss.backward()                      # one's gradients are the ones reduced
     sync.finish()                            # gradients averaged when it returns
+
+``dp == 1`` (or a stage without parameters) gets :class:`NoSync`, which does nothing.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ MiB = 1024 * 1024
 
 def build_grad_sync(mode: str, group, dp: int, bucket_mb: float, compression: str = "none",
                     error_feedback: bool = True) -> "GradSync":
-    """The gradient synchroniser for ``dp_mode`` (see the module docstring)."""
+    """The gradient synchroniser for ``dp_mode`` (see the module docstring); dp = 1: NoSync."""
+    if dp == 1:
+        return NoSync(group, dp, bucket_mb)
     kinds = {"naive": NaiveSync, "bucketed": BucketedSync, "overlap": OverlapSync, "ddp": DDPSync}
     if mode not in kinds:
         raise ValueError(f"dp_mode={mode!r} is unknown; use one of {sorted(kinds)}")
@@ -77,14 +83,25 @@ class GradSync:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         return model
 
+    def defer(self):
+        """Around a forward: the reduction is not armed (only DDP arms it in forward)."""
+        return nullcontext()
+
     @contextmanager
-    def microbatch(self, last: bool):
+    def backward(self, last: bool):
         """Backward of one micro-batch; only the last one's gradients are reduced."""
         self.last = last
         yield
 
     def finish(self) -> None:
         raise NotImplementedError
+
+
+class NoSync(GradSync):
+    """Nothing to average: one replica (dp = 1), or a stage without parameters."""
+
+    def finish(self) -> None:
+        pass
 
 
 class NaiveSync(GradSync):
@@ -202,8 +219,16 @@ class DDPSync(GradSync):
                                                 self.error_feedback)
         return self.ddp
 
-    def microbatch(self, last: bool):
-        return nullcontext() if last else self.ddp.no_sync()
+    def defer(self):
+        return self.ddp.no_sync()
+
+    @contextmanager
+    def backward(self, last: bool):
+        if last:
+            # Forwards ran under no_sync; arm DDP's reducer for this stage's final backward
+            # (torch.distributed.pipelining's PipelineStage does the same).
+            self.ddp.reducer.prepare_for_backward([])
+        yield
 
     def finish(self):
         pass     # DDP's backward already waited for every bucket

@@ -1,16 +1,16 @@
-"""Pipeline parallelism: an nn.Sequential cut into stages across ranks, run by a schedule.
+"""Pipeline parallelism: an nn.Sequential cut into stages across ranks.
 
-Three parts, top to bottom:
+Two parts, top to bottom:
 
 * the **stage split** — top-level blocks into p·v contiguous stages, balanced by parameter
   count (interleaved: equal block counts, as Megatron does), or at ``Strategy.split_at``;
 * the **link** — activations and gradients between neighbour stages with labkit.comm's
   isend/irecv, so every transfer is on the comm lane. Each channel's first activation is
   preceded by a shape header (the receiver allocates from it); a shape that changes later is
-  a clear error from the sender, never a gloo abort (see :class:`_Link`);
-* the **executor** — :class:`PipelineJob` runs one rank's action list from
-  :mod:`labkit.schedules` (gpipe, 1f1b, interleaved), then reduces each stage's gradients
-  over its dp group with the foundation's gradient sync, then steps the optimizer.
+  a clear error from the sender, never a gloo abort (see :class:`Link`).
+
+The schedule (:mod:`.schedules`) says what each rank does in which order; one executor for
+every strategy runs it (:mod:`labkit.parallel.executor`, built by :mod:`labkit.parallel.build`).
 
     >>> run = lab.run(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4),
     ...               model=labkit.models.mlp(width=64, depth=4), batch=32)
@@ -18,18 +18,11 @@ Three parts, top to bottom:
 from __future__ import annotations
 
 import itertools
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from ... import comm
-from ...record.instrument import ActivationMeter, BackwardSpan
-from .schedules import build_schedule
-from ...models.training import build_model, build_optimizer, resolve_data, resolve_loss
-from ..data.sync import DDPSync, build_grad_sync
-
-_serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 
 
 # -- the stage split ---------------------------------------------------------------------------
@@ -106,7 +99,7 @@ class ShapeChanged(ValueError):
     """A stage's output changed shape or dtype after its first micro-batch."""
 
 
-class _Link:
+class Link:
     """Activations forward and gradients backward, each transfer a labkit.comm call.
 
     A channel is the pair of neighbour stages. Its first activation is preceded by a shape
@@ -183,140 +176,3 @@ class _Link:
         for handle in self.pending:
             handle.wait()
         self.pending = []
-
-
-# -- the executor -------------------------------------------------------------------------------
-class PipelineJob:
-    """This rank's stages of the model, run by the strategy's schedule, then dp-reduced."""
-
-    def __init__(self, spec, groups, recorder, device):
-        tag = next(_serial)
-        self.spec, self.recorder, self.device = spec, recorder, device
-        s = spec.strategy
-        self.dp_index, self.pp_index, _ = groups.coords
-        full = build_model(spec.model, spec.seed)     # under the seed: the reference's weights
-        self.data = resolve_data(spec.data, full, spec.batch, spec.seed)
-        self.loss_fn = resolve_loss(spec.loss)
-        self.stages = stage_blocks(full, s)
-        self.last_stage = len(self.stages) - 1
-        mine = [g for g in range(len(self.stages)) if g % s.pp == self.pp_index]   # chunk c = stage c*pp + r
-        self.chunks = [nn.Sequential(*(full[i] for i in self.stages[g])).to(device) for g in mine]
-        # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
-        self.model = nn.ModuleDict({str(i): full[i] for g in mine for i in self.stages[g]})
-        self.actions = build_schedule(s.schedule, s.pp, s.microbatches, s.chunks)[self.pp_index]
-        self.last_backward = {a.chunk: a.microbatch for a in self.actions if a.op == "B"}
-        self.link = _Link(groups.pp_ranks, groups.pp, device, tag)
-        self.syncs = [self._build_sync(s, groups, c) for c in self.chunks]
-        self.run_chunks = [sync.wrap(c) if sync else c for sync, c in zip(self.syncs, self.chunks)]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(params, spec.lr, spec.momentum) if params else None
-        self.meter = ActivationMeter(params)
-        self.bwd_spans = [self._backward_span(c) for c in self.chunks]
-
-    def _backward_span(self, chunk) -> BackwardSpan:
-        """A chunk's backward ends when its input gradient and all its parameter gradients
-        exist, not when ``backward()`` returns: DDP waits for its all-reduces inside
-        ``backward()``, and that wait is comm, not compute."""
-        params = [p for p in chunk.parameters() if p.requires_grad]
-        span = BackwardSpan(self.recorder, "B", len(params))
-        if self.recorder.enabled:
-            for p in params:
-                p.register_post_accumulate_grad_hook(span.param_ready)
-        return span
-
-    @staticmethod
-    def _build_sync(s, groups, chunk):
-        if s.dp == 1 or not any(p.requires_grad for p in chunk.parameters()):
-            return None
-        return build_grad_sync(s.dp_mode, groups.dp, s.dp, s.bucket_mb, s.compression, s.error_feedback)
-
-    # -- one step ------------------------------------------------------------------------------
-    def step(self, step: int, batch) -> dict:
-        s = self.spec.strategy
-        x, y = batch
-        self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
-        self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
-        self.meter.live, self.meter.peak = {}, 0
-        for action in self.actions:
-            self.link.poll()
-            getattr(self, "_" + action.op.lower())(action)
-        self.link.drain()
-        self.recorder.microbatch = None
-        for sync in self.syncs:
-            if sync is not None:
-                sync.finish()
-        if self.optimizer is not None:
-            with self.recorder.span("optimizer", "SGD step"):
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=False)
-        last = self.last_stage % s.pp == self.pp_index
-        return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
-                "peak_activation_bytes": self.meter.peak}
-
-    def batch(self, step: int):
-        """This rank's 1/dp of the step's global batch, on its device."""
-        s, batch = self.spec.strategy, self.spec.batch
-        x, y = self.data(step)
-        if x.shape[0] != batch or y.shape[0] != batch:
-            raise ValueError(f"step {step}: data gave {x.shape[0]} inputs and {y.shape[0]} targets but "
-                             f"batch={batch}; the data must give the whole global batch every step")
-        size = batch // s.dp
-        rows = slice(self.dp_index * size, (self.dp_index + 1) * size)
-        return x[rows].to(self.device), y[rows].to(self.device)
-
-    def _label(self, op: str, a) -> str:
-        return f"{op}{a.microbatch}" + (f" c{a.chunk}" if self.spec.strategy.chunks > 1 else "")
-
-    # -- the six actions -----------------------------------------------------------------------
-    def _recv_f(self, a):
-        self.inputs[a.chunk, a.microbatch] = self.link.recv_activation(a)
-
-    def _f(self, a):
-        key, rec = (a.chunk, a.microbatch), self.recorder
-        inp = self.xs[a.microbatch] if a.stage == 0 else self.inputs[key]
-        sync = self.syncs[a.chunk]
-        quiet = sync.ddp.no_sync() if isinstance(sync, DDPSync) else nullcontext()
-        rec.microbatch = a.microbatch
-        with rec.span("fwd", self._label("F", a), microbatch=a.microbatch), \
-                self.meter.forward(key, inp) as kept, quiet:
-            out = self.run_chunks[a.chunk](inp)
-            if a.stage == self.last_stage:
-                out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches
-                self.loss = self.loss + out.detach()      # read once per step, not per micro-batch
-            kept.append(out)
-        self.outputs[key] = out
-
-    def _send_f(self, a):
-        self.link.send_activation(a, self.outputs[a.chunk, a.microbatch])
-
-    def _recv_b(self, a):
-        self.grads[a.chunk, a.microbatch] = self.link.recv_grad(a, self.outputs[a.chunk, a.microbatch])
-
-    def _b(self, a):
-        key, rec = (a.chunk, a.microbatch), self.recorder
-        sync = self.syncs[a.chunk]
-        last = self.last_backward[a.chunk] == a.microbatch
-        if last and isinstance(sync, DDPSync):
-            # Forwards ran under no_sync; arm DDP's reducer for this chunk's final backward
-            # (torch.distributed.pipelining's PipelineStage does the same).
-            sync.ddp.reducer.prepare_for_backward([])
-        rec.microbatch = a.microbatch
-        out, grad = self.outputs.pop(key), self.grads.pop(key, None)
-        span, inp = self.bwd_spans[a.chunk], self.inputs.get(key)
-        span.name, span.expects_input_grad = self._label("B", a), inp is not None and inp.requires_grad
-        if rec.enabled:
-            span.open(None)
-            if span.expects_input_grad:
-                inp.register_hook(span.inputs_ready)
-        with sync.microbatch(last=last) if sync else nullcontext():
-            if out.requires_grad:        # a stage with no parameters and a plain input has no graph
-                torch.autograd.backward(out, grad)
-        span.finish()
-        self.meter.release(key)
-
-    def _send_b(self, a):
-        inp = self.inputs.pop((a.chunk, a.microbatch))
-        self.link.send_grad(a, inp.grad if inp.grad is not None else torch.zeros_like(inp))
-
-    def parameters(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

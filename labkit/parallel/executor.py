@@ -1,0 +1,142 @@
+"""One executor for every strategy: it runs this rank's schedule actions on its stages.
+
+A rank holds one or more stages (pp = 1: one stage, the whole model; interleaved: several
+chunks). Each stage carries its gradient sync (the four dp modes, or none for dp = 1). The
+executor walks the rank's action list from :mod:`labkit.parallel.pipeline.schedules` and
+dispatches each action through :data:`Executor.HANDLERS`, a table keyed by the action's
+op, so a schedule with split backward (input-grad ``I``, weight-grad ``W``, as in
+torch.distributed.pipelining and the zero-bubble schedules) is new rows, not new control flow.
+
+After the list: drain pending sends, let every stage's sync finish (gradients averaged over
+dp), step the optimizer. Built by :func:`labkit.parallel.build.build_job`.
+
+    >>> job = build_job(spec, groups, recorder, device)     # on an engine
+    >>> job.step(0, job.batch(0))["loss"]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Stage:
+    """One global (virtual) stage held by this rank."""
+
+    index: int              # global stage: chunk c on pipeline rank r is stage c·pp + r
+    chunk: int              # its position among this rank's stages
+    module: nn.Sequential   # its blocks, keeping their indices in the full model
+    run: nn.Module          # what forward calls: the module, or its DDP wrapper
+    sync: object            # labkit.parallel.data.sync.GradSync
+    span: object = None     # a BackwardSpan per micro-batch; None: per-block spans (one stage)
+
+
+class Executor:
+    """This rank's stages, run by its action list, then dp-reduced and stepped."""
+
+    HANDLERS = {"F": "_forward", "B": "_backward", "SEND_F": "_send_activation", "RECV_F": "_recv_activation",
+                "SEND_B": "_send_grad", "RECV_B": "_recv_grad"}
+
+    def __init__(self, spec, stages: list[Stage], last_stage: int, actions, link, data, loss_fn,
+                 optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool):
+        self.spec, self.stages, self.last_stage, self.actions = spec, stages, last_stage, actions
+        self.link, self.data, self.loss_fn, self.optimizer = link, data, loss_fn, optimizer
+        self.meter, self.recorder, self.device, self.dp_index = meter, recorder, device, dp_index
+        self.owns_parameters = owns_parameters
+        # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
+        self.model = nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
+        self.last_backward = {a.chunk: a.microbatch for a in actions if a.op == "B"}
+        unknown = sorted({a.op for a in actions} - self.HANDLERS.keys())
+        if unknown:
+            raise ValueError(f"schedule {spec.strategy.schedule!r} uses action(s) {unknown} that the executor "
+                             f"cannot run yet; add them to Executor.HANDLERS")
+
+    # -- one step ------------------------------------------------------------------------------
+    def batch(self, step: int):
+        """This rank's 1/dp of the step's global batch, on its device (every strategy alike)."""
+        s, batch = self.spec.strategy, self.spec.batch
+        x, y = self.data(step)
+        if x.shape[0] != batch or y.shape[0] != batch:
+            raise ValueError(f"step {step}: data gave {x.shape[0]} inputs and {y.shape[0]} targets but "
+                             f"batch={batch}; the data must give the whole global batch every step")
+        size = batch // s.dp
+        rows = slice(self.dp_index * size, (self.dp_index + 1) * size)
+        return x[rows].to(self.device), y[rows].to(self.device)
+
+    def step(self, step: int, batch) -> dict:
+        s = self.spec.strategy
+        x, y = batch
+        self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
+        self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
+        self.meter.live, self.meter.peak = {}, 0
+        for action in self.actions:
+            self.link.poll()
+            getattr(self, self.HANDLERS[action.op])(action)
+        self.link.drain()
+        self.recorder.microbatch = None
+        for stage in self.stages:
+            stage.sync.finish()
+        if self.optimizer is not None:
+            with self.recorder.span("optimizer", "SGD step"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+        last = any(st.index == self.last_stage for st in self.stages)
+        return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
+                "peak_activation_bytes": self.meter.peak}
+
+    def full_state_dict(self) -> dict:
+        """The parameters this rank reports for ``run.parameters()``: each key from exactly one
+        rank (here: dp index 0 reports its stages), so the notebook just merges the answers."""
+        if not self.owns_parameters:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def _label(self, op: str, a) -> str:
+        return f"{op}{a.microbatch}" + (f" c{a.chunk}" if len(self.stages) > 1 else "")
+
+    # -- the actions -----------------------------------------------------------------------------
+    def _recv_activation(self, a):
+        self.inputs[a.chunk, a.microbatch] = self.link.recv_activation(a)
+
+    def _forward(self, a):
+        key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
+        inp = self.xs[a.microbatch] if a.stage == 0 else self.inputs[key]
+        rec.microbatch = a.microbatch
+        with rec.span("fwd", self._label("F", a), microbatch=a.microbatch), \
+                self.meter.forward(key, inp) as kept, stage.sync.defer():
+            out = stage.run(inp)
+            if a.stage == self.last_stage:
+                out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches
+                self.loss = self.loss + out.detach()      # read once per step, not per micro-batch
+            kept.append(out)
+        self.outputs[key] = out
+
+    def _send_activation(self, a):
+        self.link.send_activation(a, self.outputs[a.chunk, a.microbatch])
+
+    def _recv_grad(self, a):
+        self.grads[a.chunk, a.microbatch] = self.link.recv_grad(a, self.outputs[a.chunk, a.microbatch])
+
+    def _backward(self, a):
+        key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
+        rec.microbatch = a.microbatch
+        out, grad = self.outputs.pop(key), self.grads.pop(key, None)
+        inp, span = self.inputs.get(key), stage.span
+        if span is not None:
+            span.name, span.expects_input_grad = self._label("B", a), inp is not None and inp.requires_grad
+            if rec.enabled:
+                span.open(None)
+                if span.expects_input_grad:
+                    inp.register_hook(span.inputs_ready)
+        with stage.sync.backward(last=self.last_backward[a.chunk] == a.microbatch):
+            if out.requires_grad:        # a stage with no parameters and a plain input has no graph
+                torch.autograd.backward(out, grad)
+        if span is not None:
+            span.finish()
+        self.meter.release(key)
+
+    def _send_grad(self, a):
+        inp = self.inputs.pop((a.chunk, a.microbatch))
+        self.link.send_grad(a, inp.grad if inp.grad is not None else torch.zeros_like(inp))
