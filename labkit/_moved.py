@@ -21,7 +21,7 @@ MOVED = {
     "labkit.lab": "labkit.session.lab",
     "labkit.launchers": "labkit.session.launchers",
     "labkit.placement": "labkit.engine.placement",
-    "labkit.grid": "labkit.engine.grid",
+    "labkit.grid": "labkit.view.grid",          # ParallelDims (from engine.grid) and draw_grid
     "labkit.job": "labkit.parallel.build",
     "labkit.strategies.data_parallel": "labkit.parallel.data.sync",
     "labkit.strategies.pipeline": "labkit.parallel.pipeline.stages",

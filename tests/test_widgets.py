@@ -154,3 +154,49 @@ def test_an_engine_failure_names_the_rank_and_leaves_the_dashboard_usable(lab2):
     assert again.state == "done" and len(again.run.losses) == 2
     assert f"run {again.number} done" in dash.status_text
     dash.close()
+
+
+STRAGGLE_S = 6.0      # longer than the 3 s timeout below plus the lab's 2 s grace
+
+
+def straggler_data(step):
+    """Rank 1 is late at step 1 by more than the collective timeout: rank 0 times out waiting."""
+    if step == 1 and os.environ.get("RANK") == "1":
+        time.sleep(STRAGGLE_S)
+    return plain_data(step)
+
+
+def plain_data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_in_the_dashboard_is_handled_as_in_lab_run(lab2):
+    lab2.timeout = 3.0                    # groups made from now on time out after 3 s
+    dash = Dashboard(lab2, model=MODEL, data=straggler_data, batch=16, steps=2, plot="image", auto=False,
+                     strategy=labkit.Strategy(dp=2, dp_mode="naive"))
+    try:
+        dash.run()
+        deadline = time.monotonic() + DEADLINE
+        while dash.latest.step < 0 and not dash.latest.ended:        # step 1 (the slow one) is running
+            assert time.monotonic() < deadline, "no step finished"
+            time.sleep(0.01)
+        with pytest.raises(labkit.LabError, match="busy with dashboard run"):    # no interleaving
+            lab2.run(labkit.Strategy(dp=2), model=MODEL, batch=16, steps=1)
+        with pytest.raises(labkit.LabError, match="busy with dashboard run"):
+            lab2.apply(engine.describe)
+        failed = dash.wait(DEADLINE)
+        assert failed.state == "failed" and isinstance(failed.error, labkit.CollectiveTimeoutError)
+        # the status names the late rank (the cause), not rank 0's timeout (the echo)
+        assert "rank 1 never reached barrier 'start of step 1'" in dash.status_text, dash.status_text
+
+        dash.data = plain_data            # the same dashboard runs again on a clean world: exact
+        dash.run()
+        again = dash.wait(DEADLINE)
+        assert again.state == "done", again.error
+        ref = labkit.reference(MODEL, batch=16, steps=2, lr=0.1, seed=0, data=plain_data)
+        assert again.run.max_diff(ref) < 1e-5
+    finally:
+        dash.close()
+        lab2.timeout = 30                 # the shared lab's own timeout (a fresh store next call)

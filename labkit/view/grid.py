@@ -1,0 +1,49 @@
+"""The rank grid drawn: which ranks form the pipeline and data-parallel groups.
+
+>>> from labkit.grid import ParallelDims, draw_grid     # the old flat name reaches this module
+>>> draw_grid(ParallelDims(dp=2, pp=2))
+"""
+from __future__ import annotations
+
+from ..engine.grid import ParallelDims, ProcessGroups, build_groups  # noqa: F401  (labkit.grid's names)
+from .timeline import _new_figure
+
+
+def draw_grid(dims: ParallelDims, ax=None):
+    """Draw the rank grid: one box per rank (pipeline stages across, dp replicas down),
+    each pipeline group joined by arrows (activations flow right), each dp group by a
+    dashed band (its gradients are averaged together). Returns the Figure.
+
+    >>> labkit.grid.draw_grid(ParallelDims(dp=2, pp=2))
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+
+    if ax is None:
+        _, ax = _new_figure((1.2 + 2.2 * dims.pp, 0.8 + 1.3 * dims.dp * dims.tp))
+    colors = ["#56B4E9", "#E69F00", "#009E73", "#CC79A7", "#0072B2", "#D55E00"]
+    rows = dims.dp * dims.tp
+    for rank in range(dims.world_size):
+        dp_i, pp_i, tp_i = dims.coords(rank)
+        x, y = 2.2 * pp_i, 1.3 * (dp_i * dims.tp + tp_i)
+        ax.add_patch(FancyBboxPatch((x, y), 1.6, 0.8, boxstyle="round,pad=0.05",
+                                    facecolor=colors[pp_i % len(colors)], edgecolor="#333333"))
+        tp_text = f", tp {tp_i}" if dims.tp > 1 else ""
+        ax.text(x + 0.8, y + 0.4, f"rank {rank}\ndp {dp_i}, pp {pp_i}{tp_text}", ha="center",
+                va="center", fontsize="small")
+        if pp_i + 1 < dims.pp:      # pipeline group: activations to the next stage, grads back
+            ax.annotate("", xy=(x + 2.2, y + 0.4), xytext=(x + 1.65, y + 0.4),
+                        arrowprops={"arrowstyle": "<->", "color": "#882255", "lw": 1.5})
+    if dims.dp > 1:                 # dp group: same stage (and tp index), every replica
+        for group in dims.dp_groups():
+            _, pp_i, tp_i = dims.coords(group[0])
+            x = 2.2 * pp_i + 0.8 + 0.5 * (tp_i - (dims.tp - 1) / 2)    # tp groups side by side
+            ys = [1.3 * (dims.coords(r)[0] * dims.tp + tp_i) + 0.4 for r in group]
+            ax.plot([x, x], [min(ys), max(ys)], color="#D55E00", linestyle="--", lw=2, zorder=0)
+    ax.set_xlim(-0.4, 2.2 * dims.pp - 0.2)
+    ax.set_ylim(1.3 * rows - 0.2, -0.4)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"dp={dims.dp} × pp={dims.pp}" + (f" × tp={dims.tp}" if dims.tp > 1 else "")
+                 + ": arrows = pipeline (p2p), dashed = dp group (all-reduce)", fontsize="small")
+    return ax.figure

@@ -1,0 +1,216 @@
+"""The package's shape, checked without engines: which side imports what, the old flat names,
+the kind table, the fields every view derives from, the executor's action table.
+
+    python -m pytest tests/test_layout.py
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import labkit
+from labkit import engine
+from labkit.analysis import events, metrics
+from labkit.cli import build_parser, strategy_from_args
+from labkit.config import Strategy, strategy_fields
+from labkit.errors import LabError, RankReport
+from labkit.parallel.build import RunSpec
+from labkit.parallel.executor import Executor
+from labkit.parallel.pipeline.schedules import SCHEDULES, build_schedule, simulate
+
+ROOT = Path(labkit.__file__).parent
+ENGINE_SIDE = ("engine", "parallel", "comm", "record", "models")
+NOTEBOOK_SIDE = ("session", "run", "view", "cli")
+FORBIDDEN_IN_PURE = ("torch.distributed", "ipyparallel")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (also inside functions), resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)   # "from . import comm"
+    return found
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def closure(start: str) -> set[str]:
+    """The labkit modules ``start`` reaches through its imports (transitively)."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in MODULES or name == "labkit":     # the facade imports everything
+            continue
+        seen.add(name)
+        todo += [m for m in imports_of(MODULES[name]) if m.startswith("labkit")]
+    return seen
+
+
+def side(name: str) -> str | None:
+    top = name.split(".")[1] if "." in name else ""
+    return "engine" if top in ENGINE_SIDE else "notebook" if top in NOTEBOOK_SIDE else None
+
+
+# -- import directions ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("labkit.analysis")))
+def test_analysis_is_pure_all_the_way_down(name):
+    for reached in closure(name):
+        bad = [m for m in imports_of(MODULES[reached]) if m.startswith(FORBIDDEN_IN_PURE)]
+        assert not bad, f"{name} reaches {reached}, which imports {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("labkit.view")))
+def test_view_code_never_imports_torch_distributed_or_ipyparallel(name):
+    bad = [m for m in imports_of(MODULES[name]) if m.startswith(FORBIDDEN_IN_PURE)]
+    assert not bad, f"{name} imports {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if side(n) == "engine"))
+def test_engine_side_never_imports_notebook_side(name):
+    bad = sorted(m for m in closure(name) if side(m) == "notebook")
+    assert not bad, f"{name} reaches notebook-side {bad}"
+
+
+def test_old_flat_names_are_the_very_same_modules():
+    from labkit import _moved
+
+    for old, new in _moved.MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    assert labkit.schedules is importlib.import_module("labkit.parallel.pipeline.schedules")
+    assert labkit.widgets.Dashboard.__module__ == "labkit.view.dashboard"
+    from labkit.grid import ParallelDims, draw_grid          # notebook 03's import  # noqa: F401
+    from labkit.strategies.pipeline import stage_blocks      # notebook 02's import  # noqa: F401
+
+
+# -- the kind table -------------------------------------------------------------------------------
+DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "allreduce", "reduce_scatter",
+                "allgather", "broadcast", "send", "recv", "wait", "compress", "decompress")
+
+
+def test_the_kind_table_holds_design_kinds_once_and_every_view_reads_it():
+    from labkit.record.recorder import Recorder
+    from labkit.view.timeline import PALETTE
+
+    assert tuple(events.KINDS) == DESIGN_KINDS
+    assert PALETTE == {k: row.color for k, row in events.KINDS.items()}
+    assert metrics.SEND_KINDS == {k for k, row in events.KINDS.items() if row.moves_bytes}
+    assert {events.kind_of_call(c) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                             "send", "recv")} <= set(events.KINDS)
+    rec = Recorder(rank=0)
+    rec.add("allreduce", "bucket 0", 0.0, 1.0)
+    rec.add("fwd", "F0", 0.0, 1.0)
+    assert [e["stream"] for e in rec.drain()] == ["comm", "compute"]    # streams from the table
+    simulated = simulate(build_schedule("1f1b", stages=2, microbatches=2), 1, 2, 0.5)
+    assert {e["kind"] for e in simulated} <= set(events.KINDS)
+    assert {e["stream"] for e in simulated if e["kind"] in events.KINDS} == {"compute", "comm"}
+    assert all(events.stream_of(e["kind"]) == e["stream"] for e in simulated)
+
+
+# -- one declaration per Strategy field ----------------------------------------------------------------
+def test_every_strategy_field_has_a_cli_flag_and_round_trips():
+    s = Strategy(dp=2, pp=2, microbatches=4, dp_mode="bucketed", bucket_mb=0.5, compression="int8",
+                 error_feedback=False, split_at=(3,))
+    argv = ["run"]
+    for f in strategy_fields():
+        value = getattr(s, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, tuple):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    assert strategy_from_args(build_parser().parse_args(argv)) == s
+
+
+def test_dashboard_controls_and_labels_come_from_the_field_metadata():
+    pytest.importorskip("ipywidgets")
+    from labkit.view.dashboard import STRATEGY_FIELDS
+
+    assert STRATEGY_FIELDS == tuple(f.name for f in strategy_fields() if f.metadata["control"])
+    assert "error_feedback" in STRATEGY_FIELDS
+    assert Strategy(dp=2, pp=2, microbatches=4).label() == "dp=2 pp=2 1f1b mb=4 overlap 1 MiB"
+    assert Strategy(dp=2, dp_mode="naive").label() == "dp=2 mb=1 naive"
+    assert "int8" in Strategy(dp=2, compression="int8").label()
+    assert "pp=" not in Strategy(dp=2).label()
+
+
+def test_each_axis_checks_its_own_fields_through_strategy():
+    with pytest.raises(ValueError, match=r"Strategy\.compression"):          # the dp axis's rule
+        Strategy(dp=2, dp_mode="naive", compression="fp16")
+    with pytest.raises(ValueError, match=r"Strategy\.split_at"):             # the pp axis's rule
+        Strategy(pp=2, split_at=(2, 1))
+    with pytest.raises(ValueError, match=r"Strategy\.tp"):
+        Strategy(tp=2)
+    with pytest.raises(ValueError, match=r"Strategy\.zero"):
+        Strategy(zero=1)
+    assert dataclasses.replace(Strategy(pp=2), split_at=[2]).split_at == (2,)
+
+
+# -- the executor -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_executor_has_a_handler_for_every_action_of_every_schedule(schedule):
+    chunks = 2 if schedule == "interleaved" else 1
+    for actions in build_schedule(schedule, stages=2, microbatches=4, chunks=chunks):
+        assert {a.op for a in actions} <= Executor.HANDLERS.keys()
+        assert all(hasattr(Executor, method) for method in Executor.HANDLERS.values())
+
+
+def executor_for(strategy: Strategy, batch: int, rows: int) -> Executor:
+    data = lambda step: (torch.zeros(rows, 2), torch.zeros(rows, 2))  # noqa: E731
+    spec = RunSpec(strategy, labkit.models.mlp(width=2, depth=2), batch=batch)
+    return Executor(spec, [], 0, [], None, data, None, None, None, None, "cpu", 0, True)
+
+
+@pytest.mark.parametrize("strategy", [Strategy(dp=2), Strategy(pp=2), Strategy(dp=2, pp=2)])
+def test_dp_and_pp_take_and_refuse_the_same_data(strategy):
+    x, _ = executor_for(strategy, batch=8, rows=8).batch(0)
+    assert x.shape[0] == 8 // strategy.dp
+    with pytest.raises(ValueError, match="batch=8"):
+        executor_for(strategy, batch=8, rows=6).batch(0)
+
+
+def test_a_stray_step_never_runs_another_runs_job():
+    s = engine.session()
+    s.job, s.run_id = object(), "run-a"
+    try:
+        with pytest.raises(RuntimeError, match="belongs to run run-b but run run-a is set up"):
+            engine.run_step(0, "run-b")
+    finally:
+        s.job, s.run_id = None, None
+
+
+# -- the status line names the root cause ----------------------------------------------------------------
+class Hang:
+    op, name, step, reached, not_reached = "barrier", "start of step 1", 1, [0], [1]
+
+
+def test_the_status_names_the_rank_that_caused_it_not_a_peer_that_waited():
+    from labkit.run.live import describe_error
+
+    echo = RankReport(0, "CollectiveTimeout", "rank 0, step 1: barrier timed out after 3 s")
+    own = RankReport(1, "RuntimeError", "bad data on purpose")
+    assert describe_error(LabError("x", [echo, own])).startswith("rank 1: RuntimeError: bad data")
+    timeout = LabError("x", [echo])
+    timeout.hang = Hang()
+    assert describe_error(timeout).startswith("rank 1 never reached barrier 'start of step 1' (step 1)")
+    assert describe_error(LabError("x", [echo])).startswith("rank 0: CollectiveTimeout")
