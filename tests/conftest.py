@@ -38,6 +38,15 @@ def lab4():
     return lab_with(4)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses a shared lab starts engines: it is ``slow`` (pyproject's marker),
+    so ``-m "not slow"`` runs the pure layer alone. Tests that start their own engines or
+    processes carry the mark themselves."""
+    for item in items:
+        if {"lab2", "lab4"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionfinish(session, exitstatus):
     for lab in _labs.values():
         lab.close()

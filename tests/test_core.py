@@ -93,7 +93,7 @@ def test_reference_learns_and_is_deterministic():
 
 def test_rendezvous_address_is_never_loopback_across_hosts():
     from labkit.errors import LabError
-    from labkit.lab import _master_address
+    from labkit.session.ranks import master_address as _master_address
     assert _master_address([{"host": "n1"}, {"host": "n1"}]) == "127.0.0.1"
     assert _master_address([{"host": "n1", "master_addr": "10.1.2.3"}, {"host": "n2"}]) == "10.1.2.3"
     with pytest.raises(LabError, match="MASTER_ADDR"):

@@ -10,7 +10,7 @@ import torch
 import labkit
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
 MODEL = labkit.models.mlp(width=64, depth=4)
 
 

@@ -55,6 +55,7 @@ def test_groups_survive_a_change_of_mode_and_rebuild_for_new_degrees(lab2):
     assert lab2.apply(engine.ensure_groups, 2, 1, 1) == [False, False]
 
 
+@pytest.mark.slow
 def test_close_leaves_no_process_behind():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with labkit.Lab.start(engines=2, timeout=30, progress=False) as lab:
@@ -79,6 +80,7 @@ def test_start_rejects_nonsense():
         labkit.Lab.start(engines=0)
 
 
+@pytest.mark.slow
 def test_cli_run_writes_json_trace_and_plot(tmp_path):
     out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--engines", "2", "--dp", "2",
                           "--dp-mode", "bucketed", "--width", "32", "--depth", "3", "--batch", "16",
@@ -94,12 +96,14 @@ def test_cli_run_writes_json_trace_and_plot(tmp_path):
     assert (tmp_path / "tl.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cli_rejects_impossible_strategy_before_starting():
     out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--engines", "3", "--dp", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "dp*pp*tp" in out.stderr
 
 
+@pytest.mark.slow
 def test_connect_attaches_to_a_running_cluster_and_assigns_ranks():
     """Engines started without rank variables (like SSH engines): the lab assigns ranks."""
     import logging

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import engine
-from labkit.lab import Lab
+from labkit.session.ranks import assign_ranks
 from labkit.placement import RANK_SOURCES, check_device_map, choose_device, rank_from_env
 
 NODES, GPUS = 2, 4
@@ -103,7 +103,7 @@ def test_no_rank_variables_means_the_lab_assigns():
 
 
 class _FakeEngine:
-    """One engine's session behind ``client[eid].apply_sync`` (what Lab._assign_ranks calls)."""
+    """One engine's session behind ``client[eid].apply_sync`` (what labkit.session.ranks.assign_ranks calls)."""
 
     def __init__(self, session):
         self.session = session
@@ -127,9 +127,8 @@ def test_ssh_engines_get_ranks_by_host_then_local_ranks(monkeypatch):
         sessions[eid] = engine.EngineSession()
         infos[eid] = dict(sessions[eid].describe(), pid=pid)
         assert infos[eid]["rank"] is None and infos[eid]["device"] == "?"
-    lab = Lab.__new__(Lab)
-    lab.client = {eid: _FakeEngine(s) for eid, s in sessions.items()}
-    placed = sorted(lab._assign_ranks(infos).values(), key=lambda r: r["rank"])
+    client = {eid: _FakeEngine(s) for eid, s in sessions.items()}
+    placed = sorted(assign_ranks(client, infos).values(), key=lambda r: r["rank"])
     assert [(r["host"], r["local_rank"], r["device"]) for r in placed] == \
         [(f"node{n}", i, f"cuda:{i}") for n in range(NODES) for i in range(GPUS)]
     check_device_map(placed)

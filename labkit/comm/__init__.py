@@ -58,6 +58,20 @@ def context() -> CommContext:
     return _ctx
 
 
+def rank() -> int:
+    """This engine's rank (inside ``lab.apply`` or a run), from the launcher's environment."""
+    return context().rank
+
+
+def span(kind: str, name: str = "", **kwargs):
+    """Record user code as one span on this rank's timeline (``lab.trace``)::
+
+        with labkit.comm.span("fwd", "some compute"):
+            y = x @ w
+    """
+    return context().recorder.span(kind, name, **kwargs)
+
+
 def flight_log() -> list[dict]:
     """The last calls this rank made, oldest first (each a dict; ``state`` says how it ended).
 

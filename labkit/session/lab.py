@@ -1,17 +1,18 @@
-"""The notebook side: start or attach engines, run strategies on them, gather what happened.
+"""The notebook side: the Lab facade over engines, ranks, the torch.distributed world and runs.
 
 >>> with labkit.Lab.start(engines=2) as lab:          # two local CPU engines, gloo
 ...     run = lab.run(labkit.Strategy(dp=2), model=labkit.models.mlp(width=64, depth=4))
 ...     run.timeline.plot()
 
 Data flows one way: attach (engines, ranks, devices) → process groups → strategy builder →
-instrumented steps → events gathered after each step → metrics, plots, trace files.
+instrumented steps → events gathered after each step → metrics, plots, trace files. The Lab
+holds the state and delegates each job to its own module: starting engines through a launcher
+(:mod:`.launch`, local being one of them), the rank map and the store's address
+(:mod:`.ranks`), remote calls and their failure triage (:mod:`.calls`), the step loop
+(:mod:`labkit.run.runner`).
 """
 from __future__ import annotations
 
-import logging
-import os
-import socket
 import sys
 import threading
 import time
@@ -22,27 +23,22 @@ from typing import Callable
 import ipyparallel as ipp
 
 from .. import engine
-from ..analysis import diagnose
 from ..config import Strategy
-from ..errors import CollectiveTimeoutError, EngineDiedError, LabError, RankReport
+from ..errors import EngineDiedError, LabError
 from ..parallel.build import RunSpec
-from ..engine.placement import check_device_map
 from ..run.result import Run
-
-TIMEOUT_ERRORS = ("CollectiveTimeout",)
-COMM_ERRORS = ("CollectiveTimeout", "CommFailure", "CommMismatch", "DistBackendError", "DistNetworkError")
-# Once one rank has failed, how long the others get to finish or fail before the lab reports.
-GRACE_S = 2.0
+from . import calls
+from .launch import Launched, start_engines
+from .ranks import map_ranks, master_address
 
 
 class Lab:
     """A set of engines, one rank each, with torch.distributed initialised on them."""
 
     def __init__(self, client: ipp.Client, cluster: ipp.Cluster | None, timeout: float,
-                 master_addr: str | None = None, threads: int | None = None, progress: bool = True):
+                 threads: int | None = None, progress: bool = True):
         self.client, self.cluster, self._timeout = client, cluster, float(timeout)
         self.threads, self._progress = threads, progress
-        self._master_addr = master_addr
         self.ranks: list[dict] = []
         self._engine_of: dict[int, int] = {}     # rank → engine id
         self._rank_of: dict[int, int] = {}       # engine id → rank
@@ -51,9 +47,9 @@ class Lab:
         self.debug = False
         self._dead: list[int] = []      # ranks whose engine died: lab.recover() restarts them
         self._dirty = False             # a call failed: fresh store and groups before the next one
-        self._busy: list = []           # futures of ranks still running a call that failed elsewhere
+        self._busy: list = []           # (rank, future) of ranks still running a call that failed elsewhere
         self._groups_key = None
-        self._launcher = "connect"
+        self._launched = Launched("connect", None, client)
         self._holder: tuple[int, str] | None = None     # (thread id, what) of a run holding the lab
         self._hold_lock = threading.Lock()
 
@@ -62,29 +58,19 @@ class Lab:
     def start(cls, engines: int = 2, timeout: float = 60.0, launcher: str = "local",
               progress: bool = True, start_timeout: float = 120.0, debug: bool = False,
               **cluster_kwargs) -> "Lab":
-        """Start ``engines`` local engines (one rank each) and initialise torch.distributed.
+        """Start ``engines`` engines (one rank each) through ``launcher`` and initialise torch.distributed.
 
-        ``timeout`` is the collective timeout in seconds (every group and barrier gets it).
-        ``debug=True`` starts the engines with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives
-        checked across ranks for matching op and shapes; a few ms per call).
+        ``launcher``: "local" (CPU engines on this machine, the default), "slurm", "mpi" or
+        "ssh" (see :mod:`labkit.session.launchers`). ``timeout`` is the collective timeout in
+        seconds (every group and barrier gets it). ``debug=True`` starts the engines with
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives checked across ranks for matching op
+        and shapes; a few ms per call).
         """
         if not isinstance(engines, int) or engines < 1:
             raise ValueError(f"engines={engines!r} must be a whole number ≥ 1")
-        if launcher != "local":
-            from .launchers import start_cluster
-            cluster, client = start_cluster(launcher, engines, start_timeout, progress, **cluster_kwargs)
-            lab = cls(client, cluster, timeout, progress=progress)
-            lab.debug, lab._launcher = debug, launcher
-        else:
-            threads = max(1, (os.cpu_count() or 1) // engines)
-            cluster = ipp.Cluster(n=engines, log_level=logging.ERROR, controller_ip="127.0.0.1", **cluster_kwargs)
-            lab = cls(None, cluster, timeout, master_addr="127.0.0.1", threads=threads, progress=progress)
-            lab.debug, lab._launcher = debug, "local"
-            try:
-                lab.client = _start_local(cluster, engines, threads, start_timeout, lab._say, debug)
-            except BaseException:
-                _stop_quietly(cluster)
-                raise
+        launched = start_engines(launcher, engines, start_timeout, progress, debug, **cluster_kwargs)
+        lab = cls(launched.client, launched.cluster, timeout, threads=launched.threads, progress=progress)
+        lab.debug, lab._launched = debug, launched
         try:
             lab._attach(expected=engines)
         except BaseException:
@@ -114,32 +100,16 @@ class Lab:
     def _attach(self, expected: int, targets=None) -> None:
         """Learn each engine's rank from its environment, then join the world group."""
         self._say(f"labkit: importing torch on {expected} engines…")
-        everyone = self.client.direct_view(targets if targets is not None else "all")
-        infos = everyone.apply_async(engine.describe).get_dict(timeout=180)
-        if any(info["rank"] is None for info in infos.values()):
-            infos = self._assign_ranks(infos)
-        self._engine_of = {info["rank"]: eid for eid, info in infos.items()}
+        self._engine_of, self.ranks = map_ranks(self.client, targets)
         self._rank_of = {eid: rank for rank, eid in self._engine_of.items()}
-        self.ranks = [infos[self._engine_of[r]] for r in sorted(self._engine_of)]
-        check_device_map(self.ranks)
-        self.view = self.client.direct_view(targets=[self._engine_of[r] for r in range(len(self.ranks))])
+        self.view = self.client.direct_view(targets=self.engine_ids)
         self.view.use_cloudpickle()
         self._init_distributed()
-
-    def _assign_ranks(self, infos: dict) -> dict:
-        """No launcher rank variables (SSH): ranks by host, then process id; local ranks per host."""
-        order = sorted(infos, key=lambda eid: (infos[eid]["host"], infos[eid]["pid"]))
-        per_host: dict[str, int] = {}
-        for rank, eid in enumerate(order):
-            host = infos[eid]["host"]
-            local = per_host[host] = per_host.get(host, -1) + 1
-            infos[eid] = self.client[eid].apply_sync(engine.assign_rank, rank, len(order), local)
-        return infos
 
     def _init_distributed(self) -> None:
         """A fresh rendezvous store on rank 0 (port chosen by the OS), then every rank joins."""
         world = len(self.ranks)
-        master = self._master_addr or _master_address(self.ranks)
+        master = master_address(self.ranks)
         self._dirty, self._groups_key = False, None
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
         self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
@@ -151,6 +121,11 @@ class Lab:
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """ipyparallel's engine ids in rank order (they change when engines restart; ranks do not)."""
+        return [self._engine_of[r] for r in range(self.world_size)]
 
     @property
     def timeout(self) -> float:
@@ -174,7 +149,7 @@ class Lab:
         me = threading.get_ident()
         with self._hold_lock:
             if self._holder is not None and self._holder[0] != me:
-                raise self._held_error(what)
+                raise _held_error(what, self._holder)
             outer, self._holder = self._holder, (me, what)
         try:
             yield self
@@ -182,15 +157,11 @@ class Lab:
             with self._hold_lock:
                 self._holder = outer
 
-    def _held_error(self, what: str) -> LabError:
-        return LabError(f"{what}: the engines are busy with {self._holder[1]}; wait for it to end "
-                        f"(dash.wait()) or stop it (dash.stop()), then try again")
-
     def apply(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
         """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError."""
         holder = self._holder
         if holder is not None and holder[0] != threading.get_ident():
-            raise self._held_error(f"lab.apply({getattr(fn, '__name__', 'call')})")
+            raise _held_error(f"lab.apply({getattr(fn, '__name__', 'call')})", holder)
         self._ready()
         ar = self.view.apply_async(fn, *args, **kwargs)
         return self._gather(ar, timeout, what=getattr(fn, "__name__", "call"))
@@ -209,76 +180,27 @@ class Lab:
         return self._gather(ar, None, what=fn.__name__)
 
     def _gather(self, ar, timeout: float | None, what: str) -> list:
-        """Wait for every rank; once one fails, the others get GRACE_S to finish or fail too.
-
-        So a dead engine or a timed-out collective is reported within seconds, even when
-        other ranks are still blocked (they are freed before the next call, see _ready).
-        """
+        """Wait for every rank (see :mod:`.calls`); on a failure, remember what it left behind."""
         limit = timeout if timeout is not None else 10 * self.timeout + 60
         children, targets = list(ar._children), list(ar._targets)
-        deadline, first_failure, pending = time.monotonic() + limit, None, set(children)
         try:
-            while pending:
-                until = deadline if first_failure is None else min(deadline, first_failure + GRACE_S)
-                if time.monotonic() >= until:
-                    break
-                done, pending = futures.wait(pending, timeout=until - time.monotonic(),
-                                             return_when=futures.FIRST_COMPLETED)
-                if first_failure is None and any(_error_of(f) for f in done):
-                    first_failure = time.monotonic()
+            pending = calls.wait_for_ranks(children, limit)
         except KeyboardInterrupt:
             self._dirty = True
             self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if not f.done()]
             raise
-        failed = [(t, _error_of(f)) for t, f in zip(targets, children) if f not in pending and _error_of(f)]
+        failed = [(t, calls.error_of(f)) for t, f in zip(targets, children) if f not in pending and calls.error_of(f)]
         if not failed and not pending:
             return ar.get(timeout=5)
         self._dirty = True
         self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if f in pending]
-        if not failed:
-            raise LabError(f"{what}: no answer after {limit:g} s from ranks {[r for r, _ in self._busy]}")
-        elist = []
-        for target, exc in failed:
-            if isinstance(exc, ipp.error.RemoteError):
-                info = dict(exc.engine_info or {}, engine_id=(exc.engine_info or {}).get("engine_id", target))
-                elist.append((exc.ename, exc.evalue, exc.traceback, info))
-            else:
-                elist.append((type(exc).__name__, str(exc), "", {"engine_id": target}))
-        raise self._lab_error(elist, what) from None
-
-    def _lab_error(self, elist, what: str) -> LabError:
-        reports = []
-        for ename, evalue, tb, info in elist:
-            rank = self._rank_of.get((info or {}).get("engine_id"))
-            reports.append(RankReport(rank, ename, str(evalue).strip(), tb or ""))
-        names = {r.error for r in reports}
-        failed = sorted(r.rank for r in reports if r.rank is not None)
         busy = sorted(r for r, _ in self._busy if r is not None)
-        dead = sorted(r.rank for r in reports if r.error == "EngineError" and r.rank is not None)
-        if dead:
-            self._dead = dead
-            cls, head = EngineDiedError, (f"the engine of rank(s) {dead} died (killed, crashed or out of memory); "
-                                          f"lab.recover() restarts the engines")
-        elif names & set(TIMEOUT_ERRORS):
-            cls, head = CollectiveTimeoutError, f"a collective timed out on rank(s) {failed}"
-        elif "CommMismatch" in names:
-            cls, head = LabError, (f"a message's shape or dtype differs from what rank(s) {failed} expected "
-                                   f"(nothing was corrupted; the engines are alive)")
-        else:
-            cls, head = LabError, f"failed on rank(s) {failed}"
-        lines = [f"{what}: {head}"]
-        if busy:
-            lines.append(f"  rank(s) {busy} still busy after the others failed (blocked in the same step); "
-                         f"the lab frees them before the next call")
-        logs, hang = {}, None
-        if not dead and (names & set(COMM_ERRORS) or busy):
-            logs = self._flight_logs(skip=busy)
-            hang = diagnose.explain_hang(logs, {r: "still busy" for r in busy}, self.timeout)
-            if hang is not None and hang.not_reached:
-                lines.append("  " + str(hang).replace("\n", "\n  "))
-        error = cls("\n".join(lines), reports)
-        error.hang, error.flight_logs, error.busy, error.dead = hang, logs, busy, dead
-        return error
+        if not failed:
+            raise LabError(f"{what}: no answer after {limit:g} s from ranks {busy}")
+        error = calls.triage(calls.reports_of(failed, self._rank_of), what, busy, self.timeout, self._flight_logs)
+        if error.dead:
+            self._dead = error.dead
+        raise error from None
 
     def _flight_logs(self, skip=()) -> dict[int, list[dict]]:
         """Every answering rank's flight recorder (rank → entries); {} if none can be read."""
@@ -342,17 +264,7 @@ class Lab:
         n, t0 = self.world_size, time.monotonic()
         old = set(self.client.ids)
         self._say(f"labkit: restarting {n} engines…")
-        if self.cluster is not None and self._launcher == "local":
-            for rank in range(n):
-                try:
-                    self.cluster.stop_engines_sync(engine_set_id=f"rank{rank}")
-                except Exception:
-                    pass               # its engine is already gone
-            for rank in range(n):
-                self.cluster.start_engines_sync(n=1, engine_set_id=f"rank{rank}",
-                                                environment=_rank_env(rank, n, self.threads, self.debug))
-        elif self.cluster is not None:
-            self.cluster.restart_engines_sync()
+        self._launched.restart(n, self.debug)
         fresh = []
         while len(fresh) < n:
             if time.monotonic() - t0 > timeout:
@@ -404,7 +316,7 @@ class Lab:
             self.client.close()
             self.client = None
         if self.cluster is not None:
-            _stop_quietly(self.cluster)
+            self._launched.stop()
             self.cluster = None
         self.view = None
 
@@ -427,69 +339,6 @@ class Lab:
         return f"<table>{head}{body}</table>"
 
 
-def _error_of(future) -> Exception | None:
-    """The error a finished per-engine future carries (ipyparallel returns remote errors as values)."""
-    exc = future.exception()
-    if exc is not None:
-        return exc
-    result = future.result()
-    return result if isinstance(result, Exception) else None
-
-
-def _master_address(ranks: list[dict]) -> str:
-    """Where the rendezvous store listens: rank 0's MASTER_ADDR if its launcher set one, else
-    rank 0's host — and never a loopback address when ranks live on several hosts."""
-    first = ranks[0]
-    if first.get("master_addr"):
-        return first["master_addr"]
-    if len({r["host"] for r in ranks}) == 1:
-        return "127.0.0.1"
-    address = _address_of(first["host"])
-    if address.startswith("127."):
-        raise LabError(f"rank 0's host {first['host']} resolves to {address}, which other hosts cannot reach; "
-                       f"set MASTER_ADDR in the engines' environment to an address of {first['host']} on the "
-                       f"cluster network")
-    return address
-
-
-def _address_of(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
-def _rank_env(rank: int, n: int, threads: int, debug: bool = False) -> dict:
-    """The environment of a local engine: its rank variables, loopback only, its thread share."""
-    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-           "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(threads)}
-    if debug:
-        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    return env
-
-
-def _start_local(cluster: ipp.Cluster, n: int, threads: int, timeout: float, say, debug: bool = False) -> ipp.Client:
-    """One engine set per rank, each with its own rank variables (never engine ids)."""
-    t0 = time.monotonic()
-    say(f"labkit: starting controller and {n} engines…")
-    cluster.start_controller_sync()
-    for rank in range(n):
-        cluster.start_engines_sync(n=1, engine_set_id=f"rank{rank}", environment=_rank_env(rank, n, threads, debug))
-    client = cluster.connect_client_sync()
-    seen = -1
-    while len(client.ids) < n:
-        if time.monotonic() - t0 > timeout:
-            raise LabError(f"only {len(client.ids)} of {n} engines registered within {timeout:g} s")
-        if len(client.ids) != seen:
-            seen = len(client.ids)
-            say(f"labkit: {seen}/{n} engines up ({time.monotonic() - t0:.0f} s)")
-        time.sleep(0.25)
-    say(f"\rlabkit: {n}/{n} engines up ({time.monotonic() - t0:.0f} s)")
-    return client
-
-
-def _stop_quietly(cluster: ipp.Cluster) -> None:
-    try:
-        cluster.stop_cluster_sync()
-    except Exception:
-        pass
+def _held_error(what: str, holder: tuple[int, str]) -> LabError:
+    return LabError(f"{what}: the engines are busy with {holder[1]}; wait for it to end "
+                    f"(dash.wait()) or stop it (dash.stop()), then try again")

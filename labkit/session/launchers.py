@@ -11,7 +11,7 @@ has registered. A launch that cannot succeed fails with a :class:`LabError` that
 launcher's own words — sbatch's refusal, a job still PENDING with Slurm's reason, mpirun's
 message, ssh's "Permission denied", the engine's own output — and everything it started is
 stopped first. Ranks come from the launcher's variables on the engines (SLURM_PROCID,
-OMPI_COMM_WORLD_RANK); SSH sets none, so the lab assigns them (see ``Lab._assign_ranks``).
+OMPI_COMM_WORLD_RANK); SSH sets none, so the lab assigns them (see :func:`labkit.session.ranks.assign_ranks`).
 
 Security: the controller listens on ``controller_ip`` ("*" = every interface, needed when
 engines run on other nodes); ipyparallel signs its messages but does not encrypt them, and

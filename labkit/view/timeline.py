@@ -27,9 +27,8 @@ import matplotlib.colors
 from matplotlib.patches import Patch
 
 from ..analysis import metrics as _metrics
-from ..analysis.events import KINDS, OTHER_COLOR
+from ..analysis.events import KINDS, OTHER_COLOR, STREAMS
 
-STREAMS = ("compute", "comm")
 # Trace thread ids. Integers with thread_name metadata, as the trace format specifies:
 # Perfetto reads string tids only through a "quick-and-dirty" hack, and tid 0 is Linux's
 # idle thread, which it treats specially (perfetto json_trace_parser_impl.cc; issue #394).

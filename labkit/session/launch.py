@@ -1,0 +1,53 @@
+"""Starting engines through a launcher, by name: "local" (the default) is just one of them.
+
+:func:`start_engines` returns a :class:`Launched`: the ipyparallel Cluster and Client, the
+compute threads each engine was given, and how to restart the same engines (``lab.recover``).
+ipyparallel finds its launchers by name the same way; the lab never asks which one it got.
+
+>>> launched = start_engines("local", engines=2, timeout=120, progress=True)
+>>> launched = start_engines("slurm", engines=8, timeout=600, progress=True, gpus_per_node=4)
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import ipyparallel as ipp
+
+from . import local
+
+
+@dataclass
+class Launched:
+    """Engines this process started (``cluster`` None: someone else did, ``Lab.connect``)."""
+
+    launcher: str
+    cluster: ipp.Cluster | None
+    client: ipp.Client
+    threads: int | None = None      # torch threads per engine (local); None: the launcher decides
+
+    def restart(self, n: int, debug: bool = False) -> None:
+        """Start the same engines again (new engine ids, same ranks and environment)."""
+        if self.cluster is None:
+            return                      # attached with connect(): whoever started them restarts them
+        if self.launcher == "local":
+            local.restart_local(self.cluster, n, self.threads, debug)
+        else:
+            self.cluster.restart_engines_sync()
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            local.stop_quietly(self.cluster)
+
+
+def start_engines(launcher: str, engines: int, timeout: float, progress: bool, debug: bool = False,
+                  **options) -> Launched:
+    """``engines`` engines through ``launcher`` ("local", "slurm", "mpi", "ssh"), all registered."""
+    say = (lambda text, end="\n": print(text, end=end, file=sys.stderr, flush=True)) if progress \
+        else (lambda text, end="\n": None)
+    if launcher == "local":
+        cluster, client, threads = local.start_local(engines, timeout, say, debug, **options)
+        return Launched("local", cluster, client, threads)
+    from .launchers import start_cluster
+    cluster, client = start_cluster(launcher, engines, timeout, progress, **options)
+    return Launched(launcher, cluster, client)
