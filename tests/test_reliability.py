@@ -252,7 +252,7 @@ def test_ten_changes_of_degrees_each_on_a_fresh_store(lab2):
     stores = []
     for i in range(10):
         dp, pp = (2, 1) if i % 2 == 0 else (1, 2)
-        lab2._ensure_groups(dp, pp, 1)
+        lab2.ensure_groups(dp, pp, 1)
         stores.append(lab2.store)
         out = lab2.apply(_use_groups)
         assert [o[0] for o in out] == [float(dp)] * 2

@@ -307,12 +307,34 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 MAX_DIMS = 14
 
 
-def _header(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
+HEADER_LEN = 2 + MAX_DIMS
+
+
+def describable(tensor: torch.Tensor) -> bool:
+    """Whether a message header can describe ``tensor`` (its dtype and number of dims)."""
+    return tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
+
+
+def header(tensor: torch.Tensor) -> torch.Tensor:
+    """The one point-to-point header format: [dtype code, ndim, dims…, 0…], int64, HEADER_LEN long.
+
+    Sent before a payload, it lets the receiver check what arrives (``irecv(check=True)``) or
+    allocate for it (the pipeline's first activation on a channel, :func:`read_header`).
+    """
+    if not describable(tensor):
         raise ValueError(f"labkit.comm: cannot describe a {tensor.dim()}-d {tensor.dtype} tensor in a "
                          f"message header; call labkit.comm.set_p2p_check(False) on every rank")
     values = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (MAX_DIMS - tensor.dim())
     return torch.tensor(values, dtype=torch.int64, device=tensor.device)
+
+
+def read_header(values: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) that a :func:`header` announces."""
+    code, ndim, *dims = values.tolist()
+    return tuple(dims[:ndim]), DTYPES[code]
+
+
+_header = header
 
 
 def _describe(dtype, shape) -> str:
@@ -342,7 +364,7 @@ class _CheckedRecv:
 
     def __init__(self, tensor, src, group, tag):
         self.tensor, self.src, self.group, self.tag = tensor, src, group, tag
-        self.header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=tensor.device)
+        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=tensor.device)
         self.header_work = dist.irecv(self.header, src, group=group, tag=tag)
         self._done = False
 
@@ -350,8 +372,7 @@ class _CheckedRecv:
         if self._done:
             return True
         self.header_work.wait()
-        code, ndim, *dims = self.header.tolist()
-        dtype, shape = DTYPES[code], tuple(dims[:ndim])
+        shape, dtype = read_header(self.header)
         if dtype == self.tensor.dtype and shape == tuple(self.tensor.shape):
             dist.irecv(self.tensor, self.src, group=self.group, tag=self.tag).wait()
             self._done = True

@@ -91,10 +91,6 @@ def stage_blocks(model: nn.Sequential, strategy) -> list[range]:
 
 
 # -- the link between neighbour stages ---------------------------------------------------------
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-HEADER = 10   # dtype code, ndim, up to 8 sizes
-
-
 class ShapeChanged(ValueError):
     """A stage's output changed shape or dtype after its first micro-batch."""
 
@@ -102,10 +98,10 @@ class ShapeChanged(ValueError):
 class Link:
     """Activations forward and gradients backward, each transfer a labkit.comm call.
 
-    A channel is the pair of neighbour stages. Its first activation is preceded by a shape
-    header, so the receiver can allocate, and goes with labkit.comm's per-message check; every
-    later one must keep that shape, and skips the per-message check (its extra round trip
-    cost ~10% of a pipeline step on gloo). A change of shape is caught here, on the sender
+    A channel is the pair of neighbour stages. Its first activation is preceded by
+    labkit.comm's message header (the one point-to-point header format), so the receiver can
+    allocate; every later one must keep that shape and goes without a header (a header per
+    message cost ~10% of a pipeline step on gloo). A change of shape is caught here, on the sender
     (ShapeChanged), and the changed tensor is never sent, so gloo cannot abort the receiver:
     the lab reports the sender's error and frees the waiting receiver. Gradients need no
     check: the receiving stage knows its own output's shape, and autograd keeps it.
@@ -128,14 +124,12 @@ class Link:
     def send_activation(self, a, out: torch.Tensor) -> None:
         meta, out = (tuple(out.shape), out.dtype), out.detach().contiguous()
         if a.stage not in self.shapes:
-            if out.dtype not in DTYPES or out.dim() > HEADER - 2:
+            if not comm.describable(out):
                 raise ValueError(f"stage {a.stage} output {out.dtype} with {out.dim()} dims cannot be sent; "
-                                 f"stage outputs must be a tensor of ≤ {HEADER - 2} dims, dtype in {DTYPES}")
+                                 f"stage outputs must be a tensor of ≤ {comm.MAX_DIMS} dims, dtype in {comm.DTYPES}")
             self.shapes[a.stage] = meta
-            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-            header[:2 + out.dim()] = torch.tensor([DTYPES.index(out.dtype), out.dim(), *out.shape])
-            self._send(header, a, f"{a} shape")
-            self._send(out, a)                  # the first one: checked by labkit.comm too
+            self._send(comm.header(out), a, f"{a} shape", check=False)
+            self._send(out, a, check=False)     # the header already says what it is
             return
         if meta == self.shapes[a.stage]:
             self._send(out, a, check=False)
@@ -147,13 +141,12 @@ class Link:
 
     def recv_activation(self, a) -> torch.Tensor:
         sender = a.stage - 1
-        first = sender not in self.shapes
-        if first:
-            header = self._recv(torch.empty(HEADER, dtype=torch.int64, device=self.device), a, f"{a} shape")
-            code, ndim, *sizes = header.tolist()
-            self.shapes[sender] = (tuple(sizes[:ndim]), DTYPES[code])
+        if sender not in self.shapes:
+            values = self._recv(torch.empty(comm.HEADER_LEN, dtype=torch.int64, device=self.device), a,
+                                f"{a} shape", check=False)
+            self.shapes[sender] = comm.read_header(values)
         shape, dtype = self.shapes[sender]
-        buf = self._recv(torch.empty(shape, dtype=dtype, device=self.device), a, check=None if first else False)
+        buf = self._recv(torch.empty(shape, dtype=dtype, device=self.device), a, check=False)
         return buf.requires_grad_(dtype.is_floating_point)
 
     def send_grad(self, a, grad: torch.Tensor) -> None:
