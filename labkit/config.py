@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("naive", "bucketed", "overlap", "ddp")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "powersgd")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd")
 
 
 def _check_choice(field: str, value, choices) -> None:
@@ -49,10 +49,10 @@ class Strategy:
     bucket_mb: float = 1.0
     """Bucket size in MiB for the "bucketed", "overlap" and "ddp" modes."""
     compression: str = "none"
-    """Gradient compression on the wire: "none", "fp16", "bf16", "int8" (bucketed, overlap)
-    or "powersgd" (ddp); see labkit.compression."""
+    """Gradient compression on the wire: "none", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"
+    (int8 and fp8: bucketed, overlap) or "powersgd" (ddp); see labkit.compression."""
     error_feedback: bool = True
-    """Add what compression rounded away to the next step's gradient: fp16, bf16 and int8 in the
+    """Add what compression rounded away to the next step's gradient: fp16, bf16, int8 and fp8 in the
     bucketed and overlap modes, powersgd in ddp (torch's fp16/bf16 DDP hooks have none)."""
     split_at: tuple[int, ...] = ()
     """Pipeline stage boundaries: the block indices where stages 1, 2, … start (pp·chunks − 1
@@ -80,9 +80,10 @@ class Strategy:
         if c != "none" and mode == "naive":
             raise ValueError(f"Strategy.compression={c!r} works per bucket, and dp_mode='naive' has no buckets; "
                              "use dp_mode='bucketed', 'overlap' or 'ddp'")
-        if c == "int8" and mode == "ddp":
-            raise ValueError("Strategy.compression='int8': torch has no int8 DDP hook; use dp_mode='bucketed' "
-                             "or 'overlap' (labkit's int8), or compression='fp16'/'bf16'/'powersgd' with ddp")
+        if c in ("int8", "fp8_e4m3", "fp8_e5m2") and mode == "ddp":
+            raise ValueError(f"Strategy.compression={c!r}: torch has no {c.split('_')[0]} DDP hook; use "
+                             f"dp_mode='bucketed' or 'overlap' (labkit's {c}), or compression='fp16'/'bf16'/"
+                             "'powersgd' with ddp")
         if c == "powersgd" and mode != "ddp":
             raise ValueError("Strategy.compression='powersgd' is torch's DDP comm hook; use dp_mode='ddp'")
 
