@@ -39,6 +39,7 @@ class EngineSession:
         self.groups = None
         self.job = None
         self.recorder = None
+        self.snapshots = None        # per-step parameter snapshots, when the run asks (labkit.drift)
 
     def describe(self) -> dict:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -157,6 +158,11 @@ def setup_run(spec) -> dict:
     s = session()
     s.recorder.enabled = spec.record
     s.job = build_job(spec, s.groups, s.recorder, s.device)
+    if spec.extra.get("snapshots"):
+        from .analysis.drift import build_step_snapshots
+        s.snapshots = build_step_snapshots(s.job)
+    else:
+        s.snapshots = None
     return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters())}
 
 
@@ -176,6 +182,8 @@ def run_step(step: int) -> dict:
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
+    if s.snapshots is not None:
+        result["snapshot"] = s.snapshots.pop()
     return result
 
 
