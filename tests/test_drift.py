@@ -158,3 +158,18 @@ def test_bf16_compression_is_precision_from_the_first_step(lab2, reference):
     assert (found.step, found.kind) == (0, "precision") and found.spread == 0.0
     assert found.parameter == "0.weight" and found.size > 5e-7
     assert labkit.drift(run, reference, tol=2 * run.max_diff(reference)) is None
+
+
+# -- loss curves --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_loss_curves_put_each_setting_beside_the_reference(lab2):
+    from labkit.analysis.curves import loss_curves
+
+    curves = loss_curves(lab2, MODEL, settings=("fp32", "int8", "fp8_e4m3"), batch=16, steps=3, bucket_mb=BUCKET_MB)
+    fp32, int8, fp8 = curves.curves
+    assert fp32.losses == pytest.approx(curves.reference_losses, abs=1e-6)
+    assert fp32.val_losses == pytest.approx(curves.reference_val_losses, abs=1e-6)
+    assert fp32.max_diff < 1e-6 < int8.max_diff and len(fp8.param_gaps) == 3
+    assert int8.bytes_per_step[-1] == fp8.bytes_per_step[-1] < 0.26 * fp32.bytes_per_step[-1]
+    assert "fp8_e4m3" in repr(curves)
+    assert len(curves.plot().axes) == 3
