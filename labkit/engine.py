@@ -158,11 +158,8 @@ def setup_run(spec) -> dict:
     s = session()
     s.recorder.enabled = spec.record
     s.job = build_job(spec, s.groups, s.recorder, s.device)
-    if spec.extra.get("snapshots"):
-        from .analysis.drift import build_step_snapshots
-        s.snapshots = build_step_snapshots(s.job)
-    else:
-        s.snapshots = None
+    from .analysis.drift import build_step_snapshots
+    s.snapshots = build_step_snapshots(s.job) if spec.extra.get("snapshots") else None
     return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters())}
 
 
