@@ -25,7 +25,8 @@ wraps around at ±127, so int8 is never summed in int8):
     The same path as int8, with an 8-bit float instead of an 8-bit integer (Micikevicius et
     al. 2022, "FP8 Formats for Deep Learning"): one scale per bucket, ``max|g| / FP8_MAX``,
     maps the bucket's largest value onto the format's largest (448 for e4m3, 57344 for e5m2)
-    so the whole range is used. e4m3 keeps 3 mantissa bits (relative rounding ≤ 1/16), e5m2
+    so the whole range is used (e4m3 is torch's ``float8_e4m3fn``: no infinities, as in the
+    paper). e4m3 keeps 3 mantissa bits (relative rounding ≤ 1/16), e5m2
     2 bits (≤ 1/8) but a wider range, so small components of a bucket survive as numbers
     rather than flushing to zero. gloo cannot reduce (or even all-gather) fp8 tensors, so
     every message travels as the bytes of ``q.view(torch.int8)`` and is summed in fp32 after
@@ -181,7 +182,7 @@ class BucketCompressor:
         q, scale = _quantize(codec, g)
         if self.error_feedback:            # g is a fresh tensor (the packed bucket, or g + residual)
             self.residual[index] = g.sub_(q.float().mul_(scale))
-        padded = torch.zeros(n * chunk, dtype=torch.int8, device=g.device)
+        padded = torch.zeros(n * chunk, dtype=torch.int8, device=g.device)   # zero bytes: 0.0 in fp8 too
         padded[:g.numel()] = q.view(torch.int8)
         outbox = [_with_scale(padded[j * chunk:(j + 1) * chunk], scale) for j in range(n)]
         inbox = [outbox[j] if j == self.me else torch.empty_like(outbox[j]) for j in range(n)]
