@@ -97,6 +97,14 @@ def test_drift_walks_steps_then_parameters_then_ranks():
     assert labkit.drift(run, ref, tol=1.0) is None
 
 
+def test_a_parameter_on_one_rank_cannot_be_called_a_sync_bug():
+    ref = Recorded([{0: _snap(a=[1.0], b=[2.0])}])
+    run = Recorded([{0: _snap(a=[1.0]), 1: _snap(b=[2.5])}])            # pipeline stages: one holder each
+    found = labkit.drift(run, ref)
+    assert (found.parameter, found.rank, found.kind, found.replicas) == ("b", 1, "unknown", (1,))
+    assert "only one rank holds it" in str(found)
+
+
 def test_drift_needs_snapshots_and_says_how():
     with pytest.raises(ValueError, match=r"lab.run\(\.\.\., snapshots=True\)"):
         labkit.drift(Recorded([]), Recorded([{0: _snap(a=[1.0])}]))

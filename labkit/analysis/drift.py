@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-SYNC, PRECISION = "sync", "precision"
+SYNC, PRECISION, UNKNOWN = "sync", "precision", "unknown"
 
 
 # -- recording (engine side and reference) ----------------------------------------------------
@@ -147,7 +147,8 @@ class Drift:
     spread: float
     """max |replica − replica| over the ranks holding the parameter (0 with one replica)."""
     kind: str
-    """"sync" (replicas disagree) or "precision" (replicas agree, the average differs)."""
+    """"sync" (replicas disagree), "precision" (replicas agree, the average differs) or "unknown"
+    (one rank holds the parameter: nothing to compare it with but the reference)."""
     tol: float
     replicas: tuple = ()
     departed: tuple = ()
@@ -189,7 +190,8 @@ def _compare(step: int, name: str, want: torch.Tensor, by_rank: dict, tol: float
         return None
     first = next(iter(held.values()))
     spread = max(_max_abs(t, first) for t in held.values())
-    return Drift(step, name, departed[0], sizes[departed[0]], spread, SYNC if spread > tol else PRECISION, tol,
+    kind = UNKNOWN if len(held) < 2 else SYNC if spread > tol else PRECISION
+    return Drift(step, name, departed[0], sizes[departed[0]], spread, kind, tol,
                  replicas=tuple(held), departed=tuple((name, r, sizes[r]) for r in departed))
 
 
