@@ -8,7 +8,7 @@ device · tests (tests/test_gpu.py) · lab (one engine: NCCL world of one on a G
 dp (naive, bucketed, overlap, ddp against one process) · backend (the world's backend, a lone
 all-reduce) · cuda_events (compute and comm spans from CUDA events, comm spans against the lone
 all-reduce) · pipeline (1F1B and GPipe at pp=1 through the pipeline executor) · tp · tp_dtensor ·
-gpt (a GPT step on the engine: TFLOP/s, MFU, overlap) · gpt_plain (the same step in plain torch) ·
+gpt (a GPT step on the engine: TFLOP/s, MFU, overlap) · gpt_events (its CUDA-event spans) · gpt_plain (the same step in plain torch) ·
 stall (sync_debug + stall_report) · env (env_check).
 On CPU the same parts run at small sizes and the GPU-only ones are skipped, each with its reason.
 Writes report.txt, report.json, timeline.png + trace.json (GPT step), timeline_dp.png +
@@ -54,7 +54,7 @@ SIZES = {   # GPU: a GPT of ~0.7 B matmul parameters, 16 k tokens a step; CPU: e
             "gpt_steps": 3},
 }
 TIMEOUTS = {"device": 30, "tests": 150, "lab": 180, "dp": 120, "backend": 60, "cuda_events": 10, "pipeline": 90,
-            "tp": 5, "tp_dtensor": 60, "gpt": 150, "gpt_plain": 90, "stall": 60, "env": 30}
+            "tp": 5, "tp_dtensor": 60, "gpt": 150, "gpt_events": 30, "gpt_plain": 90, "stall": 60, "env": 30}
 
 
 class PartTimeout(KeyboardInterrupt):

@@ -23,8 +23,14 @@ say() { echo "gpu_check: $*"; }
 
 setup() {
   if [ ! -x .venv/bin/python ] && python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    say "python3 has CUDA torch $(python3 -c 'import torch; print(torch.__version__)'): .venv sees it (--system-site-packages)"
+    say "python3 has CUDA torch $(python3 -c 'import torch; print(torch.__version__)'): .venv sees its packages"
     python3 -m venv --system-site-packages .venv || return 1
+    # python3 may itself be a venv (the CUDA image's is), whose packages --system-site-packages
+    # does not reach: a .pth file puts its site-packages on .venv's path, after .venv's own.
+    local site
+    site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    python3 -c "import site; print('\n'.join(site.getsitepackages()))" > "$site/_labkit_host_python.pth"
+    .venv/bin/python -c "import torch" || { say ".venv cannot import python3's torch"; return 1; }
   fi
   if ! python3 -c "import socket; socket.create_connection(('pypi.org', 443), timeout=3)" 2>/dev/null; then
     say "no package index in reach: pip runs offline"

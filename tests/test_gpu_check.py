@@ -185,7 +185,7 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     status = {p["part"]: p["status"] for p in report["parts"]}
     assert status == {"device": "SKIP", "tests": "SKIP", "lab": "PASS", "dp": "PASS", "backend": "PASS",
                       "cuda_events": "SKIP", "pipeline": "PASS", "tp": "SKIP", "tp_dtensor": "PASS", "gpt": "PASS",
-                      "gpt_plain": "PASS", "stall": "PASS", "env": "PASS"}
+                      "gpt_events": "SKIP", "gpt_plain": "PASS", "stall": "PASS", "env": "PASS"}
     skipped = [p for p in report["parts"] if p["status"] == "SKIP"]
     assert all(p["summary"] for p in skipped)                        # each skip says why
     gpt_part = next(p for p in report["parts"] if p["part"] == "gpt")["details"]
