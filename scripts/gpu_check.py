@@ -37,13 +37,14 @@ import torch  # noqa: E402
 
 from labkit.timeline import Timeline  # noqa: E402
 
-import gpu_model  # noqa: E402  (beside this file)
+import gpu_engine  # noqa: E402  (beside this file)
+import gpu_model  # noqa: E402
 import gpu_parts  # noqa: E402
 from gpu_parts import PARTS, Skip  # noqa: E402
 
-# Engines cannot import these two modules by name: their functions and classes travel by value.
-cloudpickle.register_pickle_by_value(gpu_model)
-cloudpickle.register_pickle_by_value(gpu_parts)
+# Engines cannot import these modules by name: their functions and classes travel by value.
+for _module in (gpu_engine, gpu_model, gpu_parts):
+    cloudpickle.register_pickle_by_value(_module)
 
 SIZES = {   # GPU: a GPT of ~0.7 B matmul parameters, 16 k tokens a step; CPU: enough to run the code
     "gpu": {"mlp": dict(width=1024, depth=8), "batch": 256, "bucket_mb": 1.0,

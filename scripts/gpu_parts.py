@@ -2,8 +2,7 @@
 
 Each part is ``part(check) -> (summary, details)``: it raises :class:`Skip` with the reason
 when it cannot run here, and any other exception is a failure. ``details["text"]`` is
-printed in the report. Functions named ``_on_engine_…`` run on the lab's engine through
-``lab.apply`` (they travel by value: engines cannot import this file by name).
+printed in the report. What runs on the engine itself is in scripts/gpu_engine.py.
 """
 from __future__ import annotations
 
@@ -21,11 +20,11 @@ import labkit
 from labkit import engine, gpu
 from labkit.job import RunSpec
 from labkit.metrics import step_metrics
-from labkit.runner import ship_by_value
 from labkit.strategies.data_parallel import MiB, make_buckets
-from labkit.waits import split_waits
 
 import gpu_model
+from gpu_engine import (on_engine_drop_job, on_engine_dtensor_tp, on_engine_probe, on_engine_setup_pipeline,
+                        drive, measured)
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_BUCKET_MB = 25.0
@@ -34,94 +33,6 @@ EXACT = 1e-4           # GPU kernels sum in another order than CPU ones (as test
 
 class Skip(Exception):
     """A part that cannot run here; the message says why."""
-
-
-def drive(lab, spec, setup=engine.setup_run):
-    """``lab.run`` without gathering the parameters (a GPT's would be gigabytes): losses,
-    events (waits split), per-step wall times of the slowest rank."""
-    ship_by_value(spec.model, spec.data, spec.loss)
-    s = spec.strategy
-    lab.apply(engine.ensure_groups, s.dp, s.pp, s.tp)
-    lab.apply(setup, spec)
-    losses, events, walls = [], [], []
-    for step in range(spec.steps):
-        results = lab.apply(engine.run_step, step)
-        scored = [r for r in results if r.get("loss_weight", 0) > 0]
-        losses.append(sum(r["loss"] * r["loss_weight"] for r in scored) / sum(r["loss_weight"] for r in scored))
-        walls.append(max(r["step_s"] for r in results))
-        events += split_waits([e for r in results for e in r["events"]])
-    return losses, events, walls
-
-
-def measured(values: list):
-    return values[1:] if len(values) >= 3 else values       # the first step warms up
-
-
-def _on_engine_setup_pipeline(spec):
-    """Engine side: the pipeline executor itself, also at pp=1 (lab.run takes the DP job there)."""
-    from labkit.strategies.pipeline import PipelineJob
-    s = engine.session()
-    s.recorder.enabled = spec.record
-    s.job = PipelineJob(spec, s.groups, s.recorder, s.device)
-    return {"rank": s.rank}
-
-
-def _on_engine_drop_job():
-    import gc
-    s = engine.session()
-    s.job = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_allocated()
-    return 0
-
-
-def _on_engine_probe(nbytes: int, repeats: int = 8) -> dict:
-    """Engine side: backends in use, the comm stream, and a lone all-reduce timed by labkit.comm."""
-    import torch.distributed as dist
-    from labkit import comm
-    s, ctx = engine.session(), comm.context()
-    info = {"world_backend": dist.get_backend(), "world_size": dist.get_world_size(), "device": str(s.device),
-            "dp_backend": dist.get_backend(s.groups.dp) if s.groups else None}
-    if s.device.type == "cuda":
-        version = torch.cuda.nccl.version()
-        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        info["comm_stream_separate"] = ctx.comm_stream is not None and ctx.comm_stream != torch.cuda.current_stream()
-    t = torch.ones(max(1, nbytes // 4), device=s.device)
-    s.recorder.start_step(0)
-    for i in range(repeats):
-        comm.all_reduce(t, name=f"probe {i}")
-    spans = [e["end"] - e["start"] for e in s.recorder.drain() if e["kind"] == "allreduce"]
-    info["lone_allreduce_s"] = median(spans[1:])
-    info["allreduce_right"] = bool(torch.all(t == float(dist.get_world_size()) ** repeats))
-    if s.device.type == "cuda":
-        try:
-            dist.all_reduce(torch.ones(4))
-            info["cpu_tensors"] = "accepted by the world group"
-        except Exception as exc:
-            info["cpu_tensors"] = f"refused by the NCCL world ({type(exc).__name__}); labkit makes no gloo side group"
-    return info
-
-
-def _on_engine_dtensor_tp(width: int) -> dict:
-    """Engine side: torch's own TP (colwise, then rowwise) on a mesh of this world, against plain."""
-    import copy
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    s = engine.session()
-    mesh = init_device_mesh(s.device.type, (dist.get_world_size(),))
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                torch.nn.Linear(4 * width, width)).to(s.device)
-    tp = parallelize_module(copy.deepcopy(plain), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x = torch.randn(16, width, device=s.device)
-    y_plain, y_tp = plain(x), tp(x)
-    y_plain.square().mean().backward()
-    y_tp.square().mean().backward()
-    grad = max(float((a.grad - b.grad.full_tensor()).abs().max()) for a, b in zip(plain.parameters(), tp.parameters()))
-    return {"mesh": str(mesh), "out_diff": float((y_plain - y_tp).abs().max()), "grad_diff": grad}
 
 
 # -- the parts, in run order -------------------------------------------------------------------------
@@ -196,7 +107,7 @@ def part_backend(check):
     params = list(check.state["dp_overlap"].params.items()) if "dp_overlap" in check.state else []
     biggest = max((sum(t.numel() * 4 for _, t in b) for b in make_buckets(params, check.sizes["bucket_mb"] * MiB)),
                   default=MiB)
-    info = check.lab.apply(_on_engine_probe, biggest)[0]
+    info = check.lab.apply(on_engine_probe, biggest)[0]
     check.state["probe"] = info
     if not info["allreduce_right"]:
         raise RuntimeError(f"a lone all-reduce on {info['device']} gave a wrong sum")
@@ -255,7 +166,7 @@ def part_pipeline(check):
     found = {}
     for schedule in ("1f1b", "gpipe"):
         spec = _mlp_spec(check, labkit.Strategy(pp=1, schedule=schedule, microbatches=4))
-        _, events, walls = drive(check.lab, spec, setup=_on_engine_setup_pipeline)
+        _, events, walls = drive(check.lab, spec, setup=on_engine_setup_pipeline)
         params = check.lab.apply(engine.parameters)[0]
         diff = labkit.max_abs_diff(params, reference.parameters())
         if not diff < EXACT:
@@ -282,7 +193,7 @@ def part_tp(check):
 
 
 def part_tp_dtensor(check):
-    info = check.lab.apply(_on_engine_dtensor_tp, check.sizes["mlp"]["width"])[0]
+    info = check.lab.apply(on_engine_dtensor_tp, check.sizes["mlp"]["width"])[0]
     if not max(info["out_diff"], info["grad_diff"]) < EXACT:
         raise RuntimeError(f"DTensor TP differs from plain: {info}")
     return (f"torch's DTensor TP (colwise, rowwise) on {info['mesh']}: output and gradients equal plain "
@@ -303,7 +214,7 @@ def part_gpt(check):
     losses, events, walls = drive(check.lab, spec)
     kept = [e for e in events if e["step"] >= (1 if steps >= 3 else 0)]
     metrics = step_metrics(kept, 1, batch)
-    check.lab.apply(_on_engine_drop_job)
+    check.lab.apply(on_engine_drop_job)
     if not all(map(lambda v: v == v and abs(v) < 1e4, losses)):
         raise RuntimeError(f"losses are not finite: {losses}")
     name = check.state.get("device_name", "cpu")
@@ -343,7 +254,7 @@ def part_gpt_events(check):
         raise Skip("the gpt part did not run")
     events = check.state["gpt_events"]
     _check_cuda_events(events)
-    lone_s = check.lab.apply(_on_engine_probe, int(GPT_BUCKET_MB * MiB))[0]["lone_allreduce_s"]
+    lone_s = check.lab.apply(on_engine_probe, int(GPT_BUCKET_MB * MiB))[0]["lone_allreduce_s"]
     span_s = _comm_span_s(events)
     _span_verdict({"gpt overlap": span_s}, lone_s, check.state["gpt"]["overlap_fraction"])
     return (f"comm span median {span_s * 1e6:.0f} µs vs {lone_s * 1e6:.0f} µs alone ({GPT_BUCKET_MB:g} MiB); "
