@@ -24,7 +24,9 @@ say() { echo "gpu_check: $*"; }
 setup() {
   if [ ! -x .venv/bin/python ] && python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
     say "python3 has CUDA torch $(python3 -c 'import torch; print(torch.__version__)'): .venv sees its packages"
-    python3 -m venv --system-site-packages .venv || return 1
+    # (--without-pip where the interpreter has no ensurepip: python3's own pip then serves .venv)
+    python3 -m venv --system-site-packages .venv 2>/dev/null \
+      || python3 -m venv --system-site-packages --without-pip .venv || return 1
     # python3 may itself be a venv (the CUDA image's is), whose packages --system-site-packages
     # does not reach: a .pth file puts its site-packages on .venv's path, after .venv's own.
     local site
@@ -32,7 +34,7 @@ setup() {
     python3 -c "import site; print('\n'.join(site.getsitepackages()))" > "$site/_labkit_host_python.pth"
     .venv/bin/python -c "import torch" || { say ".venv cannot import python3's torch"; return 1; }
   fi
-  if ! python3 -c "import socket; socket.create_connection(('pypi.org', 443), timeout=3)" 2>/dev/null; then
+  if ! timeout 5 python3 -c "import socket; socket.create_connection(('pypi.org', 443), timeout=3)" 2>/dev/null; then
     say "no package index in reach: pip runs offline"
     export PIP_NO_INDEX=1
   fi
