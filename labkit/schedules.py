@@ -148,11 +148,11 @@ def build_schedule(schedule: str, stages: int, microbatches: int,
     """
     validate(schedule, stages, microbatches, chunks)
     order = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved,
-             "zb-h1": lambda r, p, m, v: zb_h1(r, p, m), "zbv": lambda r, p, m, v: zbv(r, p, m),
-             }[schedule]
+             "zb-h1": zb_h1, "zbv": zbv}[schedule]
     place = placement_of(schedule)
-    return _recv_in_send_order([_with_comms(order(r, stages, microbatches, chunks), r, stages,
-                                            chunks, place) for r in range(stages)])
+    lists = [_with_comms(order(r, stages, microbatches, chunks), r, stages, chunks, place)
+             for r in range(stages)]
+    return _recv_in_send_order(lists, stages, place)
 
 
 # Each builder returns a rank's compute order as (op, microbatch, chunk) triples.
@@ -217,7 +217,7 @@ def _with_comms(order: list[tuple], r: int, p: int, v: int, place: str = "loop")
     return actions
 
 
-def _recv_in_send_order(lists: list[list[Action]]) -> list[list[Action]]:
+def _recv_in_send_order(lists: list[list[Action]], p: int, place: str) -> list[list[Action]]:
     """Receive each peer's messages in the order that peer sends them.
 
     Point-to-point messages between two ranks match in posting order (NCCL always; gloo per
@@ -246,13 +246,9 @@ def _recv_in_send_order(lists: list[list[Action]]) -> list[list[Action]]:
                 op, mb, stage = queue[k]
                 nxt[a.peer] = k + 1
                 taken.add(queue[k])
-                mine.append(Action(op, mb, *_chunk_of(actions, stage), stage, a.peer))
+                mine.append(_action(op, mb, stage, p, place))
         out.append(mine)
     return out
-
-
-def _chunk_of(actions: list[Action], stage: int) -> tuple[int]:
-    return (next(a.chunk for a in actions if a.stage == stage),)
 
 
 def ideal_bubble(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:

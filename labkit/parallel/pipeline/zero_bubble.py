@@ -13,7 +13,7 @@ wraps them with the sends and receives they need and places chunks on stages.
 from __future__ import annotations
 
 
-def zb_h1(r: int, p: int, m: int) -> list[tuple]:
+def zb_h1(r: int, p: int, m: int, v: int = 1) -> list[tuple]:
     """ZB-H1 (paper §2.1, Figure 3 top) on rank r of p, m micro-batches, one stage per rank.
 
     1F1B's three phases with B replaced by I, and each W run r micro-batches after its I: the
@@ -33,16 +33,17 @@ def zb_h1(r: int, p: int, m: int) -> list[tuple]:
     return order + [("W", i, 0) for i in range(max(m - r, 0), m)]   # cool-down: W's left
 
 
-def zbv(r: int, p: int, m: int) -> list[tuple]:
-    """ZB-V (paper §6, Figure 8) on rank r of p: chunk 0 is stage r, chunk 1 stage 2p-1-r.
+def zbv(r: int, p: int, m: int, v: int = 2) -> list[tuple]:
+    """ZB-V (paper §6) on rank r of p: chunk 0 is stage r, chunk 1 stage 2p-1-r.
 
-    The V puts the first and last stages on rank 0, so the last stage's loss and the first
-    stage's input gradient are local, and every rank holds two half-size chunks. With equal
-    F/I/W costs the phases below keep each rank busy from its first forward on and hold at
-    most 2p chunk activations (p full micro-batches: 1F1B's peak on its first rank).
+    The V puts the first and last stages on rank 0 (the model's input and its loss on one
+    rank), and every rank holds two half-size chunks; the turn from stage p-1 to p is local.
+    With equal F/I/W costs the phases below keep each rank busy from its first forward to its
+    last W and hold at most 2p chunk activations (p full micro-batches: 1F1B's first rank).
 
-    Built for at least 2p-1 micro-batches (what filling the V takes); with fewer, the actions
-    of the missing micro-batches are dropped, which keeps every dependency.
+    `v` is always 2 (checked by :func:`labkit.schedules.validate`). Built for at least 2p-1
+    micro-batches (what filling the V takes); with fewer, the actions of the missing
+    micro-batches are dropped, which keeps every dependency (the simulator checks it).
     """
     n = max(m, 2 * p - 1)
     done = {("F", 0): 0, ("F", 1): 0, ("I", 0): 0, ("I", 1): 0, ("W", 0): 0, ("W", 1): 0}
