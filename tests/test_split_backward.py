@@ -138,3 +138,18 @@ def _walk(node):
         seen.add(n)
         yield n
         stack += [c for c, _ in n.next_functions]
+
+
+def test_gradient_hooks_fire_in_w_not_in_i():
+    # W fills .grad through autograd's AccumulateGrad: post-accumulate hooks (labkit's overlap
+    # buckets, backward spans) and DDP's reducer see it as in a fused backward.
+    stage = norm_stage()
+    fired = []
+    for name, p in stage.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.append(name))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = stage(x)
+    _, state = backward_input(out, torch.ones_like(out), x, stage)
+    assert fired == []
+    backward_weight(state)
+    assert sorted(fired) == sorted(name for name, _ in stage.named_parameters())

@@ -10,8 +10,11 @@ wait to fill an idle slot. Both come from one autograd graph, so the split is:
   parameters leaves the input's path (for ``y = x @ W.T + b`` that is the ``addmm`` node: its
   input-grad half runs now, its weight half later).
 * :func:`backward_weight` restarts autograd from those captured gradients
-  (``torch.autograd.graph.GradientEdge``) towards the parameters only, and accumulates into
-  ``.grad`` as a fused ``backward()`` would. It recomputes nothing of the input path.
+  (``torch.autograd.graph.GradientEdge``) towards the parameters only
+  (``torch.autograd.backward(..., inputs=params)``). It recomputes nothing of the input path,
+  and autograd's own AccumulateGrad fills ``.grad``, so gradient hooks fire in W as in a
+  fused ``backward()``: post-accumulate hooks (labkit's overlap buckets, backward spans) and
+  DDP's reducer.
 
 The same arithmetic in the same order as the fused backward, so the gradients are bitwise
 equal. torch.distributed.pipelining does it likewise (``stage_backward_input`` /
@@ -88,7 +91,7 @@ def backward_weight(state: WeightGrad) -> None:
     """Accumulate the weight gradients of one micro-batch into ``.grad``; frees its graph."""
     if state.whole is not None:
         output, grad = state.whole
-        _accumulate(state.params, torch.autograd.grad(output, state.params, grad, allow_unused=True))
+        torch.autograd.backward(output, grad, inputs=state.params)
     for nodes, params in state.groups:
         edges, grads = [], []
         for node in nodes:
@@ -103,7 +106,7 @@ def backward_weight(state: WeightGrad) -> None:
         pins = [n.register_prehook(lambda _g, kept=state.captured.get(n): kept)
                 for n in nodes] if len(nodes) > 1 else []
         try:
-            _accumulate(params, torch.autograd.grad(edges, params, grads, allow_unused=True))
+            torch.autograd.backward(edges, grads, inputs=params)
         finally:
             for h in pins:
                 h.remove()
@@ -169,14 +172,3 @@ def _capture(store: dict, node):
     def hook(grad_outputs):
         store[node] = grad_outputs
     return hook
-
-
-def _accumulate(params, grads) -> None:
-    # In place, as AccumulateGrad does: gradient buckets may hold views of .grad.
-    for p, g in zip(params, grads):
-        if g is None:
-            continue
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.add_(g)
