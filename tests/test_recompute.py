@@ -98,6 +98,25 @@ def test_none_undoes_an_earlier_mode_and_keys_stay():
     assert copied[0].forward.__self__ is copied[0]        # a copy checkpoints itself
 
 
+class ListModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(block_mlp())
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_full_finds_blocks_kept_in_a_module_list():
+    model, x = ListModel(), torch.randn(64, 32)
+    apply_recompute(model, "full")
+    assert all("forward" in b.__dict__ for b in model.blocks) and "forward" in model.head.__dict__
+    assert held_activation_bytes(model, x) * 4 < held_activation_bytes(apply_recompute(model, "none"), x)
+
+
 def test_bad_modes_name_the_fix():
     with pytest.raises(ValueError, match="choose one of none, full, selective"):
         apply_recompute(block_mlp(), "some")

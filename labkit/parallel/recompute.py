@@ -20,7 +20,10 @@ gradients are bitwise those without recompute. Parameter names and ``state_dict`
 not change: the module's own ``forward`` is replaced on the instance, not wrapped in a new
 module.
 
-    >>> model = apply_recompute(labkit.models.mlp(width=64, depth=4)(), "full")
+    >>> from labkit.models import mlp
+    >>> model = apply_recompute(mlp(width=64, depth=4)(), "full")   # each block checkpointed
+    >>> list(model.state_dict())[:2]
+    ['0.weight', '0.bias']
 """
 from __future__ import annotations
 
@@ -54,9 +57,17 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
 
 
 def recompute_targets(model: nn.Module, mode: str) -> list[nn.Module]:
-    """The modules `mode` checkpoints: top-level blocks (full) or those named ``core``."""
+    """The modules `mode` checkpoints: top-level blocks (full) or those named ``core``.
+
+    Top-level blocks are the model's children, or a ModuleList's / ModuleDict's items for a
+    model that keeps its blocks in one (``self.blocks = nn.ModuleList(...)``, as nanoGPT).
+    """
     if mode == "full":
-        return list(model.children()) or [model]
+        blocks = []
+        for child in model.children():
+            containers = (nn.ModuleList, nn.ModuleDict)
+            blocks += list(child.children()) if isinstance(child, containers) else [child]
+        return blocks or [model]
     if mode == "selective":
         return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == CORE]
     return []
