@@ -15,6 +15,7 @@ _moved.install()     # old flat paths (labkit.schedules, labkit.grid, ...) keep 
 
 from . import bench, comm, engine, models  # noqa: E402
 from .comm import collectives, compression  # noqa: E402
+from .analysis.drift import drift  # noqa: E402
 from .config import Strategy  # noqa: E402
 from .errors import CollectiveTimeoutError, EngineDiedError, LabError  # noqa: E402
 from .analysis.metrics import speedup, step_metrics  # noqa: E402
@@ -26,14 +27,18 @@ from .view import report  # noqa: E402
 from .view.timeline import Timeline  # noqa: E402
 
 __all__ = ["Lab", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
-           "bench", "collectives", "comm", "compression", "models", "reference", "report", "schedules",
+           "bench", "collectives", "comm", "compression", "drift", "models", "reference", "report", "schedules",
            "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``labkit.widgets`` on first use (the dashboard needs ipywidgets, the engines do not),
-    and the old flat module names (``labkit.grid``, ``labkit.diagnose``, ...)."""
+    """``labkit.widgets`` and ``labkit.gpu`` on first use (the dashboard needs ipywidgets and the
+    GPU checks need a GPU; the engines need neither), and the old flat module names
+    (``labkit.grid``, ``labkit.diagnose``, ...)."""
+    if name == "gpu":
+        import importlib
+        return importlib.import_module(".gpu", __name__)
     module = _moved.resolve(name)
     if module is None:
         raise AttributeError(f"module 'labkit' has no attribute {name!r}")

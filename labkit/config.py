@@ -92,11 +92,12 @@ class Strategy:
                            control="choice", title="dp mode", label="{}")
     bucket_mb: float = setting(1.0, "Bucket size in MiB for the 'bucketed', 'overlap' and 'ddp' modes.",
                                axis="dp", control=("log2", -6, 4), title="bucket (MiB)", label="{:g} MiB")
-    compression: str = setting("none", "Gradient compression on the wire: fp16, bf16, int8 (bucketed, overlap) "
-                                       "or powersgd (ddp); see labkit.compression.", axis="dp",
+    compression: str = setting("none", "Gradient compression on the wire: fp16, bf16, int8, fp8_e4m3, fp8_e5m2 "
+                                       "(int8 and fp8: bucketed, overlap) or powersgd (ddp); see "
+                                       "labkit.compression.", axis="dp",
                                choices=COMPRESSIONS, control="choice", label="{}", show="changed")
     error_feedback: bool = setting(True, "Add what compression rounded away to the next step's gradient: fp16, "
-                                         "bf16 and int8 in the bucketed and overlap modes, powersgd in ddp "
+                                         "bf16, int8 and fp8 in the bucketed and overlap modes, powersgd in ddp "
                                          "(torch's fp16/bf16 DDP hooks have none).", axis="dp", control="bool",
                                    title="error feedback", label="error_feedback={}", show="changed")
     split_at: tuple[int, ...] = setting((), "Pipeline stage boundaries: the block indices where stages 1, 2, … "

@@ -8,6 +8,7 @@ A handful of valid draws then run for real on two engines.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -39,8 +40,12 @@ class FakeLab:
     def apply(self, fn, *args, **kwargs):
         raise Touched(getattr(fn, "__name__", "call"))
 
-    def _ensure_groups(self, dp, pp, tp):
+    def ensure_groups(self, dp, pp, tp):
         raise Touched("ensure_groups")
+
+    @contextlib.contextmanager
+    def hold(self, what):
+        yield self
 
 
 small_ints = st.one_of(st.sampled_from([1, 1, 2]), st.integers(min_value=-2, max_value=9))

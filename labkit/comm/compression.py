@@ -21,10 +21,20 @@ wraps around at ±127, so int8 is never summed in int8):
     8(n-1) bytes of scales, a quarter of fp32's 2(n-1)/n·4N. (With labkit.comm's
     point-to-point header check on, each direct send is preceded by a 128-byte header, which
     ``bytes_sent`` leaves out as it does for every point-to-point message.)
+``fp8_e4m3`` / ``fp8_e5m2``
+    The same path as int8, with an 8-bit float instead of an 8-bit integer (Micikevicius et
+    al. 2022, "FP8 Formats for Deep Learning"): one scale per bucket, ``max|g| / FP8_MAX``,
+    maps the bucket's largest value onto the format's largest (448 for e4m3, 57344 for e5m2)
+    so the whole range is used (e4m3 is torch's ``float8_e4m3fn``: no infinities, as in the
+    paper). e4m3 keeps 3 mantissa bits (relative rounding ≤ 1/16), e5m2
+    2 bits (≤ 1/8) but a wider range, so small components of a bucket survive as numbers
+    rather than flushing to zero. gloo cannot reduce (or even all-gather) fp8 tensors, so
+    every message travels as the bytes of ``q.view(torch.int8)`` and is summed in fp32 after
+    dequantising; the bytes on the wire are exactly int8's.
 error feedback
     What rounding lost this step is added to the next step's gradient (Seide et al. 2014;
     Karimireddy et al. 2019), so small gradient components are delayed, not dropped. The
-    int8 average keeps a second residual on the rank that re-quantises its chunk.
+    int8 and fp8 averages keep a second residual on the rank that re-quantises its chunk.
 
 In ``dp_mode="ddp"`` compression goes through DDP's ``register_comm_hook``: fp16 and bf16
 mirror torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` (without error feedback, as
@@ -49,9 +59,11 @@ import torch.distributed as dist
 from .. import comm
 from ..comm import context
 
-CODECS = ("fp16", "bf16", "int8")
+CODECS = ("fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 INT8_MAX = 127
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+ONE_BYTE = ("int8",) + tuple(FP8_DTYPES)        # codecs sent by direct sends + all-gather
 
 
 # -- int8 with a per-bucket scale -----------------------------------------------------------
@@ -72,9 +84,40 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
+# -- fp8 with a per-bucket scale ------------------------------------------------------------
+def quantize_fp8(x: torch.Tensor, codec: str = "fp8_e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as fp8 values (``codec`` "fp8_e4m3" or "fp8_e5m2") and one float32 scale, ``x ≈ q * scale``.
+
+    The scale maps ``max|x|`` onto the format's largest finite value. The clamp matters for
+    e5m2, whose cast overflows to inf instead of saturating (e4m3fn saturates at 448).
+    A non-finite ``x`` gives a non-finite scale, as int8 does.
+    """
+    dtype = FP8_DTYPES[codec]
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().max().float() if x.numel() else torch.zeros(())
+    if not torch.isfinite(amax):
+        return torch.zeros(x.shape, dtype=dtype, device=x.device), amax.reshape(1)
+    scale = (amax / fmax).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.div(x.float(), scale).clamp_(-fmax, fmax).to(dtype)
+    return q, scale.reshape(1)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+def _quantize(codec: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_int8(x) if codec == "int8" else quantize_fp8(x, codec)
+
+
+def _as_values(codec: str, raw: torch.Tensor) -> torch.Tensor:
+    """Bytes received (int8) read back as the codec's values, in fp32."""
+    return raw.float() if codec == "int8" else raw.view(FP8_DTYPES[codec]).float()
+
+
 def _with_scale(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """One int8 message: the values, then the float32 scale's four bytes."""
-    return torch.cat([q, scale.float().reshape(1).view(torch.int8)])
+    """One one-byte message: the values' bytes, then the float32 scale's four bytes."""
+    return torch.cat([q.view(torch.int8), scale.float().reshape(1).view(torch.int8)])
 
 
 def _split_scale(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +139,7 @@ class BucketCompressor:
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         self.me = self.ranks.index(dist.get_rank())
         self.residual: dict[int, torch.Tensor] = {}           # this rank's rounding loss, per bucket
-        self.chunk_residual: dict[int, torch.Tensor] = {}     # int8: the loss re-quantising my chunk
+        self.chunk_residual: dict[int, torch.Tensor] = {}     # int8/fp8: the loss re-quantising my chunk
 
     def _recorder(self):
         return context().recorder
@@ -109,22 +152,22 @@ class BucketCompressor:
         finite = bool(torch.isfinite(flat).all())
         with self._recorder().span("compress", f"{self.codec} {name}", nbytes=flat.numel() * flat.element_size()):
             g = self._feedback(index, flat.float(), self.residual)
-            if self.codec == "int8":
-                pending = self._start_int8(index, name, g)
+            if self.codec in ONE_BYTE:
+                pending = self._start_one_byte(index, name, g)
             else:
                 q = (g / self.dp).to(DTYPES[self.codec])
                 if self.error_feedback:
                     self.residual[index] = g - q.float() * self.dp
                 pending = {"q": q}
         pending.update(index=index, name=name, numel=flat.numel(), finite=finite)
-        if self.codec != "int8":
+        if self.codec not in ONE_BYTE:
             pending["handle"] = comm.all_reduce(pending["q"], self.group, name=f"{self.codec} {name}", async_op=True)
         return pending
 
     def finish(self, pending: dict) -> torch.Tensor:
         """Wait for bucket's messages; the averaged fp32 gradient (raises on non-finite values)."""
-        if self.codec == "int8":
-            return self._finish_int8(pending)
+        if self.codec in ONE_BYTE:
+            return self._finish_one_byte(pending)
         pending["handle"].wait()
         with self._recorder().span("decompress", f"{self.codec} {pending['name']}"):
             mean = pending["q"].float()
@@ -132,48 +175,48 @@ class BucketCompressor:
             self._fail(pending, others=[] if not pending["finite"] else None)
         return mean
 
-    # int8: reduce-scatter by direct sends, then an all-gather (see the module docstring)
-    def _start_int8(self, index: int, name: str, g: torch.Tensor) -> dict:
-        n = len(self.ranks)
+    # int8 / fp8: reduce-scatter by direct sends, then an all-gather (see the module docstring)
+    def _start_one_byte(self, index: int, name: str, g: torch.Tensor) -> dict:
+        n, codec = len(self.ranks), self.codec
         chunk = math.ceil(g.numel() / n)
-        q, scale = quantize_int8(g)
+        q, scale = _quantize(codec, g)
         if self.error_feedback:            # g is a fresh tensor (the packed bucket, or g + residual)
             self.residual[index] = g.sub_(q.float().mul_(scale))
-        padded = torch.zeros(n * chunk, dtype=torch.int8, device=g.device)
-        padded[:g.numel()] = q
+        padded = torch.zeros(n * chunk, dtype=torch.int8, device=g.device)   # zero bytes: 0.0 in fp8 too
+        padded[:g.numel()] = q.view(torch.int8)
         outbox = [_with_scale(padded[j * chunk:(j + 1) * chunk], scale) for j in range(n)]
         inbox = [outbox[j] if j == self.me else torch.empty_like(outbox[j]) for j in range(n)]
         recvs, sends = [], []          # waited for receives first: a send completes once its receive is posted
         for j, peer in enumerate(self.ranks):
             if j != self.me:
-                recvs.append(comm.irecv(inbox[j], peer, self.group, name=f"int8 {name} ← {peer}", tag=index))
-                sends.append(comm.isend(outbox[j], peer, self.group, name=f"int8 {name} → {peer}", tag=index))
+                recvs.append(comm.irecv(inbox[j], peer, self.group, name=f"{codec} {name} ← {peer}", tag=index))
+                sends.append(comm.isend(outbox[j], peer, self.group, name=f"{codec} {name} → {peer}", tag=index))
         return {"handles": recvs + sends, "inbox": inbox, "outbox": outbox, "chunk": chunk}
 
-    def _finish_int8(self, p: dict) -> torch.Tensor:
+    def _finish_one_byte(self, p: dict) -> torch.Tensor:
         for h in p["handles"]:
             h.wait()
-        n, rec = len(self.ranks), self._recorder()
+        n, rec, codec = len(self.ranks), self._recorder(), self.codec
         parts = [_split_scale(m) for m in p["inbox"]]
         bad = [self.ranks[j] for j, (_, s) in enumerate(parts) if not torch.isfinite(s).all()]
         if bad:                                   # every rank sees the same scales: all stop here
             self._fail(p, others=bad)
-        with rec.span("decompress", f"int8 {p['name']} chunk {self.me}"):
+        with rec.span("decompress", f"{codec} {p['name']} chunk {self.me}"):
             mine = torch.zeros(p["chunk"], device=parts[0][0].device)
-            for q, s in parts:
-                mine.addcmul_(q.float(), s)
+            for q, s in parts:                    # the sum is in fp32: never in int8 or fp8
+                mine.addcmul_(_as_values(codec, q), s)
             mine.div_(self.dp)
-        with rec.span("compress", f"int8 {p['name']} chunk {self.me}"):
+        with rec.span("compress", f"{codec} {p['name']} chunk {self.me}"):
             mine = self._feedback(p["index"], mine, self.chunk_residual)
-            q2, s2 = quantize_int8(mine)
+            q2, s2 = _quantize(codec, mine)
             if self.error_feedback:
                 self.chunk_residual[p["index"]] = mine.sub_(q2.float().mul_(s2))
             msg = _with_scale(q2, s2)
         gathered = torch.empty(n * msg.numel(), dtype=torch.int8, device=msg.device)
-        comm.all_gather(gathered, msg, self.group, name=f"int8 {p['name']} gather")
-        with rec.span("decompress", f"int8 {p['name']}"):
+        comm.all_gather(gathered, msg, self.group, name=f"{codec} {p['name']} gather")
+        with rec.span("decompress", f"{codec} {p['name']}"):
             q_all, s_all = _split_scale(gathered.view(n, -1))
-            mean = (q_all.float() * s_all).reshape(-1)[:p["numel"]]
+            mean = (_as_values(codec, q_all) * s_all).reshape(-1)[:p["numel"]]
         return mean
 
     def _fail(self, pending: dict, others: list | None) -> None:
@@ -193,7 +236,8 @@ class BucketCompressor:
 
 
 def int8_wire_bytes(numel: int, n: int) -> int:
-    """Bytes one rank sends to average an int8 bucket of ``numel`` values over ``n`` ranks."""
+    """Bytes one rank sends to average a bucket of ``numel`` values over ``n`` ranks with a
+    one-byte codec (int8, fp8_e4m3, fp8_e5m2): chunks of values plus a 4-byte scale each."""
     if n <= 1:
         return 0
     chunk = math.ceil(numel / n) + 4
@@ -216,7 +260,8 @@ def register_ddp_hook(ddp, compression: str, group, dp: int, error_feedback: boo
                                    use_error_feedback=error_feedback, warm_start=error_feedback)
         ddp.register_comm_hook(state, instrumented_powersgd_hook())
         return state
-    raise ValueError(f"compression={compression!r} has no DDP hook; use 'fp16', 'bf16' or 'powersgd'")
+    raise ValueError(f"compression={compression!r} has no DDP hook; use 'fp16', 'bf16' or 'powersgd' with "
+                     "dp_mode='ddp', or dp_mode='bucketed'/'overlap' for int8 and fp8")
 
 
 def _cast_hook(state, bucket):  # no annotations: DDP checks them literally

@@ -40,6 +40,7 @@ class EngineSession:
         self.job = None
         self.run_id = None           # the run the job was built for; every step names it
         self.recorder = None
+        self.snapshots = None        # per-step parameter snapshots, when the run asks (labkit.drift)
 
     def describe(self) -> dict:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -160,6 +161,8 @@ def setup_run(spec, run_id: str | None = None) -> dict:
     s.recorder.enabled = spec.record
     s.job = build_job(spec, s.groups, s.recorder, s.device)
     s.run_id = run_id
+    from ..analysis.drift import build_step_snapshots
+    s.snapshots = build_step_snapshots(s.job) if spec.extra.get("snapshots") else None
     return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters())}
 
 
@@ -186,6 +189,8 @@ def run_step(step: int, run_id: str | None = None) -> dict:
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
+    if s.snapshots is not None:
+        result["snapshot"] = s.snapshots.pop()
     return result
 
 

@@ -7,22 +7,34 @@ and plots happen later, elsewhere (:mod:`labkit.timeline`, :mod:`labkit.metrics`
 On CPU a span is two ``perf_counter`` readings. On a GPU, compute and comm spans are CUDA
 events recorded on the stream doing the work and resolved once per step, so asynchronous
 kernels are timed where they ran, not where the host launched them.
+
+``sync_debug`` (on a GPU only) synchronises the device after every recorded op, so the host
+blocks at the op that is slow rather than at some later sync point (torch's advice for
+locating a stall); overlap disappears while it is on. Engines read ``LABKIT_SYNC_DEBUG=1``
+from their environment; ``labkit.gpu.sync_debug(lab)`` switches it at run time.
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
 from ..analysis.events import make_event
 
 
+SYNC_DEBUG_ENV = "LABKIT_SYNC_DEBUG"
+
+
 class Recorder:
     """Collects this rank's events for the current step."""
 
-    def __init__(self, rank: int, device=None, enabled: bool = True):
+    def __init__(self, rank: int, device=None, enabled: bool = True, sync_debug: bool | None = None):
         self.rank = rank
         self.enabled = enabled
         self.cuda = device is not None and getattr(device, "type", "cpu") == "cuda"
+        if sync_debug is None:        # from the engine's environment, so a re-made recorder keeps it
+            sync_debug = os.environ.get(SYNC_DEBUG_ENV, "") == "1"
+        self.sync_debug = bool(sync_debug)
         self.step = 0
         self._t0 = time.perf_counter()
         self._events: list[dict] = []
@@ -60,6 +72,9 @@ class Recorder:
         kind's (labkit.analysis.events) unless given."""
         if not self.enabled:
             return None
+        if self.sync_debug and self.cuda:
+            import torch
+            torch.cuda.synchronize()      # the op's kernels end before the next op is launched
         event = make_event(self.rank, kind, name, self.step, start, end, microbatch, nbytes, peer, stream)
         if isinstance(start, float) and isinstance(end, float):
             self._events.append(event)

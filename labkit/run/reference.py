@@ -11,6 +11,7 @@ from statistics import median
 
 import torch
 
+from ..analysis.drift import StepSnapshots, check_snapshots
 from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
 
 
@@ -21,6 +22,13 @@ class Reference:
     losses: list[float]
     step_times: list[float]
     model: torch.nn.Sequential = field(repr=False)
+    snapshots: list[dict] = field(default_factory=list, repr=False)
+    """Per step, {0: parameters and gradient norms after the step}; with ``snapshots=True``."""
+
+    def grad_norms(self):
+        """The gradient check in one process: every parameter's gradient norm per step."""
+        from ..analysis.drift import grad_norms
+        return grad_norms(self.snapshots)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -33,11 +41,13 @@ class Reference:
 
 
 def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int = 0, data=None,
-              loss="mse", momentum: float = 0.0, threads: int | None = None) -> Reference:
+              loss="mse", momentum: float = 0.0, threads: int | None = None, snapshots: bool = False) -> Reference:
     """Train ``model`` on the whole global batch in this process (plain SGD, mean loss).
 
     ``threads`` pins torch's intra-op threads for the run (for a fair one-engine baseline).
+    ``snapshots`` records parameters and gradient norms after every step, for ``labkit.drift``.
     """
+    check_snapshots(snapshots)
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -46,7 +56,8 @@ def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int
         data_fn = resolve_data(data, net, batch, seed)
         loss_fn = resolve_loss(loss)
         opt = build_optimizer(net.parameters(), lr, momentum)
-        losses, times = [], []
+        recorder = StepSnapshots(net, opt) if snapshots else None
+        losses, times, taken = [], [], []
         for step in range(steps):
             x, y = data_fn(step)
             t0 = time.perf_counter()
@@ -56,6 +67,8 @@ def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int
             opt.zero_grad(set_to_none=False)
             times.append(time.perf_counter() - t0)
             losses.append(value.item())
-        return Reference(losses, times, net)
+            if recorder is not None:
+                taken.append({0: recorder.pop()})
+        return Reference(losses, times, net, taken)
     finally:
         torch.set_num_threads(previous)

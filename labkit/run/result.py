@@ -30,6 +30,13 @@ class Run:
     interrupted: bool = False
     step_times: list[float] = field(default_factory=list, repr=False)
     """Wall time of each step on the slowest rank (measured whether or not events are recorded)."""
+    snapshots: list[dict] = field(default_factory=list, repr=False)
+    """Per step, {rank: parameters and gradient norms after the step}; with ``lab.run(..., snapshots=True)``."""
+
+    def grad_norms(self, reference=None):
+        """The gradient check: every parameter's gradient norm per step and rank (and the reference's)."""
+        from ..analysis.drift import grad_norms
+        return grad_norms(self.snapshots, reference)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state_dict, gathered from the engines, same keys as the model's."""

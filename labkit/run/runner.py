@@ -15,6 +15,7 @@ from typing import Callable
 from torch import nn
 
 from .. import engine
+from ..analysis.drift import check_snapshots
 from ..config import Strategy
 from ..parallel.build import RunSpec
 from ..analysis.metrics import step_metrics
@@ -40,6 +41,7 @@ def validate(spec: RunSpec, engines: int) -> None:
     if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     resolve_loss(spec.loss)
+    check_snapshots(spec.extra.get("snapshots", False))
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
     blocks = len(build_model(spec.model, spec.seed))
@@ -111,6 +113,8 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
     """Fold one step's answers into ``run``: loss, wall time, events (appended), metrics."""
     run.losses.append(_global_loss(results))
     run.step_times.append(max(r["step_s"] for r in results))
+    if "snapshot" in results[0]:
+        run.snapshots.append({r["rank"]: r.pop("snapshot") for r in results})
     step_events = []
     for r in results:
         step_events.extend(r["events"])

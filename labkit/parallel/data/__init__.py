@@ -7,7 +7,7 @@ It imports nothing heavy, so a notebook can validate a strategy without torch.di
 from __future__ import annotations
 
 DP_MODES = ("naive", "bucketed", "overlap", "ddp")
-COMPRESSIONS = ("none", "fp16", "bf16", "int8", "powersgd")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd")
 
 
 def check_strategy(s) -> None:
@@ -20,8 +20,9 @@ def check_strategy(s) -> None:
     if c != "none" and mode == "naive":
         raise ValueError(f"Strategy.compression={c!r} works per bucket, and dp_mode='naive' has no buckets; "
                          "use dp_mode='bucketed', 'overlap' or 'ddp'")
-    if c == "int8" and mode == "ddp":
-        raise ValueError("Strategy.compression='int8': torch has no int8 DDP hook; use dp_mode='bucketed' "
-                         "or 'overlap' (labkit's int8), or compression='fp16'/'bf16'/'powersgd' with ddp")
+    if c in ("int8", "fp8_e4m3", "fp8_e5m2") and mode == "ddp":
+        raise ValueError(f"Strategy.compression={c!r}: torch has no {c.split('_')[0]} DDP hook; use "
+                         f"dp_mode='bucketed' or 'overlap' (labkit's {c}), or compression='fp16'/'bf16'/"
+                         "'powersgd' with ddp")
     if c == "powersgd" and mode != "ddp":
         raise ValueError("Strategy.compression='powersgd' is torch's DDP comm hook; use dp_mode='ddp'")

@@ -7,8 +7,16 @@ This file owns the pp axis's rule: :func:`check_strategy` is what ``Strategy`` c
 from __future__ import annotations
 
 
+# Schedules the executor runs today; the zero-bubble ones (split backward I/W) are data and
+# simulated already (labkit.parallel.pipeline.schedules) but not run on the engines yet.
+RUNNABLE = ("gpipe", "1f1b", "interleaved")
+
+
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible pipeline setting."""
+    if s.schedule not in RUNNABLE:
+        raise ValueError(f"Strategy.schedule={s.schedule!r} is simulated (labkit.schedules) but not run on "
+                         f"the engines yet; use one of {', '.join(map(repr, RUNNABLE))}")
     _check_split_at(s)
     if s.chunks > 1 and s.schedule != "interleaved":
         raise ValueError(f"Strategy.chunks={s.chunks} needs schedule='interleaved'; "

@@ -1,13 +1,20 @@
-"""Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B.
+"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V.
 
 A schedule is a pure function of (schedule, p ranks, m micro-batches, v chunks per rank):
 one ordered list of `Action`s per pipeline rank. The executor runs those lists; `simulate`
-runs the same lists as a discrete-event model to draw the ideal timeline and to test them
-with no processes at all (STYLE rule 7, after torchtitan's CSV schedules like ``0F3``).
+runs the same lists as a discrete-event model (:mod:`labkit.parallel.pipeline.simulate`) to
+draw the ideal timeline and to test them with no processes at all (STYLE rule 7, after
+torchtitan's CSV schedules like ``0F3``).
 
-Virtual stages follow Megatron's layout: rank r holds stages r, r+p, r+2p, ...; so local
-chunk c on rank r is global stage ``c * p + r``, and a neighbour stage always lives on
-another rank when p > 1.
+Compute ops: ``F`` forward, ``B`` the fused backward, or the backward split in two as the
+zero-bubble schedules do (torch.distributed.pipelining's names): ``I`` the gradient w.r.t.
+the stage input, sent upstream at once, and ``W`` the weight gradients, run later.
+
+Placement (which rank holds which virtual stage) is a function, :func:`stage_rank`:
+``loop`` is Megatron's interleaving, rank r holds stages r, r+p, r+2p, ... (local chunk c
+on rank r is global stage ``c * p + r``, and a neighbour stage always lives on another rank
+when p > 1); ``v`` is ZB-V's / DualPipeV's, rank r holds stages r and 2p-1-r, so stages p-1
+and p share a rank and hand over locally, with no message.
 
     >>> [str(a) for a in build_schedule("gpipe", stages=2, microbatches=2)[1]]
     ['1RECV_F0', '1F0', '1RECV_F1', '1F1', '1B0', '1SEND_B0', '1B1', '1SEND_B1']
@@ -16,9 +23,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-OPS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+from .simulate import COMPUTE_OPS, OP_KINDS, simulate  # noqa: F401 (API)
+from .zero_bubble import zb_h1, zbv
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+OPS = (*COMPUTE_OPS, "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+PLACEMENTS = ("loop", "v")
 
 
 @dataclass(frozen=True)
@@ -40,27 +52,59 @@ class Action:
         return f"{self.stage}{self.op}{self.microbatch}"  # torch's form: "0F3", "2SEND_B1"
 
 
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
-def parse_action(text: str, stages: int = 1) -> Action:
-    """Inverse of ``str(action)``, given p = `stages` pipeline ranks (to recover chunk, peer).
+def parse_action(text: str, stages: int = 1, placement: str = "loop") -> Action:
+    """Inverse of ``str(action)``, given p = `stages` pipeline ranks and the placement (to
+    recover chunk, peer).
 
     >>> parse_action("2SEND_F1", stages=2)
     Action(op='SEND_F', microbatch=1, chunk=1, stage=2, peer=1)
+    >>> parse_action("2SEND_F1", stages=2, placement="v")
+    Action(op='SEND_F', microbatch=1, chunk=1, stage=2, peer=0)
     """
     match = _ACTION_RE.match(text.strip())
     if not match:
         raise ValueError(f"bad action {text!r}: expected stage, op, microbatch, e.g. '0F3'")
     stage, op, mb = int(match[1]), match[2], int(match[3])
-    return _action(op, mb, stage, stages)
+    return _action(op, mb, stage, stages, placement)
 
 
-def _action(op: str, microbatch: int, stage: int, p: int) -> Action:
+def stage_rank(stage: int, stages: int, placement: str = "loop") -> tuple[int, int]:
+    """(rank, local chunk) holding global virtual `stage` among p = `stages` pipeline ranks.
+
+    ``loop`` (Megatron's interleaving): stage s on rank s mod p. ``v`` (ZB-V, DualPipeV; as
+    torch's ``generate_stage_to_rank_mapping(style="v")``): down the ranks, then back up.
+
+    >>> [stage_rank(s, 2, "v") for s in range(4)]
+    [(0, 0), (1, 0), (1, 1), (0, 1)]
+    """
+    lap, k = divmod(stage, stages)
+    if placement == "loop":
+        return k, lap
+    if placement == "v":
+        return (k if lap % 2 == 0 else stages - 1 - k), lap
+    raise ValueError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+
+
+def global_stage(rank: int, chunk: int, stages: int, placement: str = "loop") -> int:
+    """The global virtual stage of local `chunk` on `rank` (inverse of :func:`stage_rank`)."""
+    if placement == "v" and chunk % 2:
+        return chunk * stages + stages - 1 - rank
+    return chunk * stages + rank
+
+
+def placement_of(schedule: str) -> str:
+    """The placement a schedule's stages follow: ``v`` for zbv, ``loop`` otherwise."""
+    return "v" if schedule == "zbv" else "loop"
+
+
+def _action(op: str, microbatch: int, stage: int, p: int, placement: str = "loop") -> Action:
     # Forward traffic flows to stage+1, backward to stage-1; a RECV names where it comes from.
     step = {"SEND_F": 1, "RECV_B": 1, "SEND_B": -1, "RECV_F": -1}.get(op)
-    peer = None if step is None else (stage + step) % p
-    return Action(op, microbatch, stage // p, stage, peer)
+    peer = None if step is None else stage_rank(stage + step, p, placement)[0]
+    return Action(op, microbatch, stage_rank(stage, p, placement)[1], stage, peer)
 
 
 def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> None:
@@ -77,6 +121,11 @@ def validate(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> 
         raise ValueError(f"stages must be >= 1 (got {stages})")
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
+    if schedule == "zbv":
+        if chunks != 2:
+            raise ValueError(f"zbv places exactly two chunks per rank in a V (got chunks={chunks}): "
+                             "set chunks=2")
+        return
     if schedule != "interleaved" and chunks != 1:
         raise ValueError(f"chunks={chunks} needs schedule='interleaved'; or set chunks=1")
     if schedule == "interleaved" and chunks < 2:
@@ -97,9 +146,12 @@ def build_schedule(schedule: str, stages: int, microbatches: int,
     ['0F0', '0SEND_F0', '0F1', '0SEND_F1', '0RECV_B0', '0B0', '0RECV_B1', '0B1']
     """
     validate(schedule, stages, microbatches, chunks)
-    order = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}[schedule]
-    return [_with_comms(order(r, stages, microbatches, chunks), r, stages, chunks)
-            for r in range(stages)]
+    order = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved,
+             "zb-h1": zb_h1, "zbv": zbv}[schedule]
+    place = placement_of(schedule)
+    lists = [_with_comms(order(r, stages, microbatches, chunks), r, stages, chunks, place)
+             for r in range(stages)]
+    return _recv_in_send_order(lists, stages, place)
 
 
 # Each builder returns a rank's compute order as (op, microbatch, chunk) triples.
@@ -140,24 +192,62 @@ def _unit(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
     return microbatch, chunk if forward else v - 1 - chunk
 
 
-def _with_comms(order: list[tuple], r: int, p: int, v: int) -> list[Action]:
+def _with_comms(order: list[tuple], r: int, p: int, v: int, place: str = "loop") -> list[Action]:
     """Wrap each compute with the RECV it needs just before and the SEND it owes just after.
 
     A RECV placed right before its consumer blocks only when the data is truly late, so a
-    compute order that respects the dependencies cannot deadlock.
+    compute order that respects the dependencies cannot deadlock. I consumes and produces
+    the same messages as a fused B; W has none. A neighbour stage on this same rank (V
+    placement's turn, or p = 1) hands over locally: no message.
     """
     last = p * v - 1
     actions = []
     for op, mb, chunk in order:
-        stage = chunk * p + r
-        recv = p > 1 and (stage > 0 if op == "F" else stage < last)
-        send = p > 1 and (stage < last if op == "F" else stage > 0)
-        if recv:
-            actions.append(_action("RECV_" + op, mb, stage, p))
-        actions.append(_action(op, mb, stage, p))
-        if send:
-            actions.append(_action("SEND_" + op, mb, stage, p))
+        stage = global_stage(r, chunk, p, place)
+        flow = "F" if op == "F" else "B"
+        src, dst = (stage - 1, stage + 1) if flow == "F" else (stage + 1, stage - 1)
+        remote = [op != "W" and 0 <= s <= last and stage_rank(s, p, place)[0] != r
+                  for s in (src, dst)]
+        if remote[0]:
+            actions.append(_action("RECV_" + flow, mb, stage, p, place))
+        actions.append(_action(op, mb, stage, p, place))
+        if remote[1]:
+            actions.append(_action("SEND_" + flow, mb, stage, p, place))
     return actions
+
+
+def _recv_in_send_order(lists: list[list[Action]], p: int, place: str) -> list[list[Action]]:
+    """Receive each peer's messages in the order that peer sends them.
+
+    Point-to-point messages between two ranks match in posting order (NCCL always; gloo per
+    tag), so a receiver must take them in the sender's order, activations and gradients
+    mixed. ZB-V breaks that when placed naively: rank r sends chunk 0's activations and chunk
+    1's gradients down the same link, and rank r+1 may need the gradient first. A RECV whose
+    message comes after others on its link pulls their RECVs just before it; they were posted
+    earlier by the sender, so nothing waits longer. The older schedules already agree: no-op.
+    """
+    sent = {}       # (src, dst) -> the messages src sends dst, in order, as the RECV names them
+    for r, actions in enumerate(lists):
+        for a in actions:
+            if a.op.startswith("SEND"):
+                to = a.stage + (1 if a.op == "SEND_F" else -1)
+                sent.setdefault((r, a.peer), []).append(("RECV_" + a.op[-1], a.microbatch, to))
+    out = []
+    for r, actions in enumerate(lists):
+        mine, taken, nxt = [], set(), {}
+        for a in actions:
+            key = (a.op, a.microbatch, a.stage)
+            if not a.op.startswith("RECV"):
+                mine.append(a)
+                continue
+            while key not in taken:      # take the link's older messages first
+                queue, k = sent[a.peer, r], nxt.get(a.peer, 0)
+                op, mb, stage = queue[k]
+                nxt[a.peer] = k + 1
+                taken.add(queue[k])
+                mine.append(_action(op, mb, stage, p, place))
+        out.append(mine)
+    return out
 
 
 def ideal_bubble(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
@@ -165,17 +255,35 @@ def ideal_bubble(schedule: str, stages: int, microbatches: int, chunks: int = 1)
 
     GPipe and 1F1B: (p-1)/(m+p-1) (GPipe, arXiv 1811.06965; 1F1B saves memory, not bubble).
     Interleaved with v chunks per rank: (p-1)/(v*m+p-1) (Megatron-LM, arXiv 2104.04473).
+    The zero-bubble schedules, with equal F, I and W costs T (Qi et al. 2023, arXiv
+    2401.10241), are simulated, since their bubble depends on m's range:
+    ZB-H1 for m >= p: each rank idles (p-1)(T_F + T_B - T_W) = (p-1)T against 3mT of work
+    (paper §2.1, Figure 3), so (p-1)/(3m+p-1). ZB-V for m >= 2p-1: no rank idles between its
+    first forward and its last W (the paper's zero bubble); a flushed step still has the V's
+    skew, rank r starts r chunk-forwards late and ends as late, so (p-1)/(6m+p-1).
     The HF Ultra-Scale Playbook's (p-1)/m is bubble / ideal compute, not bubble / total.
 
     >>> ideal_bubble("gpipe", stages=4, microbatches=8)
     0.2727272727272727
+    >>> ideal_bubble("zb-h1", stages=4, microbatches=8) == 3 / (3 * 8 + 3)
+    True
     """
     validate(schedule, stages, microbatches, chunks)
-    return (stages - 1) / (chunks * microbatches + stages - 1)
+    if schedule not in ("zb-h1", "zbv"):
+        return (stages - 1) / (chunks * microbatches + stages - 1)
+    t = Fraction(1, chunks)     # a chunk's share of a stage's work
+    events = simulate(build_schedule(schedule, stages, microbatches, chunks),
+                      costs={"F": t, "I": t, "W": t})
+    total = max(e["end"] for e in events)
+    busy = sum(e["end"] - e["start"] for e in events if e["stream"] == "compute")
+    return float(1 - busy / (stages * total))
 
 
-def in_flight(actions: list[Action]) -> int:
+def in_flight(actions: list[Action], released_by: tuple = ("B", "W")) -> int:
     """Most (stage, microbatch) activations held at once on one rank: forward done, backward not.
+
+    A split backward frees them at W (its weight gradients still need the saved inputs);
+    ``released_by=("B", "I")`` counts until the input gradient instead.
 
     >>> in_flight(build_schedule("gpipe", stages=2, microbatches=4)[0])
     4
@@ -185,84 +293,6 @@ def in_flight(actions: list[Action]) -> int:
         if a.op == "F":
             live.add((a.stage, a.microbatch))
             peak = max(peak, len(live))
-        elif a.op == "B":
+        elif a.op in released_by:
             live.discard((a.stage, a.microbatch))
     return peak
-
-
-def simulate(actions_per_rank: list[list[Action]], fwd_cost=1.0, bwd_cost=2.0,
-             comm_cost=0.0) -> list[dict]:
-    """Run the lists as a discrete-event model; return labkit events (one step, step 0).
-
-    Each rank runs its list in order. F and B take their cost; SEND is non-blocking; RECV
-    blocks until the k-th matching SEND from the peer was posted, then comm_cost more. The
-    blocked part is a ``wait`` (bubble), the transfer part a ``recv`` (exposed comm).
-    Costs may be Fractions for exact arithmetic.
-
-    >>> ev = simulate(build_schedule("gpipe", stages=2, microbatches=1), 1, 1)
-    >>> max(e["end"] for e in ev)
-    4
-    """
-    zero = 0 * fwd_cost  # keeps Fraction costs exact: a float 0.0 would turn them to floats
-    comm_cost = comm_cost or zero
-    clock = [zero] * len(actions_per_rank)
-    pos = [0] * len(actions_per_rank)
-    posted: dict[tuple, list] = {}  # (src, dst, "F"|"B") -> [(time, action)] in send order
-    taken: dict[tuple, int] = {}  # how many of those have been received
-    events: list[dict] = []
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in enumerate(actions_per_rank):
-            while pos[r] < len(actions):
-                a = actions[pos[r]]
-                if a.op.startswith("RECV") and not _try_recv(r, a, clock, posted, taken,
-                                                             comm_cost, events):
-                    break  # blocked: let the other ranks run
-                if a.op.startswith("SEND"):
-                    posted.setdefault((r, a.peer, a.op[-1]), []).append((clock[r], a))
-                    events.append(_event(r, "comm", "send", a, clock[r], clock[r] + comm_cost))
-                if a.op in ("F", "B"):
-                    cost = fwd_cost if a.op == "F" else bwd_cost
-                    kind = "fwd" if a.op == "F" else "bwd"
-                    events.append(_event(r, "compute", kind, a, clock[r], clock[r] + cost))
-                    clock[r] += cost
-                pos[r] += 1
-                progress = True
-    _check_finished(actions_per_rank, pos, posted, taken)
-    return events
-
-
-def _try_recv(r, a, clock, posted, taken, comm_cost, events) -> bool:
-    key = (a.peer, r, a.op[-1])
-    k = taken.get(key, 0)
-    if k >= len(posted.get(key, [])):
-        return False
-    sent_at, send = posted[key][k]
-    step = 1 if a.op == "RECV_F" else -1  # the sender is the stage before (F) / after (B)
-    if (send.microbatch, send.stage + step) != (a.microbatch, a.stage):
-        raise RuntimeError(f"mismatch: rank {r} {a} got {send} from rank {a.peer}")
-    taken[key] = k + 1
-    start, ready = clock[r], max(clock[r], sent_at)
-    if ready > start:
-        events.append(_event(r, "comm", "wait", a, start, ready))
-    clock[r] = max(ready, sent_at + comm_cost)
-    events.append(_event(r, "comm", "recv", a, ready, clock[r]))
-    return True
-
-
-def _check_finished(actions_per_rank, pos, posted, taken) -> None:
-    stuck = {r: str(acts[pos[r]]) for r, acts in enumerate(actions_per_rank)
-             if pos[r] < len(acts)}
-    if stuck:
-        where = ", ".join(f"rank {r} blocked at {a}" for r, a in stuck.items())
-        raise RuntimeError(f"deadlock: {where} (each RECV waits for a SEND never posted)")
-    unread = {key: len(sends) - taken.get(key, 0) for key, sends in posted.items()}
-    unread = {key: n for key, n in unread.items() if n}
-    if unread:
-        raise RuntimeError("unmatched sends (src, dst, F|B): count " + repr(unread))
-
-
-def _event(rank: int, stream: str, kind: str, a: Action, start, end) -> dict:
-    return {"rank": rank, "stream": stream, "kind": kind, "name": str(a), "step": 0,
-            "microbatch": a.microbatch, "start": start, "end": end, "bytes": 0, "peer": a.peer}
