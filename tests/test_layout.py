@@ -21,8 +21,7 @@ from labkit.config import Strategy, strategy_fields
 from labkit.errors import LabError, RankReport
 from labkit.parallel.build import RunSpec
 from labkit.parallel.executor import Executor
-from labkit.parallel.pipeline import RUNNABLE
-from labkit.parallel.pipeline.schedules import build_schedule, simulate
+from labkit.parallel.pipeline.schedules import SCHEDULES, build_schedule, simulate
 
 ROOT = Path(labkit.__file__).parent
 ENGINE_SIDE = ("engine", "parallel", "comm", "record", "models")
@@ -168,7 +167,7 @@ def test_each_axis_checks_its_own_fields_through_strategy():
 
 
 # -- the executor -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", RUNNABLE)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_executor_has_a_handler_for_every_action_of_every_schedule(schedule):
     chunks = 2 if schedule in ("interleaved", "zbv") else 1
     for actions in build_schedule(schedule, stages=2, microbatches=4, chunks=chunks):

@@ -200,3 +200,15 @@ def test_ddp_wait_is_not_counted_as_backward_compute(lab4, mlp_ref):
         last_bwd = max((e for e in step if e["kind"] == "bwd"), key=lambda e: e["end"])
         last_reduce = max(e["end"] for e in step if e["kind"] == "allreduce")
         assert last_reduce > last_bwd["end"], rank
+
+
+@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1), ("zbv", 2)])
+def test_zero_bubble_schedules_run_on_the_engines_and_equal_one_process(lab2, schedule, chunks):
+    """I and W run as the executor's own actions (split backward), ZB-V's local turn hands
+    over without a message; the result equals the single-process run."""
+    s = labkit.Strategy(pp=2, schedule=schedule, chunks=chunks, microbatches=4)
+    run = lab2.run(s, model=MLP, batch=16, steps=STEPS, seed=4)
+    ref = labkit.reference(MLP, batch=16, steps=STEPS, seed=4)
+    assert run.max_diff(ref) < 1e-5
+    kinds = {e["kind"] for e in run.timeline.events}
+    assert {"bwd_input", "bwd_weight"} <= kinds and "bwd" not in kinds

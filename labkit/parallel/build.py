@@ -26,7 +26,7 @@ from ..models.training import build_model, build_optimizer, resolve_data, resolv
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage
-from .pipeline.schedules import build_schedule
+from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
 
 _serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
@@ -57,9 +57,8 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     full = build_tensor_split(full, s, groups)                             # 2. tensor parallel
     blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
-    mine = [g for g in range(len(blocks)) if g % s.pp == pp_index]        # chunk c = stage c·pp + r
     stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
-              for c, g in enumerate(mine)]
+              for c, g in enumerate(my_stages(s, pp_index))]
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
@@ -78,6 +77,15 @@ def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.S
     if strategy.tp == 1:
         return model
     raise NotImplementedError("tensor parallelism is not wired into the builder yet")
+
+
+def my_stages(s: Strategy, pp_index: int) -> list[int]:
+    """The global stages pipeline rank ``pp_index`` holds, by local chunk: the schedule's
+    placement (loop: stage c·pp + r, Megatron; v: r and 2·pp − 1 − r, ZB-V)."""
+    if s.pp == 1:
+        return [0]
+    place = placement_of(s.schedule)
+    return [global_stage(pp_index, c, s.pp, place) for c in range(s.chunks)]
 
 
 def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: Strategy, groups,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .pipeline.split_backward import backward_input, backward_weight
+
 
 @dataclass
 class Stage:
@@ -36,7 +38,8 @@ class Stage:
 class Executor:
     """This rank's stages, run by its action list, then dp-reduced and stepped."""
 
-    HANDLERS = {"F": "_forward", "B": "_backward", "SEND_F": "_send_activation", "RECV_F": "_recv_activation",
+    HANDLERS = {"F": "_forward", "B": "_backward", "I": "_backward_input", "W": "_backward_weight",
+                "SEND_F": "_send_activation", "RECV_F": "_recv_activation",
                 "SEND_B": "_send_grad", "RECV_B": "_recv_grad"}
 
     def __init__(self, spec, stages: list[Stage], last_stage: int, actions, link, data, loss_fn,
@@ -47,7 +50,10 @@ class Executor:
         self.owns_parameters = owns_parameters
         # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
         self.model = nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
-        self.last_backward = {a.chunk: a.microbatch for a in actions if a.op == "B"}
+        # The reduction is armed for each stage's last gradient accumulation: its last B, or
+        # its last W when the schedule splits backward (parameter gradients appear in W).
+        self.last_backward = {a.chunk: a.microbatch for a in actions if a.op in ("B", "W")}
+        self.chunk_of = {st.index: st.chunk for st in stages}     # stages this rank holds
         unknown = sorted({a.op for a in actions} - self.HANDLERS.keys())
         if unknown:
             raise ValueError(f"schedule {spec.strategy.schedule!r} uses action(s) {unknown} that the executor "
@@ -70,6 +76,7 @@ class Executor:
         x, y = batch
         self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
         self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
+        self.input_grads, self.kept = {}, {}       # for SEND_B / a local turn; I's state for W
         self.meter.live, self.meter.peak = {}, 0
         for action in self.actions:
             self.link.poll()
@@ -102,7 +109,13 @@ class Executor:
 
     def _forward(self, a):
         key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
-        inp = self.xs[a.microbatch] if a.stage == 0 else self.inputs[key]
+        if a.stage == 0:
+            inp = self.xs[a.microbatch]
+        elif key in self.inputs:
+            inp = self.inputs[key]
+        else:           # the V's turn: the previous stage is this rank's too, no message
+            prev = self.outputs[self.chunk_of[a.stage - 1], a.microbatch]
+            inp = self.inputs[key] = prev.detach().requires_grad_(prev.is_floating_point())
         rec.microbatch = a.microbatch
         with rec.span("fwd", self._label("F", a), microbatch=a.microbatch), \
                 self.meter.forward(key, inp) as kept, stage.sync.defer():
@@ -122,7 +135,7 @@ class Executor:
     def _backward(self, a):
         key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
         rec.microbatch = a.microbatch
-        out, grad = self.outputs.pop(key), self.grads.pop(key, None)
+        out, grad = self.outputs.pop(key), self._output_grad(a)
         inp, span = self.inputs.get(key), stage.span
         if span is not None:
             span.name, span.expects_input_grad = self._label("B", a), inp is not None and inp.requires_grad
@@ -135,8 +148,43 @@ class Executor:
                 torch.autograd.backward(out, grad)
         if span is not None:
             span.finish()
+        self._input_grad_ready(a, inp.grad if inp is not None else None, inp)
         self.meter.release(key)
 
+    def _backward_input(self, a):
+        """I: the gradient w.r.t. the stage input only, now (it goes upstream); W comes later."""
+        key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
+        rec.microbatch = a.microbatch
+        out, grad, inp = self.outputs.pop(key), self._output_grad(a), self.inputs.get(key)
+        with rec.span("bwd_input", self._label("I", a), microbatch=a.microbatch):
+            g, self.kept[key] = backward_input(out, grad, inp, stage.module)
+        self._input_grad_ready(a, g, inp)
+
+    def _backward_weight(self, a):
+        """W: the stage's weight gradients from what its I kept; the reduction hooks fire here."""
+        key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
+        rec.microbatch = a.microbatch
+        with rec.span("bwd_weight", self._label("W", a), microbatch=a.microbatch), \
+                stage.sync.backward(last=self.last_backward[a.chunk] == a.microbatch):
+            backward_weight(self.kept.pop(key))
+        self.meter.release(key)
+
+    def _output_grad(self, a):
+        """The gradient of this stage's output: none for the loss, else received or handed over."""
+        return None if a.stage == self.last_stage else self.grads.pop((a.chunk, a.microbatch), None)
+
+    def _input_grad_ready(self, a, grad, inp) -> None:
+        """Hand the input gradient to the previous stage: locally (the V's turn) or by SEND_B."""
+        self.inputs.pop((a.chunk, a.microbatch), None)
+        if a.stage == 0:
+            return                         # the data needs no gradient
+        if grad is None:                   # the output did not depend on the input
+            grad = torch.zeros_like(inp)
+        prev = self.chunk_of.get(a.stage - 1)
+        if prev is not None:
+            self.grads[prev, a.microbatch] = grad
+        else:
+            self.input_grads[a.chunk, a.microbatch] = grad
+
     def _send_grad(self, a):
-        inp = self.inputs.pop((a.chunk, a.microbatch))
-        self.link.send_grad(a, inp.grad if inp.grad is not None else torch.zeros_like(inp))
+        self.link.send_grad(a, self.input_grads.pop((a.chunk, a.microbatch)))

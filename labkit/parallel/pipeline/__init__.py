@@ -7,20 +7,24 @@ This file owns the pp axis's rule: :func:`check_strategy` is what ``Strategy`` c
 from __future__ import annotations
 
 
-# Schedules the executor runs today; the zero-bubble ones (split backward I/W) are data and
-# simulated already (labkit.parallel.pipeline.schedules) but not run on the engines yet.
-RUNNABLE = ("gpipe", "1f1b", "interleaved")
+# Schedules that split backward into I and W, where DDP's reducer (built for one fused
+# backward per micro-batch) is not used.
+SPLIT_BACKWARD = ("zb-h1", "zbv")
 
 
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible pipeline setting."""
-    if s.schedule not in RUNNABLE:
-        raise ValueError(f"Strategy.schedule={s.schedule!r} is simulated (labkit.schedules) but not run on "
-                         f"the engines yet; use one of {', '.join(map(repr, RUNNABLE))}")
     _check_split_at(s)
-    if s.chunks > 1 and s.schedule != "interleaved":
-        raise ValueError(f"Strategy.chunks={s.chunks} needs schedule='interleaved'; "
+    if s.chunks > 1 and s.schedule not in ("interleaved", "zbv"):
+        raise ValueError(f"Strategy.chunks={s.chunks} needs schedule='interleaved' (or 'zbv', two chunks); "
                          "set chunks=1 or schedule='interleaved'")
+    if s.schedule == "zbv" and s.pp > 1 and s.chunks != 2:
+        raise ValueError(f"Strategy.chunks={s.chunks}: zbv places exactly two chunks per rank in a V; "
+                         "set chunks=2")
+    if s.schedule in SPLIT_BACKWARD and s.pp > 1 and s.dp > 1 and s.dp_mode == "ddp":
+        raise ValueError(f"Strategy.dp_mode='ddp' with schedule={s.schedule!r}: DDP's reducer expects one fused "
+                         "backward per micro-batch, and this schedule splits it into I and W; use "
+                         "dp_mode='overlap' or 'bucketed'")
     if s.schedule == "interleaved" and s.pp > 1:
         if s.chunks < 2:
             raise ValueError("Strategy.chunks: the interleaved schedule needs chunks ≥ 2 "
