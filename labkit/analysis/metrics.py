@@ -1,12 +1,12 @@
 """Step metrics from timeline events, defined once for plots, widgets, the CLI and tests.
 
-An event is a plain dict (DESIGN.md, "Events")::
+An event is a plain dict (docs/design.md, "Events")::
 
     {"rank", "stream": "compute"|"comm", "kind", "name", "step", "microbatch",
      "start", "end", "bytes", "peer"}
 
 with times in seconds from the start of its step, aligned across ranks. For one rank in one
-step we take three sets of time (DESIGN.md, "Metrics"):
+step we take three sets of time (docs/design.md, "Metrics"):
 
     T = the step's duration: the latest end over *all* ranks (steps start at 0)
     C = union of the rank's compute spans
@@ -138,7 +138,7 @@ def _by_step(events) -> dict[int, list[dict]]:
 
 def step_metrics(events, world_size: int | None, global_batch: int,
                  peak_activation_bytes: list[int] | None = None) -> dict:
-    """The DESIGN.md metrics of a run's events (one or several steps).
+    """The docs/design.md metrics of a run's events (one or several steps).
 
     step_time_s is the median over steps of the step's T (the slowest rank's last end).
     Fractions are averaged per rank over steps, then over ranks 0..world_size-1; a rank with

@@ -1,6 +1,6 @@
 """Split pipeline receives into waiting (a bubble) and moving bytes (comm).
 
-DESIGN.md: a ``wait`` span is the part of a receive before its sender posted the matching
+docs/design.md: a ``wait`` span is the part of a receive before its sender posted the matching
 send. Ranks record their own sends and receives; only once every rank's events are gathered
 can a receive be matched with its send and split.
 

@@ -6,10 +6,13 @@
 
 Every change of a control checks the settings in the notebook (an impossible combination is
 shown in the status line and disables Run; it never reaches the engines) and, with "run on
-change" ticked, submits a run. Runs go through :class:`labkit.live.LiveRunner`: one at a
-time, the latest settings queued, Stop at the next step boundary. The kernel never waits;
-answers arrive on ipyparallel's client thread, and one painter thread does all the drawing,
-so a slow redraw never holds up the next step and only the newest timeline is drawn.
+change" ticked, submits a run. Runs go through :class:`labkit.run.live.LiveRunner`, the same
+step loop as ``lab.run`` on a worker thread: one at a time, the latest settings queued, Stop
+at the next step boundary. The kernel never waits, and one painter thread does all the
+drawing, so a slow redraw never holds up the next step and only the newest timeline is drawn.
+
+The parts: the form (:mod:`.form`, controls from Strategy's field metadata), the status line
+and tables (:mod:`.status`), the canvas and painter (:mod:`.canvas`), and this app wiring them.
 
 Pin keeps the latest run; the Compare tab then shows it above the newest run on one time
 axis, with the metric differences. From code (tests, a guided tour)::
@@ -20,26 +23,19 @@ axis, with the metric differences. From code (tests, a guided tour)::
 """
 from __future__ import annotations
 
-import html
-import io
 import threading
 import time
 
 import ipywidgets as W
-import matplotlib
 
-from ..config import Strategy, strategy_fields
+from ..config import Strategy
 from ..parallel.build import RunSpec
 from ..run.live import LiveRun, LiveRunner, describe_error
 from ..run.runner import validate
-
-# Controls that map one to one onto Strategy fields: every field whose metadata names a
-# control, in declaration order, grouped by axis (labkit.config.setting).
-STRATEGY_FIELDS = tuple(f.name for f in strategy_fields() if f.metadata["control"] is not None)
-GROUPS = (("Degrees", "degrees"), ("Pipeline (pp > 1)", "pp"), ("Data parallel", "dp"),
-          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"))
-COLORS = {"ok": "#1b7a3d", "busy": "#1f5fa8", "problem": "#a35a00", "error": "#b00020"}
-
+from . import form
+from .canvas import Painter, WidgetFigure, use_ipympl
+from .form import STRATEGY_FIELDS
+from .status import diff_table, labels, metrics_table, status_html
 
 class Dashboard:
     """Strategy controls, Run/Stop/Pin, a live per-rank timeline, metrics and a status line."""
@@ -57,7 +53,7 @@ class Dashboard:
         self._status_lock = threading.Lock()      # the notebook and client threads both write it
         self.runner = LiveRunner(lab, on_start=self._started, on_update=self._stepped,
                                  on_finish=self._finished)
-        self._painter = _Painter()
+        self._painter = Painter()
         self._build_controls(strategy or Strategy(dp=lab.world_size), steps, auto)
         self._build_views(plot)
         self.widget = self._layout()
@@ -141,8 +137,7 @@ class Dashboard:
     # -- building -----------------------------------------------------------------------------
     def _build_controls(self, s: Strategy, steps: int, auto: bool) -> None:
         style = {"description_width": "100px"}
-        c = {f.name: _control(f, getattr(s, f.name), self.lab.world_size)
-             for f in strategy_fields() if f.metadata["control"] is not None}
+        c = form.build_controls(s, self.lab.world_size)
         c.update({
             "steps": W.IntSlider(value=steps, min=1, max=20, description="steps per run"),
             "auto": W.Checkbox(value=auto, description="run on change", indent=False),
@@ -166,11 +161,11 @@ class Dashboard:
         self.status.add_class("labkit-status")
 
     def _build_views(self, plot: str) -> None:
-        interactive = _use_ipympl(plot)
+        interactive = use_ipympl(plot)
         world = self.lab.world_size
-        self.timeline_view = _Figure((8, 1.2 + 0.6 * world), 1, interactive)
-        self.compare_view = _Figure((8, 1.8 + 1.2 * world), 2, interactive, sharex=True)
-        self.metrics = W.HTML(_metrics_table(None))
+        self.timeline_view = WidgetFigure((8, 1.2 + 0.6 * world), 1, interactive)
+        self.compare_view = WidgetFigure((8, 1.8 + 1.2 * world), 2, interactive, sharex=True)
+        self.metrics = W.HTML(metrics_table(None))
         self.metrics.add_class("labkit-metrics")
         self.timeline_view.widget.add_class("labkit-timeline")
         self.diff = W.HTML("<i>Pin a run, change a setting, run again: the two appear here.</i>")
@@ -182,9 +177,7 @@ class Dashboard:
     def _layout(self) -> W.Widget:
         c = self.controls
         group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
-        axis_of = {f.name: f.metadata["axis"] for f in strategy_fields()}
-        groups = [(title, [n for n in STRATEGY_FIELDS if axis_of[n] == axis]) for title, axis in GROUPS]
-        panel = W.HBox([group(title, *names) for title, names in groups if names],
+        panel = W.HBox([group(title, *names) for title, names in form.groups()],
                        layout=W.Layout(flex_flow="row wrap"))
         bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["steps"], c["auto"]],
                      layout=W.Layout(flex_flow="row wrap"))
@@ -221,7 +214,7 @@ class Dashboard:
             self._problem = self._problem if problem is None else problem
             self._state = state or self._state
             kind, text = ("problem", self._problem) if self._problem else self._state
-            self.status.value = f'<span style="color:{COLORS[kind]}">{html.escape(text)}</span>'
+            self.status.value = status_html(kind, text)
 
     # -- runner callbacks (ipyparallel's client thread: quick, no waiting) -----------------------
     def _started(self, live: LiveRun) -> None:
@@ -234,7 +227,7 @@ class Dashboard:
         queued = " · 1 change queued" if self.runner.pending is not None else ""
         self._show(("busy", f"run {live.number}: step {live.step + 1}/{live.steps} · "
                             f"loss {live.run.losses[-1]:.4g}{queued}"))
-        self.metrics.value = _metrics_table(live)
+        self.metrics.value = metrics_table(live)
         timeline, step = live.run.timeline, live.step        # this step's, whatever comes next
         self._painter.request("timeline", lambda: self._draw_timeline(live, timeline, step))
 
@@ -267,10 +260,10 @@ class Dashboard:
             return
         if b is None or b is a or not b.run.losses:
             b = None
-        labels = _labels(a, b)
+        names = labels(a, b)
         view = self.compare_view
         right = 0.0
-        for ax, live, label in zip(view.axes, (a, b), labels):   # as labkit.timeline.compare
+        for ax, live, label in zip(view.axes, (a, b), names):   # as labkit.timeline.compare
             ax.clear()
             if live is None:
                 ax.set_title("run again with other settings to compare", fontsize="medium")
@@ -281,109 +274,10 @@ class Dashboard:
         view.axes[0].set_xlim(0, right or 1.0)
         view.axes[0].set_xlabel("")
         view.show()
-        self.diff.value = _diff_table(a, b, labels)
-
-
-class _Figure:
-    """A figure shown in a widget and redrawn in place: ipympl's canvas, or a PNG (fallback)."""
-
-    def __init__(self, figsize, nrows: int, interactive: bool, **kwargs):
-        from matplotlib.figure import Figure
-
-        self.fig = Figure(figsize=figsize, layout="constrained")
-        self.axes = list(self.fig.subplots(nrows, 1, squeeze=False, **kwargs)[:, 0])
-        self.interactive = interactive
-        if interactive:   # a canvas widget of our own: not in pyplot's list, never auto-shown
-            from ipympl.backend_nbagg import Canvas, FigureManager
-
-            canvas = Canvas(self.fig)
-            FigureManager(canvas, 0)
-            canvas.header_visible = canvas.footer_visible = False
-            canvas.toolbar_position = "right"
-            # ipympl keeps a PNG copy in the widget state until the page's view says it is
-            # ready; a draw from our thread before then ships a copy the page cannot decode
-            # and the canvas in a box stays 0×0. The page asks for a full image anyway.
-            canvas.syncing_data_url = False
-            self.widget = canvas
-        else:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-            FigureCanvasAgg(self.fig)
-            self.widget = W.Image(format="png", layout=W.Layout(max_width="900px"))
-        for ax in self.axes:
-            ax.set_axis_off()
-
-    def show(self) -> None:
-        for ax in self.axes:
-            ax.set_axis_on()
-        if self.interactive:
-            # A whole frame, not a difference from the last one: a page that missed a frame
-            # (drawn while it was busy) would otherwise keep stale pixels.
-            self.fig.canvas._force_full = True
-            self.fig.canvas.draw()
-        else:
-            buf = io.BytesIO()
-            self.fig.savefig(buf, format="png", dpi=90)
-            self.widget.value = buf.getvalue()
-
-
-class _Painter:
-    """One daemon thread that runs drawing jobs; a newer job of the same kind replaces an older."""
-
-    def __init__(self):
-        self._jobs: dict[str, object] = {}
-        self._busy = self._closed = False
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def request(self, kind: str, job) -> None:
-        with self._cv:
-            self._jobs.pop(kind, None)
-            self._jobs[kind] = job
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="labkit-painter", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def wait(self, timeout: float) -> None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: not self._jobs and not self._busy, timeout):
-                raise TimeoutError(f"drawing did not finish within {timeout:g} s")
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._closed)
-                if self._closed:
-                    return
-                kind = next(iter(self._jobs))
-                job, self._busy = self._jobs.pop(kind), True
-            try:
-                job()
-            except Exception:
-                import traceback
-                traceback.print_exc()
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+        self.diff.value = diff_table(a, b, names)
 
 
 # -- text helpers ------------------------------------------------------------------------------
-def _use_ipympl(plot: str) -> bool:
-    if plot not in ("auto", "ipympl", "image"):
-        raise ValueError(f"plot={plot!r}; use 'auto', 'ipympl' or 'image'")
-    if plot == "auto":
-        backend = matplotlib.get_backend().lower()
-        return "ipympl" in backend or backend == "widget"
-    return plot == "ipympl"
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -392,75 +286,3 @@ def _first_line(exc: BaseException) -> str:
 def _describe(s: Strategy) -> str:
     """The settings that matter for these degrees, short (Strategy.label)."""
     return s.label()
-
-
-def _control(f, value, world_size: int) -> W.Widget:
-    """The widget a Strategy field's metadata asks for (labkit.config.setting)."""
-    kind, title = f.metadata["control"], f.metadata["title"] or f.name
-    if kind == "degree":
-        return W.Dropdown(options=list(range(1, world_size + 1)), value=value, description=title)
-    if kind == "choice":
-        return W.Dropdown(options=f.metadata["choices"], value=value, description=title)
-    if kind == "bool":
-        return W.Checkbox(value=value, description=title)
-    name, lo, hi = kind
-    if name == "int":
-        return W.IntSlider(value=value, min=lo, max=hi, description=title)
-    return W.FloatLogSlider(value=value, base=2, min=lo, max=hi, step=1, description=title, readout_format=".3g")
-
-
-def _labels(a: LiveRun, b: LiveRun | None) -> tuple[str, str]:
-    """Name two runs by the settings that differ ("microbatches=1" vs "microbatches=4")."""
-    if b is None:
-        return f"pinned run {a.number}", "—"
-    sa, sb = a.spec.strategy.to_dict(), b.spec.strategy.to_dict()
-    differ = [k for k in sa if sa[k] != sb[k]] + (["steps"] if a.steps != b.steps else [])
-    if not differ:
-        return f"pinned run {a.number}", f"run {b.number}"
-    value = lambda live, k: live.steps if k == "steps" else getattr(live.spec.strategy, k)  # noqa: E731
-    say = lambda live: ", ".join(f"{k}={value(live, k)}" for k in differ[:3])  # noqa: E731
-    return f"pinned run {a.number} ({say(a)})", f"run {b.number} ({say(b)})"
-
-
-ROWS = (  # (label, how to read it from a Run, format)
-    ("step time", lambda r: 1e3 * r.metrics["step_time_s"], "{:.2f} ms"),
-    ("samples/s", lambda r: r.metrics["throughput_samples_s"], "{:.0f}"),
-    ("comm", lambda r: 100 * r.metrics["comm_fraction"], "{:.1f}%"),
-    ("exposed comm", lambda r: 100 * r.metrics["exposed_comm_fraction"], "{:.1f}%"),
-    ("overlap", lambda r: 100 * r.metrics["overlap_fraction"], "{:.1f}%"),
-    ("bubble", lambda r: 100 * r.metrics["bubble_fraction"], "{:.1f}%"),
-    ("sent / step", lambda r: r.metrics["bytes_sent_total"] / 2**10, "{:.0f} KiB"),
-    ("peak activations", lambda r: max(r.metrics["peak_activation_bytes"] or [0]) / 2**10, "{:.0f} KiB"),
-    ("loss", lambda r: r.losses[-1], "{:.4g}"),
-)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """Metrics as columns, runs as rows: compact under a wide figure."""
-    cell = '<{0} style="padding:2px 9px;text-align:{1};white-space:nowrap">{2}</{0}>'
-    head = "".join(cell.format("th", "right" if i else "left", html.escape(h)) for i, h in enumerate(header))
-    body = "".join("<tr>" + "".join(cell.format("td", "right" if i else "left", html.escape(v))
-                                    for i, v in enumerate(row)) + "</tr>" for row in rows)
-    return f'<table style="border-collapse:collapse;font-size:90%"><tr>{head}</tr>{body}</table>'
-
-
-def _metrics_table(live: LiveRun | None) -> str:
-    if live is None or not live.run.losses:
-        return "<i>No run yet: press Run or change a setting.</i>"
-    values = [fmt.format(get(live.run)) for _, get, fmt in ROWS]
-    return _table([""] + [label for label, _, _ in ROWS], [[f"run {live.number}, step {live.step + 1}"] + values])
-
-
-def _change(a: float, b: float, points: bool) -> str:
-    """Fractions differ in percentage points, everything else relatively."""
-    if points:
-        return f"{b - a:+.1f} pts"
-    return f"{(b - a) / abs(a):+.0%}" if a else f"{b - a:+.3g}"
-
-
-def _diff_table(a: LiveRun, b: LiveRun | None, labels) -> str:
-    rows = [[labels[0]] + [fmt.format(get(a.run)) for _, get, fmt in ROWS]]
-    if b is not None:
-        rows.append([labels[1]] + [fmt.format(get(b.run)) for _, get, fmt in ROWS])
-        rows.append(["change"] + [_change(get(a.run), get(b.run), fmt.endswith("%")) for _, get, fmt in ROWS])
-    return _table([""] + [label for label, _, _ in ROWS], rows)

@@ -1,11 +1,11 @@
 """Per-rank timelines of compute and communication: one set of events, three views.
 
-A :class:`Timeline` wraps the events gathered from every rank (schema in DESIGN.md,
+A :class:`Timeline` wraps the events gathered from every rank (schema in docs/design.md,
 "Events") and shows them as
 
 * a matplotlib figure, one lane per (rank, stream): ``tl.plot()``;
 * a Chrome trace file for Perfetto or chrome://tracing: ``tl.save_trace("t.json")``;
-* the DESIGN.md metrics: ``tl.metrics(global_batch=64)``.
+* the docs/design.md metrics: ``tl.metrics(global_batch=64)``.
 
 Event times restart at 0 each step. Wherever steps are shown together (``plot(step="all")``
 and the trace file) they are laid back to back: step s starts where step s−1 ended, its
@@ -91,7 +91,7 @@ class Timeline:
         return offsets
 
     def metrics(self, global_batch: int, peak_activation_bytes=None) -> dict:
-        """DESIGN.md metrics of these events (see labkit.metrics.step_metrics)."""
+        """docs/design.md metrics of these events (see labkit.metrics.step_metrics)."""
         return _metrics.step_metrics(self.events, self.world_size, global_batch,
                                      peak_activation_bytes)
 

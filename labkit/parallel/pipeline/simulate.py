@@ -6,8 +6,10 @@ bubble, and prove a schedule free of deadlock (:mod:`labkit.schedules` builds th
 """
 from __future__ import annotations
 
+from ...analysis.events import make_event
+
 COMPUTE_OPS = ("F", "B", "I", "W")
-# Event kind of each compute op (DESIGN.md, "Events": bwd_input / bwd_weight when split).
+# Event kind of each compute op (docs/design.md, "Events": bwd_input / bwd_weight when split).
 OP_KINDS = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
 
 
@@ -87,5 +89,4 @@ def _check_finished(actions_per_rank, pos, posted, taken) -> None:
 
 
 def _event(rank: int, stream: str, kind: str, a, start, end) -> dict:
-    return {"rank": rank, "stream": stream, "kind": kind, "name": str(a), "step": 0,
-            "microbatch": a.microbatch, "start": start, "end": end, "bytes": 0, "peer": a.peer}
+    return make_event(rank, kind, str(a), 0, start, end, a.microbatch, 0, a.peer, stream)

@@ -1,0 +1,42 @@
+"""The dashboard's form: one control per Strategy field, derived from the field metadata.
+
+Every field whose ``setting(...)`` names a control gets one (labkit.config), in declaration
+order, grouped by its axis; a new Strategy field shows up here without an edit.
+"""
+from __future__ import annotations
+
+import ipywidgets as W
+
+from ..config import strategy_fields
+
+STRATEGY_FIELDS = tuple(f.name for f in strategy_fields() if f.metadata["control"] is not None)
+GROUPS = (("Degrees", "degrees"), ("Pipeline (pp > 1)", "pp"), ("Data parallel", "dp"),
+          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"))
+
+
+def build_controls(strategy, world_size: int) -> dict:
+    """{field name: widget} for every Strategy field with a control, set to ``strategy``'s values."""
+    return {f.name: control(f, getattr(strategy, f.name), world_size)
+            for f in strategy_fields() if f.metadata["control"] is not None}
+
+
+def groups() -> list[tuple[str, list[str]]]:
+    """(title, field names) per axis that has controls, in the panel's order."""
+    axis_of = {f.name: f.metadata["axis"] for f in strategy_fields()}
+    found = [(title, [n for n in STRATEGY_FIELDS if axis_of[n] == axis]) for title, axis in GROUPS]
+    return [(title, names) for title, names in found if names]
+
+
+def control(f, value, world_size: int) -> W.Widget:
+    """The widget a Strategy field's metadata asks for (labkit.config.setting)."""
+    kind, title = f.metadata["control"], f.metadata["title"] or f.name
+    if kind == "degree":
+        return W.Dropdown(options=list(range(1, world_size + 1)), value=value, description=title)
+    if kind == "choice":
+        return W.Dropdown(options=f.metadata["choices"], value=value, description=title)
+    if kind == "bool":
+        return W.Checkbox(value=value, description=title)
+    name, lo, hi = kind
+    if name == "int":
+        return W.IntSlider(value=value, min=lo, max=hi, description=title)
+    return W.FloatLogSlider(value=value, base=2, min=lo, max=hi, step=1, description=title, readout_format=".3g")

@@ -1,0 +1,68 @@
+"""The dashboard's status line and tables: run labels, the metrics of a run, two runs compared."""
+from __future__ import annotations
+
+import html
+
+COLORS = {"ok": "#1b7a3d", "busy": "#1f5fa8", "problem": "#a35a00", "error": "#b00020"}
+
+
+def status_html(kind: str, text: str) -> str:
+    """The status line: one coloured sentence ("ok", "busy", "problem", "error")."""
+    return f'<span style="color:{COLORS[kind]}">{html.escape(text)}</span>'
+
+
+def labels(a, b) -> tuple[str, str]:
+    """Name two runs by the settings that differ ("microbatches=1" vs "microbatches=4")."""
+    if b is None:
+        return f"pinned run {a.number}", "—"
+    sa, sb = a.spec.strategy.to_dict(), b.spec.strategy.to_dict()
+    differ = [k for k in sa if sa[k] != sb[k]] + (["steps"] if a.steps != b.steps else [])
+    if not differ:
+        return f"pinned run {a.number}", f"run {b.number}"
+    value = lambda live, k: live.steps if k == "steps" else getattr(live.spec.strategy, k)  # noqa: E731
+    say = lambda live: ", ".join(f"{k}={value(live, k)}" for k in differ[:3])  # noqa: E731
+    return f"pinned run {a.number} ({say(a)})", f"run {b.number} ({say(b)})"
+
+
+ROWS = (  # (label, how to read it from a Run, format)
+    ("step time", lambda r: 1e3 * r.metrics["step_time_s"], "{:.2f} ms"),
+    ("samples/s", lambda r: r.metrics["throughput_samples_s"], "{:.0f}"),
+    ("comm", lambda r: 100 * r.metrics["comm_fraction"], "{:.1f}%"),
+    ("exposed comm", lambda r: 100 * r.metrics["exposed_comm_fraction"], "{:.1f}%"),
+    ("overlap", lambda r: 100 * r.metrics["overlap_fraction"], "{:.1f}%"),
+    ("bubble", lambda r: 100 * r.metrics["bubble_fraction"], "{:.1f}%"),
+    ("sent / step", lambda r: r.metrics["bytes_sent_total"] / 2**10, "{:.0f} KiB"),
+    ("peak activations", lambda r: max(r.metrics["peak_activation_bytes"] or [0]) / 2**10, "{:.0f} KiB"),
+    ("loss", lambda r: r.losses[-1], "{:.4g}"),
+)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Metrics as columns, runs as rows: compact under a wide figure."""
+    cell = '<{0} style="padding:2px 9px;text-align:{1};white-space:nowrap">{2}</{0}>'
+    head = "".join(cell.format("th", "right" if i else "left", html.escape(h)) for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(cell.format("td", "right" if i else "left", html.escape(v))
+                                    for i, v in enumerate(row)) + "</tr>" for row in rows)
+    return f'<table style="border-collapse:collapse;font-size:90%"><tr>{head}</tr>{body}</table>'
+
+
+def metrics_table(live) -> str:
+    if live is None or not live.run.losses:
+        return "<i>No run yet: press Run or change a setting.</i>"
+    values = [fmt.format(get(live.run)) for _, get, fmt in ROWS]
+    return _table([""] + [label for label, _, _ in ROWS], [[f"run {live.number}, step {live.step + 1}"] + values])
+
+
+def _change(a: float, b: float, points: bool) -> str:
+    """Fractions differ in percentage points, everything else relatively."""
+    if points:
+        return f"{b - a:+.1f} pts"
+    return f"{(b - a) / abs(a):+.0%}" if a else f"{b - a:+.3g}"
+
+
+def diff_table(a, b, labels) -> str:
+    rows = [[labels[0]] + [fmt.format(get(a.run)) for _, get, fmt in ROWS]]
+    if b is not None:
+        rows.append([labels[1]] + [fmt.format(get(b.run)) for _, get, fmt in ROWS])
+        rows.append(["change"] + [_change(get(a.run), get(b.run), fmt.endswith("%")) for _, get, fmt in ROWS])
+    return _table([""] + [label for label, _, _ in ROWS], rows)
