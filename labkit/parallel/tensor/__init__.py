@@ -58,14 +58,22 @@ def _parallelize_dtensor(model: nn.Module, matched: dict, tp_group) -> nn.Module
     """torch's own: a 1-d device mesh over the tp group, then ``parallelize_module``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     device = next(model.parameters()).device.type
     # from_group wraps the existing group: no new_group call, which every rank of the world
     # would have to make (in 3D each rank only belongs to its own tp group).
     mesh = DeviceMesh.from_group(tp_group if tp_group is not None else dist.group.WORLD, device)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return parallelize_module(model, mesh, {name: styles[style]() for name, style in matched.items()})
+    plan = {}
+    for name, style in matched.items():
+        if style == "colwise":
+            plan[name] = ColwiseParallel()
+        elif isinstance(model.get_submodule(name), nn.Embedding):
+            plan[name] = RowwiseParallel(input_layouts=Replicate())    # token ids are whole on every rank
+        else:
+            plan[name] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
 
 
 def full_state_dict(model: nn.Module, tp_group=None) -> dict[str, torch.Tensor]:

@@ -70,7 +70,7 @@ def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | 
                              f"{names} (a '*' matches one name: '*.attn.qkv' matches '1.attn.qkv')")
     matched = match_plan(model, plan)
     for name, style in matched.items():
-        _check_module(name, modules[name], style, tp, tp_mode)
+        _check_module(name, modules[name], style, tp)
         _check_heads(name, modules, tp)
     _check_untied(model, matched)
     return matched
@@ -84,15 +84,14 @@ def _built(model_or_factory) -> nn.Module:
         return model_or_factory()
 
 
-def _check_module(name: str, module: nn.Module, style: str, tp: int, tp_mode: str) -> None:
+def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
     if isinstance(module, nn.Linear):
         dim, size = ("out_features", module.out_features) if style == "colwise" else ("in_features", module.in_features)
     elif isinstance(module, nn.Embedding):
-        if tp_mode == "megatron" and style == "colwise":
-            raise ValueError(f"tp_plan[{name!r}]='colwise' on an Embedding: megatron mode splits embeddings by "
-                             f"vocabulary; use 'rowwise' (vocab-parallel), or tp_mode='dtensor'")
-        dim, size = ("embedding_dim", module.embedding_dim) if style == "colwise" else \
-            ("num_embeddings", module.num_embeddings)
+        if style == "colwise":
+            raise ValueError(f"tp_plan[{name!r}]='colwise' on an Embedding: labkit splits embeddings by "
+                             f"vocabulary (Megatron's VocabParallelEmbedding); use 'rowwise'")
+        dim, size = "num_embeddings", module.num_embeddings
     else:
         raise ValueError(f"tp_plan names {name!r}, a {type(module).__name__}; tensor parallelism splits only "
                          f"nn.Linear and nn.Embedding modules: change the key to match those")
