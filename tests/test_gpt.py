@@ -107,6 +107,14 @@ def test_sequence_longer_than_block_size():
         SMALL()(torch.zeros(1, 17, dtype=torch.long))
 
 
+def test_check_data_names_block_size_and_vocab_size():
+    labkit.models.gpt(block_size=16).check_data(labkit.data.text(block_size=16))      # fits
+    with pytest.raises(ValueError, match="block_size=32"):
+        labkit.models.gpt(block_size=16).check_data(labkit.data.text(block_size=32))
+    with pytest.raises(ValueError, match="vocab_size=40"):
+        SMALL.check_data(labkit.data.text(block_size=16))
+
+
 # -- the corpus --------------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["pydoc", "stdlib"])
 def test_text_batches_are_seeded_and_shifted(source):

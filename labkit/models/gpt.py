@@ -196,6 +196,18 @@ class GPT:
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def check_data(self, data) -> None:
+        """Raise ValueError (naming the field and the fix) unless ``data`` fits this model:
+        its windows no longer than ``block_size``, its token ids below ``vocab_size``. Reads
+        ``data.block_size`` and ``data.vocab_size`` where the data has them (labkit.data.text)."""
+        t, vocab = getattr(data, "block_size", None), getattr(data, "vocab_size", None)
+        if t is not None and t > self.block_size:
+            raise ValueError(f"text: block_size={t} is longer than gpt.block_size={self.block_size}; use "
+                             f"labkit.data.text(block_size≤{self.block_size}) or gpt(block_size={t})")
+        if vocab is not None and vocab > self.vocab_size:
+            raise ValueError(f"gpt.vocab_size={self.vocab_size} is smaller than the data's vocab_size={vocab}; "
+                             f"use labkit.models.gpt(vocab_size=data.vocab_size)")
+
     def num_parameters(self) -> int:
         """Parameters of the built model, a tied weight counted once."""
         return sum(p.numel() for p in self().parameters())
