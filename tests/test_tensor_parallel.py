@@ -34,7 +34,10 @@ def mlp_data(step):
 
 CASES = {"gpt": (GPT, None, DATA, "cross_entropy"),
          "gpt vocab-parallel": (UNTIED, VOCAB_PLAN, DATA, "cross_entropy"),
+         "gpt sequence-parallel": (GPT, None, DATA, "cross_entropy"),
          "mlp": (mlp, MLP_PLAN, mlp_data, "mse")}
+RUNS = [(case, mode) for case in CASES for mode in ("megatron", "dtensor")
+        if not (case == "gpt sequence-parallel" and mode == "dtensor")]      # SP: megatron only
 
 
 def train(model, data, loss, optimizer, steps=STEPS):
@@ -57,7 +60,8 @@ def train_tensor_parallel(case, tp_mode, optimizer):
 
     s = session()
     make, plan, data, loss = CASES[case]
-    model = build_tensor_parallel(build_model(make, 0), tp_mode, None, s.rank, s.world_size, plan)
+    model = build_tensor_parallel(build_model(make, 0), tp_mode, None, s.rank, s.world_size, plan,
+                                  sequence_parallel="sequence" in case)
     return full_state_dict(train(model, data, loss, optimizer))
 
 
@@ -83,6 +87,10 @@ def test_checks_pass_for_the_shipped_plan():
     ((3, "dtensor", mlp, {"0": "colwise"}), "out_features=32"),
     ((3, "dtensor", mlp, {"2": "rowwise"}), "in_features=32"),
     ((2, "megatron", mlp), "no tensor-parallel plan"),
+    ((2, "dtensor", GPT, None, True), "megatron"),
+    ((2, "megatron", mlp, MLP_PLAN, True), "no sp_plan"),
+    ((2, "megatron", UNTIED, VOCAB_PLAN, True), "vocab-parallel"),
+    ((4, "megatron", GPT, None, True, 18), "block_size=18"),
     ((2, "megatron", GPT, {"*.lm_head": "colwise"}), "tied"),
     ((2, "dtensor", UNTIED, {"0.wte": "colwise"}), "vocab"),
     ((4, "megatron", UNTIED, {"0.wte": "rowwise"}), f"num_embeddings={DATA.vocab_size}"),
@@ -108,9 +116,8 @@ def tp2(lab2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp_mode", ["megatron", "dtensor"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_equals_one_process_sgd_and_adamw(tp2, tp_mode, case):
+@pytest.mark.parametrize("case, tp_mode", RUNS)
+def test_equals_one_process_sgd_and_adamw(tp2, case, tp_mode):
     for optimizer in ("sgd", "adamw"):
         ref = reference(case, optimizer)
         for state in tp2.apply(train_tensor_parallel, case, tp_mode, optimizer):
@@ -141,3 +148,31 @@ def test_f_and_g_all_reduces_are_on_the_timeline(tp2):
         b, t, h = DATA.batch, DATA.block_size, GPT.n_embd
         assert all(e["bytes"] == labkit.comm.wire_bytes("allreduce", 4 * b * t * h, 2) for e in reduces)
         assert all(e["stream"] == "comm" and e["end"] >= e["start"] for e in reduces)
+
+
+def one_sequence_parallel_step():
+    from labkit.engine import session
+    from labkit.parallel.tensor import build_tensor_parallel
+
+    s = session()
+    model = build_tensor_parallel(build_model(GPT, 0), "megatron", None, s.rank, s.world_size,
+                                  sequence_parallel=True)
+    x, y = DATA(0)
+    resolve_loss("cross_entropy")(model(x), y).backward()
+
+
+@pytest.mark.slow
+def test_sequence_parallel_gathers_and_reduce_scatters_instead_of_all_reduces(tp2):
+    _, timeline = tp2.trace(one_sequence_parallel_step)
+    layers, full = GPT.n_layer, 4 * DATA.batch * DATA.block_size * GPT.n_embd      # bytes of b·s·h fp32
+    for rank in range(2):
+        events = [e for e in timeline.events if e["rank"] == rank and e["stream"] == "comm"]
+        gathers = [e for e in events if e["kind"] == "allgather"]
+        scatters = [e for e in events if e["kind"] == "reduce_scatter"]
+        # per layer 2 gathers + 2 reduce-scatters forward, the same backward; the embedding's
+        # cut gathers its gradient and the head's join gathers the sequence once more
+        assert len(gathers) == 4 * layers + 2 and len(scatters) == 4 * layers, [e["name"] for e in events]
+        assert all(e["bytes"] == full // 2 for e in gathers + scatters)           # (t−1)/t of b·s·h
+        grads = [e for e in events if e["kind"] == "allreduce"]
+        assert all(e["name"].startswith("sp grad") for e in grads)                # LayerNorm and bias grads
+        assert len(grads) == layers * 6 + 2

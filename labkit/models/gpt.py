@@ -36,6 +36,11 @@ from torch import nn
 import torch.nn.functional as F
 
 TP_PLAN = {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
+# Sequence parallelism (optional): where the residual stream is cut along the sequence (after
+# the embedding), which modules work on a slice of it (the LayerNorms), where it is whole again
+# (the LM head's input). See labkit.parallel.tensor.
+SP_PLAN = {"0": "scatter_output", "*.ln_1": "sequence", "*.ln_2": "sequence", "*.ln_f": "sequence",
+           "*.lm_head": "gather_input"}
 
 
 class Embedding(nn.Module):
@@ -92,8 +97,9 @@ class CausalSelfAttention(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, -1, 3 * self.head_dim)          # -1: the heads this rank holds
+        qkv = self.qkv(x)
+        b, t = qkv.shape[:2]         # t: the whole sequence, even when x held a slice of it (SP)
+        qkv = qkv.view(b, t, -1, 3 * self.head_dim)                  # -1: the heads this rank holds
         q, k, v = (part.transpose(1, 2) for part in qkv.split(self.head_dim, dim=-1))   # (B, h, T, hd)
         y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.drop(self.proj(y))
@@ -141,9 +147,10 @@ class Head(nn.Module):
 
 
 class GPTModel(nn.Sequential):
-    """The built model: an ``nn.Sequential`` that carries its ``tp_plan``."""
+    """The built model: an ``nn.Sequential`` that carries its ``tp_plan`` and ``sp_plan``."""
 
     tp_plan = TP_PLAN
+    sp_plan = SP_PLAN
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,8 @@ class GPT:
 
     tp_plan = TP_PLAN
     """Which Linear layers tensor parallelism splits, and how (see the module docstring)."""
+    sp_plan = SP_PLAN
+    """Where sequence parallelism cuts and joins the sequence (with tp_plan, megatron mode)."""
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):

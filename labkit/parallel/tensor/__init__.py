@@ -25,18 +25,22 @@ from torch import nn
 
 from ... import comm
 from .layers import MEGATRON_LAYERS
+from .mappings import all_reduce_grad, gather_from_sequence_parallel, scatter_to_sequence_parallel
 from .plan import TP_MODES, check_tensor_parallel, match_plan, resolve_plan
 
 __all__ = ["build_tensor_parallel", "check_tensor_parallel", "full_state_dict", "match_plan", "TP_MODES"]
 
 
 def build_tensor_parallel(model: nn.Module, tp_mode: str, tp_group, tp_rank: int, tp_size: int,
-                          plan: dict | None = None) -> nn.Module:
+                          plan: dict | None = None, sequence_parallel: bool = False,
+                          sp_plan: dict | None = None) -> nn.Module:
     """``model`` with the modules ``plan`` names split over ``tp_group`` (in place; returned).
 
     ``plan`` defaults to ``model.tp_plan``; ``tp_group`` None means the world group. The
     model must already hold the seeded weights: every rank cuts its shard from the same
-    whole tensors. Call :func:`check_tensor_parallel` first (in the notebook).
+    whole tensors. ``sequence_parallel`` (megatron mode) also cuts the LayerNorm regions
+    along the sequence where ``sp_plan`` (default ``model.sp_plan``) says. Call
+    :func:`check_tensor_parallel` first (in the notebook).
     """
     if tp_size == 1:
         return model
@@ -46,9 +50,13 @@ def build_tensor_parallel(model: nn.Module, tp_mode: str, tp_group, tp_rank: int
             parent, _, child = name.rpartition(".")
             module = model.get_submodule(name)
             kind = nn.Embedding if isinstance(module, nn.Embedding) else nn.Linear
-            split = MEGATRON_LAYERS[kind, style](module, tp_group, tp_rank, tp_size, name)
+            split = MEGATRON_LAYERS[kind, style](module, tp_group, tp_rank, tp_size, name, sequence_parallel)
             setattr(model.get_submodule(parent), child, split)
+        if sequence_parallel:
+            _mark_sequence_region(model, sp_plan if sp_plan is not None else model.sp_plan, tp_group)
         return model
+    if sequence_parallel:
+        raise ValueError("Strategy.sequence_parallel is built for tp_mode='megatron' only; use that mode")
     if tp_mode == "dtensor":
         return _parallelize_dtensor(model, matched, tp_group)
     raise ValueError(f"Strategy.tp_mode={tp_mode!r} is unknown; use one of {', '.join(map(repr, TP_MODES))}")
@@ -74,6 +82,23 @@ def _parallelize_dtensor(model: nn.Module, matched: dict, tp_group) -> nn.Module
         else:
             plan[name] = RowwiseParallel()
     return parallelize_module(model, mesh, plan)
+
+
+def _mark_sequence_region(model: nn.Module, sp_plan: dict, tp_group) -> None:
+    """Hooks at the edges of the sequence-parallel region (Korthikanti et al. 2022, Fig. 5):
+    cut after ``scatter_output``, join before ``gather_input``; the parameters of
+    ``sequence`` modules (LayerNorms) see 1/t of the tokens, so their gradients are summed."""
+    for name, style in match_plan(model, sp_plan).items():
+        module = model.get_submodule(name)
+        if style == "scatter_output":
+            module.register_forward_hook(
+                lambda _m, _i, out, name=name: scatter_to_sequence_parallel(out, tp_group, name))
+        elif style == "gather_input":      # its consumer is replicated: backward keeps a slice
+            module.register_forward_pre_hook(
+                lambda _m, args, name=name: (gather_from_sequence_parallel(args[0], tp_group, name, False),))
+        else:
+            for pname, p in module.named_parameters():
+                p.register_hook(all_reduce_grad(tp_group, f"{name}.{pname}"))
 
 
 def full_state_dict(model: nn.Module, tp_group=None) -> dict[str, torch.Tensor]:

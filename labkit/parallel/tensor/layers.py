@@ -22,7 +22,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .mappings import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from .mappings import (all_reduce_grad, copy_to_tensor_parallel, gather_from_sequence_parallel,
+                       reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel)
 
 
 def _shard(t: torch.Tensor | None, dim: int, rank: int, size: int) -> nn.Parameter | None:
@@ -32,19 +33,25 @@ def _shard(t: torch.Tensor | None, dim: int, rank: int, size: int) -> nn.Paramet
 
 
 class ColumnParallelLinear(nn.Module):
-    """Rows ``rank``/``size`` of a Linear's weight and bias; output features stay split."""
+    """Rows ``rank``/``size`` of a Linear's weight and bias; output features stay split.
+    With ``sequence_parallel`` the input arrives as a slice of the sequence and is gathered."""
 
     shard_dims = {"weight": 0, "bias": 0}
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int, name: str = ""):
+    def __init__(self, linear: nn.Linear, group, rank: int, size: int, name: str = "",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.name = group, name
+        self.group, self.name, self.sequence_parallel = group, name, sequence_parallel
         self.in_features, self.out_features = linear.in_features, linear.out_features // size
         self.weight = _shard(linear.weight, 0, rank, size)
         self.bias = _shard(linear.bias, 0, rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_parallel(x, self.group, self.name), self.weight, self.bias)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel(x, self.group, self.name)
+        else:
+            x = copy_to_tensor_parallel(x, self.group, self.name)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (local), name={self.name!r}"
@@ -52,19 +59,24 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Columns ``rank``/``size`` of a Linear's weight; the partial outputs are summed, then the
-    (replicated) bias is added once."""
+    (replicated) bias is added once. With ``sequence_parallel`` the sum is a reduce-scatter
+    along the sequence, and the bias, added to a slice of it, has its gradient summed over tp."""
 
     shard_dims = {"weight": 1}
 
-    def __init__(self, linear: nn.Linear, group, rank: int, size: int, name: str = ""):
+    def __init__(self, linear: nn.Linear, group, rank: int, size: int, name: str = "",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.name = group, name
+        self.group, self.name, self.sequence_parallel = group, name, sequence_parallel
         self.in_features, self.out_features = linear.in_features // size, linear.out_features
         self.weight = _shard(linear.weight, 1, rank, size)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        if sequence_parallel and self.bias is not None:
+            self.bias.register_hook(all_reduce_grad(group, f"{name}.bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group, self.name)
+        reduce = reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
+        y = reduce(F.linear(x, self.weight), self.group, self.name)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -78,8 +90,12 @@ class VocabParallelEmbedding(nn.Module):
 
     shard_dims = {"weight": 0}
 
-    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int, name: str = ""):
+    def __init__(self, embedding: nn.Embedding, group, rank: int, size: int, name: str = "",
+                 sequence_parallel: bool = False):
         super().__init__()
+        if sequence_parallel:
+            raise ValueError("Strategy.sequence_parallel with a vocab-parallel embedding is not built; "
+                             "leave the embedding out of tp_plan or switch sequence_parallel off")
         self.group, self.name = group, name
         rows = embedding.num_embeddings // size
         self.start, self.end = rank * rows, (rank + 1) * rows

@@ -17,6 +17,7 @@ from torch import nn
 
 TP_MODES = ("megatron", "dtensor")
 STYLES = ("colwise", "rowwise")
+SP_STYLES = ("scatter_output", "sequence", "gather_input")
 
 
 def match_plan(model: nn.Module, plan: dict) -> dict[str, str]:
@@ -46,9 +47,11 @@ def resolve_plan(model: nn.Module, plan: dict | None = None) -> dict:
     return plan
 
 
-def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | None = None) -> dict[str, str]:
+def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | None = None,
+                          sequence_parallel: bool = False, seq_len: int | None = None) -> dict[str, str]:
     """Raise ValueError (naming the field and the fix) unless ``model_or_factory`` can be split
-    over ``tp`` ranks in ``tp_mode`` by ``plan`` (default: the model's ``tp_plan``).
+    over ``tp`` ranks in ``tp_mode`` by ``plan`` (default: the model's ``tp_plan``), and, with
+    ``sequence_parallel``, its sequences of ``seq_len`` tokens cut by the model's ``sp_plan``.
 
     Returns the matched plan (module name → style); ``{}`` when tp is 1.
     """
@@ -73,7 +76,26 @@ def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | 
         _check_module(name, modules[name], style, tp)
         _check_heads(name, modules, tp)
     _check_untied(model, matched)
+    if sequence_parallel:
+        _check_sequence_parallel(model, matched, tp, tp_mode, seq_len)
     return matched
+
+
+def _check_sequence_parallel(model: nn.Module, matched: dict, tp: int, tp_mode: str, seq_len) -> None:
+    if tp_mode != "megatron":
+        raise ValueError("Strategy.sequence_parallel is built for tp_mode='megatron' only; use that mode")
+    sp_plan = getattr(model, "sp_plan", None)
+    if not sp_plan:
+        raise ValueError("sequence_parallel: the model has no sp_plan (where the sequence is cut and joined); "
+                         "use labkit.models.gpt, or switch sequence_parallel off")
+    if set(sp_plan.values()) - set(SP_STYLES) or not all(match_plan(model, {k: v}) for k, v in sp_plan.items()):
+        raise ValueError(f"sp_plan={sp_plan} must name modules of the model, each with one of {SP_STYLES}")
+    if any(isinstance(model.get_submodule(name), nn.Embedding) for name in matched):
+        raise ValueError("sequence_parallel with a vocab-parallel embedding is not built; leave the embedding "
+                         "out of tp_plan or switch sequence_parallel off")
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(f"sequence_parallel cuts each sequence of block_size={seq_len} tokens over "
+                         f"Strategy.tp={tp}; use a block_size that is a multiple of {tp}")
 
 
 def _built(model_or_factory) -> nn.Module:
