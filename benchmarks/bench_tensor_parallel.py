@@ -1,5 +1,6 @@
-"""Tensor-parallel step time: labkit's megatron TP ÷ torch's DTensor TP for the same GPT on 2
-ranks, TP=2 ÷ one process, and TP bytes per step measured against Megatron's formula.
+"""Tensor-parallel step time: labkit's megatron TP (with and without sequence parallelism) ÷
+torch's DTensor TP for the same GPT on 2 ranks, TP=2 ÷ one process, and TP bytes per step
+measured against Megatron's formula.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor_parallel.py          # ~1 minute
     PYTHONPATH=. .venv/bin/python benchmarks/bench_tensor_parallel.py --rounds 7 --steps 20
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("megatron", "dtensor", "one process, 1 thread", "one process, 2 threads")
+MODES = ("megatron", "megatron SP", "dtensor", "one process, 1 thread", "one process, 2 threads")
+TP_MODES = {"megatron": ("megatron", False), "megatron SP": ("megatron", True), "dtensor": ("dtensor", False)}
 
 
 def build(args, tp_mode: str | None, rank: int, world: int):
@@ -43,7 +45,8 @@ def build(args, tp_mode: str | None, rank: int, world: int):
                              vocab_size=data.vocab_size)
     model = build_model(make, 0)
     if tp_mode is not None:
-        model = build_tensor_parallel(model, tp_mode, None, rank, world)
+        mode, sequence_parallel = TP_MODES[tp_mode]
+        model = build_tensor_parallel(model, mode, None, rank, world, sequence_parallel=sequence_parallel)
     return model, data, make
 
 
@@ -73,11 +76,13 @@ def tp_bytes(args, rank: int, world: int) -> dict:
 
     ctx = comm.context()
     ctx.recorder.enabled = True
-    model, data, _ = build(args, "megatron", rank, world)
-    time_steps(model, data, 1, barrier=False)             # warm-up
-    ctx.recorder.start_step(1)
-    time_steps(model, data, 1, barrier=False)
-    events = [e for e in ctx.recorder.drain() if e["kind"] == "allreduce"]
+    recorded = {}
+    for mode in ("megatron", "megatron SP"):
+        model, data, _ = build(args, mode, rank, world)
+        time_steps(model, data, 1, barrier=False)             # warm-up
+        ctx.recorder.start_step(1)
+        time_steps(model, data, 1, barrier=False)
+        recorded[mode] = [e for e in ctx.recorder.drain() if e["stream"] == "comm"]
     ctx.recorder.enabled = False
     model, data, _ = build(args, "dtensor", rank, world)
     x, y = data(0)
@@ -85,7 +90,11 @@ def tp_bytes(args, rank: int, world: int) -> dict:
     with CommDebugMode() as counter:
         resolve_loss("cross_entropy")(model(x), y).backward()
     params = sum(p.numel() * p.element_size() for p in build(args, "megatron", rank, world)[0].parameters())
-    return {"megatron_bytes": sum(e["bytes"] for e in events), "megatron_calls": len(events),
+    return {"megatron_bytes": sum(e["bytes"] for e in recorded["megatron"]),
+            "megatron_calls": len(recorded["megatron"]),
+            "sp_bytes": sum(e["bytes"] for e in recorded["megatron SP"]),
+            "sp_calls": {k: sum(e["kind"] == k for e in recorded["megatron SP"])
+                         for k in ("allgather", "reduce_scatter", "allreduce")},
             "dtensor_calls": counter.get_total_counts(), "param_bytes": params}
 
 
@@ -129,7 +138,7 @@ def measure(args, world: int = 2) -> dict:
     try:
         for r in range(args.rounds):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                if mode in ("megatron", "dtensor"):
+                if mode in TP_MODES:
                     for q in orders:
                         q.put(mode)
                     times[mode].append(max(results.get() for _ in range(world)))
@@ -171,13 +180,17 @@ def main() -> None:
           f"{args.batch}; tp={world}, gloo, 1 thread a rank; {args.rounds} rounds × {args.steps - 1} steps")
     print(f"{'mode':>24} {'step ms':>9} {'÷ dtensor':>10} {'megatron tp=2 ÷ this':>21}")
     for mode in MODES:
-        speedup = "" if mode in ("megatron", "dtensor") else f"{med['megatron'] / med[mode]:21.3f}"
+        speedup = "" if mode in TP_MODES else f"{med['megatron'] / med[mode]:21.3f}"
         print(f"{mode:>24} {1e3 * med[mode]:9.2f} {med[mode] / med['dtensor']:10.3f} {speedup}")
     print(f"\nTP all-reduces per step: megatron {result['megatron_calls']} (formula {4 * args.layers}), "
           f"dtensor {result['dtensor_calls']} collectives")
     print(f"TP bytes on the wire per rank per step: measured {result['megatron_bytes']:,} B, "
           f"formula 4·L·b·s·h·4 B·2(t−1)/t = {formula:,.0f} B "
           f"(ratio {result['megatron_bytes'] / formula:.3f})")
+    print(f"sequence parallel: {result['sp_calls']} calls, {result['sp_bytes']:,} B per rank per step "
+          f""
+          f"(per layer the same bytes as TP; plus the cut after the embedding and the join before the head, "
+          f"and the LayerNorm and bias gradients' all-reduces)")
     print(f"parameter bytes per rank (megatron, tied embedding replicated): {result['param_bytes']:,} B")
 
 
