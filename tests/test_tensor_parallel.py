@@ -100,6 +100,16 @@ def test_bad_plans_name_the_field_and_fix(args, match):
         check_tensor_parallel(*args)
 
 
+def test_a_star_matches_one_level_of_names():
+    from labkit.parallel.tensor import match_plan
+
+    model = GPT()
+    assert match_plan(model, {"*.fc": "colwise"}) == {}
+    assert match_plan(model, {"1.mlp.fc": "colwise"}) == {"1.mlp.fc": "colwise"}
+    assert list(match_plan(model, {"*.*.proj": "rowwise"})) == ["1.attn.proj", "1.mlp.proj", "2.attn.proj",
+                                                                "2.mlp.proj"]
+
+
 def test_check_leaves_the_callers_random_state_alone():
     torch.manual_seed(5)
     expected = torch.rand(3)

@@ -11,6 +11,13 @@ Two modes over the same plan (DTensor's convention, see :mod:`.plan`):
   device mesh over the same tp group (gloo on CPU runs it); torch's own collectives, so they
   are not on labkit's timeline.
 
+Sequence parallelism (megatron mode, ``sequence_parallel=True``; Korthikanti et al. 2022)
+also cuts the LayerNorm regions along the sequence where the model's ``sp_plan`` says:
+``"scatter_output"`` (the residual stream is cut after this module), ``"sequence"`` (this
+module works on a slice; its parameters' gradients are summed over tp), ``"gather_input"``
+(the sequence is whole again before this module). f and g become all-gather and
+reduce-scatter along the sequence.
+
 On an engine, with this rank's tp group (ranks laid out dp × pp × tp, tp innermost)::
 
     >>> model = build_model(labkit.models.gpt(vocab_size=96), seed)
