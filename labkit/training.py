@@ -15,7 +15,6 @@ from torch import nn
 import torch.nn.functional as F
 
 
-
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
     model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim)."""
