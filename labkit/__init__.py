@@ -6,7 +6,7 @@
 >>> run.losses, run.metrics["overlap_fraction"]
 >>> run.timeline.plot()
 """
-from . import bench, collectives, comm, compression, engine, models, report
+from . import bench, collectives, comm, compression, data, engine, models, report
 from .analysis.drift import drift
 from .config import Strategy
 from .errors import CollectiveTimeoutError, EngineDiedError, LabError
@@ -17,7 +17,8 @@ from .run import Run, max_abs_diff
 from .timeline import Timeline
 
 __all__ = ["Lab", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
-           "bench", "collectives", "comm", "compression", "drift", "models", "reference", "speedup", "step_metrics", "max_abs_diff"]
+           "bench", "collectives", "comm", "compression", "data", "drift", "models", "reference", "speedup",
+           "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"
 
 

@@ -1,0 +1,1 @@
+"""Parallelism by axis: one subpackage each (tensor, zero, …)."""
