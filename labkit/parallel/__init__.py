@@ -1,1 +1,2 @@
-"""How a model is spread over ranks: the builder, data parallelism, pipelines (tensor and zero later)."""
+"""How a model is spread over ranks, one subpackage per axis: the builder and executor, data/,
+pipeline/, tensor/ (zero/ next)."""
