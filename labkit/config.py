@@ -24,8 +24,9 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
+from .parallel.tensor.plan import TP_MODES
 
-__all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
+__all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS", "TP_MODES"]
 
 
 def setting(default, doc: str, *, axis: str, choices=None, control=None, title: str | None = None,
@@ -53,9 +54,15 @@ def _check_positive_int(name: str, value) -> None:
 
 
 def _check_tensor(s) -> None:
-    # The tensor-parallel axis plugs in here: labkit.parallel.tensor.check_strategy(s).
-    if s.tp != 1:
-        raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
+    # The tp axis's settings; the plan against the model is checked once the model is known
+    # (labkit.parallel.tensor.check_tensor_parallel, from labkit.run.runner.validate).
+    if not isinstance(s.sequence_parallel, bool):
+        raise ValueError(f"Strategy.sequence_parallel={s.sequence_parallel!r} must be True or False")
+    if s.sequence_parallel and s.tp_mode != "megatron":
+        raise ValueError("Strategy.sequence_parallel is built for tp_mode='megatron' only; use that mode")
+    if s.tp > 1 and s.tp_mode == "dtensor" and s.dp > 1:
+        raise ValueError("Strategy.tp_mode='dtensor' with dp > 1: labkit's gradient sync averages plain "
+                         "tensors, not DTensor shards; use tp_mode='megatron' with dp, or dp=1")
 
 
 def _check_zero(s) -> None:
@@ -76,7 +83,7 @@ class Strategy:
                       axis="degrees", control="degree", label="dp={}", show="always")
     pp: int = setting(1, "Pipeline-parallel degree: consecutive blocks of the model on different ranks.",
                       axis="degrees", control="degree", label="pp={}")
-    tp: int = setting(1, "Tensor-parallel degree (this version supports tp=1).",
+    tp: int = setting(1, "Tensor-parallel degree: each planned layer split over tp ranks (the model's tp_plan).",
                       axis="degrees", control="degree", label="tp={}")
     zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
                         axis="zero", label="zero={}", show="changed")
@@ -100,6 +107,12 @@ class Strategy:
                                          "bf16, int8 and fp8 in the bucketed and overlap modes, powersgd in ddp "
                                          "(torch's fp16/bf16 DDP hooks have none).", axis="dp", control="bool",
                                    title="error feedback", label="error_feedback={}", show="changed")
+    tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': labkit's f/g layers, on the "
+                                       "timeline) or torch's ('dtensor': parallelize_module).", axis="tp",
+                           choices=TP_MODES, control="choice", title="tp mode", label="{}")
+    sequence_parallel: bool = setting(False, "Megatron mode: also cut the LayerNorm regions along the sequence "
+                                             "(the model's sp_plan).", axis="tp", control="bool",
+                                      title="sequence parallel", label="sp", show="changed")
     split_at: tuple[int, ...] = setting((), "Pipeline stage boundaries: the block indices where stages 1, 2, … "
                                             "start (pp·chunks − 1 of them); empty means balanced by parameter "
                                             "count (interleaved: equal block counts).", axis="pp",

@@ -47,6 +47,7 @@ class RunSpec:
     seed: int = 0
     record: bool = True
     extra: dict = field(default_factory=dict)
+    tp_plan: dict | None = None      # None: the model's own tp_plan
 
 
 def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
@@ -55,7 +56,7 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     dp_index, pp_index, _ = groups.coords
     full = build_model(spec.model, spec.seed)                              # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
-    full = build_tensor_split(full, s, groups)                             # 2. tensor parallel
+    full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
     stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
               for c, g in enumerate(my_stages(s, pp_index))]
@@ -64,19 +65,34 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
         build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
-        recorder, device, dp_index, owns_parameters=dp_index == 0)
+        recorder, device, dp_index, owns_parameters=dp_index == 0, report=build_report(s, groups))
 
 
-def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
-    """Step 2: split the model's layers over the tp group; ``tp == 1`` leaves it whole.
-
-    The tensor-parallel axis plugs in here, and only here:
-    ``labkit.parallel.tensor.build_tensor_parallel(model, strategy, groups, plan)``
-    (Strategy rejects tp > 1 until it does).
-    """
+def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan=None) -> nn.Sequential:
+    """Step 2: split the planned layers over the tp group (``plan``: the model's ``tp_plan``
+    unless given); ``tp == 1`` leaves the model whole. The whole model was built under the
+    seed first, so each rank cuts its shard from the reference's weights."""
     if strategy.tp == 1:
         return model
-    raise NotImplementedError("tensor parallelism is not wired into the builder yet")
+    from .tensor import build_tensor_parallel
+    return build_tensor_parallel(model, strategy.tp_mode, groups.tp, groups.coords[2], strategy.tp,
+                                 plan=plan, sequence_parallel=strategy.sequence_parallel)
+
+
+def build_report(strategy: Strategy, groups):
+    """How this rank's part becomes ``run.parameters()``: its tensors as they are, or with
+    tp > 1 the shards gathered over the tp group (every tp rank takes part; tp index 0 reports)."""
+    def plain(model: nn.Module) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    if strategy.tp == 1:
+        return plain
+
+    def gathered(model: nn.Module) -> dict:
+        from .tensor import full_state_dict
+        state = full_state_dict(model, groups.tp)
+        return state if groups.coords[2] == 0 else {}
+    return gathered
 
 
 def my_stages(s: Strategy, pp_index: int) -> list[int]:

@@ -43,11 +43,11 @@ class Executor:
                 "SEND_B": "_send_grad", "RECV_B": "_recv_grad"}
 
     def __init__(self, spec, stages: list[Stage], last_stage: int, actions, link, data, loss_fn,
-                 optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool):
+                 optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool, report=None):
         self.spec, self.stages, self.last_stage, self.actions = spec, stages, last_stage, actions
         self.link, self.data, self.loss_fn, self.optimizer = link, data, loss_fn, optimizer
         self.meter, self.recorder, self.device, self.dp_index = meter, recorder, device, dp_index
-        self.owns_parameters = owns_parameters
+        self.owns_parameters, self.report = owns_parameters, report
         # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
         self.model = nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
         # The reduction is armed for each stage's last gradient accumulation: its last B, or
@@ -95,9 +95,12 @@ class Executor:
 
     def full_state_dict(self) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
-        rank (here: dp index 0 reports its stages), so the notebook just merges the answers."""
+        rank (dp index 0 reports its stages; with tp, its tp index 0 the gathered shards), so
+        the notebook just merges the answers."""
         if not self.owns_parameters:
             return {}
+        if self.report is not None:
+            return self.report(self.model)
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def _label(self, op: str, a) -> str:

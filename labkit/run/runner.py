@@ -44,10 +44,17 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_snapshots(spec.extra.get("snapshots", False))
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
-    blocks = len(build_model(spec.model, spec.seed))
+    built = build_model(spec.model, spec.seed)
     if s.pp > 1:
-        from ..parallel.pipeline.stages import check_split
-        check_split(s, blocks)
+        from ..parallel.pipeline.stages import check_split, check_tied
+        check_split(s, len(built))
+        check_tied(s, built)
+    if s.tp > 1:
+        from ..parallel.tensor import check_tensor_parallel
+        check_tensor_parallel(s.tp, s.tp_mode, spec.model, spec.tp_plan, s.sequence_parallel,
+                              getattr(spec.data, "block_size", None))
+    if spec.data is not None and hasattr(spec.model, "check_data"):
+        spec.model.check_data(spec.data)          # e.g. a GPT's block_size and vocab against the text
 
 
 def measured_steps(steps: int) -> int:
