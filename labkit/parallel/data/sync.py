@@ -170,10 +170,17 @@ class BucketedSync(GradSync):
 
 
 class OverlapSync(BucketedSync):
-    """Buckets launched from gradient hooks during backward, as soon as each is full."""
+    """Buckets launched from gradient hooks during backward, as soon as each is full.
+
+    Launched in bucket order, as DDP's reducer does: every rank must issue the same
+    collectives in the same order, and the order in which gradients land is not promised
+    (a split backward's W runs its parameter groups in an order of its own), so a full bucket
+    waits for the ones before it.
+    """
 
     def wrap(self, model):
         super().wrap(model)
+        self.next = 0                       # the next bucket to launch
         for bucket in self.buckets:
             for _, p in bucket.members:
                 p.register_post_accumulate_grad_hook(lambda _p, b=bucket: self._on_grad(b))
@@ -183,14 +190,16 @@ class OverlapSync(BucketedSync):
         if not self.last:          # earlier micro-batches only accumulate
             return
         bucket.ready += 1
-        if bucket.ready == len(bucket.members):
-            bucket.launch(self.group, self.compressor)
+        while self.next < len(self.buckets) and self.buckets[self.next].ready >= len(self.buckets[self.next].members):
+            self.buckets[self.next].launch(self.group, self.compressor)
+            self.next += 1
 
     def finish(self):
         for bucket in self.buckets:
             if bucket.handle is None:       # a parameter that got no gradient this step
                 bucket.launch(self.group, self.compressor)
             bucket.complete(self.dp, self.compressor)
+        self.next = 0
 
 
 class DDPSync(GradSync):

@@ -20,12 +20,10 @@ def check_strategy(s) -> None:
     if s.schedule == "zbv" and s.pp > 1 and s.chunks != 2:
         raise ValueError(f"Strategy.chunks={s.chunks}: zbv places exactly two chunks per rank in a V; "
                          "set chunks=2")
-    if s.schedule in SPLIT_BACKWARD and s.pp > 1 and s.dp > 1 and s.dp_mode in ("ddp", "overlap"):
-        # DDP's reducer expects one fused backward per micro-batch; the overlap mode's buckets,
-        # launched from gradient hooks inside W, came out inexact in a dp=2 x pp=2 ZB-H1 run
-        # (measured), so both wait until that is understood.
-        raise ValueError(f"Strategy.dp_mode={s.dp_mode!r} with schedule={s.schedule!r}: the split backward "
-                         "(I and W) runs with dp_mode='naive' or 'bucketed' for now; use one of those")
+    if s.schedule in SPLIT_BACKWARD and s.pp > 1 and s.dp > 1 and s.dp_mode == "ddp":
+        raise ValueError(f"Strategy.dp_mode='ddp' with schedule={s.schedule!r}: DDP's reducer expects one fused "
+                         "backward per micro-batch, and this schedule splits it into I and W; use "
+                         "dp_mode='overlap', 'bucketed' or 'naive'")
     if s.schedule == "interleaved" and s.pp > 1:
         if s.chunks < 2:
             raise ValueError("Strategy.chunks: the interleaved schedule needs chunks ≥ 2 "
