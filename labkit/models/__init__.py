@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .gpt import GPT, gpt  # noqa: F401  (the transformer the course trains on text)
+
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 
 

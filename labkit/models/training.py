@@ -14,7 +14,16 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-LOSSES = {"mse": F.mse_loss, "cross_entropy": F.cross_entropy}
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
+    model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim)."""
+    if logits.dim() == target.dim() + 1 and logits.dim() > 2:
+        return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+    return F.cross_entropy(logits, target)
+
+
+LOSSES = {"mse": F.mse_loss, "cross_entropy": cross_entropy}
 
 
 def build_model(model, seed: int) -> nn.Sequential:

@@ -1,1 +1,2 @@
-"""How a model is spread over ranks: the builder, data parallelism, pipelines (tensor and zero later)."""
+"""How a model is spread over ranks: the builder, then one subpackage per axis (data, pipeline,
+tensor, zero)."""

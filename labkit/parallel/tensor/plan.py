@@ -1,0 +1,145 @@
+"""Tensor-parallel plans in DTensor's convention, and the checks a plan must pass.
+
+A plan maps glob keys over module names to a style: ``{"*.attn.qkv": "colwise", ...}``. As
+in ``torch.distributed.tensor.parallel.parallelize_module``, a key is split at dots and each
+part is matched (``fnmatch``) against one level of the module tree, so ``*`` matches one
+name: ``"*.mlp.fc"`` matches ``"3.mlp.fc"`` but not ``"mlp.fc"``.
+
+Every check raises ValueError naming the field and the fix, in the notebook, before an
+engine is called (:func:`check_tensor_parallel`).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+TP_MODES = ("megatron", "dtensor")
+STYLES = ("colwise", "rowwise")
+SP_STYLES = ("scatter_output", "sequence", "gather_input")
+
+
+def match_plan(model: nn.Module, plan: dict) -> dict[str, str]:
+    """Module name → style for every module a key of ``plan`` matches (model order).
+
+    >>> match_plan(labkit.models.gpt(n_layer=1)(), {"*.mlp.fc": "colwise"})
+    {'1.mlp.fc': 'colwise'}
+    """
+    matched = {}
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        for key, style in plan.items():
+            atoms = key.split(".")
+            if name and len(atoms) == len(parts) and all(fnmatchcase(p, a) for p, a in zip(parts, atoms)):
+                matched[name] = style
+    return matched
+
+
+def resolve_plan(model: nn.Module, plan: dict | None = None) -> dict:
+    """The plan given, else the model's own ``tp_plan``; ValueError if there is neither."""
+    plan = plan if plan is not None else getattr(model, "tp_plan", None)
+    if not plan:
+        raise ValueError("tp_plan: the model has no tensor-parallel plan; give the model a tp_plan attribute "
+                         "or pass lab.run(..., tp_plan={'blocks.*.fc': 'colwise', 'blocks.*.proj': 'rowwise'})")
+    if not isinstance(plan, dict):
+        raise ValueError(f"tp_plan={plan!r} must be a dict of module-name globs to 'colwise' or 'rowwise'")
+    return plan
+
+
+def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | None = None,
+                          sequence_parallel: bool = False, seq_len: int | None = None) -> dict[str, str]:
+    """Raise ValueError (naming the field and the fix) unless ``model_or_factory`` can be split
+    over ``tp`` ranks in ``tp_mode`` by ``plan`` (default: the model's ``tp_plan``), and, with
+    ``sequence_parallel``, its sequences of ``seq_len`` tokens cut by the model's ``sp_plan``.
+
+    Returns the matched plan (module name → style); ``{}`` when tp is 1.
+    """
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"Strategy.tp_mode={tp_mode!r} is unknown; use one of {', '.join(map(repr, TP_MODES))}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"Strategy.tp={tp!r} must be a whole number ≥ 1")
+    if tp == 1:
+        return {}
+    model = _built(model_or_factory)
+    plan = resolve_plan(model, plan if plan is not None else getattr(model_or_factory, "tp_plan", None))
+    modules = dict(model.named_modules())
+    for key, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"tp_plan[{key!r}]={style!r} is unknown; use 'colwise' or 'rowwise'")
+        if not match_plan(model, {key: style}):
+            names = [n for n in modules if n][:8]
+            raise ValueError(f"tp_plan key {key!r} names no module of the model; its modules are named like "
+                             f"{names} (a '*' matches one name: '*.attn.qkv' matches '1.attn.qkv')")
+    matched = match_plan(model, plan)
+    for name, style in matched.items():
+        _check_module(name, modules[name], style, tp)
+        _check_heads(name, modules, tp)
+    _check_untied(model, matched)
+    if sequence_parallel:
+        _check_sequence_parallel(model, matched, tp, tp_mode, seq_len)
+    return matched
+
+
+def _check_sequence_parallel(model: nn.Module, matched: dict, tp: int, tp_mode: str, seq_len) -> None:
+    if tp_mode != "megatron":
+        raise ValueError("Strategy.sequence_parallel is built for tp_mode='megatron' only; use that mode")
+    sp_plan = getattr(model, "sp_plan", None)
+    if not sp_plan:
+        raise ValueError("sequence_parallel: the model has no sp_plan (where the sequence is cut and joined); "
+                         "use labkit.models.gpt, or switch sequence_parallel off")
+    if set(sp_plan.values()) - set(SP_STYLES) or not all(match_plan(model, {k: v}) for k, v in sp_plan.items()):
+        raise ValueError(f"sp_plan={sp_plan} must name modules of the model, each with one of {SP_STYLES}")
+    if any(isinstance(model.get_submodule(name), nn.Embedding) for name in matched):
+        raise ValueError("sequence_parallel with a vocab-parallel embedding is not built; leave the embedding "
+                         "out of tp_plan or switch sequence_parallel off")
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(f"sequence_parallel cuts each sequence of block_size={seq_len} tokens over "
+                         f"Strategy.tp={tp}; use a block_size that is a multiple of {tp}")
+
+
+def _built(model_or_factory) -> nn.Module:
+    """The model itself, or the factory's model built without touching the caller's RNG."""
+    if isinstance(model_or_factory, nn.Module):
+        return model_or_factory
+    with torch.random.fork_rng(devices=[]):
+        return model_or_factory()
+
+
+def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
+    if isinstance(module, nn.Linear):
+        dim, size = ("out_features", module.out_features) if style == "colwise" else ("in_features", module.in_features)
+    elif isinstance(module, nn.Embedding):
+        if style == "colwise":
+            raise ValueError(f"tp_plan[{name!r}]='colwise' on an Embedding: labkit splits embeddings by "
+                             f"vocabulary (Megatron's VocabParallelEmbedding); use 'rowwise'")
+        dim, size = "num_embeddings", module.num_embeddings
+    else:
+        raise ValueError(f"tp_plan names {name!r}, a {type(module).__name__}; tensor parallelism splits only "
+                         f"nn.Linear and nn.Embedding modules: change the key to match those")
+    if size % tp:
+        raise ValueError(f"tp_plan[{name!r}]={style!r} splits {dim}={size} over Strategy.tp={tp}, which does not "
+                         f"divide it; use a tp that divides {size}, or a width that is a multiple of {tp}")
+
+
+def _check_heads(name: str, modules: dict, tp: int) -> None:
+    """A split attention layer must give every rank whole heads."""
+    parent_name = name.rpartition(".")[0]
+    parent = modules.get(parent_name)
+    heads = getattr(parent, "n_head", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"gpt.n_head={heads} (attention {parent_name!r}) does not divide by Strategy.tp={tp}: "
+                         f"tp ranks split the heads; use n_head a multiple of {tp}, or a tp that divides {heads}")
+
+
+def _check_untied(model: nn.Module, matched: dict) -> None:
+    """A planned weight may not be shared with another module (a tied embedding and head)."""
+    owners: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(full.rpartition(".")[0])
+    for full, p in model.named_parameters(remove_duplicate=False):
+        name = full.rpartition(".")[0]
+        others = [o for o in owners[id(p)] if o != name]
+        if name in matched and others:
+            raise ValueError(f"tp_plan splits {name!r}, whose weight is tied to {others[0]!r}; leave both out of "
+                             f"the plan, or untie them (labkit.models.gpt(tie=False))")
