@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``labkit.widgets`` on first use: the dashboard needs ipywidgets, the engines do not."""
-    if name in ("widgets", "live"):
+    """``labkit.widgets`` (and ``labkit.plan``) on first use: the dashboard needs ipywidgets, the engines do not."""
+    if name in ("widgets", "live", "plan"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

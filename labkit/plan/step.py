@@ -145,7 +145,7 @@ class Prediction:
         return {"step_time_s": self.step_time_s, "mfu": self.mfu, "tflops_per_gpu": self.tflops_per_gpu,
                 "memory_gb_per_gpu": self.memory_gb_per_gpu, "fits": self.fits}
 
-    def timeline(self, max_microbatches: int = 64):
+    def timeline(self, max_microbatches: int | None = None):
         """The predicted timeline of one step (one pipeline; dp replicas are alike)."""
         from .simulate import simulate_scale
         return simulate_scale(self, max_microbatches)

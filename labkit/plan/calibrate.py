@@ -1,0 +1,202 @@
+"""Measure what a step is made of on the lab's engines: a reloadable cost table.
+
+``calibrate(lab, model=, batch=)`` times, on every engine at once (so the engines contend for
+the cores as they do in a run), each top-level block's forward and backward per micro-batch
+size, the loss, and each block's optimizer step; then the α-β of all-reduce and of
+point-to-point with :func:`labkit.bench.comm_sweep` and its fit. The table is plain JSON and
+knows the model it was measured on (block types and parameter shapes): simulating or loading
+it for another model is refused.
+
+    >>> costs = labkit.plan.calibrate(lab, model=labkit.models.mlp(width=256, depth=8), batch=64)
+    >>> costs.save("costs.json"); costs = labkit.plan.CostTable.load("costs.json", model=make_model)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from statistics import median
+
+FORMAT = 1
+
+
+def model_signature(net) -> list:
+    """What identifies a model for its costs: each block's type and parameter shapes."""
+    return [[type(b).__name__, [list(p.shape) for p in b.parameters()]] for b in net]
+
+
+def fingerprint(signature: list) -> str:
+    return hashlib.sha1(json.dumps(signature).encode()).hexdigest()[:16]
+
+
+@dataclass
+class CostTable:
+    """Seconds per block and micro-batch size, α-β per collective; JSON-ready."""
+
+    model: str                    # fingerprint of the model's signature
+    signature: list
+    sizes: list[int]              # micro-batch sizes measured
+    blocks: list[dict]            # name, params (numel per tensor), out_numel (per sample), fwd, bwd, optimizer
+    loss: dict                    # {"fwd": [...], "bwd": [...]} per size
+    comm: dict                    # {"all_reduce": {"alpha_s", "beta_Bps", "n"}, "sendrecv": {...}}
+    world_size: int = 1
+    format: int = FORMAT
+
+    # -- lookups ----------------------------------------------------------------------------
+    def at(self, values: list[float], size: int) -> float:
+        """A per-size measurement at ``size``: linear between the measured sizes, beyond them
+        along the line through the last two (compute time grows about linearly in rows)."""
+        xs = self.sizes
+        if len(xs) == 1:
+            return values[0] * size / xs[0]
+        i = next((k for k in range(1, len(xs) - 1) if size <= xs[k]), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], values[i - 1], values[i]
+        return max(0.0, y0 + (y1 - y0) * (size - x0) / (x1 - x0))
+
+    def alpha_beta(self, op: str) -> tuple[float, float]:
+        if op not in self.comm:
+            raise ValueError(f"the cost table has no {op!r} costs (calibrated on {self.world_size} engine(s)); "
+                             "calibrate on at least 2 engines for dp > 1 or pp > 1")
+        c = self.comm[op]
+        return c["alpha_s"], c["beta_Bps"]
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        """α + 2(n−1)/n·S/β, with the bus bandwidth β measured (ring scaling to other n)."""
+        alpha, beta = self.alpha_beta("all_reduce")
+        return alpha + 2 * (n - 1) / n * nbytes / beta
+
+    def p2p_s(self, nbytes: float) -> float:
+        alpha, beta = self.alpha_beta("sendrecv")
+        return alpha + nbytes / beta
+
+    def check(self, model) -> None:
+        """Raise ValueError unless ``model`` (a factory or module) is the one measured."""
+        from ..training import build_model
+
+        mine = fingerprint(model_signature(build_model(model, 0)))
+        if mine != self.model:
+            raise ValueError(f"this cost table was measured on another model (fingerprint {self.model}, "
+                             f"this one {mine}); calibrate again with labkit.plan.calibrate(lab, model=...)")
+
+    # -- files ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostTable":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"cost table format {d.get('format')!r} is not {FORMAT}; calibrate again")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path, model=None) -> "CostTable":
+        """Read a saved table; with ``model``, refuse it unless it was measured on that model."""
+        with open(path) as f:
+            table = cls.from_dict(json.load(f))
+        if model is not None:
+            table.check(model)
+        return table
+
+
+# -- on the engines ---------------------------------------------------------------------------
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):            # the first call warms up allocations
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])
+
+
+def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, loss="mse") -> dict:
+    """This rank's seconds per block forward / backward / optimizer step for each size."""
+    import torch
+
+    from ..training import build_model, build_optimizer, resolve_data, resolve_loss
+
+    net = build_model(model, seed)
+    x, y = resolve_data(data, net, max(sizes), seed)(0)
+    loss_fn = resolve_loss(loss)
+    blocks = [{"name": f"{type(b).__name__} {i}", "params": [p.numel() for p in b.parameters()],
+               "fwd": [], "bwd": [], "out_numel": 0} for i, b in enumerate(net)]
+    out_loss = {"fwd": [], "bwd": []}
+    for size in sizes:
+        h = x[:size]
+        for i, block in enumerate(net):
+            inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
+            out = block(inp)
+            grad = torch.ones_like(out)
+            blocks[i]["fwd"].append(_timed(lambda: block(inp), repeats))
+            both = _timed(lambda: block(inp).backward(grad), repeats) if out.requires_grad \
+                else blocks[i]["fwd"][-1]
+            blocks[i]["bwd"].append(max(0.0, both - blocks[i]["fwd"][-1]))
+            blocks[i]["out_numel"] = out[0].numel()
+            h = out.detach()
+        pred = h.detach().requires_grad_(True)
+        f = _timed(lambda: loss_fn(pred, y[:size]), repeats)
+        out_loss["fwd"].append(f)
+        out_loss["bwd"].append(max(0.0, _timed(lambda: loss_fn(pred, y[:size]).backward(), repeats) - f))
+    for i, block in enumerate(net):
+        params = [p for p in block.parameters() if p.requires_grad]
+        if params:
+            opt = build_optimizer(params, 0.0)
+            blocks[i]["optimizer"] = _timed(lambda: (opt.step(), opt.zero_grad(set_to_none=False)), repeats)
+        else:
+            blocks[i]["optimizer"] = 0.0
+    return {"blocks": blocks, "loss": out_loss, "signature": model_signature(net)}
+
+
+# -- in the notebook --------------------------------------------------------------------------
+def default_sizes(batch: int) -> list[int]:
+    """Micro-batch sizes worth measuring for ``batch``: batch, batch/2, … down to 1."""
+    sizes, s = [], batch
+    while s >= 1:
+        sizes.append(s)
+        s //= 2
+    return sorted(set(sizes))
+
+
+def _mean_over_ranks(per_rank: list[dict]) -> tuple[list[dict], dict]:
+    blocks = []
+    for i, b in enumerate(per_rank[0]["blocks"]):
+        rows = [r["blocks"][i] for r in per_rank]
+        blocks.append(dict(b, **{k: [sum(r[k][j] for r in rows) / len(rows) for j in range(len(b[k]))]
+                                 for k in ("fwd", "bwd")},
+                           optimizer=sum(r["optimizer"] for r in rows) / len(rows)))
+    loss = {k: [sum(r["loss"][k][j] for r in per_rank) / len(per_rank) for j in range(len(per_rank[0]["loss"][k]))]
+            for k in ("fwd", "bwd")}
+    return blocks, loss
+
+
+def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=None, loss="mse", seed: int = 0,
+              comm: bool = True, seconds_per_point: float = 0.03) -> CostTable:
+    """Measure ``model``'s per-block costs and the lab's α-β into a :class:`CostTable`."""
+    from .. import bench
+
+    sizes = sorted(set(sizes)) if sizes else default_sizes(batch)
+    if any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"sizes={sizes!r} must be whole numbers ≥ 1 (rows per micro-batch)")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be a whole number ≥ 1")
+    per_rank = lab.apply(time_blocks, model, seed, sizes, repeats, data, loss)
+    blocks, loss_costs = _mean_over_ranks(per_rank)
+    signature = per_rank[0]["signature"]
+    fits = {}
+    if comm and lab.world_size > 1:
+        param_bytes = sum(4 * n for b in blocks for n in b["params"])
+        act_bytes = max(4 * b["out_numel"] * max(sizes) for b in blocks)
+        top = max(param_bytes, act_bytes)
+        grid = [4 ** k for k in range(1, 14) if 4 ** (k - 1) <= top]
+        sweep = bench.comm_sweep(lab, sizes=grid, collectives=("all_reduce", "sendrecv"), algorithms=(),
+                                 seconds_per_point=seconds_per_point)
+        for (collective, _), (alpha, beta) in sweep.fits.items():
+            fits[collective] = {"alpha_s": alpha, "beta_Bps": beta if math.isfinite(beta) else 1e30,
+                                "n": lab.world_size}
+    return CostTable(model=fingerprint(signature), signature=signature, sizes=sizes, blocks=blocks,
+                     loss=loss_costs, comm=fits, world_size=lab.world_size)
