@@ -105,6 +105,12 @@ class CostTable:
 
 
 # -- on the engines ---------------------------------------------------------------------------
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _timed(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):            # the first call warms up allocations
@@ -115,41 +121,116 @@ def _timed(fn, repeats: int) -> float:
 
 
 def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, loss="mse") -> dict:
-    """This rank's seconds per block forward / backward / optimizer step for each size."""
+    """This rank's seconds per block forward / backward / optimizer step for each size.
+
+    Timed the way the executor runs them: the backward-span hooks installed and the
+    recorder on, forward under the activation meter (their Python cost is part of a step).
+    """
     import torch
 
+    from ..engine import session
+    from ..instrument import ActivationMeter, instrument_backward, remove_hooks
     from ..training import build_model, build_optimizer, resolve_data, resolve_loss
 
     net = build_model(model, seed)
     x, y = resolve_data(data, net, max(sizes), seed)(0)
     loss_fn = resolve_loss(loss)
-    blocks = [{"name": f"{type(b).__name__} {i}", "params": [p.numel() for p in b.parameters()],
-               "fwd": [], "bwd": [], "out_numel": 0} for i, b in enumerate(net)]
-    out_loss = {"fwd": [], "bwd": []}
-    for size in sizes:
-        h = x[:size]
+    recorder = session().recorder
+    was_recording, recorder.enabled = recorder.enabled, True
+    hooks = instrument_backward(net, recorder)
+    meter = ActivationMeter(list(net.parameters()))
+
+    try:
+        def forward(block, inp):
+            with meter.forward(0, inp) as kept:
+                out = block(inp)
+                kept.append(out)
+            return out
+
+        blocks = [{"name": f"{type(b).__name__} {i}", "params": [p.numel() for p in b.parameters()],
+                   "out_numel": 0} for i, b in enumerate(net)]
+        # Each block's input at each size, and its output's gradient (ones: the cost does not
+        # depend on the values).
+        inputs: dict[tuple, tuple] = {}
+        for size in sizes:
+            h = x[:size]
+            for i, block in enumerate(net):
+                inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
+                out = forward(block, inp)
+                inputs[i, size] = (inp, torch.ones_like(out) if out.requires_grad else None)
+                blocks[i]["out_numel"] = out[0].numel()
+                h = out.detach()
+            inputs["loss", size] = (h.detach().requires_grad_(True), y[:size])
+        # Rounds over every (block, size) rather than repeats back to back: on a loaded machine
+        # the median then spans the load's ups and downs instead of one moment of it.
+        fwd, both = {}, {}
+        for _ in range(repeats + 1):
+            for size in sizes:
+                for i, block in enumerate(net):
+                    inp, grad = inputs[i, size]
+                    fwd.setdefault((i, size), []).append(_once(lambda: forward(block, inp)))
+                    if grad is not None:
+                        both.setdefault((i, size), []).append(_once(lambda: forward(block, inp).backward(grad)))
+                pred, target = inputs["loss", size]
+                fwd.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).item()))
+                both.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).backward()))
+        robust = lambda samples: median(samples[1:]) if len(samples) > 1 else samples[0]     # the first warms up
+        for i, b in enumerate(blocks):
+            b["fwd"] = [robust(fwd[i, size]) for size in sizes]
+            b["bwd"] = [max(0.0, robust(both[i, size]) - f) if (i, size) in both else 0.0
+                        for size, f in zip(sizes, b["fwd"])]
+        out_loss = {"fwd": [robust(fwd["loss", size]) for size in sizes]}
+        out_loss["bwd"] = [max(0.0, robust(both["loss", size]) - f) for size, f in zip(sizes, out_loss["fwd"])]
         for i, block in enumerate(net):
-            inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
-            out = block(inp)
-            grad = torch.ones_like(out)
-            blocks[i]["fwd"].append(_timed(lambda: block(inp), repeats))
-            both = _timed(lambda: block(inp).backward(grad), repeats) if out.requires_grad \
-                else blocks[i]["fwd"][-1]
-            blocks[i]["bwd"].append(max(0.0, both - blocks[i]["fwd"][-1]))
-            blocks[i]["out_numel"] = out[0].numel()
-            h = out.detach()
-        pred = h.detach().requires_grad_(True)
-        f = _timed(lambda: loss_fn(pred, y[:size]), repeats)
-        out_loss["fwd"].append(f)
-        out_loss["bwd"].append(max(0.0, _timed(lambda: loss_fn(pred, y[:size]).backward(), repeats) - f))
-    for i, block in enumerate(net):
-        params = [p for p in block.parameters() if p.requires_grad]
-        if params:
-            opt = build_optimizer(params, 0.0)
-            blocks[i]["optimizer"] = _timed(lambda: (opt.step(), opt.zero_grad(set_to_none=False)), repeats)
-        else:
+            params = [p for p in block.parameters() if p.requires_grad]
             blocks[i]["optimizer"] = 0.0
+            if params:
+                opt = build_optimizer(params, 0.0)
+                blocks[i]["optimizer"] = _timed(lambda: (opt.step(), opt.zero_grad(set_to_none=False)), repeats)
+    finally:
+        remove_hooks(hooks)
+        recorder.drain()
+        recorder.enabled = was_recording
     return {"blocks": blocks, "loss": out_loss, "signature": model_signature(net)}
+
+
+def time_calls(iters: int = 20) -> dict:
+    """This rank's seconds per labkit.comm call as a step makes them (recording on, each call
+    waited): a 4-byte all-reduce, and one way of a 4-byte ping-pong between ranks 0 and 1.
+
+    The sweep times bare transport with calls back to back; a step also pays the flight
+    recorder, the recording and a thread wake-up per message, which is the α a step sees.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..engine import session
+
+    recorder = session().recorder
+    was_recording, recorder.enabled = recorder.enabled, True
+    me, x = dist.get_rank(), torch.zeros(1)
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            comm.all_reduce(x, name="calibrate")
+        all_reduce = (time.perf_counter() - t0) / iters
+        dist.barrier()
+        p2p = 0.0
+        if me in (0, 1):
+            peer = 1 - me
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                for sending in ((True, False) if me == 0 else (False, True)):
+                    call = comm.isend if sending else comm.irecv
+                    call(x, peer, None, "calibrate", tag=7, check=False).wait()
+            p2p = (time.perf_counter() - t0) / iters / 2
+        dist.barrier()
+    finally:
+        recorder.drain()
+        recorder.enabled = was_recording
+    return {"all_reduce": all_reduce, "sendrecv": p2p}
 
 
 # -- in the notebook --------------------------------------------------------------------------
@@ -195,8 +276,11 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
         grid = [4 ** k for k in range(1, 14) if 4 ** (k - 1) <= top]
         sweep = bench.comm_sweep(lab, sizes=grid, collectives=("all_reduce", "sendrecv"), algorithms=(),
                                  seconds_per_point=seconds_per_point)
+        calls = lab.apply(time_calls)
         for (collective, _), (alpha, beta) in sweep.fits.items():
-            fits[collective] = {"alpha_s": alpha, "beta_Bps": beta if math.isfinite(beta) else 1e30,
-                                "n": lab.world_size}
+            # α as a step sees it: the slowest rank's recorded small call, if above the fit's
+            seen = max(r[collective] for r in calls)
+            fits[collective] = {"alpha_s": max(alpha, seen), "alpha_fit_s": alpha,
+                                "beta_Bps": beta if math.isfinite(beta) else 1e30, "n": lab.world_size}
     return CostTable(model=fingerprint(signature), signature=signature, sizes=sizes, blocks=blocks,
                      loss=loss_costs, comm=fits, world_size=lab.world_size)
