@@ -62,14 +62,21 @@ class CostTable:
         c = self.comm[op]
         return c["alpha_s"], c["beta_Bps"]
 
-    def all_reduce_s(self, nbytes: float, n: int) -> float:
-        """α + 2(n−1)/n·S/β, with the bus bandwidth β measured (ring scaling to other n)."""
+    def all_reduce_s(self, nbytes: float, n: int, busy: bool = False) -> float:
+        """α + 2(n−1)/n·S/β, with the bus bandwidth β measured (ring scaling to other n);
+        ``busy``: while the rank computes (× the measured ``busy_factor``)."""
         alpha, beta = self.alpha_beta("all_reduce")
-        return alpha + 2 * (n - 1) / n * nbytes / beta
+        return (alpha + 2 * (n - 1) / n * nbytes / beta) * (self.busy_factor if busy else 1.0)
 
-    def p2p_s(self, nbytes: float) -> float:
+    def p2p_s(self, nbytes: float, busy: bool = True) -> float:
+        """α + S/β of one message; pipelines compute while their messages move."""
         alpha, beta = self.alpha_beta("sendrecv")
-        return alpha + nbytes / beta
+        return (alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
+
+    @property
+    def busy_factor(self) -> float:
+        """How much longer a transfer takes while its rank computes (1 when not measured)."""
+        return self.comm.get("all_reduce", {}).get("busy_factor", 1.0)
 
     def check(self, model) -> None:
         """Raise ValueError unless ``model`` (a factory or module) is the one measured."""
@@ -233,6 +240,37 @@ def time_calls(iters: int = 20) -> dict:
     return {"all_reduce": all_reduce, "sendrecv": p2p}
 
 
+def time_busy_all_reduce(nbytes: int, iters: int = 8) -> dict:
+    """Seconds of one all-reduce of ``nbytes`` with this rank idle, and with it computing
+    meanwhile (issue, then matmuls until the work's future fires), medians over ``iters``.
+
+    On CPU the comm thread and the compute thread share the cores, so a transfer that
+    overlaps compute (a bucket launched during backward, a pipeline send) takes longer
+    than the same call on an idle rank; the ratio is the table's ``busy_factor``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    x, a = torch.zeros(max(1, nbytes // 4)), torch.randn(128, 128)
+    idle, busy = [], []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        idle.append(time.perf_counter() - t0)
+        dist.barrier()
+        done: list[float] = []
+        t0 = time.perf_counter()
+        work = dist.all_reduce(x, async_op=True)
+        work.get_future().then(lambda _f: done.append(time.perf_counter()))
+        deadline = t0 + 60.0
+        while not done and time.perf_counter() < deadline:
+            a @ a
+        work.wait()
+        busy.append((done[0] if done else time.perf_counter()) - t0)
+    return {"idle_s": median(idle), "busy_s": median(busy)}
+
+
 # -- in the notebook --------------------------------------------------------------------------
 def default_sizes(batch: int) -> list[int]:
     """Micro-batch sizes worth measuring for ``batch``: batch, batch/2, … down to 1."""
@@ -277,10 +315,13 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
         sweep = bench.comm_sweep(lab, sizes=grid, collectives=("all_reduce", "sendrecv"), algorithms=(),
                                  seconds_per_point=seconds_per_point)
         calls = lab.apply(time_calls)
+        contention = lab.apply(time_busy_all_reduce, min(param_bytes, 1 << 20))
+        busy_factor = max(1.0, max(r["busy_s"] for r in contention) / max(r["idle_s"] for r in contention))
         for (collective, _), (alpha, beta) in sweep.fits.items():
             # α as a step sees it: the slowest rank's recorded small call, if above the fit's
             seen = max(r[collective] for r in calls)
             fits[collective] = {"alpha_s": max(alpha, seen), "alpha_fit_s": alpha,
-                                "beta_Bps": beta if math.isfinite(beta) else 1e30, "n": lab.world_size}
+                                "beta_Bps": beta if math.isfinite(beta) else 1e30, "n": lab.world_size,
+                                "busy_factor": busy_factor}
     return CostTable(model=fingerprint(signature), signature=signature, sizes=sizes, blocks=blocks,
                      loss=loss_costs, comm=fits, world_size=lab.world_size)
