@@ -203,3 +203,28 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
         assert {e["kind"] for e in pred.timeline.events} >= {"fwd", "bwd"}
         ratio = pred.metrics["step_time_s"] / run.metrics["step_time_s"]
         assert 0.5 <= ratio <= 1.5, (s, ratio)
+
+
+def test_search_lab_ranks_every_runnable_strategy_by_prediction():
+    costs = _costs(blocks=4)
+    result = plan.search_lab(costs, batch=64, engines=2)
+    times = [pred.metrics["step_time_s"] for _, pred in result.ranked]
+    assert times == sorted(times)
+    strategies = [s for s, _ in result.ranked]
+    assert {s.pp for s in strategies} == {1, 2} and {s.dp_mode for s in strategies if s.dp > 1} == {
+        "naive", "bucketed", "overlap", "ddp"}
+    assert any(s.schedule == "interleaved" for s in strategies)
+    assert "predicted ms" in result.table()
+
+
+def test_overlapped_buckets_share_the_cpu_with_backward():
+    from labkit.plan.replay import Message
+
+    def end_of_comm(busy_factor, cost):
+        prog = StageProgram([1.0], [10.0], [0.0], [0], [[Message("bucket 0", 8, cost, 0.0)]], [0.0],
+                            busy_factor=busy_factor)
+        return max(e["end"] for e in replay(prog, pp=1, dp=2, dp_mode="overlap") if e["kind"] == "allreduce")
+
+    assert end_of_comm(1.0, 2.0) == pytest.approx(1 + 2)          # free overlap: a GPU's comm engine
+    assert end_of_comm(2.0, 2.0) == pytest.approx(1 + 4)          # half speed under backward
+    assert end_of_comm(4.0, 5.0) == pytest.approx(11 + 5 - 10 / 4)  # the rest at full speed after it

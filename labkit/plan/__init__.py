@@ -16,10 +16,11 @@ At scale (pure arithmetic, no engines)::
 from .calibrate import CostTable, calibrate
 from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
 from .layout import ClusterStrategy
+from .local import LabSearch, search_lab
 from .search import SearchResult, best_at, search
 from .simulate import Simulated, overlay, simulate
 from .step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
            "Prediction", "predict", "search", "best_at", "SearchResult", "CostTable", "calibrate", "Simulated",
-           "simulate", "overlay"]
+           "simulate", "overlay", "search_lab", "LabSearch"]

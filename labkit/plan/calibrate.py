@@ -68,8 +68,8 @@ class CostTable:
         alpha, beta = self.alpha_beta("all_reduce")
         return (alpha + 2 * (n - 1) / n * nbytes / beta) * (self.busy_factor if busy else 1.0)
 
-    def p2p_s(self, nbytes: float, busy: bool = True) -> float:
-        """α + S/β of one message; pipelines compute while their messages move."""
+    def p2p_s(self, nbytes: float, busy: bool = False) -> float:
+        """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout)."""
         alpha, beta = self.alpha_beta("sendrecv")
         return (alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
 
@@ -242,7 +242,7 @@ def time_calls(iters: int = 20) -> dict:
 
 def time_busy_all_reduce(nbytes: int, iters: int = 8) -> dict:
     """Seconds of one all-reduce of ``nbytes`` with this rank idle, and with it computing
-    meanwhile (issue, then matmuls until the work's future fires), medians over ``iters``.
+    meanwhile (issue, then small matmuls until the work completes), medians over ``iters``.
 
     On CPU the comm thread and the compute thread share the cores, so a transfer that
     overlaps compute (a bucket launched during backward, a pipeline send) takes longer
@@ -259,15 +259,13 @@ def time_busy_all_reduce(nbytes: int, iters: int = 8) -> dict:
         dist.all_reduce(x)
         idle.append(time.perf_counter() - t0)
         dist.barrier()
-        done: list[float] = []
         t0 = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
-        work.get_future().then(lambda _f: done.append(time.perf_counter()))
         deadline = t0 + 60.0
-        while not done and time.perf_counter() < deadline:
-            a @ a
+        while not work.is_completed() and time.perf_counter() < deadline:
+            a @ a           # polled between small matmuls: a Python callback would wait for the GIL
+        busy.append(time.perf_counter() - t0)
         work.wait()
-        busy.append((done[0] if done else time.perf_counter()) - t0)
     return {"idle_s": median(idle), "busy_s": median(busy)}
 
 

@@ -13,7 +13,6 @@ paper's eq. 3 (recomputation included), which :func:`labkit.plan.step.hardware_f
 from __future__ import annotations
 
 from .hardware import GPT, Cluster
-from .layout import ClusterStrategy
 
 # (billions of parameters, heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU)
 MEGATRON_SC21_TABLE1 = (

@@ -43,6 +43,9 @@ class StageProgram:
     p2p_bytes: list[int]
     grads: list[list[Message]] = field(default_factory=list)
     optimizer: list[float] = field(default_factory=list)
+    busy_factor: float = 1.0
+    """How much slower a collective progresses while its rank computes (CPU: the comm and
+    compute threads share the cores; 1 where comm has its own engine, as on a GPU)."""
 
 
 def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
@@ -107,10 +110,14 @@ class _Replay:
 
     def launch(self, r: int, chunk: int, stage: int, bwd_start: float) -> None:
         """Buckets of the chunk's last backward, each issued once its gradients exist."""
+        bwd_end, f = self.clock[r], self.prog.busy_factor
         for msg in self.prog.grads[stage]:
             start = max(bwd_start + msg.ready, self.comm_free[r])
-            self.comm_free[r] = start + msg.cost
-            self.event(r, "comm", "allreduce", msg.name, start, self.comm_free[r], nbytes=msg.bytes)
+            # processor sharing: at rate 1/f while backward still computes, at full rate after
+            shared = max(0.0, bwd_end - start)
+            end = start + msg.cost * f if msg.cost * f <= shared else max(start, bwd_end) + msg.cost - shared / f
+            self.comm_free[r] = end
+            self.event(r, "comm", "allreduce", msg.name, start, end, nbytes=msg.bytes)
         self.inflight[r][chunk] = self.comm_free[r]
         if self.dp_mode == "ddp":      # DDP's backward() returns after its buckets
             self.clock[r] = max(self.clock[r], self.comm_free[r])

@@ -110,11 +110,12 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
 
     ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=).
     ``verify=lab`` is not available at cluster scale on CPU engines: the lab runs labkit
-    Strategies (tp=1, zero=0 in this version), so it raises rather than pretend.
+    Strategies (tp=1, zero=0 in this version), so it raises rather than pretend; on the
+    lab's own engines, :func:`labkit.plan.search_lab` predicts, confirms and picks.
     """
     if verify is not None:
         raise ValueError("search(verify=lab): running candidates for real needs tp and zero in labkit.Strategy; "
-                         "compare with labkit.plan.simulate on a calibrated cost table instead")
+                         "on the lab's own engines use labkit.plan.search_lab(costs, batch, engines, verify=lab)")
     ranked, skipped = [], 0
     for s in candidates(model, cluster, global_batch, **limits):
         p = predict(model, cluster, global_batch, s)

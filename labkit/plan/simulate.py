@@ -73,12 +73,11 @@ def _grad_messages(costs: CostTable, strategy, blocks: range, bwd_of, loss_bwd: 
     wire = lambda nbytes: int(round(2 * (n - 1) / n * nbytes))      # ring all-reduce, per rank
     if strategy.dp_mode == "naive":
         return [Message(name, wire(b), costs.all_reduce_s(b, n), done[i]) for name, b, i in params]
-    busy = strategy.dp_mode in ("overlap", "ddp")      # launched while backward still computes
     out = []
     for k, bucket in enumerate(build_buckets(params, strategy.bucket_mb * MiB)):
         nbytes = sum(b for _, b, _ in bucket)
         name = f"ddp bucket {k}" if strategy.dp_mode == "ddp" else f"bucket {k} ({len(bucket)} tensors)"
-        out.append(Message(name, wire(nbytes), costs.all_reduce_s(nbytes, n, busy), max(done[i] for _, _, i in bucket)))
+        out.append(Message(name, wire(nbytes), costs.all_reduce_s(nbytes, n), max(done[i] for _, _, i in bucket)))
     return out
 
 
@@ -88,7 +87,7 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     size = batch // (strategy.dp * strategy.microbatches)
     ranges = _stage_ranges(costs, strategy) if strategy.pp > 1 else [range(len(costs.blocks))]
     last = len(ranges) - 1
-    prog = StageProgram([], [], [], [], [], [])
+    prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor)
     for g, blocks in enumerate(ranges):
         loss_f = costs.at(costs.loss["fwd"], size) if g == last else 0.0
         loss_b = costs.at(costs.loss["bwd"], size) if g == last else 0.0
