@@ -7,8 +7,12 @@ stage split, the same buckets in the same order), replays one step
 DESIGN.md keys, from :func:`labkit.metrics.step_metrics`) and ``.timeline`` (a
 :class:`labkit.Timeline`, so plot, trace export and metrics work unchanged).
 
-Not modelled yet: tp and zero (being built), gradient compression (its encode/decode cost
-is not in the table), and DDP's small first bucket.
+A bucket launched during backward progresses at 1/``busy_factor`` of its speed while the
+rank still computes (measured by the calibration: on CPU the comm and compute threads
+share the cores), at full speed after. Not modelled yet: tp and zero (being built),
+gradient compression (its encode/decode cost is not in the table), DDP's small first
+bucket, the same slowdown for pipeline messages, and the executor's per-action Python gaps
+(measured as 0.07–0.16 idle share in data-parallel steps on the loaded 2-core machine).
 
     >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
     >>> overlay(pred, run)                   # predicted outlines over the measured spans
