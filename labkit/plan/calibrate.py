@@ -73,6 +73,11 @@ class CostTable:
         alpha, beta = self.alpha_beta("sendrecv")
         return (alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
 
+    def copy_s(self, nbytes: float, what: str) -> float:
+        """Compute-thread seconds to "pack", "unpack" or "div" ``nbytes`` of gradients (0 if not measured)."""
+        rate = self.comm.get("copy", {}).get(f"{what}_Bps")
+        return nbytes / rate if rate else 0.0
+
     @property
     def busy_factor(self) -> float:
         """How much longer a transfer takes while its rank computes (1 when not measured)."""
@@ -269,6 +274,27 @@ def time_busy_all_reduce(nbytes: int, iters: int = 8) -> dict:
     return {"idle_s": median(idle), "busy_s": median(busy)}
 
 
+def time_copies(nbytes: int, parts: int = 4, iters: int = 9) -> dict:
+    """Bytes per second of what a bucket costs the compute thread: packing gradients into one
+    flat buffer (``torch.cat``), copying the average back and dividing, and dividing alone
+    (the naive mode's per-tensor ``div_``). The lab times none of them as compute."""
+    import torch
+
+    grads = [torch.randn(max(1, nbytes // 4 // parts)) for _ in range(parts)]
+    flat = torch.cat(grads)
+
+    def unpack():
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()]).div_(2)
+            offset += g.numel()
+
+    size = flat.numel() * 4
+    rate = lambda fn: size / max(_timed(fn, iters), 1e-9)
+    return {"pack_Bps": rate(lambda: torch.cat(grads)), "unpack_Bps": rate(unpack),
+            "div_Bps": rate(lambda: [g.div_(2) for g in grads])}
+
+
 # -- in the notebook --------------------------------------------------------------------------
 def default_sizes(batch: int) -> list[int]:
     """Micro-batch sizes worth measuring for ``batch``: batch, batch/2, … down to 1."""
@@ -314,6 +340,8 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
                                  seconds_per_point=seconds_per_point)
         calls = lab.apply(time_calls)
         contention = lab.apply(time_busy_all_reduce, min(param_bytes, 1 << 20))
+        copies = lab.apply(time_copies, min(param_bytes, 1 << 20))
+        fits["copy"] = {k: min(r[k] for r in copies) for k in copies[0]}
         busy_factor = max(1.0, max(r["busy_s"] for r in contention) / max(r["idle_s"] for r in contention))
         for (collective, _), (alpha, beta) in sweep.fits.items():
             # α as a step sees it: the slowest rank's recorded small call, if above the fit's

@@ -31,6 +31,8 @@ class Message:
     bytes: int          # put on the wire by each rank
     cost: float         # seconds on the comm stream
     ready: float        # seconds after the stage's backward starts when its gradients all exist
+    pack: float = 0.0   # compute-thread seconds to pack the bucket before sending (untimed by the lab)
+    unpack: float = 0.0  # … and to copy the average back into the gradients (and divide)
 
 
 @dataclass
@@ -110,17 +112,26 @@ class _Replay:
 
     def launch(self, r: int, chunk: int, stage: int, bwd_start: float) -> None:
         """Buckets of the chunk's last backward, each issued once its gradients exist."""
-        bwd_end, f = self.clock[r], self.prog.busy_factor
+        f, packed = self.prog.busy_factor, 0.0
+        for msg in self.prog.grads[stage]:     # packing runs in the hooks, holding backward up
+            packed += msg.pack
+        self.clock[r] += packed
+        bwd_end, packed = self.clock[r], 0.0
         for msg in self.prog.grads[stage]:
-            start = max(bwd_start + msg.ready, self.comm_free[r])
+            packed += msg.pack
+            start = max(bwd_start + msg.ready + packed, self.comm_free[r])
             # processor sharing: at rate 1/f while backward still computes, at full rate after
             shared = max(0.0, bwd_end - start)
             end = start + msg.cost * f if msg.cost * f <= shared else max(start, bwd_end) + msg.cost - shared / f
             self.comm_free[r] = end
             self.event(r, "comm", "allreduce", msg.name, start, end, nbytes=msg.bytes)
-        self.inflight[r][chunk] = self.comm_free[r]
-        if self.dp_mode == "ddp":      # DDP's backward() returns after its buckets
-            self.clock[r] = max(self.clock[r], self.comm_free[r])
+            self.inflight[r].setdefault(chunk, []).append((end, msg.unpack))
+        if self.dp_mode == "ddp":      # DDP's backward() returns after its buckets, copied back
+            self.wait_and_unpack(r, chunk)
+
+    def wait_and_unpack(self, r: int, chunk: int) -> None:
+        for end, unpack in self.inflight[r].pop(chunk, []):
+            self.clock[r] = max(self.clock[r], end) + unpack
 
     def recv(self, r: int, a: Action) -> bool:
         key = (a.peer, r, a.op[-1])
@@ -147,11 +158,12 @@ class _Replay:
             for chunk, stage in enumerate(stages):
                 if self.dp_mode in ("naive", "bucketed"):
                     for msg in self.prog.grads[stage]:
-                        start = max(self.clock[r], self.comm_free[r])
-                        self.clock[r] = self.comm_free[r] = start + msg.cost
-                        self.event(r, "comm", "allreduce", msg.name, start, self.clock[r], nbytes=msg.bytes)
+                        start = max(self.clock[r] + msg.pack, self.comm_free[r])
+                        self.comm_free[r] = start + msg.cost
+                        self.event(r, "comm", "allreduce", msg.name, start, self.comm_free[r], nbytes=msg.bytes)
+                        self.clock[r] = self.comm_free[r] + msg.unpack
                 elif self.dp_mode == "overlap":
-                    self.clock[r] = max(self.clock[r], self.inflight[r].get(chunk, 0.0))
+                    self.wait_and_unpack(r, chunk)
         cost = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
         if cost > 0:
             t = self.clock[r]

@@ -76,12 +76,14 @@ def _grad_messages(costs: CostTable, strategy, blocks: range, bwd_of, loss_bwd: 
     n = strategy.dp
     wire = lambda nbytes: int(round(2 * (n - 1) / n * nbytes))      # ring all-reduce, per rank
     if strategy.dp_mode == "naive":
-        return [Message(name, wire(b), costs.all_reduce_s(b, n), done[i]) for name, b, i in params]
+        return [Message(name, wire(b), costs.all_reduce_s(b, n), done[i], unpack=costs.copy_s(b, "div"))
+                for name, b, i in params]
     out = []
     for k, bucket in enumerate(build_buckets(params, strategy.bucket_mb * MiB)):
         nbytes = sum(b for _, b, _ in bucket)
         name = f"ddp bucket {k}" if strategy.dp_mode == "ddp" else f"bucket {k} ({len(bucket)} tensors)"
-        out.append(Message(name, wire(nbytes), costs.all_reduce_s(nbytes, n), max(done[i] for _, _, i in bucket)))
+        out.append(Message(name, wire(nbytes), costs.all_reduce_s(nbytes, n), max(done[i] for _, _, i in bucket),
+                           pack=costs.copy_s(nbytes, "pack"), unpack=costs.copy_s(nbytes, "unpack")))
     return out
 
 
