@@ -9,7 +9,7 @@ import pytest
 
 from labkit import plan
 from labkit.plan import GPT, Cluster, ClusterStrategy, predict, search
-from labkit.plan.calibrate import CostTable, fingerprint, model_signature
+from labkit.plan.costs import CostTable, fingerprint, model_signature
 from labkit.plan.memory import in_flight, layer_activation_bytes, memory_breakdown
 from labkit.plan.replay import StageProgram, replay
 from labkit.plan.step import pipeline_time, stage_costs
@@ -150,7 +150,7 @@ def test_cost_table_round_trips_and_refuses_another_model(tmp_path):
 def test_buckets_are_the_executors():
     import torch
 
-    from labkit.plan.simulate import build_buckets
+    from labkit.plan.simulation import build_buckets
     from labkit.strategies.data_parallel import make_buckets
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])

@@ -13,12 +13,12 @@ At scale (pure arithmetic, no engines)::
     print(labkit.plan.search(model, cluster, global_batch=1536).table())
     $ labkit plan --layers 96 --hidden 12288 --heads 96 --gpus 1024 --hardware a100 --global-batch 1536
 """
-from .calibrate import CostTable, calibrate
+from .costs import CostTable, calibrate
 from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
 from .layout import ClusterStrategy
 from .local import LabSearch, search_lab
 from .search import SearchResult, best_at, search
-from .simulate import Simulated, overlay, simulate
+from .simulation import Simulated, overlay, simulate
 from .step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",

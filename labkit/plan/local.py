@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import DP_MODES, Strategy
-from .simulate import simulate
+from .simulation import simulate
 
 
 def lab_candidates(engines: int, batch: int, blocks: int, microbatches=(1, 2, 4, 8)):

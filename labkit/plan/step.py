@@ -147,7 +147,7 @@ class Prediction:
 
     def timeline(self, max_microbatches: int | None = None):
         """The predicted timeline of one step (one pipeline; dp replicas are alike)."""
-        from .simulate import simulate_scale
+        from .simulation import simulate_scale
         return simulate_scale(self, max_microbatches)
 
 

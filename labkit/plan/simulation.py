@@ -1,7 +1,7 @@
 """Predicted runs: a Strategy replayed with measured costs, and a step at cluster scale.
 
 ``simulate(strategy, costs, batch=)`` builds each stage's per-micro-batch costs from a
-:class:`~labkit.plan.calibrate.CostTable` exactly as the executor cuts the model (the same
+:class:`~labkit.plan.costs.CostTable` exactly as the executor cuts the model (the same
 stage split, the same buckets in the same order), replays one step
 (:mod:`labkit.plan.replay`) and returns an object shaped like a run: ``.metrics`` (the
 DESIGN.md keys, from :func:`labkit.metrics.step_metrics`) and ``.timeline`` (a
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..metrics import step_metrics
 from ..timeline import Timeline
-from .calibrate import CostTable
+from .costs import CostTable
 from .replay import Message, StageProgram, replay
 
 MiB = 1024 * 1024
