@@ -191,19 +191,21 @@ def test_cli_bad_input_is_a_message_and_exit_1(extra, message, capsys):
 # -- calibrated against measured (two engines) ---------------------------------------------------
 @pytest.mark.slow
 def test_calibrated_simulation_is_near_the_measured_run(lab2):
-    """Loose: the suite's machine is loaded; benchmarks/bench_plan.py reports the tight figures."""
+    """Loose: on a loaded 2-core machine one 1 MB all-reduce takes 2–20 ms from step to step,
+    so the bound only catches gross errors (a missing backward, a unit slip); a batch large
+    enough for compute to dominate keeps it meaningful. benchmarks/bench_plan.py reports the
+    figures, case by case, over interleaved rounds."""
     import labkit
 
     model = labkit.models.mlp(width=256, depth=4)
-    costs = plan.calibrate(lab2, model=model, batch=32, repeats=3)
+    costs = plan.calibrate(lab2, model=model, batch=256, sizes=[32, 64, 128], repeats=7)
     assert costs.world_size == 2 and {"all_reduce", "sendrecv"} <= set(costs.comm)
     for s in (labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(pp=2, schedule="1f1b", microbatches=4)):
-        run = lab2.run(s, model=model, batch=32, steps=5)
-        pred = plan.simulate(s, costs, batch=32, model=model)
+        run = lab2.run(s, model=model, batch=256, steps=5)
+        pred = plan.simulate(s, costs, batch=256, model=model)
         assert {e["kind"] for e in pred.timeline.events} >= {"fwd", "bwd"}
         ratio = pred.metrics["step_time_s"] / run.metrics["step_time_s"]
-        assert 0.5 <= ratio <= 1.5, (s, ratio)
-
+        assert 0.4 <= ratio <= 2.5, (s, ratio)
 
 def test_search_lab_ranks_every_runnable_strategy_by_prediction():
     costs = _costs(blocks=4)
