@@ -33,12 +33,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``labkit.widgets`` and ``labkit.gpu`` on first use (the dashboard needs ipywidgets and the
-    GPU checks need a GPU; the engines need neither), and the old flat module names
-    (``labkit.grid``, ``labkit.diagnose``, ...)."""
-    if name == "gpu":
+    """``labkit.widgets``, ``labkit.gpu`` and ``labkit.plan`` on first use (the dashboard needs
+    ipywidgets, the GPU checks a GPU, the planner its tables; the engines need none of them), and
+    the old flat module names (``labkit.grid``, ``labkit.diagnose``, ...)."""
+    if name in ("gpu", "plan"):
         import importlib
-        return importlib.import_module(".gpu", __name__)
+        return importlib.import_module(f".{name}", __name__)
     module = _moved.resolve(name)
     if module is None:
         raise AttributeError(f"module 'labkit' has no attribute {name!r}")

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_bench(sub)
+    from .plan import cli as plan_cli
+    plan_cli.add_parser(sub)
     return parser
 
 

@@ -1,2 +1,2 @@
-"""How a model is spread over ranks, one subpackage per axis: the builder and executor, data/,
-pipeline/, tensor/ (zero/ next)."""
+"""How a model is spread over ranks: the builder and the executor, then one subpackage per axis
+(data, pipeline, tensor, zero)."""

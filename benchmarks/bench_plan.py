@@ -1,0 +1,91 @@
+"""Predicted against measured step time on local CPU engines: the planner's accuracy here.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2 --rounds 3
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --rounds 2
+
+For each round: calibrate (per-block costs and α-β on these engines), then run every case
+for a few steps and simulate it from the cost table just measured; calibration and runs
+alternate so that a change of machine load moves both. Prints, per case, the medians over
+rounds of measured and predicted step time, their ratio, and the bubble and exposed-comm
+fractions measured/predicted. The figures are noisy on a shared 2-core machine: read the
+ratio's spread over rounds (``--json`` keeps every round).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from statistics import median
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import labkit  # noqa: E402
+from labkit import plan  # noqa: E402
+
+
+def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
+    out = [(f"dp{engines} {m}", labkit.Strategy(dp=engines, dp_mode=m)) for m in ("naive", "bucketed", "overlap", "ddp")]
+    pp = 2
+    dp = engines // pp
+    for schedule in ("gpipe", "1f1b"):
+        out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} {schedule} m4",
+                    labkit.Strategy(dp=dp, pp=pp, schedule=schedule, microbatches=4, dp_mode="overlap")))
+    out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} interleaved v2 m4",
+                labkit.Strategy(dp=dp, pp=pp, schedule="interleaved", chunks=2, microbatches=4,
+                                split_at=(4, 8, 12), dp_mode="overlap")))
+    if engines >= 4:
+        out.append(("pp4 1f1b m8", labkit.Strategy(pp=4, schedule="1f1b", microbatches=8)))
+    return out
+
+
+def one_round(lab, model, batch: int, steps: int) -> list[dict]:
+    costs = plan.calibrate(lab, model=model, batch=batch)
+    rows = []
+    for name, s in cases(lab.world_size):
+        run = lab.run(s, model=model, batch=batch, steps=steps)
+        pred = plan.simulate(s, costs, batch=batch, model=model)
+        rows.append({"case": name, **{f"measured_{k}": run.metrics[k] for k in KEYS},
+                     **{f"predicted_{k}": pred.metrics[k] for k in KEYS}})
+    return rows
+
+
+KEYS = ("step_time_s", "bubble_fraction", "exposed_comm_fraction")
+
+
+def summarise(rounds: list[list[dict]]) -> str:
+    lines = [f"{'case':>26} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'ratio range':>12} "
+             f"{'bubble m/p':>11} {'exposed m/p':>11}"]
+    for i, row in enumerate(rounds[0]):
+        per = [r[i] for r in rounds]
+        med = {k: median(r[k] for r in per) for k in per[0] if k != "case"}
+        ratios = [r["predicted_step_time_s"] / r["measured_step_time_s"] for r in per]
+        lines.append(f"{row['case']:>26} {1e3 * med['measured_step_time_s']:>11.2f} "
+                     f"{1e3 * med['predicted_step_time_s']:>12.2f} {median(ratios):>6.2f} "
+                     f"{min(ratios):>5.2f}–{max(ratios):<5.2f} "
+                     f"{med['measured_bubble_fraction']:>5.2f}/{med['predicted_bubble_fraction']:<5.2f} "
+                     f"{med['measured_exposed_comm_fraction']:>5.2f}/{med['predicted_exposed_comm_fraction']:<5.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--json")
+    args = p.parse_args()
+    model = labkit.models.mlp(width=args.width, depth=8)
+    with labkit.Lab.start(engines=args.engines, timeout=120, progress=False) as lab:
+        rounds = [one_round(lab, model, args.batch, args.steps) for _ in range(args.rounds)]
+    print(f"{args.engines} engines, mlp(width={args.width}, depth=8), batch {args.batch}, "
+          f"{args.rounds} rounds, medians over rounds")
+    print(summarise(rounds))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rounds, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

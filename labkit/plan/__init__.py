@@ -1,0 +1,26 @@
+"""The planner: predict a strategy's timeline, memory and step time, here and at scale.
+
+Here (calibrated on the lab's own engines)::
+
+    costs = labkit.plan.calibrate(lab, model=labkit.models.mlp(width=256, depth=8), batch=64)
+    pred = labkit.plan.simulate(labkit.Strategy(dp=2, dp_mode="overlap"), costs, batch=64)
+    pred.metrics["step_time_s"], pred.timeline.plot()
+
+At scale (pure arithmetic, no engines)::
+
+    model = labkit.plan.GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+    cluster = labkit.plan.Cluster(nodes=128, hardware="a100")
+    print(labkit.plan.search(model, cluster, global_batch=1536).table())
+    $ labkit plan --layers 96 --hidden 12288 --heads 96 --gpus 1024 --hardware a100 --global-batch 1536
+"""
+from .costs import CostTable, calibrate
+from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
+from .layout import ClusterStrategy
+from .local import LabSearch, search_lab
+from .search import SearchResult, best_at, search
+from .simulation import Simulated, overlay, simulate
+from .step import Prediction, predict
+
+__all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
+           "Prediction", "predict", "search", "best_at", "SearchResult", "CostTable", "calibrate", "Simulated",
+           "simulate", "overlay", "search_lab", "LabSearch"]

@@ -1,0 +1,169 @@
+"""What the planner knows about the machines: GPU presets, a GPT's shape, a cluster.
+
+Pure data (no torch, no processes). Numbers are the vendors' datasheet figures; where a
+figure is what software achieves rather than what the wire carries, the comment says so.
+
+    >>> from labkit.plan import GPT, Cluster
+    >>> GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048).params / 1e9   # GPT-3
+    174.6...
+    >>> Cluster(nodes=128, gpus_per_node=8, hardware="a100").gpus
+    1024
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One kind of wire, as the α-β model sees it: t = alpha + bytes_on_the_wire / beta."""
+
+    beta: float
+    """Bytes per second one GPU moves on this link in one direction (bus bandwidth)."""
+    alpha: float
+    """Seconds of fixed cost per call (launch and latency of a small message)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One GPU type and the node it sits in."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 tensor-core FLOP/s (no sparsity)."""
+    hbm_bytes: float
+    nvlink: Link
+    """Inside a node (tensor parallelism is placed here)."""
+    ib: Link
+    """Across nodes, per GPU (one NIC per GPU in DGX-style nodes)."""
+    hbm_bandwidth: float
+    """Bytes per second to and from HBM (the optimizer step is bound by it)."""
+    gpus_per_node: int = 8
+    gemm_max_efficiency: float = 0.78
+    """Share of peak that large bf16 GEMMs reach (cuBLAS on A100 reaches ~250 of 312 TFLOP/s
+    for large square bf16 GEMMs; NVIDIA's matmul performance guide shows the same plateau)."""
+    gemm_half_dim: float = 160.0
+    """The GEMM dimension at which efficiency is half its plateau: the efficiency model is
+    eff(d) = gemm_max_efficiency · d / (d + gemm_half_dim), d the smallest dimension of the
+    layer's GEMMs on one GPU (hidden/tp, or tokens per micro-batch). Small GEMMs fill fewer
+    SMs and waste tiles (NVIDIA, "Matrix Multiplication Background User's Guide", wave and
+    tile quantisation)."""
+
+
+# A100 SXM4 80GB in a DGX A100: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2.0 TB/s (NVIDIA A100 datasheet);
+# NVLink 3: 600 GB/s both directions = 300 GB/s each way, nccl-tests busbw ~230 GB/s;
+# 8× HDR InfiniBand 200 Gb/s per node = 25 GB/s per GPU, ~22 GB/s achieved (DGX A100 user
+# guide; nccl-tests results NVIDIA publishes). Latencies: NCCL small-message all-reduce
+# ~10 µs inside a node, ~20 µs across nodes.
+A100 = Hardware(name="A100 80GB", peak_flops=312e12, hbm_bytes=80 * GB, hbm_bandwidth=2.0e12,
+                nvlink=Link(beta=230 * GB, alpha=10e-6), ib=Link(beta=22 * GB, alpha=20e-6))
+
+# H100 SXM5 in a DGX H100: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity), 80 GB HBM3 at
+# 3.35 TB/s (NVIDIA H100 datasheet); NVLink 4: 900 GB/s both directions = 450 GB/s each way, ~360 GB/s
+# busbw; 8× NDR 400 Gb/s per node = 50 GB/s per GPU, ~45 GB/s achieved (DGX H100 guide).
+H100 = Hardware(name="H100 SXM", peak_flops=989e12, hbm_bytes=80 * GB, hbm_bandwidth=3.35e12,
+                nvlink=Link(beta=360 * GB, alpha=8e-6), ib=Link(beta=45 * GB, alpha=15e-6),
+                gemm_max_efficiency=0.70, gemm_half_dim=256.0)
+
+# H200 SXM: the same GH100 compute as H100 (989 TFLOP/s dense bf16) with 141 GB HBM3e at
+# 4.8 TB/s (NVIDIA H200 product brief); the same NVLink 4 and NDR fabric in a DGX H200.
+H200 = Hardware(name="H200", peak_flops=989e12, hbm_bytes=141 * GB, hbm_bandwidth=4.8e12,
+                nvlink=Link(beta=360 * GB, alpha=8e-6), ib=Link(beta=45 * GB, alpha=15e-6),
+                gemm_max_efficiency=0.72, gemm_half_dim=256.0)
+
+PRESETS = {"a100": A100, "h100": H100, "h200": H200}
+
+
+def hardware(name) -> Hardware:
+    """A preset by name ("a100", "h100", "h200"), or a Hardware passed through."""
+    if isinstance(name, Hardware):
+        return name
+    key = str(name).lower().replace(" ", "").replace("-", "").replace("_", "")
+    for alias, preset in (("a100", A100), ("h100", H100), ("h200", H200)):
+        if key.startswith(alias):
+            return preset
+    raise ValueError(f"hardware={name!r} is unknown; use one of {', '.join(PRESETS)} or a labkit.plan.Hardware")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPT:
+    """A GPT decoder described by its shape (the Megatron-LM papers' notation l, h, a, V, s)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 51200
+    seq: int = 2048
+
+    def __post_init__(self):
+        for field in ("layers", "hidden", "heads", "vocab", "seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPT.{field}={value!r} must be a whole number ≥ 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPT.hidden={self.hidden} must divide by heads={self.heads}")
+
+    @property
+    def params(self) -> float:
+        """Parameters: 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) (Narayanan et al. 2021, eq. 2)."""
+        l, h = self.layers, self.hidden
+        return 12 * l * h * h * (1 + 13 / (12 * h) + (self.vocab + self.seq) / (12 * l * h))
+
+    @property
+    def layer_params(self) -> float:
+        """One transformer layer: 12h² + 13h (QKV, projection, two MLP matrices, norms, biases)."""
+        return 12 * self.hidden ** 2 + 13 * self.hidden
+
+    @property
+    def embedding_params(self) -> float:
+        """Word and position embeddings, V·h + s·h (the output layer shares the word table)."""
+        return (self.vocab + self.seq) * self.hidden
+
+    def layer_forward_flops(self, tokens: int) -> float:
+        """Forward FLOPs of one layer over ``tokens`` = b·s: 24·b·s·h² + 4·b·s²·h (GEMMs only,
+        a multiply-add counted as 2; Narayanan et al. 2021, §5.1)."""
+        return 24 * tokens * self.hidden ** 2 + 4 * tokens * self.seq * self.hidden
+
+    def logit_forward_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the output projection onto the vocabulary: 2·b·s·h·V."""
+        return 2 * tokens * self.hidden * self.vocab
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` × ``gpus_per_node`` GPUs of one ``hardware`` type."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    hardware: Hardware | str = "a100"
+
+    def __post_init__(self):
+        for field in ("nodes", "gpus_per_node"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Cluster.{field}={value!r} must be a whole number ≥ 1")
+        object.__setattr__(self, "hardware", hardware(self.hardware))
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def of(cls, gpus: int, hardware="a100", gpus_per_node: int = 8) -> "Cluster":
+        """A cluster of ``gpus`` GPUs in full nodes (fewer than a node: one partial node)."""
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus={gpus!r} must be a whole number ≥ 1")
+        if gpus < gpus_per_node:
+            return cls(nodes=1, gpus_per_node=gpus, hardware=hardware)
+        if gpus % gpus_per_node:
+            raise ValueError(f"gpus={gpus} is not a whole number of {gpus_per_node}-GPU nodes; "
+                             f"use a multiple of {gpus_per_node}")
+        return cls(nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node, hardware=hardware)
+
+    def link(self, group_span: int) -> Link:
+        """The link a group uses: NVLink when its ``group_span`` consecutive ranks fit in one
+        node, InfiniBand otherwise (a ring across nodes runs at the slowest hop's speed)."""
+        return self.hardware.nvlink if group_span <= self.gpus_per_node else self.hardware.ib

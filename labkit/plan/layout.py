@@ -1,0 +1,94 @@
+"""A strategy on a cluster: the degrees and knobs the planner ranks, and where they land.
+
+:class:`ClusterStrategy` is the at-scale twin of :class:`labkit.Strategy`: it adds what only
+matters at scale (micro-batch size, recomputation, sequence parallelism) and keeps tp and
+zero analytic. Ranks are laid out as labkit's grid lays them out, ``arange(world).view(dp,
+pp, tp)``, tp innermost (Megatron's order), so a tp group is consecutive GPUs of one node.
+
+    >>> s = ClusterStrategy(dp=8, pp=16, tp=8, microbatch_size=1, recompute="full")
+    >>> s.check(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .hardware import GPT, Cluster
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterStrategy:
+    """Degrees and knobs of one training strategy on a cluster; dp·pp·tp = GPUs."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    zero: int = 0
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp."""
+    microbatch_size: int = 1
+    """Sequences per micro-batch on one pipeline (the micro-batch count follows from the batch)."""
+    schedule: str = "1f1b"
+    chunks: int = 1
+    """Model chunks per pipeline rank (interleaved only)."""
+    recompute: str = "none"
+    """Activation recomputation: "none", "selective" (attention core) or "full" (every layer)."""
+    sequence_parallel: bool = False
+    """Megatron-style sequence parallelism in the tp group (Korthikanti et al. 2022)."""
+    dp_overlap: bool = False
+    """Gradient all-reduce overlapped with the last micro-batch's backward (DDP buckets);
+    Megatron-LM in 2021 reduced after backward, so the published table uses False."""
+
+    def __post_init__(self):
+        for field in ("dp", "pp", "tp", "microbatch_size", "chunks"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ClusterStrategy.{field}={value!r} must be a whole number ≥ 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"ClusterStrategy.zero={self.zero!r} must be 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"ClusterStrategy.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"ClusterStrategy.recompute={self.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
+        if (self.chunks > 1) != (self.schedule == "interleaved" and self.pp > 1):
+            raise ValueError(f"ClusterStrategy.chunks={self.chunks} with schedule={self.schedule!r}, pp={self.pp}: "
+                             "chunks ≥ 2 goes with schedule='interleaved' and pp > 1, chunks=1 otherwise")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step on each pipeline: global_batch / (dp · microbatch_size)."""
+        return global_batch // (self.dp * self.microbatch_size)
+
+    def check(self, model: GPT, cluster: Cluster, global_batch: int) -> None:
+        """Raise ValueError naming the field and the fix unless this strategy can be placed."""
+        if self.gpus != cluster.gpus:
+            raise ValueError(f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.gpus} but the cluster has "
+                             f"{cluster.gpus} GPUs; choose degrees whose product is {cluster.gpus}")
+        if self.tp > cluster.gpus_per_node:
+            raise ValueError(f"tp={self.tp} is larger than a node ({cluster.gpus_per_node} GPUs): tensor "
+                             f"parallelism needs NVLink; use tp ≤ {cluster.gpus_per_node}")
+        if model.heads % self.tp or model.hidden % self.tp:
+            raise ValueError(f"tp={self.tp} must divide heads={model.heads} and hidden={model.hidden}")
+        if model.layers % (self.pp * self.chunks):
+            raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} "
+                             "equal stages; choose pp (and chunks) dividing the layer count")
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(f"global_batch={global_batch!r} must be a whole number ≥ 1")
+        if global_batch % (self.dp * self.microbatch_size):
+            raise ValueError(f"global_batch={global_batch} does not divide by dp*microbatch_size = "
+                             f"{self.dp}*{self.microbatch_size}; change the batch or the micro-batch size")
+        if self.schedule == "interleaved" and self.microbatches(global_batch) % self.pp:
+            raise ValueError(f"the interleaved schedule needs micro-batches ({self.microbatches(global_batch)}) "
+                             f"to be a multiple of pp={self.pp}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def label(self) -> str:
+        extra = f" v{self.chunks}" if self.chunks > 1 else ""
+        return (f"dp{self.dp} pp{self.pp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
+                f"{self.schedule}{extra} rc:{self.recompute}")

@@ -1,0 +1,139 @@
+"""Enumerate strategies for a model on a cluster and rank them by predicted throughput.
+
+    >>> result = search(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
+    >>> print(result.table(top=10)); result.plot()
+
+Candidates: every (dp, pp, tp) with dp·pp·tp = GPUs, tp a power of two within a node, pp
+dividing the layers; every ZeRO stage, micro-batch size, schedule (interleaved with 2 or 4
+chunks where they divide the layers) and recomputation. Each is predicted by
+:func:`labkit.plan.step.predict`; those that do not fit in memory are counted and left out
+of the ranking; a model that fits no strategy gives a result whose table says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hardware import GPT, Cluster
+from .layout import RECOMPUTE, ClusterStrategy
+from .step import Prediction, predict
+
+MICROBATCH_SIZES = (1, 2, 4, 8)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(pp: int, layers: int, m: int):
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield "1f1b", 1
+    yield "gpipe", 1
+    for v in (2, 4):
+        if layers % (pp * v) == 0 and m % pp == 0:
+            yield "interleaved", v
+
+
+def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
+               microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
+               dp_overlap: bool = True):
+    """Every placeable ClusterStrategy (degrees fixed where given)."""
+    n = cluster.gpus
+    tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
+           and model.heads % t == 0 and model.hidden % t == 0]
+    for t in ([tp] if tp else tps):
+        for p in ([pp] if pp else _divisors(n // t)):
+            d = n // (t * p)
+            if (dp and d != dp) or model.layers % p or d * p * t != n:
+                continue
+            for mbs in microbatch_sizes:
+                if global_batch % (d * mbs):
+                    continue
+                m = global_batch // (d * mbs)
+                for schedule, v in _schedules(p, model.layers, m):
+                    for z in (zero if d > 1 else (0,)):
+                        for rc in recompute:
+                            yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,
+                                                  chunks=v, recompute=rc, dp_overlap=dp_overlap)
+
+
+@dataclass
+class SearchResult:
+    """Ranked predictions (fastest first) and how many candidates did not fit."""
+
+    model: GPT
+    cluster: Cluster
+    global_batch: int
+    ranked: list[Prediction]
+    skipped: int = 0
+    verified: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.ranked)
+
+    def table(self, top: int = 10) -> str:
+        head = f"{'#':>3} {'strategy':>40} {'step (s)':>9} {'MFU':>6} {'TFLOP/s':>8} {'mem (GB)':>9}"
+        if not self.ranked:
+            return (f"does not fit: none of {self.skipped} strategies fits {self.cluster.hardware.name} "
+                    f"memory ({self.cluster.hardware.hbm_bytes / 1e9:.0f} GB); add GPUs, shorten the "
+                    "sequence or shrink the model")
+        lines = [head]
+        for i, p in enumerate(self.ranked[:top]):
+            lines.append(f"{i + 1:>3} {p.strategy.label():>40} {p.step_time_s:>9.3f} {100 * p.mfu:>5.1f}% "
+                         f"{p.tflops_per_gpu:>8.1f} {p.memory_gb_per_gpu:>9.1f}")
+        lines.append(f"{len(self.ranked)} strategies fit, {self.skipped} do not")
+        return "\n".join(lines)
+
+    def plot(self, top: int = 20):
+        """Predicted step time and memory per GPU of the top strategies."""
+        import matplotlib.pyplot as plt
+
+        shown = self.ranked[:top]
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 0.3 * len(shown) + 1.5), sharey=True)
+        labels = [p.strategy.label() for p in shown]
+        ax_t.barh(labels, [p.step_time_s for p in shown], color="#0072B2")
+        ax_m.barh(labels, [p.memory_gb_per_gpu for p in shown], color="#E69F00")
+        ax_m.axvline(self.cluster.hardware.hbm_bytes / 1e9, color="k", ls="--", lw=1, label="HBM")
+        ax_t.invert_yaxis()
+        ax_t.set(xlabel="predicted step time (s)", title=f"{self.cluster.gpus}× {self.cluster.hardware.name}")
+        ax_m.set(xlabel="memory per GPU (GB)")
+        ax_m.legend(fontsize="small")
+        fig.tight_layout()
+        return fig
+
+
+def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = None, verify=None,
+           **limits) -> SearchResult:
+    """Rank every placeable strategy that fits by predicted step time (fastest first).
+
+    ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=).
+    ``verify=lab`` is not available at cluster scale on CPU engines: the lab runs labkit
+    Strategies (tp=1, zero=0 in this version), so it raises rather than pretend; on the
+    lab's own engines, :func:`labkit.plan.search_lab` predicts, confirms and picks.
+    """
+    if verify is not None:
+        raise ValueError("search(verify=lab): running candidates for real needs tp and zero in labkit.Strategy; "
+                         "on the lab's own engines use labkit.plan.search_lab(costs, batch, engines, verify=lab)")
+    ranked, skipped = [], 0
+    for s in candidates(model, cluster, global_batch, **limits):
+        p = predict(model, cluster, global_batch, s)
+        if p.fits:
+            ranked.append(p)
+        else:
+            skipped += 1
+    if not ranked and not skipped:
+        raise ValueError(f"no strategy can be placed: {cluster.gpus} GPUs, {model.layers} layers, "
+                         f"global_batch={global_batch}; check that the batch divides by the dp degrees")
+    ranked.sort(key=lambda p: p.step_time_s)
+    return SearchResult(model, cluster, global_batch, ranked[:top] if top else ranked, skipped)
+
+
+def best_at(model: GPT, cluster: Cluster, global_batch: int, **limits) -> Prediction | None:
+    """The fastest strategy that fits among ``limits`` (e.g. the published degrees), or None."""
+    try:
+        result = search(model, cluster, global_batch, zero=(0,), **limits)
+    except ValueError:
+        return None
+    return result.ranked[0] if result.ranked else None

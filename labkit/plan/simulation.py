@@ -1,0 +1,180 @@
+"""Predicted runs: a Strategy replayed with measured costs, and a step at cluster scale.
+
+``simulate(strategy, costs, batch=)`` builds each stage's per-micro-batch costs from a
+:class:`~labkit.plan.costs.CostTable` exactly as the executor cuts the model (the same
+stage split, the same buckets in the same order), replays one step
+(:mod:`labkit.plan.replay`) and returns an object shaped like a run: ``.metrics`` (the
+DESIGN.md keys, from :func:`labkit.metrics.step_metrics`) and ``.timeline`` (a
+:class:`labkit.Timeline`, so plot, trace export and metrics work unchanged).
+
+A bucket launched during backward progresses at 1/``busy_factor`` of its speed while the
+rank still computes (measured by the calibration: on CPU the comm and compute threads
+share the cores), at full speed after. Not modelled yet: tp and zero (being built),
+gradient compression (its encode/decode cost is not in the table), DDP's small first
+bucket, the same slowdown for pipeline messages, and the executor's per-action Python gaps
+(measured as 0.07–0.16 idle share in data-parallel steps on the loaded 2-core machine).
+
+    >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
+    >>> overlay(pred, run)                   # predicted outlines over the measured spans
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..analysis.metrics import step_metrics
+from ..view.timeline import Timeline
+from .costs import CostTable
+from .replay import Message, StageProgram, replay
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Simulated:
+    """A predicted step: ``.metrics`` and ``.timeline`` as in :class:`labkit.Run`."""
+
+    strategy: object
+    metrics: dict
+    timeline: Timeline
+    batch: int
+
+    def __repr__(self) -> str:
+        return f"Simulated({self.metrics['step_time_s'] * 1e3:.2f} ms per step, {self.timeline!r})"
+
+
+def build_buckets(params: list[tuple[str, int, int]], bucket_bytes: float) -> list[list[tuple[str, int, int]]]:
+    """(name, bytes, block) in registration order → buckets in gradient order, as
+    :func:`labkit.strategies.data_parallel.make_buckets` fills them (reverse order, closed
+    once a bucket reaches the cap)."""
+    buckets, current, size = [], [], 0
+    for item in reversed(params):
+        current.append(item)
+        size += item[1]
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _stage_ranges(costs: CostTable, strategy) -> list[range]:
+    from ..parallel.pipeline.stages import split_blocks   # the executor's own split, so stages match
+
+    weights = [sum(b["params"]) for b in costs.blocks]
+    return split_blocks(weights, strategy.pp * strategy.chunks, strategy.split_at,
+                        equal=strategy.schedule == "interleaved")
+
+
+def _grad_messages(costs: CostTable, strategy, blocks: range, bwd_of, loss_bwd: float) -> list[Message]:
+    """The all-reduces of one stage's gradients, with when (into its backward) each is ready."""
+    done, t = {}, loss_bwd
+    for i in reversed(blocks):          # backward visits the blocks last to first
+        t += bwd_of(i)
+        done[i] = t
+    params = [(f"{i}.{k}", 4 * n, i) for i in blocks for k, n in enumerate(costs.blocks[i]["params"])]
+    n = strategy.dp
+    wire = lambda nbytes: int(round(2 * (n - 1) / n * nbytes))      # ring all-reduce, per rank
+    if strategy.dp_mode == "naive":
+        return [Message(name, wire(b), costs.all_reduce_s(b, n), done[i], unpack=costs.copy_s(b, "div"))
+                for name, b, i in params]
+    out = []
+    for k, bucket in enumerate(build_buckets(params, strategy.bucket_mb * MiB)):
+        nbytes = sum(b for _, b, _ in bucket)
+        name = f"ddp bucket {k}" if strategy.dp_mode == "ddp" else f"bucket {k} ({len(bucket)} tensors)"
+        out.append(Message(name, wire(nbytes), costs.all_reduce_s(nbytes, n), max(done[i] for _, _, i in bucket),
+                           pack=costs.copy_s(nbytes, "pack"), unpack=costs.copy_s(nbytes, "unpack")))
+    return out
+
+
+def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
+    """Per-stage costs of ``strategy`` on ``batch`` from the measured table."""
+    strategy.check_batch(batch)
+    size = batch // (strategy.dp * strategy.microbatches)
+    ranges = _stage_ranges(costs, strategy) if strategy.pp > 1 else [range(len(costs.blocks))]
+    last = len(ranges) - 1
+    prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor)
+    for g, blocks in enumerate(ranges):
+        loss_f = costs.at(costs.loss["fwd"], size) if g == last else 0.0
+        loss_b = costs.at(costs.loss["bwd"], size) if g == last else 0.0
+        bwd_of = lambda i: costs.at(costs.blocks[i]["bwd"], size)
+        prog.fwd.append(sum(costs.at(costs.blocks[i]["fwd"], size) for i in blocks) + loss_f)
+        prog.bwd.append(sum(bwd_of(i) for i in blocks) + loss_b)
+        out_bytes = 4 * costs.blocks[blocks[-1]]["out_numel"] * size
+        prog.p2p_bytes.append(out_bytes)
+        prog.p2p.append(costs.p2p_s(out_bytes) if strategy.pp > 1 and g < last else 0.0)
+        prog.grads.append(_grad_messages(costs, strategy, blocks, bwd_of, loss_b) if strategy.dp > 1 else [])
+        prog.optimizer.append(sum(costs.blocks[i]["optimizer"] for i in blocks))
+    return prog
+
+
+def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulated:
+    """Predict one step of ``strategy`` (a labkit.Strategy) from measured ``costs``.
+
+    ``model``, if given, must be the one the costs were measured on (else ValueError).
+    """
+    if not isinstance(costs, CostTable):
+        raise TypeError(f"costs must be a labkit.plan.CostTable (from labkit.plan.calibrate), got {type(costs).__name__}")
+    if model is not None:
+        costs.check(model)
+    if getattr(strategy, "tp", 1) != 1 or getattr(strategy, "zero", 0) != 0:
+        raise ValueError("simulate: tp > 1 and zero > 0 are not modelled from measured costs yet; "
+                         "use labkit.plan.predict for them at scale")
+    if strategy.compression != "none":
+        raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
+                         "decode costs are not in the cost table); use compression='none'")
+    if strategy.pp * strategy.chunks > len(costs.blocks):
+        raise ValueError(f"pp*chunks = {strategy.pp * strategy.chunks} stages but the model has "
+                         f"{len(costs.blocks)} blocks; use fewer stages")
+    prog = build_program(strategy, costs, batch)
+    events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
+                    strategy.chunks, strategy.dp_mode)
+    world = strategy.world_size
+    return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
+
+
+def simulate_scale(prediction, max_microbatches: int | None = None) -> Timeline:
+    """The timeline of one predicted step at scale: one pipeline (its pp ranks; dp replicas are
+    alike), per-stage costs from FLOPs and α-β, the dp all-reduce as one message."""
+    from .step import stage_costs
+
+    s, m = prediction.strategy, prediction.strategy.microbatches(prediction.global_batch)
+    if max_microbatches is not None and m > max_microbatches:
+        raise ValueError(f"{m} micro-batches would draw {m * s.pp * 4} spans; pass max_microbatches={m} "
+                         "to draw them all")
+    c = stage_costs(prediction.model, prediction.cluster, s)
+    stages = s.pp * s.chunks
+    act = 2 * s.microbatch_size * prediction.model.seq * prediction.model.hidden
+    grads = [[Message("gradients", 0, c.dp_sync, c.bwd[g])] if s.dp > 1 else [] for g in range(stages)]
+    prog = StageProgram(c.fwd, c.bwd, [c.p2p] * stages, [act // s.tp] * stages, grads,
+                        [c.optimizer / s.chunks] * stages)
+    events = replay(prog, s.pp, s.dp, s.schedule, m, s.chunks, "overlap" if s.dp_overlap else "bucketed",
+                    replicas=1)
+    if s.dp > 1:        # one replica drawn, but its collectives span dp of them
+        events = [dict(e, name=f"{e['name']} (dp={s.dp})") if e["kind"] == "allreduce" else e for e in events]
+    return Timeline(events, s.pp, title=f"{prediction.model.layers}-layer GPT, {s.label()}")
+
+
+def overlay(predicted, measured, step=None, figsize=None):
+    """Measured spans filled, predicted spans as dashed outlines in the same lanes; the Figure.
+
+    ``predicted``: a Simulated or Timeline; ``measured``: a Run or Timeline. step: the
+    measured step to draw (default its last); the prediction is one step.
+    """
+    from ..view.timeline import _lane
+
+    pred = getattr(predicted, "timeline", predicted)
+    meas = getattr(measured, "timeline", measured)
+    fig = meas.plot(step=step, figsize=figsize, labels=False)
+    ax = fig.axes[0]
+    for e in pred.events:
+        if e["rank"] not in meas.ranks:
+            continue
+        y = _lane(meas.ranks, e["rank"], e["stream"])
+        ax.broken_barh([(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)], (y - 0.45, 0.9),
+                       facecolors="none", edgecolors="black", linestyles="--", linewidth=0.8)
+    right = max([ax.get_xlim()[1]] + [e["end"] * 1e3 for e in pred.events])
+    ax.set_xlim(0, right)
+    t_pred = max((e["end"] for e in pred.events), default=0.0)
+    ax.set_title(f"{ax.get_title()} — predicted (dashed) {t_pred * 1e3:.2f} ms")
+    return fig

@@ -1,0 +1,184 @@
+"""Step time, MFU and memory of a GPT under a strategy on a cluster, from first principles.
+
+Compute: FLOPs of each pipeline stage per micro-batch (Narayanan et al. 2021, §5.1: a layer's
+forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation one more forward;
+the logits 2·b·s·h·V on the last stage), divided by tp, at peak × the GEMM efficiency
+``eff(d) = e_max · d / (d + d_half)`` with d the smallest GEMM dimension on one GPU,
+min(h/tp, b·s) (see :class:`~labkit.plan.hardware.Hardware`).
+
+Communication: α-β per call on the link the group is placed on (tp inside a node on NVLink;
+pp and dp across nodes on InfiniBand once a group spans more than a node). Ring all-reduce
+moves 2(n−1)/n·S per GPU (nccl-tests' bus factor). Per layer Megatron's tensor parallelism
+does 2 all-reduces of b·s·h in forward and 2 in backward (the f and g operators), 2 more when
+the forward is recomputed. Pipeline neighbours exchange b·s·h activations, split over the tp
+ranks and all-gathered over NVLink (Megatron's scatter/gather optimisation, §4.1).
+
+Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
+Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
+(p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). Then the dp gradient all-reduce (exposed unless
+``dp_overlap``), ZeRO-3's parameter all-gathers, and the optimizer step at HBM bandwidth.
+
+    >>> p = predict(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), 1536,
+    ...             ClusterStrategy(dp=8, pp=16, tp=8, recompute="full"))
+    >>> p.step_time_s, p.tflops_per_gpu, p.memory_gb_per_gpu, p.fits
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hardware import GPT, Cluster, Link
+from .layout import ClusterStrategy
+from .memory import fits, gb, memory_breakdown
+
+ADAM_BYTES_PER_PARAM = 32
+"""HBM traffic of one mixed-precision Adam update per parameter: read fp32 weight, momentum,
+variance and gradient, write the three back and the bf16 copy (4·4 + 3·4 + 2 ≈ 30)."""
+
+
+def gemm_efficiency(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
+    hw = cluster.hardware
+    d = min(model.hidden / s.tp, s.microbatch_size * model.seq)
+    return hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim)
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce: α + 2(n−1)/n · S / β (0 for one rank)."""
+    return 0.0 if n <= 1 else link.alpha + 2 * (n - 1) / n * nbytes / link.beta
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a full buffer S: α + (n−1)/n · S / β."""
+    return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
+
+
+def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
+    """Forward seconds of one layer's memory-bound work (layer norms, GeLU, softmax, dropout,
+    bias adds, residuals): each activation Korthikanti et al. count is written once and read
+    once at HBM bandwidth, so 2 × their no-recompute bytes per layer (Table 2, no sequence
+    parallelism: what each tp rank touches); backward moves about twice as much."""
+    from .memory import layer_activation_bytes
+
+    plain = ClusterStrategy(tp=s.tp, microbatch_size=s.microbatch_size, sequence_parallel=s.sequence_parallel)
+    return 2 * layer_activation_bytes(model, plain) / cluster.hardware.hbm_bandwidth
+
+
+@dataclass
+class StageCosts:
+    """Per-micro-batch seconds of each global stage (pp·chunks of them) and the step's tail."""
+
+    fwd: list[float]
+    bwd: list[float]
+    p2p: float                   # one activation (or gradient) hop between neighbour stages
+    dp_sync: float               # gradient all-reduce (or ZeRO's reduce-scatter + all-gather)
+    optimizer: float
+    tp_comm: float = 0.0         # of fwd + bwd, the part that is tp all-reduces (one micro-batch, one stage)
+
+
+def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
+    """The costs the closed form and the simulator share."""
+    hw, eff = cluster.hardware, gemm_efficiency(model, cluster, s)
+    flops_rate = hw.peak_flops * eff
+    tokens = s.microbatch_size * model.seq
+    stages = s.pp * s.chunks
+    layers = model.layers // stages
+    act_bytes = 2 * tokens * model.hidden                      # bf16 b·s·h
+    tp_link = cluster.link(s.tp)
+    tp_ar = all_reduce_time(act_bytes, s.tp, tp_link)
+    memory_bound = elementwise_time(model, cluster, s)
+    layer_f = model.layer_forward_flops(tokens) / s.tp / flops_rate + memory_bound + 2 * tp_ar
+    layer_b = 2 * (model.layer_forward_flops(tokens) / s.tp / flops_rate + memory_bound) + 2 * tp_ar
+    if s.recompute == "full":
+        layer_b += layer_f
+    elif s.recompute == "selective":        # the attention core again: 4·b·s²·h
+        layer_b += 4 * tokens * model.seq * model.hidden / s.tp / flops_rate
+    logit_f = model.logit_forward_flops(tokens) / s.tp / flops_rate
+    fwd = [layers * layer_f + (logit_f if g == stages - 1 else 0.0) for g in range(stages)]
+    bwd = [layers * layer_b + (2 * logit_f if g == stages - 1 else 0.0) for g in range(stages)]
+    pp_link = cluster.link(s.pp * s.tp)
+    p2p = 0.0
+    if s.pp > 1:
+        p2p = pp_link.alpha + act_bytes / s.tp / pp_link.beta + all_gather_time(act_bytes, s.tp, tp_link)
+    grads = 2 * (model.layers / s.pp * model.layer_params + model.embedding_params) / s.tp
+    dp_link = cluster.link(s.dp * s.pp * s.tp)
+    # ZeRO 1/2 replace the all-reduce by reduce-scatter + all-gather: the same bytes; ZeRO-3
+    # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7).
+    dp_sync = all_reduce_time(grads, s.dp, dp_link) * (1.5 if s.zero >= 3 else 1.0)
+    params_local = (model.layers / s.pp * model.layer_params + model.embedding_params) / s.tp
+    optimizer = ADAM_BYTES_PER_PARAM * params_local / (s.dp if s.zero >= 1 else 1) / hw.hbm_bandwidth
+    return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar)
+
+
+def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
+    """Forward and backward of all micro-batches (the closed form in the module docstring)."""
+    p, v = s.pp, s.chunks
+    per_rank = [sum(c.fwd[k * p + r] + c.bwd[k * p + r] + 2 * c.p2p for k in range(v))
+                for r in range(p)]
+    if s.schedule == "interleaved":
+        return (m + (p - 1) / v) * max(per_rank)
+    return sum(per_rank) + (m - 1) * max(per_rank)
+
+
+@dataclass
+class Prediction:
+    """One strategy's predicted step; the JSON of ``labkit plan --json`` is :meth:`summary`."""
+
+    model: GPT
+    cluster: Cluster
+    strategy: ClusterStrategy
+    global_batch: int
+    step_time_s: float
+    mfu: float
+    tflops_per_gpu: float
+    memory: dict
+    fits: bool
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def memory_gb_per_gpu(self) -> float:
+        return gb(self.memory["total"])
+
+    @property
+    def throughput_tokens_s(self) -> float:
+        return self.global_batch * self.model.seq / self.step_time_s
+
+    def summary(self) -> dict:
+        return {"step_time_s": self.step_time_s, "mfu": self.mfu, "tflops_per_gpu": self.tflops_per_gpu,
+                "memory_gb_per_gpu": self.memory_gb_per_gpu, "fits": self.fits}
+
+    def timeline(self, max_microbatches: int | None = None):
+        """The predicted timeline of one step (one pipeline; dp replicas are alike)."""
+        from .simulation import simulate_scale
+        return simulate_scale(self, max_microbatches)
+
+
+def hardware_flops(model: GPT, global_batch: int, recompute: str) -> float:
+    """FLOPs the GPUs execute per step, as Megatron-LM counts them (Narayanan et al. 2021,
+    eq. 3): 72·B·s·l·h²·(1 + s/(6h)) + 6·B·s·h·V, and 96·… when every layer is recomputed."""
+    B, s, l, h, V = global_batch, model.seq, model.layers, model.hidden, model.vocab
+    layer = 24 * B * s * l * h * h * (1 + s / (6 * h))
+    passes = {"none": 3, "selective": 3, "full": 4}[recompute]
+    extra = 4 * B * s * s * h * l if recompute == "selective" else 0.0
+    return passes * layer + extra + 6 * B * s * h * V
+
+
+def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterStrategy) -> Prediction:
+    """Memory, step time, MFU and TFLOP/s per GPU of ``strategy`` (ValueError if it cannot be placed)."""
+    strategy.check(model, cluster, global_batch)
+    m = strategy.microbatches(global_batch)
+    c = stage_costs(model, cluster, strategy)
+    pipe = pipeline_time(c, strategy, m)
+    tail_bwd = sum(c.bwd[k * strategy.pp] for k in range(strategy.chunks))
+    dp_exposed = max(0.0, c.dp_sync - tail_bwd) if strategy.dp_overlap else c.dp_sync
+    step = pipe + dp_exposed + c.optimizer
+    tokens = global_batch * model.seq
+    peak = cluster.hardware.peak_flops
+    mfu = 6 * model.params * tokens / (step * cluster.gpus * peak)      # PaLM, appendix B
+    tflops = hardware_flops(model, global_batch, strategy.recompute) / (step * cluster.gpus) / 1e12
+    memory = memory_breakdown(model, strategy, global_batch)
+    ideal = m * max(sum(c.fwd[k * strategy.pp + r] + c.bwd[k * strategy.pp + r] for k in range(strategy.chunks))
+                    for r in range(strategy.pp))
+    parts = {"pipeline_s": pipe, "compute_s": ideal, "bubble_and_p2p_s": pipe - ideal, "dp_comm_s": dp_exposed,
+             "optimizer_s": c.optimizer, "tp_comm_s": m * c.tp_comm * strategy.chunks,
+             "gemm_efficiency": gemm_efficiency(model, cluster, strategy), "microbatches": m}
+    return Prediction(model, cluster, strategy, global_batch, step, mfu, tflops, memory,
+                      fits(memory["total"], cluster.hardware.hbm_bytes), parts)
