@@ -24,8 +24,8 @@ from labkit.parallel.executor import Executor
 from labkit.parallel.pipeline.schedules import SCHEDULES, build_schedule, simulate
 
 ROOT = Path(labkit.__file__).parent
-ENGINE_SIDE = ("engine", "parallel", "comm", "record", "models")
-NOTEBOOK_SIDE = ("session", "run", "view", "cli")
+ENGINE_SIDE = ("engine", "parallel", "comm", "record", "models", "data")
+NOTEBOOK_SIDE = ("session", "run", "view", "plan", "cli")
 FORBIDDEN_IN_PURE = ("torch.distributed", "ipyparallel")
 
 
