@@ -212,3 +212,20 @@ def test_zero_bubble_schedules_run_on_the_engines_and_equal_one_process(lab2, sc
     assert run.max_diff(ref) < 1e-5
     kinds = {e["kind"] for e in run.timeline.events}
     assert {"bwd_input", "bwd_weight"} <= kinds and "bwd" not in kinds
+
+
+def _fails_on_rank_one():
+    """Builds in the notebook; raises on rank 1 when the engines build their part."""
+    import os
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank one refuses on purpose")
+    return MLP()
+
+
+def test_a_build_that_failed_on_one_rank_leaves_the_next_pipeline_matched(lab2):
+    """Point-to-point tags come from the run id, the same on every rank: a build that failed on
+    one rank only must not leave the ranks' tags apart (the next pipeline would hang)."""
+    with pytest.raises(LabError, match="refuses on purpose"):
+        lab2.run(labkit.Strategy(dp=2), model=_fails_on_rank_one, batch=16, steps=1)
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=2), model=MLP, batch=16, steps=STEPS, seed=4)
+    assert run.max_diff(labkit.reference(MLP, batch=16, steps=STEPS, seed=4)) < 1e-5

@@ -159,7 +159,7 @@ def setup_run(spec, run_id: str | None = None) -> dict:
     s = session()
     s.job, s.run_id = None, None
     s.recorder.enabled = spec.record
-    s.job = build_job(spec, s.groups, s.recorder, s.device)
+    s.job = build_job(spec, s.groups, s.recorder, s.device, run_id)
     s.run_id = run_id
     from ..analysis.drift import build_step_snapshots
     s.snapshots = build_step_snapshots(s.job) if spec.extra.get("snapshots") else None

@@ -15,7 +15,6 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,6 @@ from .executor import Executor, Stage
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
 
-_serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 
 
 @dataclass
@@ -50,7 +48,7 @@ class RunSpec:
     tp_plan: dict | None = None      # None: the model's own tp_plan
 
 
-def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
+def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None) -> Executor:
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     s = spec.strategy
     dp_index, pp_index, _ = groups.coords
@@ -63,9 +61,16 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
-        Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
+        Link(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
         build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
         recorder, device, dp_index, owns_parameters=dp_index == 0, report=build_report(s, groups))
+
+
+def p2p_tag(run_id: str | None) -> int:
+    """The point-to-point tag of a run's pipeline messages: one per run, the same on every rank
+    (it comes from the run id the notebook chose), so a failed run's stray messages match
+    nothing later. A per-engine counter would drift apart once a build failed on some ranks."""
+    return int(run_id[:7], 16) if run_id else 0
 
 
 def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan=None) -> nn.Sequential:
