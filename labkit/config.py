@@ -17,13 +17,26 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8", "powersgd")
 
 
 def _check_choice(field: str, value, choices) -> None:
-    if value not in choices:
+    # a string first: ``array in tuple`` would raise numpy's "truth value is ambiguous"
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"Strategy.{field}={value!r} is unknown; use one of {', '.join(map(repr, choices))}")
 
 
 def _check_positive_int(field: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Strategy.{field}={value!r} must be a whole number ≥ 1")
+
+
+# Buckets from 1 KiB (one per small tensor) to 1 TiB (everything in one): outside that range a
+# value is a typo (1e-9, 2**70), and inf would make the bucket arithmetic meaningless.
+BUCKET_MB_RANGE = (2 ** -10, 2 ** 20)
+
+
+def _check_bucket_mb(value) -> None:
+    low, high = BUCKET_MB_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"Strategy.bucket_mb={value!r} must be a number of MiB between {low:g} and {high:g}, "
+                         "e.g. 1.0 (DDP uses 25)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +70,10 @@ class Strategy:
     split_at: tuple[int, ...] = ()
     """Pipeline stage boundaries: the block indices where stages 1, 2, … start (pp·chunks − 1
     of them); empty means balanced by parameter count (interleaved: equal block counts)."""
+    sync_batchnorm: bool = False
+    """Batch-norm statistics over the whole global batch (all dp replicas), as one process
+    computes them; without it each replica normalises by its own rows (torch's default under
+    DDP, a different model). See labkit.parallel.data.batchnorm."""
 
     def __post_init__(self) -> None:
         for field in ("dp", "pp", "tp", "microbatches", "chunks"):
@@ -65,11 +82,12 @@ class Strategy:
         _check_choice("dp_mode", self.dp_mode, DP_MODES)
         _check_choice("compression", self.compression, COMPRESSIONS)
         self._check_compression()
-        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
-            raise ValueError(f"Strategy.bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB)")
+        _check_bucket_mb(self.bucket_mb)
+        if not isinstance(self.sync_batchnorm, bool):
+            raise ValueError(f"Strategy.sync_batchnorm={self.sync_batchnorm!r} must be True or False")
         if self.tp != 1:
             raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
-        if self.zero != 0:
+        if type(self.zero) is not int or self.zero != 0:
             raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
         self._check_pipeline()
 
@@ -101,6 +119,10 @@ class Strategy:
             if len(at) != stages - 1:
                 raise ValueError(f"Strategy.split_at has {len(at)} boundaries but pp*chunks = {stages} "
                                  f"stages need {stages - 1}; give {stages - 1} or leave split_at empty")
+        if self.pp == 1 and (self.chunks > 1 or self.split_at):
+            field = "chunks" if self.chunks > 1 else "split_at"
+            raise ValueError(f"Strategy.{field}={getattr(self, field)!r} splits a pipeline, and pp=1 has none "
+                             f"(it would be ignored); set pp > 1 or leave {field} at its default")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise ValueError(f"Strategy.chunks={self.chunks} needs schedule='interleaved'; "
                              "set chunks=1 or schedule='interleaved'")
@@ -126,7 +148,7 @@ class Strategy:
 
     def check_batch(self, batch: int) -> None:
         """Raise ValueError unless the global batch splits evenly over dp and micro-batches."""
-        if not isinstance(batch, int) or batch < 1:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch={batch!r} must be a whole number ≥ 1")
         if batch % self.dp:
             raise ValueError(f"batch={batch} does not divide by dp={self.dp}; use a multiple of {self.dp}")

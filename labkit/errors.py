@@ -49,6 +49,10 @@ class EngineDiedError(LabError):
     """An engine process died (killed, crashed, out of memory)."""
 
 
+class ControllerDiedError(LabError):
+    """The ipyparallel controller died: no call reaches the engines until ``lab.recover()``."""
+
+
 # Raised on the engines themselves (they travel back as the remote error's class name).
 class CollectiveTimeout(RuntimeError):
     """Engine side: one instrumented call did not complete within the group timeout."""
@@ -56,6 +60,10 @@ class CollectiveTimeout(RuntimeError):
 
 class CommMismatch(RuntimeError):
     """Engine side: a point-to-point message's shape or dtype differs from what was expected."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """Engine side: a step's loss is NaN or infinite (a diverging lr, a NaN in the model or data)."""
 
 
 class CommFailure(RuntimeError):

@@ -33,6 +33,8 @@ class RunSpec:
     seed: int = 0
     record: bool = True
     extra: dict = field(default_factory=dict)
+    allow_nonfinite: bool = False
+    """Carry on through NaN/inf losses (by default the first one stops the run, naming its step)."""
 
 
 def build_job(spec: RunSpec, groups, recorder, device):
@@ -41,6 +43,25 @@ def build_job(spec: RunSpec, groups, recorder, device):
         from .pipeline.stages import PipelineJob
         return PipelineJob(spec, groups, recorder, device)
     return DataParallelJob(spec, groups, recorder, device)
+
+
+def global_batch(data, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch from ``data(step)``, which must give exactly ``batch`` rows:
+    fewer would silently train on a truncated shard (or none: NaN), more on a different batch."""
+    x, y = data(step)
+    rows = [getattr(t, "shape", (None,))[0] if getattr(t, "ndim", 0) else None for t in (x, y)]
+    if rows != [batch, batch]:
+        raise ValueError(f"step {step}: data gave {rows[0]} inputs and {rows[1]} targets but batch={batch}; "
+                         f"the data must give the whole global batch (batch={batch} rows) every step")
+    return x, y
+
+
+def build_batchnorm(model, strategy, groups):
+    """Batch norm over the whole global batch when the strategy asks (parallel/data/batchnorm.py)."""
+    if strategy.sync_batchnorm and strategy.dp > 1:
+        from .data.batchnorm import build_sync_batchnorm
+        build_sync_batchnorm(model, groups.dp)
+    return model
 
 
 def shard(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
@@ -56,7 +77,7 @@ class DataParallelJob:
         self.spec, self.recorder, self.device = spec, recorder, device
         s = spec.strategy
         self.dp_index = groups.coords[0]
-        model = build_model(spec.model, spec.seed).to(device)
+        model = build_batchnorm(build_model(spec.model, spec.seed), s, groups).to(device)
         self.data = resolve_data(spec.data, model, spec.batch, spec.seed)
         self.loss_fn = resolve_loss(spec.loss)
         self.hooks = instrument_backward(model, recorder)
@@ -69,7 +90,7 @@ class DataParallelJob:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's 1/dp of the step's global batch, on its device."""
         s = self.spec.strategy
-        x, y = self.data(step)
+        x, y = global_batch(self.data, step, self.spec.batch)
         return shard(x, self.dp_index, s.dp).to(self.device), shard(y, self.dp_index, s.dp).to(self.device)
 
     def step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:

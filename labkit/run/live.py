@@ -30,6 +30,7 @@ from .. import engine
 from ..errors import LabError
 from ..parallel.build import RunSpec
 from .result import Run
+from .relay import relay_warnings
 from .runner import _global_loss, _metrics, ship_by_value, validate
 from ..view.timeline import Timeline
 from ..analysis.waits import split_waits
@@ -51,6 +52,7 @@ class LiveRun:
     finished_at: float | None = None
     stop_requested: bool = False
     peak: list[int] = field(default_factory=list, repr=False)   # activation bytes per rank
+    warned: set = field(default_factory=set, repr=False)        # engine warnings relayed so far
     finished: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -150,7 +152,8 @@ class LiveRunner:
         live.groups_rebuilt = rebuilt
         self._call(live, engine.setup_run, (live.spec,), self._after_setup)
 
-    def _after_setup(self, live: LiveRun, _) -> None:
+    def _after_setup(self, live: LiveRun, results: list[dict]) -> None:
+        relay_warnings(results, live.warned)
         live.state = "running"
         live.peak = [0] * self.lab.world_size
         if live.stop_requested:
@@ -163,6 +166,7 @@ class LiveRunner:
         live.step += 1
         live.step_done_at.append(time.perf_counter())
         run, world = live.run, self.lab.world_size
+        relay_warnings(results, live.warned)
         run.losses.append(_global_loss(results))
         events = list(run.timeline.events)
         step_events = []

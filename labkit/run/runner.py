@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .. import engine
@@ -17,6 +18,8 @@ from ..analysis.metrics import step_metrics
 from .result import Run
 from ..view.timeline import Timeline
 from ..models.training import build_model, resolve_loss
+from .checks import check_model, check_number
+from .relay import relay_warnings
 from ..analysis.waits import split_waits
 
 
@@ -27,18 +30,19 @@ def validate(spec: RunSpec, engines: int) -> None:
         raise TypeError(f"strategy must be a labkit.Strategy, got {type(s).__name__}")
     s.check_engines(engines)
     s.check_batch(spec.batch)
-    if not isinstance(spec.steps, int) or spec.steps < 1:
+    if isinstance(spec.steps, bool) or not isinstance(spec.steps, int) or spec.steps < 1:
         raise ValueError(f"steps={spec.steps!r} must be a whole number ≥ 1")
-    if not spec.lr > 0:
-        raise ValueError(f"lr={spec.lr!r} must be > 0")
-    if not spec.momentum >= 0:
-        raise ValueError(f"momentum={spec.momentum!r} must be ≥ 0 (0: plain SGD)")
+    check_number("lr", spec.lr, "> 0, e.g. lr=0.1", lambda v: v > 0)
+    check_number("momentum", spec.momentum, "≥ 0 (0: plain SGD)", lambda v: v >= 0)
     if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     resolve_loss(spec.loss)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
-    blocks = len(build_model(spec.model, spec.seed))
+    with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
+        built = build_model(spec.model, spec.seed)
+    check_model(built, s)
+    blocks = len(built)
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, blocks)
@@ -77,11 +81,13 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None) -> Run:
     s = spec.strategy
     lab._interrupt = False
     lab._ensure_groups(s.dp, s.pp, s.tp)        # a change of degrees starts on a fresh store
-    lab.apply(engine.setup_run, spec)
+    warned: set = set()
+    relay_warnings(lab.apply(engine.setup_run, spec), warned)
     losses, events, peak = [], [], [0] * lab.world_size
     run = Run(s, losses, Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
     for step in range(spec.steps):
         results = lab.apply(engine.run_step, step)
+        relay_warnings(results, warned)
         losses.append(_global_loss(results))
         run.step_times.append(max(r["step_s"] for r in results))
         step_events = []

@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from concurrent import futures
+from contextlib import contextmanager
 from typing import Callable
 
 import ipyparallel as ipp
@@ -22,15 +23,19 @@ import ipyparallel as ipp
 from .. import engine
 from ..analysis import diagnose
 from ..config import Strategy
-from ..errors import CollectiveTimeoutError, EngineDiedError, LabError, RankReport
+from ..errors import CollectiveTimeoutError, ControllerDiedError, EngineDiedError, LabError, RankReport
 from ..parallel.build import RunSpec
 from ..engine.placement import check_device_map
 from ..run.result import Run
+from . import lifetime
+from .checks import check_start
 
 TIMEOUT_ERRORS = ("CollectiveTimeout",)
 COMM_ERRORS = ("CollectiveTimeout", "CommFailure", "CommMismatch", "DistBackendError", "DistNetworkError")
 # Once one rank has failed, how long the others get to finish or fail before the lab reports.
 GRACE_S = 2.0
+# How often a waiting call checks that the controller is still there.
+POLL_S = 1.0
 
 
 class Lab:
@@ -52,6 +57,10 @@ class Lab:
         self._busy: list = []           # futures of ranks still running a call that failed elsewhere
         self._groups_key = None
         self._launcher = "connect"
+        self._limit: float | None = None      # lab.limit(seconds): bound on each call's wait
+        self._stuck = None                    # (what, futures) of ranks that never answered a call
+        self._processes: list = []            # a local cluster's processes (psutil, see lifetime.py)
+        self._cluster_kwargs: dict = {}
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
@@ -64,8 +73,7 @@ class Lab:
         ``debug=True`` starts the engines with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives
         checked across ranks for matching op and shapes; a few ms per call).
         """
-        if not isinstance(engines, int) or engines < 1:
-            raise ValueError(f"engines={engines!r} must be a whole number ≥ 1")
+        check_start(engines, timeout, launcher, cluster_kwargs)
         if launcher != "local":
             from .launchers import start_cluster
             cluster, client = start_cluster(launcher, engines, start_timeout, progress, **cluster_kwargs)
@@ -75,7 +83,7 @@ class Lab:
             threads = max(1, (os.cpu_count() or 1) // engines)
             cluster = ipp.Cluster(n=engines, log_level=logging.ERROR, controller_ip="127.0.0.1", **cluster_kwargs)
             lab = cls(None, cluster, timeout, master_addr="127.0.0.1", threads=threads, progress=progress)
-            lab.debug, lab._launcher = debug, "local"
+            lab.debug, lab._launcher, lab._cluster_kwargs = debug, "local", dict(cluster_kwargs)
             try:
                 lab.client = _start_local(cluster, engines, threads, start_timeout, lab._say, debug)
             except BaseException:
@@ -120,7 +128,17 @@ class Lab:
         check_device_map(self.ranks)
         self.view = self.client.direct_view(targets=[self._engine_of[r] for r in range(len(self.ranks))])
         self.view.use_cloudpickle()
+        if self._launcher == "local" and self.cluster is not None:
+            self._tie_lifetime()
         self._init_distributed()
+
+    def _tie_lifetime(self) -> None:
+        """Local engines end with this process (engine/watchdog.py); remember what was started."""
+        from ..engine.watchdog import watch_parent
+
+        controller = lifetime.controller_process(self.cluster)
+        self.view.apply_async(watch_parent, os.getpid(), controller.pid if controller else None).get(timeout=60)
+        self._processes = [p for p in self._processes if p.is_running()] + lifetime.lab_processes(self.cluster)
 
     def _assign_ranks(self, infos: dict) -> dict:
         """No launcher rank variables (SSH): ranks by host, then process id; local ranks per host."""
@@ -148,24 +166,43 @@ class Lab:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def apply(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
-        """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError."""
+    def apply(self, fn: Callable, *args, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError.
+
+        Every keyword goes to ``fn``; the lab's own bound on the wait is ``with lab.limit(s):``
+        (default 10 × the collective timeout + 60 s). ``lab.interrupt()`` does not reach a
+        call in flight (an engine runs one task at a time): a rank that is still running when
+        the limit passes is reported, the next call is refused at once while it runs, and
+        ``lab.recover()`` restarts the engines.
+        """
         self._ready()
         ar = self.view.apply_async(fn, *args, **kwargs)
-        return self._gather(ar, timeout, what=getattr(fn, "__name__", "call"))
+        return self._gather(ar, self._limit, what=getattr(fn, "__name__", "call"))
+
+    @contextmanager
+    def limit(self, seconds: float):
+        """``with lab.limit(5): lab.apply(fn)``: wait at most ``seconds`` for each call inside."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"lab.limit({seconds!r}): give a number of seconds > 0")
+        previous, self._limit = self._limit, float(seconds)
+        try:
+            yield self
+        finally:
+            self._limit = previous
 
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
         from ..view.timeline import Timeline
         from ..analysis.waits import split_waits
 
+        self._check_open()
         out = self.apply(engine.traced, fn, args, kwargs)
         events = split_waits([e for r in out for e in r["events"]])
         return [r["result"] for r in out], Timeline(events, self.world_size)
 
     def _on_rank(self, rank: int, fn: Callable, *args):
         ar = self.client[self._engine_of[rank]].apply_async(fn, *args)
-        return self._gather(ar, None, what=fn.__name__)
+        return self._gather(ar, self._limit, what=fn.__name__)
 
     def _gather(self, ar, timeout: float | None, what: str) -> list:
         """Wait for every rank; once one fails, the others get GRACE_S to finish or fail too.
@@ -181,10 +218,12 @@ class Lab:
                 until = deadline if first_failure is None else min(deadline, first_failure + GRACE_S)
                 if time.monotonic() >= until:
                     break
-                done, pending = futures.wait(pending, timeout=until - time.monotonic(),
+                done, pending = futures.wait(pending, timeout=min(until - time.monotonic(), POLL_S),
                                              return_when=futures.FIRST_COMPLETED)
                 if first_failure is None and any(_error_of(f) for f in done):
                     first_failure = time.monotonic()
+                if not done and pending and not lifetime.controller_alive(self.cluster):
+                    raise self._controller_died(what)
         except KeyboardInterrupt:
             self._dirty = True
             self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if not f.done()]
@@ -195,7 +234,11 @@ class Lab:
         self._dirty = True
         self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if f in pending]
         if not failed:
-            raise LabError(f"{what}: no answer after {limit:g} s from ranks {[r for r, _ in self._busy]}")
+            self._stuck, self._dirty = (what, list(self._busy)), False
+            raise LabError(f"{what}: no answer after {limit:g} s from ranks {[r for r, _ in self._busy]}; "
+                           f"they are still running it (an engine runs one call at a time, and "
+                           f"lab.interrupt() does not reach it): wait for it, or lab.recover() restarts "
+                           f"the engines")
         elist = []
         for target, exc in failed:
             if isinstance(exc, ipp.error.RemoteError):
@@ -250,8 +293,30 @@ class Lab:
         except Exception:
             return {}
 
+    def _check_open(self) -> None:
+        if self.client is None:
+            raise LabError("the lab is closed; start a new one with labkit.Lab.start(...) "
+                           "or labkit.Lab.connect(...)")
+
+    def _controller_died(self, what: str) -> ControllerDiedError:
+        process = lifetime.controller_process(self.cluster)
+        pid = f" (pid {process.pid})" if process is not None else ""
+        self._dirty = True
+        return ControllerDiedError(f"{what}: the ipyparallel controller{pid} died, so no call can reach the "
+                                   f"engines; lab.recover() restarts the whole local cluster")
+
     def _ready(self) -> None:
         """Before a call: refuse while an engine is dead; after a failure, start on a fresh store."""
+        self._check_open()
+        if not lifetime.controller_alive(self.cluster):
+            raise self._controller_died("call")
+        if self._stuck is not None:
+            what, busy = self._stuck
+            still = sorted(r for r, f in busy if not f.done())
+            if still:
+                raise LabError(f"rank(s) {still} are still running {what} (it did not answer within the "
+                               f"call's limit); wait for it to end, or lab.recover() restarts the engines")
+            self._stuck, self._busy, self._dirty = None, [], True
         registered = set(self.client.ids)
         self._dead = sorted(set(self._dead) | {r for r, e in self._engine_of.items() if e not in registered})
         if self._dead:
@@ -296,9 +361,12 @@ class Lab:
         ``lab.run`` builds its process groups again. ``debug`` switches
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on or off for the restarted engines.
         """
+        self._check_open()
         if debug is not None:
             self.debug = bool(debug)
         n, t0 = self.world_size, time.monotonic()
+        if self._launcher == "local" and self.cluster is not None and not lifetime.controller_alive(self.cluster):
+            return self._restart_cluster(timeout, t0)
         old = set(self.client.ids)
         self._say(f"labkit: restarting {n} engines…")
         if self.cluster is not None and self._launcher == "local":
@@ -318,9 +386,23 @@ class Lab:
                 raise LabError(f"recover: only {len(fresh)} of {n} engines came back within {timeout:g} s")
             time.sleep(0.25)
             fresh = [e for e in self.client.ids if e not in old]
-        self._dead, self._busy, self._dirty, self._groups_key = [], [], False, None
+        self._dead, self._busy, self._dirty, self._groups_key, self._stuck = [], [], False, None, None
         self._attach(expected=n, targets=fresh[:n])
         self._say(f"labkit: {n} engines restarted ({time.monotonic() - t0:.0f} s)")
+        return self
+
+    def _restart_cluster(self, timeout: float, t0: float) -> "Lab":
+        """The controller died: end everything the old cluster left, start a new one, attach."""
+        n = self.world_size
+        self._say(f"labkit: the controller died; restarting the local cluster ({n} engines)…")
+        self.client.close()
+        lifetime.terminate(self._processes + lifetime.lab_processes(self.cluster))
+        self.cluster = ipp.Cluster(n=n, log_level=logging.ERROR, controller_ip="127.0.0.1", **self._cluster_kwargs)
+        self._processes = []
+        self._dead, self._busy, self._dirty, self._groups_key, self._stuck = [], [], False, None, None
+        self.client = _start_local(self.cluster, n, self.threads, timeout, self._say, self.debug)
+        self._attach(expected=n)
+        self._say(f"labkit: local cluster restarted ({time.monotonic() - t0:.0f} s)")
         return self
 
     def _ensure_groups(self, dp: int, pp: int, tp: int) -> None:
@@ -337,10 +419,16 @@ class Lab:
     # -- training ---------------------------------------------------------------------------
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
-            on_step: Callable | None = None) -> Run:
-        """Train ``model`` for ``steps`` under ``strategy``; see DESIGN.md for the contract."""
+            on_step: Callable | None = None, allow_nonfinite: bool = False) -> Run:
+        """Train ``model`` for ``steps`` under ``strategy``; see DESIGN.md for the contract.
+
+        A NaN or infinite loss stops the run with a LabError naming the step and ranks, unless
+        ``allow_nonfinite=True``.
+        """
         from ..run.runner import execute
-        spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record)
+        self._check_open()
+        spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
+                       allow_nonfinite=allow_nonfinite)
         return execute(self, spec, on_step)
 
     def interrupt(self) -> None:
@@ -350,7 +438,7 @@ class Lab:
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the process group and, for a lab that started its engines, stop them all."""
-        if self.view is not None:
+        if self.view is not None and lifetime.controller_alive(self.cluster):
             try:
                 self.view.apply_async(engine.shutdown).get(timeout=10)
             except Exception:
@@ -359,7 +447,9 @@ class Lab:
             self.client.close()
             self.client = None
         if self.cluster is not None:
+            left = lifetime.lab_processes(self.cluster)
             _stop_quietly(self.cluster)
+            lifetime.terminate(self._processes + left)       # what a dead controller left behind
             self.cluster = None
         self.view = None
 

@@ -94,6 +94,8 @@ class Dashboard:
         unknown = set(values) - set(self.controls)
         if unknown:
             raise KeyError(f"no such control: {sorted(unknown)}; controls are {sorted(self.controls)}")
+        for name, value in values.items():
+            _check_offered(name, value, self.controls[name])
         self._holding = True
         try:
             for name, value in values.items():
@@ -382,6 +384,24 @@ class _Painter:
 
 
 # -- text helpers ------------------------------------------------------------------------------
+def _check_offered(name: str, value, control) -> None:
+    """ValueError unless ``control`` can show ``value`` as it is: a dropdown would raise a
+    TraitError, a slider would clamp to its end without a word."""
+    if isinstance(control, W.Dropdown):
+        if not any(type(value) is type(o) and value == o for o in control.options):
+            raise ValueError(f"dash.set({name}={value!r}): the {name} control offers "
+                             f"{', '.join(map(repr, control.options))}")
+        return
+    if isinstance(control, W.FloatLogSlider):
+        low, high = control.base ** control.min, control.base ** control.max
+    elif hasattr(control, "min"):
+        low, high = control.min, control.max
+    else:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"dash.set({name}={value!r}): the {name} control goes from {low:g} to {high:g}")
+
+
 def _use_ipympl(plot: str) -> bool:
     if plot not in ("auto", "ipympl", "image"):
         raise ValueError(f"plot={plot!r}; use 'auto', 'ipympl' or 'image'")

@@ -26,6 +26,7 @@ from torch import nn
 from ... import comm
 from ...record.instrument import ActivationMeter, BackwardSpan
 from .schedules import build_schedule
+from ..build import build_batchnorm, global_batch
 from ...models.training import build_model, build_optimizer, resolve_data, resolve_loss
 from ..data.sync import DDPSync, build_grad_sync
 
@@ -133,6 +134,10 @@ class _Link:
         return tensor
 
     def send_activation(self, a, out: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"pipeline stage {a.stage} returned a {type(out).__name__}, but a stage must return "
+                            "one tensor (the next stage's input); split the model where blocks pass a single "
+                            "tensor, e.g. Strategy(split_at=...), or wrap the blocks that pass a tuple in one module")
         meta, out = (tuple(out.shape), out.dtype), out.detach().contiguous()
         if a.stage not in self.shapes:
             if out.dtype not in DTYPES or out.dim() > HEADER - 2:
@@ -195,6 +200,7 @@ class PipelineJob:
         s = spec.strategy
         self.dp_index, self.pp_index, _ = groups.coords
         full = build_model(spec.model, spec.seed)     # under the seed: the reference's weights
+        build_batchnorm(full, s, groups)
         self.data = resolve_data(spec.data, full, spec.batch, spec.seed)
         self.loss_fn = resolve_loss(spec.loss)
         self.stages = stage_blocks(full, s)
@@ -256,10 +262,7 @@ class PipelineJob:
     def batch(self, step: int):
         """This rank's 1/dp of the step's global batch, on its device."""
         s, batch = self.spec.strategy, self.spec.batch
-        x, y = self.data(step)
-        if x.shape[0] != batch or y.shape[0] != batch:
-            raise ValueError(f"step {step}: data gave {x.shape[0]} inputs and {y.shape[0]} targets but "
-                             f"batch={batch}; the data must give the whole global batch every step")
+        x, y = global_batch(self.data, step, batch)
         size = batch // s.dp
         rows = slice(self.dp_index * size, (self.dp_index + 1) * size)
         return x[rows].to(self.device), y[rows].to(self.device)
