@@ -105,6 +105,7 @@ def test_killing_the_notebook_leaves_no_lab_processes(tmp_path, sig):
     while time.monotonic() - t0 < GONE_WITHIN and any(_alive(p) for p in pids):
         time.sleep(0.25)
     left = [p for p in pids if _alive(p)]
+    print(f"{sig.name}: {len(pids)} lab processes, {len(left)} left after {time.monotonic() - t0:.1f} s")
     for pid in left:                       # never leave them to the rest of the suite
         try:
             os.kill(pid, signal.SIGKILL)

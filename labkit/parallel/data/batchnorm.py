@@ -70,7 +70,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         if self.track_running_stats:
-            self._update_running(mean.detach(), var.detach(), float(n))
+            self._update_running(mean.detach(), var.detach(), float(n.detach()))
         return y
 
     @torch.no_grad()

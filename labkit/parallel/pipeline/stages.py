@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from ...errors import CommFailure
 from ...record.instrument import ActivationMeter, BackwardSpan
 from .schedules import build_schedule
 from ..build import build_batchnorm, global_batch
@@ -101,6 +102,7 @@ def stage_blocks(model: nn.Sequential, strategy) -> list[range]:
 # -- the link between neighbour stages ---------------------------------------------------------
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 HEADER = 10   # dtype code, ndim, up to 8 sizes
+FAILED = -1   # a header of these: the sending stage failed and sends nothing more
 
 
 class ShapeChanged(ValueError):
@@ -135,6 +137,10 @@ class _Link:
 
     def send_activation(self, a, out: torch.Tensor) -> None:
         if not isinstance(out, torch.Tensor):
+            if a.stage not in self.shapes:          # the receiver waits for a header: tell it, so it
+                self._send(torch.full((HEADER,), FAILED, dtype=torch.int64, device=self.device), a,
+                           f"{a} shape")           # fails now instead of at the timeout
+                self.drain()
             raise TypeError(f"pipeline stage {a.stage} returned a {type(out).__name__}, but a stage must return "
                             "one tensor (the next stage's input); split the model where blocks pass a single "
                             "tensor, e.g. Strategy(split_at=...), or wrap the blocks that pass a tuple in one module")
@@ -163,6 +169,9 @@ class _Link:
         if first:
             header = self._recv(torch.empty(HEADER, dtype=torch.int64, device=self.device), a, f"{a} shape")
             code, ndim, *sizes = header.tolist()
+            if code == FAILED:
+                raise CommFailure(f"stage {sender} (rank {self.pp_ranks[a.peer]}) failed before sending its "
+                                  f"first activation; its own error says why")
             self.shapes[sender] = (tuple(sizes[:ndim]), DTYPES[code])
         shape, dtype = self.shapes[sender]
         buf = self._recv(torch.empty(shape, dtype=dtype, device=self.device), a, check=None if first else False)
