@@ -35,8 +35,8 @@ BUCKET_MB_RANGE = (2 ** -10, 2 ** 20)
 def _check_bucket_mb(value) -> None:
     low, high = BUCKET_MB_RANGE
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"Strategy.bucket_mb={value!r} must be a number of MiB between {low:g} and {high:g}, "
-                         "e.g. 1.0 (DDP uses 25)")
+        raise ValueError(f"Strategy.bucket_mb={value!r} must be a number of MiB from 1/1024 (1 KiB) to "
+                         "2**20 (1 TiB), e.g. 1.0 (DDP uses 25)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,13 +48,14 @@ def scenario_controller():
     lab = labkit.Lab.start(engines=2, timeout=10, progress=False)
     controller = lab.cluster.controller.process.pid
     old = [p for p in _tree()]
-    os.kill(controller, signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        lab.apply(os.getpid)
-        _emit("detected", kind=None, message="", seconds=time.monotonic() - t0)
-    except labkit.LabError as exc:
-        _emit("detected", kind=type(exc).__name__, message=str(exc), seconds=time.monotonic() - t0)
+    threading.Timer(1.0, os.kill, (controller, signal.SIGKILL)).start()     # while a call waits
+    for check in ("detected", "refused"):
+        t0 = time.monotonic()
+        try:
+            lab.apply(time.sleep, 5)
+            _emit(check, kind=None, message="", seconds=time.monotonic() - t0)
+        except labkit.LabError as exc:
+            _emit(check, kind=type(exc).__name__, message=str(exc), seconds=time.monotonic() - t0)
     t0 = time.monotonic()
     lab.recover()
     run = lab.run(labkit.Strategy(dp=2), model=labkit.models.mlp(width=8, depth=2), batch=8, steps=2)
@@ -122,8 +124,12 @@ def test_a_dead_controller_is_named_and_recover_restarts_the_cluster(tmp_path):
         detected = _next_result(proc, deadline)
         assert detected["kind"] == "ControllerDiedError", detected
         assert "controller" in detected["message"] and "lab.recover()" in detected["message"]
+        refused = _next_result(proc, deadline)
+        assert refused["kind"] == "ControllerDiedError", refused
         recovered = _next_result(proc, deadline)
         assert recovered["losses"] == 2 and recovered["old_left"] == [], recovered
+        print(f"controller killed 1 s into a call, detected {detected['seconds']:.1f} s after the call began; "
+              f"next call refused in {refused['seconds']:.2f} s; recover + run {recovered['seconds']:.1f} s")
         closed = _next_result(proc, deadline)
         assert closed["left"] == [], closed
         assert proc.wait(timeout=60) == 0

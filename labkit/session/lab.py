@@ -432,7 +432,11 @@ class Lab:
         return execute(self, spec, on_step)
 
     def interrupt(self) -> None:
-        """Ask a running ``lab.run`` to stop at the next step boundary."""
+        """Ask a running ``lab.run`` to stop at the next step boundary.
+
+        It does not reach a ``lab.apply`` in flight (an engine runs one call at a time); bound
+        those with ``with lab.limit(seconds):``.
+        """
         self._interrupt = True
 
     # -- closing ----------------------------------------------------------------------------
