@@ -262,3 +262,48 @@ def test_dashboard_set_with_a_value_the_control_does_not_offer():
         dash.set(dp_mode="fast")
     assert dash.controls["dp"].value == 2 and dash.controls["microbatches"].value == 1
     dash.close()
+
+
+# -- random bad models and data (pure: the checks that run before or at the first step) ---------
+BAD_MODELS = {
+    "no parameters": lambda: nn.Sequential(nn.ReLU()),
+    "frozen": lambda: nn.Sequential(nn.Linear(8, 8).requires_grad_(False)),
+    "not a Sequential": lambda: nn.Linear(8, 8),
+    "batch norm": _bn_model,
+    "returns None": lambda: None,
+    "fine": labkit.models.mlp(width=8, depth=4),
+}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.sampled_from(sorted(BAD_MODELS)), st.sampled_from([Strategy(dp=2), Strategy(pp=2),
+                                                            Strategy(dp=2, dp_mode="ddp", microbatches=2)]))
+def test_a_bad_model_is_refused_by_name_or_runs(name, strategy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            validate(_spec(model=BAD_MODELS[name], strategy=strategy), 2)
+        except (ValueError, TypeError) as exc:
+            assert name != "fine", exc
+            assert "model" in str(exc), exc
+            return
+    assert name in ("fine", "batch norm")
+
+
+def _t(*shape):
+    return torch.zeros(*shape)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.sampled_from([(_t(8, 4), _t(8, 4)), (_t(7, 4), _t(7, 4)), (_t(8, 4), _t(7, 4)), (_t(0, 4), _t(0, 4)),
+                        _t(8, 4), [_t(8, 4)], (_t(8, 4), _t(8, 4), _t(8, 4)), None, (1, 2), ([0.0] * 8, _t(8)),
+                        (_t(8), _t(8)), (torch.tensor(1.0), torch.tensor(1.0))]), st.integers(0, 3))
+def test_data_gives_the_whole_batch_or_a_value_error_naming_the_step(out, step):
+    from labkit.parallel.build import global_batch
+
+    try:
+        x, y = global_batch(lambda s: out, step, 8)
+    except ValueError as exc:
+        assert f"step {step}" in str(exc) and "batch" in str(exc), exc
+        return
+    assert x.shape[0] == 8 and y.shape[0] == 8

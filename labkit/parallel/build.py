@@ -48,8 +48,12 @@ def build_job(spec: RunSpec, groups, recorder, device):
 def global_batch(data, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's global batch from ``data(step)``, which must give exactly ``batch`` rows:
     fewer would silently train on a truncated shard (or none: NaN), more on a different batch."""
-    x, y = data(step)
-    rows = [getattr(t, "shape", (None,))[0] if getattr(t, "ndim", 0) else None for t in (x, y)]
+    out = data(step)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"step {step}: data(step) gave {type(out).__name__}, not (x, y); return the inputs "
+                         f"and targets of the step's global batch, e.g. (torch.randn({batch}, 16), y)")
+    x, y = out
+    rows = [t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in (x, y)]
     if rows != [batch, batch]:
         raise ValueError(f"step {step}: data gave {rows[0]} inputs and {rows[1]} targets but batch={batch}; "
                          f"the data must give the whole global batch (batch={batch} rows) every step")
