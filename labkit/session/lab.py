@@ -156,8 +156,12 @@ class Lab:
         master = self._master_addr or _master_address(self.ranks)
         self._dirty, self._groups_key = False, None
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
-        self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
-        self.ranks = self.apply(engine.describe)
+        limit, self._limit = self._limit, None            # the lab's own set-up: never the user's limit
+        try:
+            self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
+            self.ranks = self.apply(engine.describe)
+        finally:
+            self._limit = limit
         self.store = (master, port)
         self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port})")
 
@@ -202,7 +206,7 @@ class Lab:
 
     def _on_rank(self, rank: int, fn: Callable, *args):
         ar = self.client[self._engine_of[rank]].apply_async(fn, *args)
-        return self._gather(ar, self._limit, what=fn.__name__)
+        return self._gather(ar, None, what=fn.__name__)
 
     def _gather(self, ar, timeout: float | None, what: str) -> list:
         """Wait for every rank; once one fails, the others get GRACE_S to finish or fail too.
