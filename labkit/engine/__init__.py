@@ -197,6 +197,8 @@ def capture_warnings():
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        # torch's deprecations of the calls labkit.comm makes are labkit's to fix, not the user's
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         try:
             yield caught
         finally:
