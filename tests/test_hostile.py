@@ -10,6 +10,7 @@ for every field; the engine-side cases are in ``test_sweep.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -43,7 +44,11 @@ class FakeLab:
     def apply(self, fn, *args, **kwargs):
         raise Touched(getattr(fn, "__name__", "call"))
 
-    def _ensure_groups(self, dp, pp, tp):
+    @contextlib.contextmanager
+    def hold(self, what):
+        yield self
+
+    def ensure_groups(self, dp, pp, tp):
         raise Touched("ensure_groups")
 
     def _ready(self):
