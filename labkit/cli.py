@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 
 from .config import Strategy, strategy_fields
 
@@ -58,7 +61,8 @@ def cmd_run(args) -> int:
 
     try:
         strategy = strategy_from_args(args)
-        engines = args.engines or strategy.world_size
+        engines = strategy.world_size if args.engines is None else args.engines
+        _check_options(args, engines)
         model = labkit.models.mlp(width=args.width, depth=args.depth)
         validate(RunSpec(strategy, model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed), engines)
     except ValueError as exc:
@@ -77,6 +81,29 @@ def cmd_run(args) -> int:
     if args.plot:
         run.timeline.plot().savefig(args.plot, dpi=120, bbox_inches="tight")
     return 0
+
+
+def _check_options(args, engines: int) -> None:
+    """What would otherwise fail late: engine count, timeout, and every output path (before
+    a run of minutes, not after it)."""
+    if engines < 1:
+        raise ValueError(f"--engines {engines}: start at least 1 engine (default: dp*pp*tp)")
+    if not args.timeout > 0 or args.timeout == float("inf"):
+        raise ValueError(f"--timeout {args.timeout:g}: give the collective timeout in seconds, > 0 (default 60)")
+    for flag in ("json", "trace", "plot"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            _check_writable(f"--{flag}", path)
+
+
+def _check_writable(flag: str, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder; give a file name, e.g. {os.path.join(path, 'out')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable; choose a path you can write to")
 
 
 def _report(run) -> None:
@@ -119,6 +146,7 @@ def cmd_bench_comm(args) -> int:
                 raise ValueError(f"--algorithms {name}: unknown; use {' '.join(labkit.comm.collectives.ALGORITHMS)}")
         if args.engines < 2:
             raise ValueError(f"--engines {args.engines}: communication needs at least 2 engines")
+        _check_options(args, args.engines)
     except ValueError as exc:
         print(f"labkit bench comm: {exc}", file=sys.stderr)
         return 2
@@ -146,7 +174,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from .errors import LabError
+
+    # SIGTERM ends the command like Ctrl-C does, so the lab's `with` block stops its engines
+    # (the engines' watchdog covers SIGKILL, see labkit/engine/watchdog.py).
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        return args.func(args)
+    except LabError as exc:
+        print(f"labkit {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"labkit {args.command}: interrupted; the lab's engines were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def setting(default, doc: str, *, axis: str, choices=None, control=None, title: 
 
 
 def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
+    # a string first: ``array in tuple`` would raise numpy's "truth value is ambiguous"
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"Strategy.{name}={value!r} is unknown; use one of {', '.join(map(repr, choices))}")
 
 
@@ -67,7 +68,7 @@ def _check_tensor(s) -> None:
 
 def _check_zero(s) -> None:
     # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
-    if s.zero != 0:
+    if type(s.zero) is not int or s.zero != 0:
         raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
 
 
@@ -117,6 +118,11 @@ class Strategy:
                                             "start (pp·chunks − 1 of them); empty means balanced by parameter "
                                             "count (interleaved: equal block counts).", axis="pp",
                                         label="split_at={}", show="changed")
+    sync_batchnorm: bool = setting(False, "Batch-norm statistics over the whole global batch (all dp replicas), as "
+                                          "one process computes them; without it each replica normalises by its "
+                                          "own rows (torch's default under DDP, a different model). See "
+                                          "labkit.parallel.data.batchnorm.", axis="dp", control="bool",
+                                   title="sync batch norm", label="sync_batchnorm={}", show="changed")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -162,7 +168,7 @@ class Strategy:
 
     def check_batch(self, batch: int) -> None:
         """Raise ValueError unless the global batch splits evenly over dp and micro-batches."""
-        if not isinstance(batch, int) or batch < 1:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch={batch!r} must be a whole number ≥ 1")
         if batch % self.dp:
             raise ValueError(f"batch={batch} does not divide by dp={self.dp}; use a multiple of {self.dp}")

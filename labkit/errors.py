@@ -49,6 +49,10 @@ class EngineDiedError(LabError):
     """An engine process died (killed, crashed, out of memory)."""
 
 
+class ControllerDiedError(LabError):
+    """The ipyparallel controller died: no call reaches the engines until ``lab.recover()``."""
+
+
 # Errors a rank raises because of a peer (it waited, or its connection went): the echo of a
 # failure elsewhere, never its root cause (labkit.run.live.root_cause).
 PEER_ERRORS = ("CollectiveTimeout", "CommFailure", "DistBackendError", "DistNetworkError")
@@ -61,6 +65,10 @@ class CollectiveTimeout(RuntimeError):
 
 class CommMismatch(RuntimeError):
     """Engine side: a point-to-point message's shape or dtype differs from what was expected."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """Engine side: a step's loss is NaN or infinite (a diverging lr, a NaN in the model or data)."""
 
 
 class CommFailure(RuntimeError):

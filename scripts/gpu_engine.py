@@ -11,7 +11,7 @@ from statistics import median
 import torch
 
 from labkit import engine
-from labkit.runner import ship_by_value
+from labkit.run.runner import ship_by_value
 from labkit.waits import split_waits
 
 
@@ -37,11 +37,11 @@ def measured(values: list):
 
 
 def on_engine_setup_pipeline(spec):
-    """Engine side: the pipeline executor itself, also at pp=1 (lab.run takes the DP job there)."""
-    from labkit.strategies.pipeline import PipelineJob
+    """Engine side: the one executor at pp=1 (every strategy runs through it), built directly."""
+    from labkit.parallel.build import build_job
     s = engine.session()
     s.recorder.enabled = spec.record
-    s.job = PipelineJob(spec, s.groups, s.recorder, s.device)
+    s.job, s.run_id = build_job(spec, s.groups, s.recorder, s.device), None
     return {"rank": s.rank}
 
 

@@ -18,9 +18,9 @@ import torch
 
 import labkit
 from labkit import engine, gpu
-from labkit.job import RunSpec
+from labkit.parallel.build import RunSpec
 from labkit.metrics import step_metrics
-from labkit.strategies.data_parallel import MiB, make_buckets
+from labkit.parallel.data.sync import MiB, make_buckets
 
 import gpu_model
 from gpu_engine import (on_engine_drop_job, on_engine_dtensor_tp, on_engine_probe, on_engine_setup_pipeline,

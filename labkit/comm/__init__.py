@@ -203,10 +203,19 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
         with torch.cuda.stream(ctx.comm_stream):
             start = ctx.recorder.mark()
             work = _guard(ctx, entry, call)
+            if work is not None:
+                # The comm stream waits for the collective's own stream, so an event recorded on
+                # it now completes when the collective does. Marked later, at wait(), the end
+                # would fall where the compute stream asks for the result (the end of backward
+                # for an overlapped bucket), and overlap would read as ~1 without measuring.
+                _guard(ctx, entry, work.wait)
+                end = ctx.recorder.mark()
     else:
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
     handle = Handle(ctx, entry, work, start)
+    if ctx.comm_stream is not None and work is not None:
+        handle._done_at = end
     return handle if async_op else handle.wait()
 
 

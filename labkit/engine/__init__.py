@@ -8,10 +8,12 @@ micro-batches, bucket size or mode reuses them.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from .. import comm
 from .grid import ParallelDims, build_groups
 from .placement import choose_device, rank_from_env
+from ..errors import NonFiniteLoss
 from ..record.recorder import Recorder
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -159,11 +162,12 @@ def setup_run(spec, run_id: str | None = None) -> dict:
     s = session()
     s.job, s.run_id = None, None
     s.recorder.enabled = spec.record
-    s.job = build_job(spec, s.groups, s.recorder, s.device, run_id)
+    with capture_warnings() as caught:
+        s.job = build_job(spec, s.groups, s.recorder, s.device, run_id)
     s.run_id = run_id
     from ..analysis.drift import build_step_snapshots
     s.snapshots = build_step_snapshots(s.job) if spec.extra.get("snapshots") else None
-    return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters())}
+    return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters()), "warnings": caught}
 
 
 def run_step(step: int, run_id: str | None = None) -> dict:
@@ -179,19 +183,44 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         raise RuntimeError(f"rank {s.rank}: step {step} belongs to run {run_id} but run {s.run_id} is set up "
                            f"here; a step never runs another run's job")
     s.recorder.step = step
-    batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
-    comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
-    s.recorder.start_step(step)
-    t0 = time.perf_counter()
-    result = s.job.step(step, batch)
-    if s.device.type == "cuda":
-        torch.cuda.synchronize()
+    with capture_warnings() as caught:
+        batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
+        comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
+        s.recorder.start_step(step)
+        t0 = time.perf_counter()
+        result = s.job.step(step, batch)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize()
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
     if s.snapshots is not None:
         result["snapshot"] = s.snapshots.pop()
+    result["warnings"] = caught
+    if result.get("loss_weight", 0) > 0 and not math.isfinite(result["loss"]) and not s.job.spec.allow_nonfinite:
+        # after the step, so every rank has finished its collectives: the lab stays in step
+        raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, or a NaN "
+                            f"or inf in the model or data); lab.run(..., allow_nonfinite=True) carries on")
     return result
+
+
+@contextmanager
+def capture_warnings():
+    """Warnings raised inside, as ``[category name, message]`` pairs (each once), so they travel
+    to the notebook with the result instead of going to the engine's log, which nobody sees."""
+    caught: list = []
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        # torch's deprecations of the calls labkit.comm makes are labkit's to fix, not the user's
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        try:
+            yield caught
+        finally:
+            for w in records:
+                pair = [w.category.__name__, str(w.message)]
+                if pair not in caught:
+                    caught.append(pair)
 
 
 def traced(fn, args: tuple, kwargs: dict):

@@ -3,7 +3,8 @@ composes the axes into a job, in one commented order.
 
 Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → compile → FSDP):
 
-1. the whole model, built under the run's seed (so every rank starts from the reference's weights);
+1. the whole model, built under the run's seed (so every rank starts from the reference's weights),
+   its batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
 2. the tensor-parallel split (``tp == 1``: the model as it is);
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
@@ -24,7 +25,7 @@ from ..config import Strategy
 from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward
 from .data.sync import build_grad_sync
-from .executor import Executor, Stage
+from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
 
@@ -46,13 +47,15 @@ class RunSpec:
     record: bool = True
     extra: dict = field(default_factory=dict)
     tp_plan: dict | None = None      # None: the model's own tp_plan
+    allow_nonfinite: bool = False
+    """Carry on through NaN/inf losses (by default the first one stops the run, naming its step)."""
 
 
 def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None) -> Executor:
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     s = spec.strategy
     dp_index, pp_index, _ = groups.coords
-    full = build_model(spec.model, spec.seed)                              # 1. whole, under the seed
+    full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
@@ -98,6 +101,15 @@ def build_report(strategy: Strategy, groups):
         state = full_state_dict(model, groups.tp)
         return state if groups.coords[2] == 0 else {}
     return gathered
+
+
+def build_batchnorm(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
+    """Step 1's option: batch norm over the whole global batch when the strategy asks
+    (``Strategy.sync_batchnorm``, parallel/data/batchnorm.py); otherwise the model as it is."""
+    if strategy.sync_batchnorm and strategy.dp > 1:
+        from .data.batchnorm import build_sync_batchnorm
+        build_sync_batchnorm(model, groups.dp)
+    return model
 
 
 def my_stages(s: Strategy, pp_index: int) -> list[int]:

@@ -23,6 +23,21 @@ from torch import nn
 from .pipeline.split_backward import backward_input, backward_weight
 
 
+def global_batch(data, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch from ``data(step)``, which must give exactly ``batch`` rows:
+    fewer would silently train on a truncated shard (or none: NaN), more on a different batch."""
+    out = data(step)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"step {step}: data(step) gave {type(out).__name__}, not (x, y); return the inputs "
+                         f"and targets of the step's global batch, e.g. (torch.randn({batch}, 16), y)")
+    x, y = out
+    rows = [t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in (x, y)]
+    if rows != [batch, batch]:
+        raise ValueError(f"step {step}: data gave {rows[0]} inputs and {rows[1]} targets but batch={batch}; "
+                         f"the data must give the whole global batch (batch={batch} rows) every step")
+    return x, y
+
+
 @dataclass
 class Stage:
     """One global (virtual) stage held by this rank."""
@@ -63,10 +78,7 @@ class Executor:
     def batch(self, step: int):
         """This rank's 1/dp of the step's global batch, on its device (every strategy alike)."""
         s, batch = self.spec.strategy, self.spec.batch
-        x, y = self.data(step)
-        if x.shape[0] != batch or y.shape[0] != batch:
-            raise ValueError(f"step {step}: data gave {x.shape[0]} inputs and {y.shape[0]} targets but "
-                             f"batch={batch}; the data must give the whole global batch every step")
+        x, y = global_batch(self.data, step, batch)
         size = batch // s.dp
         rows = slice(self.dp_index * size, (self.dp_index + 1) * size)
         return x[rows].to(self.device), y[rows].to(self.device)

@@ -51,24 +51,30 @@ def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    try:
-        net = build_model(model, seed)
-        data_fn = resolve_data(data, net, batch, seed)
-        loss_fn = resolve_loss(loss)
-        opt = build_optimizer(net.parameters(), lr, momentum)
-        recorder = StepSnapshots(net, opt) if snapshots else None
-        losses, times, taken = [], [], []
-        for step in range(steps):
-            x, y = data_fn(step)
-            t0 = time.perf_counter()
-            value = loss_fn(net(x), y)
-            value.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            times.append(time.perf_counter() - t0)
-            losses.append(value.item())
-            if recorder is not None:
-                taken.append({0: recorder.pop()})
-        return Reference(losses, times, net, taken)
-    finally:
-        torch.set_num_threads(previous)
+    with torch.random.fork_rng(devices=[]):      # the run seeds torch; the caller's RNG stays as it was
+        try:
+            return _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots)
+        finally:
+            torch.set_num_threads(previous)
+
+
+def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots) -> Reference:
+    """One process, the whole global batch per step: the yardstick's loop."""
+    net = build_model(model, seed)
+    data_fn = resolve_data(data, net, batch, seed)
+    loss_fn = resolve_loss(loss)
+    opt = build_optimizer(net.parameters(), lr, momentum)
+    recorder = StepSnapshots(net, opt) if snapshots else None
+    losses, times, taken = [], [], []
+    for step in range(steps):
+        x, y = data_fn(step)
+        t0 = time.perf_counter()
+        value = loss_fn(net(x), y)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - t0)
+        losses.append(value.item())
+        if recorder is not None:
+            taken.append({0: recorder.pop()})
+    return Reference(losses, times, net, taken)

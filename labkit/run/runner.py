@@ -12,6 +12,7 @@ import sys
 import uuid
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .. import engine
@@ -22,6 +23,8 @@ from ..analysis.metrics import step_metrics
 from .result import Run
 from ..view.timeline import Timeline
 from ..models.training import build_model, resolve_loss
+from .checks import check_model, check_number
+from .relay import relay_warnings
 from ..analysis.waits import split_waits
 
 
@@ -32,19 +35,19 @@ def validate(spec: RunSpec, engines: int) -> None:
         raise TypeError(f"strategy must be a labkit.Strategy, got {type(s).__name__}")
     s.check_engines(engines)
     s.check_batch(spec.batch)
-    if not isinstance(spec.steps, int) or spec.steps < 1:
+    if isinstance(spec.steps, bool) or not isinstance(spec.steps, int) or spec.steps < 1:
         raise ValueError(f"steps={spec.steps!r} must be a whole number ≥ 1")
-    if not spec.lr > 0:
-        raise ValueError(f"lr={spec.lr!r} must be > 0")
-    if not spec.momentum >= 0:
-        raise ValueError(f"momentum={spec.momentum!r} must be ≥ 0 (0: plain SGD)")
+    check_number("lr", spec.lr, "> 0, e.g. lr=0.1", lambda v: v > 0)
+    check_number("momentum", spec.momentum, "≥ 0 (0: plain SGD)", lambda v: v >= 0)
     if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     resolve_loss(spec.loss)
     check_snapshots(spec.extra.get("snapshots", False))
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
-    built = build_model(spec.model, spec.seed)
+    with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
+        built = build_model(spec.model, spec.seed)
+    check_model(built, s)
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split, check_tied
         check_split(s, len(built))
@@ -102,11 +105,14 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         if on_groups is not None:
             on_groups(rebuilt)
         run_id = uuid.uuid4().hex[:12]
-        lab.apply(engine.setup_run, spec, run_id)
+        warned: set = set()           # engine warnings, each relayed once per rank and run
+        relay_warnings(lab.apply(engine.setup_run, spec, run_id), warned)
         run = Run(s, [], Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
         peak = [0] * lab.world_size
         for step in range(spec.steps):
-            record_step(run, lab.apply(engine.run_step, step, run_id), spec, peak, step)
+            results = lab.apply(engine.run_step, step, run_id)
+            relay_warnings(results, warned)
+            record_step(run, results, spec, peak, step)
             if on_step is not None:
                 on_step(run, step)
             if stop is not None and stop() and step < spec.steps - 1:

@@ -25,6 +25,8 @@ TIMEOUT_ERRORS = ("CollectiveTimeout",)
 COMM_ERRORS = ("CollectiveTimeout", "CommFailure", "CommMismatch", "DistBackendError", "DistNetworkError")
 # Once one rank has failed, how long the others get to finish or fail before the lab reports.
 GRACE_S = 2.0
+# How often a waiting call checks that the engines can still answer (a local controller alive).
+POLL_S = 1.0
 
 
 def error_of(future) -> Exception | None:
@@ -36,17 +38,21 @@ def error_of(future) -> Exception | None:
     return result if isinstance(result, Exception) else None
 
 
-def wait_for_ranks(children: list, limit: float) -> set:
+def wait_for_ranks(children: list, limit: float, still_there: Callable[[], None] | None = None) -> set:
     """Wait until every future is done, or ``limit`` s pass, or GRACE_S after the first failure;
-    return the futures still pending."""
+    return the futures still pending. ``still_there()`` runs every POLL_S s in which nothing
+    finished, and raises to stop waiting (the lab's dead-controller check)."""
     deadline, first_failure, pending = time.monotonic() + limit, None, set(children)
     while pending:
         until = deadline if first_failure is None else min(deadline, first_failure + GRACE_S)
         if time.monotonic() >= until:
             break
-        done, pending = futures.wait(pending, timeout=until - time.monotonic(), return_when=futures.FIRST_COMPLETED)
+        done, pending = futures.wait(pending, timeout=min(until - time.monotonic(), POLL_S),
+                                     return_when=futures.FIRST_COMPLETED)
         if first_failure is None and any(error_of(f) for f in done):
             first_failure = time.monotonic()
+        if not done and pending and still_there is not None:
+            still_there()
     return pending
 
 

@@ -8,11 +8,13 @@ Data flows one way: attach (engines, ranks, devices) → process groups → stra
 instrumented steps → events gathered after each step → metrics, plots, trace files. The Lab
 holds the state and delegates each job to its own module: starting engines through a launcher
 (:mod:`.launch`, local being one of them), the rank map and the store's address
-(:mod:`.ranks`), remote calls and their failure triage (:mod:`.calls`), the step loop
-(:mod:`labkit.run.runner`).
+(:mod:`.ranks`), remote calls and their failure triage (:mod:`.calls`), ``Lab.start``'s
+argument checks (:mod:`.checks`), the local processes' lifetime (:mod:`.lifetime`), the step
+loop (:mod:`labkit.run.runner`).
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -24,10 +26,11 @@ import ipyparallel as ipp
 
 from .. import engine
 from ..config import Strategy
-from ..errors import EngineDiedError, LabError
+from ..errors import ControllerDiedError, EngineDiedError, LabError
 from ..parallel.build import RunSpec
 from ..run.result import Run
-from . import calls
+from . import calls, lifetime
+from .checks import check_start
 from .launch import Launched, start_engines
 from .ranks import map_ranks, master_address
 
@@ -52,6 +55,9 @@ class Lab:
         self._launched = Launched("connect", None, client)
         self._holder: tuple[int, str] | None = None     # (thread id, what) of a run holding the lab
         self._hold_lock = threading.Lock()
+        self._limit: float | None = None      # lab.limit(seconds): bound on each call's wait
+        self._stuck = None                    # (what, futures) of ranks that never answered a call
+        self._processes: list = []            # a local cluster's processes (psutil, see lifetime.py)
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
@@ -66,8 +72,7 @@ class Lab:
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives checked across ranks for matching op
         and shapes; a few ms per call).
         """
-        if not isinstance(engines, int) or engines < 1:
-            raise ValueError(f"engines={engines!r} must be a whole number ≥ 1")
+        check_start(engines, timeout, launcher, cluster_kwargs)
         launched = start_engines(launcher, engines, start_timeout, progress, debug, **cluster_kwargs)
         lab = cls(launched.client, launched.cluster, timeout, threads=launched.threads, progress=progress)
         lab.debug, lab._launched = debug, launched
@@ -104,7 +109,17 @@ class Lab:
         self._rank_of = {eid: rank for rank, eid in self._engine_of.items()}
         self.view = self.client.direct_view(targets=self.engine_ids)
         self.view.use_cloudpickle()
+        if self._launched.launcher == "local" and self.cluster is not None:
+            self._tie_lifetime()
         self._init_distributed()
+
+    def _tie_lifetime(self) -> None:
+        """Local engines end with this process (engine/watchdog.py); remember what was started."""
+        from ..engine.watchdog import watch_parent
+
+        controller = lifetime.controller_process(self.cluster)
+        self.view.apply_async(watch_parent, os.getpid(), controller.pid if controller else None).get(timeout=60)
+        self._processes = [p for p in self._processes if p.is_running()] + lifetime.lab_processes(self.cluster)
 
     def _init_distributed(self) -> None:
         """A fresh rendezvous store on rank 0 (port chosen by the OS), then every rank joins."""
@@ -112,8 +127,12 @@ class Lab:
         master = master_address(self.ranks)
         self._dirty, self._groups_key = False, None
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
-        self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
-        self.ranks = self.apply(engine.describe)
+        limit, self._limit = self._limit, None            # the lab's own set-up: never the user's limit
+        try:
+            self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
+            self.ranks = self.apply(engine.describe)
+        finally:
+            self._limit = limit
         self.store = (master, port)
         self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port})")
 
@@ -157,20 +176,39 @@ class Lab:
             with self._hold_lock:
                 self._holder = outer
 
-    def apply(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list:
-        """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError."""
+    def apply(self, fn: Callable, *args, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; results in rank order; failures raise LabError.
+
+        Every keyword goes to ``fn``; the lab's own bound on the wait is ``with lab.limit(s):``
+        (default 10 × the collective timeout + 60 s). ``lab.interrupt()`` does not reach a
+        call in flight (an engine runs one task at a time): a rank that is still running when
+        the limit passes is reported, the next call is refused at once while it runs, and
+        ``lab.recover()`` restarts the engines.
+        """
         holder = self._holder
         if holder is not None and holder[0] != threading.get_ident():
             raise _held_error(f"lab.apply({getattr(fn, '__name__', 'call')})", holder)
         self._ready()
         ar = self.view.apply_async(fn, *args, **kwargs)
-        return self._gather(ar, timeout, what=getattr(fn, "__name__", "call"))
+        return self._gather(ar, self._limit, what=getattr(fn, "__name__", "call"))
+
+    @contextmanager
+    def limit(self, seconds: float):
+        """``with lab.limit(5): lab.apply(fn)``: wait at most ``seconds`` for each call inside."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"lab.limit({seconds!r}): give a number of seconds > 0")
+        previous, self._limit = self._limit, float(seconds)
+        try:
+            yield self
+        finally:
+            self._limit = previous
 
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
         from ..view.timeline import Timeline
         from ..analysis.waits import split_waits
 
+        self._check_open()
         out = self.apply(engine.traced, fn, args, kwargs)
         events = split_waits([e for r in out for e in r["events"]])
         return [r["result"] for r in out], Timeline(events, self.world_size)
@@ -184,7 +222,7 @@ class Lab:
         limit = timeout if timeout is not None else 10 * self.timeout + 60
         children, targets = list(ar._children), list(ar._targets)
         try:
-            pending = calls.wait_for_ranks(children, limit)
+            pending = calls.wait_for_ranks(children, limit, still_there=lambda: self._check_controller(what))
         except KeyboardInterrupt:
             self._dirty = True
             self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if not f.done()]
@@ -196,7 +234,10 @@ class Lab:
         self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if f in pending]
         busy = sorted(r for r, _ in self._busy if r is not None)
         if not failed:
-            raise LabError(f"{what}: no answer after {limit:g} s from ranks {busy}")
+            self._stuck, self._dirty = (what, list(self._busy)), False
+            raise LabError(f"{what}: no answer after {limit:g} s from ranks {busy}; they are still running it "
+                           f"(an engine runs one call at a time, and lab.interrupt() does not reach it): wait "
+                           f"for it, or lab.recover() restarts the engines")
         error = calls.triage(calls.reports_of(failed, self._rank_of), what, busy, self.timeout, self._flight_logs)
         if error.dead:
             self._dead = error.dead
@@ -213,8 +254,33 @@ class Lab:
         except Exception:
             return {}
 
+    def _check_open(self) -> None:
+        if self.client is None:
+            raise LabError("the lab is closed; start a new one with labkit.Lab.start(...) "
+                           "or labkit.Lab.connect(...)")
+
+    def _check_controller(self, what: str) -> None:
+        """ControllerDiedError once a local lab's controller is gone (local labs only, lifetime.py)."""
+        if lifetime.controller_alive(self.cluster):
+            return
+        process = lifetime.controller_process(self.cluster)
+        pid = f" (pid {process.pid})" if process is not None else ""
+        self._dirty = True
+        raise ControllerDiedError(f"{what}: the ipyparallel controller{pid} died, so no call can reach the "
+                                  f"engines; lab.recover() restarts the whole local cluster")
+
     def _ready(self) -> None:
-        """Before a call: refuse while an engine is dead; after a failure, start on a fresh store."""
+        """Before a call: refuse on a closed lab, a dead controller, a rank still running a call
+        that never answered, or a dead engine; after a failure, start on a fresh store."""
+        self._check_open()
+        self._check_controller("call")
+        if self._stuck is not None:
+            what, busy = self._stuck
+            still = sorted(r for r, f in busy if not f.done())
+            if still:
+                raise LabError(f"rank(s) {still} are still running {what} (it did not answer within the "
+                               f"call's limit); wait for it to end, or lab.recover() restarts the engines")
+            self._stuck, self._busy, self._dirty = None, [], True
         registered = set(self.client.ids)
         self._dead = sorted(set(self._dead) | {r for r, e in self._engine_of.items() if e not in registered})
         if self._dead:
@@ -259,9 +325,13 @@ class Lab:
         ``lab.run`` builds its process groups again. ``debug`` switches
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on or off for the restarted engines.
         """
+        self._check_open()
         if debug is not None:
             self.debug = bool(debug)
         n, t0 = self.world_size, time.monotonic()
+        if self._launched.launcher == "local" and self.cluster is not None and \
+                not lifetime.controller_alive(self.cluster):
+            return self._restart_cluster(timeout, t0)
         old = set(self.client.ids)
         self._say(f"labkit: restarting {n} engines…")
         self._launched.restart(n, self.debug)
@@ -271,9 +341,23 @@ class Lab:
                 raise LabError(f"recover: only {len(fresh)} of {n} engines came back within {timeout:g} s")
             time.sleep(0.25)
             fresh = [e for e in self.client.ids if e not in old]
-        self._dead, self._busy, self._dirty, self._groups_key = [], [], False, None
+        self._dead, self._busy, self._dirty, self._groups_key, self._stuck = [], [], False, None, None
         self._attach(expected=n, targets=fresh[:n])
         self._say(f"labkit: {n} engines restarted ({time.monotonic() - t0:.0f} s)")
+        return self
+
+    def _restart_cluster(self, timeout: float, t0: float) -> "Lab":
+        """The controller died: end everything the old cluster left, start a new one, attach."""
+        n = self.world_size
+        self._say(f"labkit: the controller died; restarting the local cluster ({n} engines)…")
+        self.client.close()
+        lifetime.terminate(self._processes + lifetime.lab_processes(self.cluster))
+        self._processes = []
+        self._launched = self._launched.relaunch(n, timeout, self._say, self.debug)
+        self.client, self.cluster = self._launched.client, self._launched.cluster
+        self._dead, self._busy, self._dirty, self._groups_key, self._stuck = [], [], False, None, None
+        self._attach(expected=n)
+        self._say(f"labkit: local cluster restarted ({time.monotonic() - t0:.0f} s)")
         return self
 
     def ensure_groups(self, dp: int, pp: int, tp: int) -> list[bool]:
@@ -293,27 +377,35 @@ class Lab:
     # -- training ---------------------------------------------------------------------------
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
-            on_step: Callable | None = None, snapshots: bool = False, tp_plan: dict | None = None) -> Run:
+            on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
+            tp_plan: dict | None = None) -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
         ``snapshots=True`` records every rank's parameters and gradient norms after each step,
         for ``labkit.drift`` and ``run.grad_norms()`` (see labkit.analysis.drift for the cost).
-        ``tp_plan`` overrides the model's own ``tp_plan`` (DTensor's convention) when tp > 1.
+        A NaN or infinite loss stops the run with a LabError naming the step and ranks, unless
+        ``allow_nonfinite=True``. ``tp_plan`` overrides the model's own ``tp_plan`` (DTensor's
+        convention) when tp > 1.
         """
         from ..run.runner import execute
+        self._check_open()
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
-                       extra={"snapshots": snapshots}, tp_plan=tp_plan)
+                       extra={"snapshots": snapshots}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)
 
     def interrupt(self) -> None:
-        """Ask a running ``lab.run`` to stop at the next step boundary."""
+        """Ask a running ``lab.run`` to stop at the next step boundary.
+
+        It does not reach a ``lab.apply`` in flight (an engine runs one call at a time); bound
+        those with ``with lab.limit(seconds):``.
+        """
         self._interrupt = True
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the process group and, for a lab that started its engines, stop them all."""
-        if self.view is not None:
+        if self.view is not None and lifetime.controller_alive(self.cluster):
             try:
                 self.view.apply_async(engine.shutdown).get(timeout=10)
             except Exception:
@@ -322,7 +414,9 @@ class Lab:
             self.client.close()
             self.client = None
         if self.cluster is not None:
+            left = lifetime.lab_processes(self.cluster)
             self._launched.stop()
+            lifetime.terminate(self._processes + left)       # what a dead controller left behind
             self.cluster = None
         self.view = None
 

@@ -10,7 +10,7 @@ ipyparallel finds its launchers by name the same way; the lab never asks which o
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ipyparallel as ipp
 
@@ -25,6 +25,7 @@ class Launched:
     cluster: ipp.Cluster | None
     client: ipp.Client
     threads: int | None = None      # torch threads per engine (local); None: the launcher decides
+    options: dict = field(default_factory=dict)     # the launcher's keywords, for relaunch()
 
     def restart(self, n: int, debug: bool = False) -> None:
         """Start the same engines again (new engine ids, same ranks and environment)."""
@@ -34,6 +35,11 @@ class Launched:
             local.restart_local(self.cluster, n, self.threads, debug)
         else:
             self.cluster.restart_engines_sync()
+
+    def relaunch(self, n: int, timeout: float, say, debug: bool = False) -> "Launched":
+        """A new local cluster with the same options (its controller died; lab.recover)."""
+        cluster, client, threads = local.start_local(n, timeout, say, debug, **self.options)
+        return Launched("local", cluster, client, threads, dict(self.options))
 
     def stop(self) -> None:
         if self.cluster is not None:
@@ -47,7 +53,7 @@ def start_engines(launcher: str, engines: int, timeout: float, progress: bool, d
         else (lambda text, end="\n": None)
     if launcher == "local":
         cluster, client, threads = local.start_local(engines, timeout, say, debug, **options)
-        return Launched("local", cluster, client, threads)
+        return Launched("local", cluster, client, threads, dict(options))
     from .launchers import start_cluster
     cluster, client = start_cluster(launcher, engines, timeout, progress, **options)
     return Launched(launcher, cluster, client)

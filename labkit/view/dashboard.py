@@ -92,6 +92,8 @@ class Dashboard:
         unknown = set(values) - set(self.controls)
         if unknown:
             raise KeyError(f"no such control: {sorted(unknown)}; controls are {sorted(self.controls)}")
+        for name, value in values.items():
+            form.check_offered(name, value, self.controls[name])
         self._holding = True
         try:
             for name, value in values.items():

@@ -40,3 +40,21 @@ def control(f, value, world_size: int) -> W.Widget:
     if name == "int":
         return W.IntSlider(value=value, min=lo, max=hi, description=title)
     return W.FloatLogSlider(value=value, base=2, min=lo, max=hi, step=1, description=title, readout_format=".3g")
+
+
+def check_offered(name: str, value, control) -> None:
+    """ValueError unless ``control`` can show ``value`` as it is: a dropdown would raise a
+    TraitError, a slider would clamp to its end without a word (``Dashboard.set``)."""
+    if isinstance(control, W.Dropdown):
+        if not any(type(value) is type(o) and value == o for o in control.options):
+            raise ValueError(f"dash.set({name}={value!r}): the {name} control offers "
+                             f"{', '.join(map(repr, control.options))}")
+        return
+    if isinstance(control, W.FloatLogSlider):
+        low, high = control.base ** control.min, control.base ** control.max
+    elif hasattr(control, "min"):
+        low, high = control.min, control.max
+    else:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"dash.set({name}={value!r}): the {name} control goes from {low:g} to {high:g}")

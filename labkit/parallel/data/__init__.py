@@ -1,7 +1,8 @@
 """Data parallelism: gradients averaged over the dp group, four ways (see :mod:`.sync`).
 
 This file owns the dp axis's settings and their rule: :func:`check_strategy` is what
-``Strategy`` calls for ``dp_mode``, ``bucket_mb``, ``compression`` and ``error_feedback``.
+``Strategy`` calls for ``dp_mode``, ``bucket_mb``, ``compression``, ``error_feedback`` and
+``sync_batchnorm``.
 It imports nothing heavy, so a notebook can validate a strategy without torch.distributed.
 """
 from __future__ import annotations
@@ -9,13 +10,20 @@ from __future__ import annotations
 DP_MODES = ("naive", "bucketed", "overlap", "ddp")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd")
 
+# Buckets from 1 KiB (one per small tensor) to 1 TiB (everything in one): outside that range a
+# value is a typo (1e-9, 2**70), and inf would make the bucket arithmetic meaningless.
+BUCKET_MB_RANGE = (2 ** -10, 2 ** 20)
+
 
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible dp setting."""
-    if not isinstance(s.bucket_mb, (int, float)) or isinstance(s.bucket_mb, bool) or not s.bucket_mb > 0:
-        raise ValueError(f"Strategy.bucket_mb={s.bucket_mb!r} must be a number > 0 (MiB)")
-    if not isinstance(s.error_feedback, bool):
-        raise ValueError(f"Strategy.error_feedback={s.error_feedback!r} must be True or False")
+    low, high = BUCKET_MB_RANGE
+    if isinstance(s.bucket_mb, bool) or not isinstance(s.bucket_mb, (int, float)) or not low <= s.bucket_mb <= high:
+        raise ValueError(f"Strategy.bucket_mb={s.bucket_mb!r} must be a number of MiB from 1/1024 (1 KiB) to "
+                         "2**20 (1 TiB), e.g. 1.0 (DDP uses 25)")
+    for name in ("error_feedback", "sync_batchnorm"):
+        if not isinstance(getattr(s, name), bool):
+            raise ValueError(f"Strategy.{name}={getattr(s, name)!r} must be True or False")
     c, mode = s.compression, s.dp_mode
     if c != "none" and mode == "naive":
         raise ValueError(f"Strategy.compression={c!r} works per bucket, and dp_mode='naive' has no buckets; "

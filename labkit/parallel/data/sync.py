@@ -27,6 +27,7 @@ Every sync object has the methods the executor needs, and no caller asks which c
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -109,9 +110,18 @@ class NaiveSync(GradSync):
 
     def finish(self):
         for name, p in self.params:
-            if p.grad is not None:
-                comm.all_reduce(p.grad, self.group, name=name)
-                p.grad.div_(self.dp)
+            comm.all_reduce(_grad_of(p), self.group, name=name)
+            p.grad.div_(self.dp)
+
+
+def _grad_of(p: nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient, or zeros when backward never reached it (an unused branch, a layer
+    skipped this step). Every rank then sends the same buckets, the average is right when only
+    some ranks used it, and SGD moves an unused parameter by zero, as one process would; it is
+    DDP's treatment with ``find_unused_parameters=True``."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
 
 
 class _Bucket:
@@ -125,7 +135,7 @@ class _Bucket:
         self.ready = 0
 
     def pack(self) -> torch.Tensor:
-        return torch.cat([p.grad.reshape(-1) for _, p in self.members])
+        return torch.cat([_grad_of(p).reshape(-1) for _, p in self.members])
 
     def unpack(self, flat: torch.Tensor, dp: int) -> None:
         offset = 0
@@ -218,8 +228,10 @@ class DDPSync(GradSync):
             # buckets gloo then meets them in different orders on different ranks and hangs
             # (torch's own hook too, measured). One bucket keeps the order.
             cap_mb = max(cap_mb, 1 + sum(p.numel() * p.element_size() for p in model.parameters()) / MiB)
-        self.ddp = DDP(model, process_group=self.group, bucket_cap_mb=cap_mb,
-                       device_ids=device_ids, broadcast_buffers=False)
+        with warnings.catch_warnings():     # buffers stay per rank on purpose (batch norm: batchnorm.py)
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated", category=FutureWarning)
+            self.ddp = DDP(model, process_group=self.group, bucket_cap_mb=cap_mb,
+                           device_ids=device_ids, broadcast_buffers=False)
         if self.compression == "none":
             self.ddp.register_comm_hook(self, _ddp_allreduce_hook)
         else:

@@ -14,6 +14,10 @@ SPLIT_BACKWARD = ("zb-h1", "zbv")
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible pipeline setting."""
     _check_split_at(s)
+    if s.pp == 1 and (s.chunks > 1 or s.split_at):
+        name = "chunks" if s.chunks > 1 else "split_at"
+        raise ValueError(f"Strategy.{name}={getattr(s, name)!r} splits a pipeline, and pp=1 has none "
+                         f"(it would be ignored); set pp > 1 or leave {name} at its default")
     if s.chunks > 1 and s.schedule not in ("interleaved", "zbv"):
         raise ValueError(f"Strategy.chunks={s.chunks} needs schedule='interleaved' (or 'zbv', two chunks); "
                          "set chunks=1 or schedule='interleaved'")

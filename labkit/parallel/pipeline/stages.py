@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from ...errors import CommFailure
 
 
 # -- the stage split ---------------------------------------------------------------------------
@@ -106,6 +107,9 @@ def stage_blocks(model: nn.Sequential, strategy) -> list[range]:
 
 
 # -- the link between neighbour stages ---------------------------------------------------------
+FAILED = -1   # a header of these: the sending stage failed and sends nothing more
+
+
 class ShapeChanged(ValueError):
     """A stage's output changed shape or dtype after its first micro-batch."""
 
@@ -137,6 +141,14 @@ class Link:
         return tensor
 
     def send_activation(self, a, out: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor):
+            if a.stage not in self.shapes:          # the receiver waits for a header: tell it, so it
+                self._send(torch.full((comm.HEADER_LEN,), FAILED, dtype=torch.int64, device=self.device), a,
+                           f"{a} shape", check=False)      # fails now instead of at the timeout
+                self.drain()
+            raise TypeError(f"pipeline stage {a.stage} returned a {type(out).__name__}, but a stage must return "
+                            "one tensor (the next stage's input); split the model where blocks pass a single "
+                            "tensor, e.g. Strategy(split_at=...), or wrap the blocks that pass a tuple in one module")
         meta, out = (tuple(out.shape), out.dtype), out.detach().contiguous()
         if a.stage not in self.shapes:
             if not comm.describable(out):
@@ -159,6 +171,9 @@ class Link:
         if sender not in self.shapes:
             values = self._recv(torch.empty(comm.HEADER_LEN, dtype=torch.int64, device=self.device), a,
                                 f"{a} shape", check=False)
+            if values[0].item() == FAILED:
+                raise CommFailure(f"stage {sender} (rank {self.pp_ranks[a.peer]}) failed before sending its "
+                                  f"first activation; its own error says why")
             self.shapes[sender] = comm.read_header(values)
         shape, dtype = self.shapes[sender]
         buf = self._recv(torch.empty(shape, dtype=dtype, device=self.device), a, check=False)

@@ -1,0 +1,78 @@
+"""Notebook side of a local lab's processes: is the controller alive, which processes did the
+lab start, and ending them all (also those a dead controller left behind).
+
+A SIGKILLed controller leaves its 8 scheduler processes running (they are forked, in the
+controller's process group) and the client's requests go nowhere: ipyparallel's client has
+no heartbeat of its own, so every call would wait out its full limit. For a local lab the
+controller is a child process, and its liveness is a cheap check before and during calls.
+"""
+from __future__ import annotations
+
+import time
+
+import psutil
+
+
+def controller_process(cluster) -> psutil.Process | None:
+    """The controller of a cluster this process started (None: attached or not local)."""
+    launcher = getattr(cluster, "controller", None) if cluster is not None else None
+    process = getattr(launcher, "process", None)
+    return process if isinstance(process, psutil.Process) else None
+
+
+def controller_alive(cluster) -> bool:
+    """False once the controller this process started has exited (or is a zombie)."""
+    process = controller_process(cluster)
+    if process is None:
+        return True                     # not ours to watch: the call's limit applies
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def lab_processes(cluster) -> list[psutil.Process]:
+    """Every process a local cluster started: controller and its schedulers, engines, nannies.
+
+    Taken while the controller lives, so its schedulers can still be found (and ended) once
+    it has died and they were re-parented.
+    """
+    roots = []
+    process = controller_process(cluster)
+    if process is not None:
+        roots.append(process)
+    for engine_set in getattr(cluster, "engines", {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            if isinstance(getattr(launcher, "process", None), psutil.Process):
+                roots.append(launcher.process)
+    found = []
+    for root in roots:
+        try:
+            found += [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+    return found
+
+
+def terminate(processes: list[psutil.Process], grace: float = 3.0) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; the pids still alive after that.
+
+    psutil's Process checks its creation time before signalling, so a pid the system has
+    reused for another program since is left alone.
+    """
+    procs = []
+    for proc in {p.pid: p for p in processes}.values():
+        try:
+            if proc.is_running():
+                proc.terminate()
+                procs.append(proc)
+        except psutil.Error:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=grace)
+    return [p.pid for p in alive]
