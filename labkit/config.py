@@ -24,6 +24,7 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
+from .parallel import PRECISIONS, RECOMPUTE_MODES
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
@@ -32,7 +33,8 @@ def setting(default, doc: str, *, axis: str, choices=None, control=None, title: 
             label: str | None = None, show: str = "axis"):
     """A Strategy field and what every view needs to know about it.
 
-    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on) or "degrees".
+    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on), "degrees", or
+    "compute" (how every stage computes: precision, recompute; always on).
     ``control``: how the dashboard shows it: "degree", "choice", "bool", ("int", lo, hi),
     ("log2", lo, hi), or None (no control; the CLI still has a flag).
     ``label``: a format for run labels ("dp={}"); ``show``: "always", "axis" (while the axis
@@ -104,6 +106,13 @@ class Strategy:
                                             "start (pp·chunks − 1 of them); empty means balanced by parameter "
                                             "count (interleaved: equal block counts).", axis="pp",
                                         label="split_at={}", show="changed")
+    # How each stage computes, whatever the degrees (labkit.parallel.precision, .recompute).
+    precision: str = setting("fp32", "Compute precision under autocast, fp32 master weights: fp32, bf16, or fp16 "
+                                     "(dynamic loss scaling; skipped steps in run.metrics).", axis="compute",
+                             choices=PRECISIONS, control="choice", label="{}", show="changed")
+    recompute: str = setting("none", "Activation recomputation per stage: none, full (every block) or selective "
+                                     "(submodules named 'core': attention's softmax region).", axis="compute",
+                             choices=RECOMPUTE_MODES, control="choice", label="recompute={}", show="changed")
 
     def __post_init__(self) -> None:
         for f in fields(self):

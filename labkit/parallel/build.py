@@ -9,7 +9,11 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
    dp = 1: none; sharding slots in here later);
-5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions.
+5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions, with
+   the run's precision (autocast, fp16 loss scaling: :mod:`.precision`).
+
+Activation recomputation (:mod:`.recompute`) is applied per stage in step 4, before the sync
+wraps the stage's blocks.
 
     >>> job = build_job(spec, groups, recorder, device)     # engine side (labkit.engine.setup_run)
 """
@@ -28,6 +32,8 @@ from .data.sync import build_grad_sync
 from .executor import Executor, Stage
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
+from .precision import build_precision
+from .recompute import apply_recompute
 
 _serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 
@@ -64,7 +70,8 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
         build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
-        recorder, device, dp_index, owns_parameters=dp_index == 0)
+        recorder, device, dp_index, owns_parameters=dp_index == 0,
+        precision=build_precision(s.precision, device))                    # autocast, loss scaling
 
 
 def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
@@ -102,6 +109,9 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
     for i in blocks:                   # keep the full model's indices: same state_dict keys
         module.add_module(str(i), full[i])
     module = module.to(device)
+    # Activation recomputation, per stage, before any wrapper sees the blocks (torchtitan
+    # applies AC before FSDP/compile likewise): "full" checkpoints each of the stage's blocks.
+    apply_recompute(module, s.recompute)
     has_grads = any(p.requires_grad for p in module.parameters())
     sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
                            s.error_feedback)

@@ -23,6 +23,7 @@ from .result import Run
 from ..view.timeline import Timeline
 from ..models.training import build_model, resolve_loss
 from ..analysis.waits import split_waits
+from ..parallel.recompute import check_recompute
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -44,7 +45,9 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_snapshots(spec.extra.get("snapshots", False))
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
-    blocks = len(build_model(spec.model, spec.seed))
+    built = build_model(spec.model, spec.seed)
+    check_recompute(built, s.recompute)              # "selective" needs submodules named core
+    blocks = len(built)
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, blocks)
@@ -121,6 +124,19 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
         peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
     run.timeline.extend(split_waits(step_events))
     run.metrics = _metrics(run.timeline.events, len(peak), spec, list(peak), step)
+    _precision_metrics(run, results)
+
+
+def _precision_metrics(run: Run, results: list[dict]) -> None:
+    """fp16's loss scaler: the steps it skipped (gradients overflowed; every rank agrees, see
+    labkit.parallel.precision) and the scale of the last step, in ``run.metrics``."""
+    scaled = [r for r in results if "loss_scale" in r]
+    if not scaled:
+        return
+    if scaled[0]["skipped"]:
+        run.skipped_steps.append(len(run.losses) - 1)
+    run.metrics["skipped_steps"] = len(run.skipped_steps)
+    run.metrics["loss_scale"] = scaled[0]["loss_scale"]
 
 
 def _global_loss(results: list[dict]) -> float:
