@@ -72,6 +72,9 @@ class Precision:
         if name == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
             self.scaler = ShardedGradScaler(device=device.type, process_group=group)
+            # The scale is made on the first scale() call, which only the last pipeline stage
+            # makes: make it now on every rank, so every rank can unscale and agree.
+            self.scaler.scale(torch.zeros((), device=device))
 
     def autocast(self):
         if self.dtype is None:
