@@ -23,6 +23,19 @@ def test_the_field_labels_and_rejects_unknown_names():
         labkit.Strategy(precision="fp8")
 
 
+def test_dashboard_and_cli_offer_the_new_settings():
+    from labkit import cli
+    from labkit.view import form
+    assert ("Precision and memory", ["precision", "recompute"]) in form.groups()
+    controls = form.build_controls(labkit.Strategy(), world_size=2)
+    assert {"zb-h1", "zbv"} <= set(controls["schedule"].options)
+    assert set(controls["recompute"].options) == {"none", "full", "selective"}
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_strategy_flags(parser)
+    args = parser.parse_args(["--precision", "bf16", "--recompute", "full"])
+    assert (args.precision, args.recompute) == ("bf16", "full")
+
+
 def test_autocast_computes_low_and_keeps_fp32_weights():
     layer = nn.Linear(4, 4)
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
