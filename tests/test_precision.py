@@ -99,3 +99,17 @@ def test_fp16_without_overflow_tracks_fp32(lab2):
     ref = labkit.reference(MLP, **RUN)
     run = lab2.run(labkit.Strategy(pp=2, microbatches=2, precision="fp16"), model=MLP, **RUN)
     assert run.losses == pytest.approx(ref.losses, rel=LOSS_REL) and run.max_diff(ref) < PARAM_BOUND
+
+
+def test_the_meter_does_not_count_autocasts_weight_copies():
+    """Under autocast a Linear saves a bf16 copy of its weight for backward: weights, not
+    activations. Without the exclusion this MLP's 'activations' would be its 1 MiB of weights."""
+    from labkit.record.instrument import ActivationMeter
+    model, x = labkit.models.mlp(width=256, depth=8)(), torch.randn(16, 256)
+    peaks = {}
+    for name in ("fp32", "bf16"):
+        meter = ActivationMeter(list(model.parameters()))
+        with meter.forward("mb", x) as kept, build_precision(name, torch.device("cpu")).autocast():
+            kept.append(model(x))
+        peaks[name] = meter.peak
+    assert peaks["bf16"] < peaks["fp32"] < sum(p.numel() * 2 for p in model.parameters())
