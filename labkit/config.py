@@ -24,7 +24,7 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
-from .parallel import PRECISIONS, RECOMPUTE_MODES
+from .parallel import PRECISIONS, RECOMPUTE_MODES, check_compute
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
@@ -67,7 +67,7 @@ def _check_zero(s) -> None:
 
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,12 @@ def test_dashboard_and_cli_offer_the_new_settings():
     assert (args.precision, args.recompute) == ("bf16", "full")
 
 
+def test_fp16_refuses_the_compressed_sync():
+    with pytest.raises(ValueError, match="precision='fp16' with compression='int8'.*precision='bf16'"):
+        labkit.Strategy(dp=2, precision="fp16", compression="int8")
+    labkit.Strategy(dp=2, precision="bf16", compression="int8")          # bf16 needs no scaling
+
+
 def test_autocast_computes_low_and_keeps_fp32_weights():
     layer = nn.Linear(4, 4)
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):

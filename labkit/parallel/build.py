@@ -66,6 +66,10 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
               for c, g in enumerate(my_stages(s, pp_index))]
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
+    if s.precision == "fp16" and not params:      # its scaler would miss the overflow vote
+        raise ValueError(f"Strategy.precision='fp16': pipeline rank {pp_index} holds no trainable parameters, "
+                         "so it cannot join the loss scaler's overflow check; move a block with "
+                         "parameters onto it (Strategy.split_at) or use precision='bf16'")
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
