@@ -24,6 +24,7 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
+from .parallel import PRECISIONS, RECOMPUTE_MODES, check_compute
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
@@ -32,7 +33,8 @@ def setting(default, doc: str, *, axis: str, choices=None, control=None, title: 
             label: str | None = None, show: str = "axis"):
     """A Strategy field and what every view needs to know about it.
 
-    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on) or "degrees".
+    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on), "degrees", or
+    "compute" (how every stage computes: precision, recompute; always on).
     ``control``: how the dashboard shows it: "degree", "choice", "bool", ("int", lo, hi),
     ("log2", lo, hi), or None (no control; the CLI still has a flag).
     ``label``: a format for run labels ("dp={}"); ``show``: "always", "axis" (while the axis
@@ -66,7 +68,7 @@ def _check_zero(s) -> None:
 
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +112,13 @@ class Strategy:
                                           "own rows (torch's default under DDP, a different model). See "
                                           "labkit.parallel.data.batchnorm.", axis="dp", control="bool",
                                    title="sync batch norm", label="sync_batchnorm={}", show="changed")
+    # How each stage computes, whatever the degrees (labkit.parallel.precision, .recompute).
+    precision: str = setting("fp32", "Compute precision under autocast, fp32 master weights: fp32, bf16, or fp16 "
+                                     "(dynamic loss scaling; skipped steps in run.metrics).", axis="compute",
+                             choices=PRECISIONS, control="choice", label="{}", show="changed")
+    recompute: str = setting("none", "Activation recomputation per stage: none, full (every block) or selective "
+                                     "(submodules named 'core': attention's softmax region).", axis="compute",
+                             choices=RECOMPUTE_MODES, control="choice", label="recompute={}", show="changed")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -10,7 +10,11 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
    dp = 1: none; sharding slots in here later);
-5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions.
+5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions, with
+   the run's precision (autocast, fp16 loss scaling: :mod:`.precision`).
+
+Activation recomputation (:mod:`.recompute`) is applied per stage in step 4, before the sync
+wraps the stage's blocks.
 
     >>> job = build_job(spec, groups, recorder, device)     # engine side (labkit.engine.setup_run)
 """
@@ -29,6 +33,8 @@ from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
+from .precision import build_precision
+from .recompute import apply_recompute
 
 _serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 
@@ -63,11 +69,16 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
               for c, g in enumerate(my_stages(s, pp_index))]
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
+    if s.precision == "fp16" and not params:      # its scaler would miss the overflow vote
+        raise ValueError(f"Strategy.precision='fp16': pipeline rank {pp_index} holds no trainable parameters, "
+                         "so it cannot join the loss scaler's overflow check; move a block with "
+                         "parameters onto it (Strategy.split_at) or use precision='bf16'")
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
         build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
-        recorder, device, dp_index, owns_parameters=dp_index == 0)
+        recorder, device, dp_index, owns_parameters=dp_index == 0,
+        precision=build_precision(s.precision, device))                    # autocast, loss scaling
 
 
 def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
@@ -114,6 +125,9 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
     for i in blocks:                   # keep the full model's indices: same state_dict keys
         module.add_module(str(i), full[i])
     module = module.to(device)
+    # Activation recomputation, per stage, before any wrapper sees the blocks (torchtitan
+    # applies AC before FSDP/compile likewise): "full" checkpoints each of the stage's blocks.
+    apply_recompute(module, s.recompute)
     has_grads = any(p.requires_grad for p in module.parameters())
     sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
                            s.error_feedback)

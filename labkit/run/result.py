@@ -32,6 +32,8 @@ class Run:
     """Wall time of each step on the slowest rank (measured whether or not events are recorded)."""
     snapshots: list[dict] = field(default_factory=list, repr=False)
     """Per step, {rank: parameters and gradient norms after the step}; with ``lab.run(..., snapshots=True)``."""
+    skipped_steps: list[int] = field(default_factory=list, repr=False)
+    """precision="fp16": the steps whose update the loss scaler skipped (gradients overflowed)."""
 
     def grad_norms(self, reference=None):
         """The gradient check: every parameter's gradient norm per step and rank (and the reference's)."""

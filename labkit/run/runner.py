@@ -26,6 +26,7 @@ from ..models.training import build_model, resolve_loss
 from .checks import check_model, check_number
 from .relay import relay_warnings
 from ..analysis.waits import split_waits
+from ..parallel.recompute import check_recompute
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -48,6 +49,7 @@ def validate(spec: RunSpec, engines: int) -> None:
     with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
         built = build_model(spec.model, spec.seed)
     check_model(built, s)
+    check_recompute(built, s.recompute)              # "selective" needs submodules named core
     blocks = len(built)
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
@@ -128,6 +130,19 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
         peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
     run.timeline.extend(split_waits(step_events))
     run.metrics = _metrics(run.timeline.events, len(peak), spec, list(peak), step)
+    _precision_metrics(run, results)
+
+
+def _precision_metrics(run: Run, results: list[dict]) -> None:
+    """fp16's loss scaler: the steps it skipped (gradients overflowed; every rank agrees, see
+    labkit.parallel.precision) and the scale of the last step, in ``run.metrics``."""
+    scaled = [r for r in results if "loss_scale" in r]
+    if not scaled:
+        return
+    if scaled[0]["skipped"]:
+        run.skipped_steps.append(len(run.losses) - 1)
+    run.metrics["skipped_steps"] = len(run.skipped_steps)
+    run.metrics["loss_scale"] = scaled[0]["loss_scale"]
 
 
 def _global_loss(results: list[dict]) -> float:

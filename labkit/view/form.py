@@ -11,7 +11,8 @@ from ..config import strategy_fields
 
 STRATEGY_FIELDS = tuple(f.name for f in strategy_fields() if f.metadata["control"] is not None)
 GROUPS = (("Degrees", "degrees"), ("Pipeline (pp > 1)", "pp"), ("Data parallel", "dp"),
-          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"))
+          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"),
+          ("Precision and memory", "compute"))
 
 
 def build_controls(strategy, world_size: int) -> dict:
