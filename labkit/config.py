@@ -24,6 +24,8 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
+from .parallel.tensor import axis as _tensor
+from .parallel.tensor.axis import TP_MODES
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
@@ -52,12 +54,6 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"Strategy.{name}={value!r} must be a whole number ≥ 1")
 
 
-def _check_tensor(s) -> None:
-    # The tensor-parallel axis plugs in here: labkit.parallel.tensor.check_strategy(s).
-    if s.tp != 1:
-        raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
-
-
 def _check_zero(s) -> None:
     # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
     if s.zero != 0:
@@ -65,7 +61,7 @@ def _check_zero(s) -> None:
 
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _tensor.check_strategy, _check_zero)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +72,14 @@ class Strategy:
                       axis="degrees", control="degree", label="dp={}", show="always")
     pp: int = setting(1, "Pipeline-parallel degree: consecutive blocks of the model on different ranks.",
                       axis="degrees", control="degree", label="pp={}")
-    tp: int = setting(1, "Tensor-parallel degree (this version supports tp=1).",
+    tp: int = setting(1, "Tensor-parallel degree: each layer's matrices split over tp ranks (Megatron-LM).",
                       axis="degrees", control="degree", label="tp={}")
+    tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': f/g over labkit.comm, on the "
+                                       "timeline) or torch's parallelize_module ('dtensor').", axis="tp",
+                           choices=TP_MODES, control="choice", title="tp mode", label="{}")
+    sequence_parallel: bool = setting(False, "Megatron mode: LayerNorm regions cut along the sequence "
+                                             "(all-gather / reduce-scatter in place of f and g).", axis="tp",
+                                      control="bool", title="sequence parallel", label="sp", show="changed")
     zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
                         axis="zero", label="zero={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,

@@ -207,7 +207,13 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
     handle = Handle(ctx, entry, work, start)
-    return handle if async_op else handle.wait()
+    if async_op:
+        return handle
+    handle.wait()
+    # The caller blocked here: a compute span around this call (a forward holding a tensor-
+    # parallel all-reduce) is cut around it, so the wait counts as exposed comm, not compute.
+    ctx.recorder.blocked(start, ctx.recorder.mark())
+    return handle
 
 
 def _channel(rank: int, op: str, ranks: list[int], peer, world: bool) -> str:

@@ -44,6 +44,12 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_snapshots(spec.extra.get("snapshots", False))
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
+    if spec.data is not None and hasattr(spec.model, "check_data"):
+        spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
+    if s.tp > 1:
+        from ..parallel.tensor.plan import check_tensor_parallel
+        check_tensor_parallel(s.tp, s.tp_mode, spec.model, spec.tp_plan, s.sequence_parallel,
+                              getattr(spec.data, "block_size", None))
     blocks = len(build_model(spec.model, spec.seed))
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
