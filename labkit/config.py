@@ -8,7 +8,8 @@ Each field is declared once, with :func:`setting`: its docstring, its axis, its 
 how a control or a run label shows it. The CLI's flags (:func:`labkit.cli`), the dashboard's
 controls and run labels (:meth:`Strategy.label`) are derived from that metadata, so a new
 field is one declaration here. Each axis checks its own fields in its own package
-(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``);
+(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
+``labkit.parallel.tensor.axis.check_strategy``);
 ``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
@@ -24,8 +25,8 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
-from .parallel.tensor import axis as _tensor
 from .parallel.tensor.axis import TP_MODES
+from .parallel.tensor.axis import check_strategy as _check_tensor
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
@@ -61,7 +62,7 @@ def _check_zero(s) -> None:
 
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _tensor.check_strategy, _check_zero)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,8 +101,9 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         if on_groups is not None:
             on_groups(rebuilt)
         run_id = uuid.uuid4().hex[:12]
-        lab.apply(engine.setup_run, spec, run_id)
+        built = lab.apply(engine.setup_run, spec, run_id)
         run = Run(s, [], Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
+        run.parameter_bytes = [b["parameter_bytes"] for b in built]
         peak = [0] * lab.world_size
         for step in range(spec.steps):
             record_step(run, lab.apply(engine.run_step, step, run_id), spec, peak, step)
