@@ -146,3 +146,23 @@ def test_3d_on_eight_engines_equals_one_process():
     with labkit.Lab.start(engines=8, timeout=60, progress=False) as lab:
         run = lab.run(labkit.Strategy(dp=2, pp=2, tp=2, microbatches=2), model=big, **KW)
     check_equal(run, labkit.reference(big, **KW))
+
+
+def test_dashboard_has_tp_controls_and_a_model_choice():
+    from labkit.widgets import Dashboard
+
+    class NoEngines:
+        world_size, ranks = 2, []
+
+        @property
+        def view(self):
+            raise AssertionError("the dashboard reached the engines")
+
+    dash = Dashboard(NoEngines(), model="gpt", batch=8, auto=False, plot="image")
+    assert {"tp", "tp_mode", "sequence_parallel"} <= set(dash.controls)
+    assert list(dash.controls["model"].options) == ["gpt", "mlp"]
+    dash.set(dp=1, tp=2, tp_mode="dtensor")
+    assert not dash.run_button.disabled and dash.spec().loss == "cross_entropy"
+    dash.set(model="mlp")                    # the MLP has no tensor-parallel plan
+    assert dash.run_button.disabled and "tp_plan" in dash.status_text
+    dash.close()

@@ -43,8 +43,8 @@ class Dashboard:
     def __init__(self, lab, model, batch: int = 64, steps: int = 3, data=None, loss="mse",
                  lr: float = 0.1, seed: int = 0, strategy: Strategy | None = None,
                  auto: bool = True, plot: str = "auto"):
-        self.lab, self.model, self.batch, self.data = lab, model, batch, data
-        self.loss, self.lr, self.seed = loss, lr, seed
+        self.lab, self.batch, self.lr, self.seed = lab, batch, lr, seed
+        self.models = form.model_choices(model, data, loss, batch)   # the model control's choices
         self.pinned: LiveRun | None = None
         self.draws = 0                   # timeline redraws so far
         self.last_draw: tuple | None = None       # (run number, step, perf_counter) of the latest
@@ -122,8 +122,13 @@ class Dashboard:
         """The Strategy the controls describe (ValueError if impossible)."""
         return Strategy(**{name: self.controls[name].value for name in STRATEGY_FIELDS})
 
+    @property
+    def model(self):
+        return self.models[self.controls["model"].value][0]
+
     def spec(self) -> RunSpec:
-        return RunSpec(self.strategy(), self.model, self.data, self.loss, self.batch,
+        model, data, loss = self.models[self.controls["model"].value]
+        return RunSpec(self.strategy(), model, data, loss, self.batch,
                        self.controls["steps"].value, self.lr, 0.0, self.seed)
 
     def close(self) -> None:
@@ -140,6 +145,7 @@ class Dashboard:
         c = form.build_controls(s, self.lab.world_size)
         c.update({
             "steps": W.IntSlider(value=steps, min=1, max=20, description="steps per run"),
+            "model": W.Dropdown(options=list(self.models), description="model"),
             "auto": W.Checkbox(value=auto, description="run on change", indent=False),
         })
         for name, w in c.items():
@@ -179,7 +185,7 @@ class Dashboard:
         group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
         panel = W.HBox([group(title, *names) for title, names in form.groups()],
                        layout=W.Layout(flex_flow="row wrap"))
-        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["steps"], c["auto"]],
+        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["model"], c["steps"], c["auto"]],
                      layout=W.Layout(flex_flow="row wrap"))
         return W.VBox([bar, W.HBox([self.progress, self.status]), panel, self.tabs], layout=W.Layout(width="100%"))
 
