@@ -37,6 +37,9 @@ from .canvas import Painter, WidgetFigure, use_ipympl
 from .form import STRATEGY_FIELDS
 from .status import diff_table, labels, metrics_table, status_html
 
+_READ = object()     # Dashboard._choice: read, do not replace
+
+
 class Dashboard:
     """Strategy controls, Run/Stop/Pin, a live per-rank timeline, metrics and a status line."""
 
@@ -122,13 +125,25 @@ class Dashboard:
         """The Strategy the controls describe (ValueError if impossible)."""
         return Strategy(**{name: self.controls[name].value for name in STRATEGY_FIELDS})
 
-    @property
-    def model(self):
-        return self.models[self.controls["model"].value][0]
+    def _choice(self, part: int, value=_READ):
+        """Read (or, with ``value``, replace) part ``part`` (0 model, 1 data, 2 loss) of the
+        model control's current choice."""
+        name = self.controls["model"].value
+        if value is not _READ:
+            entry = list(self.models[name])
+            entry[part] = value
+            self.models[name] = tuple(entry)
+        return self.models[name][part]
+
+    model = property(lambda self: self._choice(0), lambda self, v: self._choice(0, v),
+                     doc="The chosen model; setting it replaces that choice's model.")
+    data = property(lambda self: self._choice(1), lambda self, v: self._choice(1, v),
+                    doc="The chosen model's data (None: synthetic); settable.")
+    loss = property(lambda self: self._choice(2), lambda self, v: self._choice(2, v),
+                    doc="The chosen model's loss; settable.")
 
     def spec(self) -> RunSpec:
-        model, data, loss = self.models[self.controls["model"].value]
-        return RunSpec(self.strategy(), model, data, loss, self.batch,
+        return RunSpec(self.strategy(), self.model, self.data, self.loss, self.batch,
                        self.controls["steps"].value, self.lr, 0.0, self.seed)
 
     def close(self) -> None:
