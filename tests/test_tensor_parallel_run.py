@@ -43,6 +43,7 @@ def test_strategy_checks_its_tp_fields(kwargs, match):
     (spec(labkit.Strategy(tp=2, pp=2)), 2, "dp\\*pp\\*tp"),
     (spec(labkit.Strategy(tp=2), labkit.models.gpt(block_size=8, vocab_size=DATA.vocab_size)), 2,
      "block_size"),
+    (spec(labkit.Strategy(pp=2, schedule="zbv", chunks=2)), 2, "tie=False"),
     (spec(labkit.Strategy(tp=3), labkit.models.gpt(n_embd=32, vocab_size=DATA.vocab_size),
           tp_plan={"*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}), 3, "out_features=128"),
 ])

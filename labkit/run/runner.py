@@ -50,10 +50,23 @@ def validate(spec: RunSpec, engines: int) -> None:
         from ..parallel.tensor.plan import check_tensor_parallel
         check_tensor_parallel(s.tp, s.tp_mode, spec.model, spec.tp_plan, s.sequence_parallel,
                               getattr(spec.data, "block_size", None))
-    blocks = len(build_model(spec.model, spec.seed))
+    built = build_model(spec.model, spec.seed)
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
-        check_split(s, blocks)
+        check_split(s, len(built))
+        _check_tied_split_backward(s, built)
+
+
+def _check_tied_split_backward(s: Strategy, built: nn.Sequential) -> None:
+    """ZB-V puts the first and last stage on rank 0, so a tied embedding and head are one
+    Parameter there, reached by two stages' split backward: not built (it fails on the engines)."""
+    if s.schedule != "zbv":
+        return
+    from ..parallel.pipeline.stages import stage_blocks
+    from ..parallel.pipeline.tied import tied_across_stages
+    if tied_across_stages(built, stage_blocks(built, s)):
+        raise ValueError("Strategy.schedule='zbv' with a weight tied between the first and last stage (a tied "
+                         "embedding and head) is not built; use labkit.models.gpt(tie=False), or another schedule")
 
 
 def measured_steps(steps: int) -> int:
