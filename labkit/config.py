@@ -8,7 +8,8 @@ Each field is declared once, with :func:`setting`: its docstring, its axis, its 
 how a control or a run label shows it. The CLI's flags (:func:`labkit.cli`), the dashboard's
 controls and run labels (:meth:`Strategy.label`) are derived from that metadata, so a new
 field is one declaration here. Each axis checks its own fields in its own package
-(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``);
+(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
+``labkit.parallel.tensor.axis.check_strategy``);
 ``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
@@ -25,6 +26,8 @@ from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
 from .parallel import PRECISIONS, RECOMPUTE_MODES, check_compute
+from .parallel.tensor.axis import TP_MODES
+from .parallel.tensor.axis import check_strategy as _check_tensor
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS"]
 
@@ -55,12 +58,6 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"Strategy.{name}={value!r} must be a whole number ≥ 1")
 
 
-def _check_tensor(s) -> None:
-    # The tensor-parallel axis plugs in here: labkit.parallel.tensor.check_strategy(s).
-    if s.tp != 1:
-        raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
-
-
 def _check_zero(s) -> None:
     # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
     if type(s.zero) is not int or s.zero != 0:
@@ -79,8 +76,14 @@ class Strategy:
                       axis="degrees", control="degree", label="dp={}", show="always")
     pp: int = setting(1, "Pipeline-parallel degree: consecutive blocks of the model on different ranks.",
                       axis="degrees", control="degree", label="pp={}")
-    tp: int = setting(1, "Tensor-parallel degree (this version supports tp=1).",
+    tp: int = setting(1, "Tensor-parallel degree: each layer's matrices split over tp ranks (Megatron-LM).",
                       axis="degrees", control="degree", label="tp={}")
+    tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': f/g over labkit.comm, on the "
+                                       "timeline) or torch's parallelize_module ('dtensor').", axis="tp",
+                           choices=TP_MODES, control="choice", title="tp mode", label="{}")
+    sequence_parallel: bool = setting(False, "Megatron mode: LayerNorm regions cut along the sequence "
+                                             "(all-gather / reduce-scatter in place of f and g).", axis="tp",
+                                      control="bool", title="sequence parallel", label="sp", show="changed")
     zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
                         axis="zero", label="zero={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,

@@ -216,7 +216,13 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     handle = Handle(ctx, entry, work, start)
     if ctx.comm_stream is not None and work is not None:
         handle._done_at = end
-    return handle if async_op else handle.wait()
+    if async_op:
+        return handle
+    handle.wait()
+    # The caller blocked here: a compute span around this call (a forward holding a tensor-
+    # parallel all-reduce) is cut around it, so the wait counts as exposed comm, not compute.
+    ctx.recorder.blocked(start, ctx.recorder.mark())
+    return handle
 
 
 def _channel(rank: int, op: str, ranks: list[int], peer, world: bool) -> str:

@@ -9,7 +9,8 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
-   dp = 1: none; sharding slots in here later);
+   dp = 1: none; sharding slots in here later), and for a weight tied across the first and
+   last stage, the embedding group's sum (:mod:`.pipeline.tied`);
 5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions, with
    the run's precision (autocast, fp16 loss scaling: :mod:`.precision`).
 
@@ -35,6 +36,7 @@ from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
 from .precision import build_precision
 from .recompute import apply_recompute
+from .pipeline.tied import build_tied_sync
 
 _serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 
@@ -56,18 +58,21 @@ class RunSpec:
     extra: dict = field(default_factory=dict)
     allow_nonfinite: bool = False
     """Carry on through NaN/inf losses (by default the first one stops the run, naming its step)."""
+    tp_plan: dict | None = None   # tensor-parallel plan (DTensor's convention); None: the model's tp_plan
 
 
 def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     s = spec.strategy
-    dp_index, pp_index, _ = groups.coords
+    dp_index, pp_index, tp_index = groups.coords
     full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
-    full = build_tensor_split(full, s, groups)                             # 2. tensor parallel
+    full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
+    held = my_stages(s, pp_index)
     stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
-              for c, g in enumerate(my_stages(s, pp_index))]
+              for c, g in enumerate(held)]
+    tied = build_tied_sync(full, blocks, held, groups)                     #    + the embedding group
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
     if s.precision == "fp16" and not params:      # its scaler would miss the overflow vote
         raise ValueError(f"Strategy.precision='fp16': pipeline rank {pp_index} holds no trainable parameters, "
@@ -77,20 +82,20 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
         build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
-        recorder, device, dp_index, owns_parameters=dp_index == 0,
+        recorder, device, dp_index, owns_parameters=dp_index == 0, tied=tied,
+        tp_group=groups.tp if s.tp > 1 else None, tp_index=tp_index,
         precision=build_precision(s.precision, device))                    # autocast, loss scaling
 
 
-def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
-    """Step 2: split the model's layers over the tp group; ``tp == 1`` leaves it whole.
-
-    The tensor-parallel axis plugs in here, and only here:
-    ``labkit.parallel.tensor.build_tensor_parallel(model, strategy, groups, plan)``
-    (Strategy rejects tp > 1 until it does).
-    """
+def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan: dict | None = None) -> nn.Sequential:
+    """Step 2: split the planned layers over the tp group (Megatron's f/g layers or DTensor's
+    ``parallelize_module``); ``tp == 1`` leaves it whole. The model holds the seeded whole
+    weights, so every tp rank cuts its shard from the reference's tensors."""
     if strategy.tp == 1:
         return model
-    raise NotImplementedError("tensor parallelism is not wired into the builder yet")
+    from .tensor import build_tensor_parallel
+    return build_tensor_parallel(model, strategy.tp_mode, groups.tp, groups.coords[2], strategy.tp, plan,
+                                 sequence_parallel=strategy.sequence_parallel)
 
 
 def build_batchnorm(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:

@@ -60,12 +60,14 @@ class Executor:
 
     def __init__(self, spec, stages: list[Stage], last_stage: int, actions, link, data, loss_fn,
                  optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool,
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, tied=None, tp_group=None, tp_index: int = 0):
         self.spec, self.stages, self.last_stage, self.actions = spec, stages, last_stage, actions
         self.link, self.data, self.loss_fn, self.optimizer = link, data, loss_fn, optimizer
         self.meter, self.recorder, self.device, self.dp_index = meter, recorder, device, dp_index
         self.owns_parameters = owns_parameters
         self.precision = precision or Precision("fp32", device)   # autocast and fp16's loss scale
+        self.tied = tied                   # the embedding group's sync (tied weights across stages)
+        self.tp_group, self.tp_index = tp_group, tp_index     # tp_group None: no tensor split
         # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
         self.model = nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
         # The reduction is armed for each stage's last gradient accumulation: its last B, or
@@ -100,6 +102,8 @@ class Executor:
         self.recorder.microbatch = None
         for stage in self.stages:
             stage.sync.finish()
+        if self.tied is not None:          # after the dp reduction, as Megatron does
+            self.tied.finish()
         stepped = {}
         if self.optimizer is not None:
             with self.recorder.span("optimizer", "SGD step"):
@@ -111,9 +115,14 @@ class Executor:
 
     def full_state_dict(self) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
-        rank (here: dp index 0 reports its stages), so the notebook just merges the answers."""
+        rank (here: dp index 0 reports its stages; with tp, its tp index 0 after gathering the
+        shards, a collective every tp rank of dp index 0 joins), so the notebook just merges."""
         if not self.owns_parameters:
             return {}
+        if self.tp_group is not None:
+            from .tensor import full_state_dict
+            state = full_state_dict(self.model, self.tp_group)
+            return state if self.tp_index == 0 else {}
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def _label(self, op: str, a) -> str:
