@@ -5,24 +5,36 @@
 ...     run = lab.run(labkit.Strategy(dp=2, dp_mode="overlap"), model=labkit.models.mlp(width=256, depth=8))
 >>> run.losses, run.metrics["overlap_fraction"]
 >>> run.timeline.plot()
+
+The subpackages follow the data flow (docs/design.md): session → engine → parallel → comm →
+record → run → analysis → view; models and bench sit beside them.
 """
-from . import bench, collectives, comm, compression, engine, models, report
-from .config import Strategy
-from .errors import CollectiveTimeoutError, EngineDiedError, LabError
-from .lab import Lab
-from .metrics import speedup, step_metrics
-from .reference import reference
-from .run import Run, max_abs_diff
-from .timeline import Timeline
+from . import _moved
+
+_moved.install()     # old flat paths (labkit.schedules, labkit.grid, ...) keep importing
+
+from . import bench, comm, engine, models  # noqa: E402
+from .comm import collectives, compression  # noqa: E402
+from .config import Strategy  # noqa: E402
+from .errors import CollectiveTimeoutError, EngineDiedError, LabError  # noqa: E402
+from .analysis.metrics import speedup, step_metrics  # noqa: E402
+from .parallel.pipeline import schedules  # noqa: E402
+from .run.reference import reference  # noqa: E402
+from .run.result import Run, max_abs_diff  # noqa: E402
+from .session.lab import Lab  # noqa: E402
+from .view import report  # noqa: E402
+from .view.timeline import Timeline  # noqa: E402
 
 __all__ = ["Lab", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
-           "bench", "collectives", "comm", "compression", "models", "reference", "speedup", "step_metrics", "max_abs_diff"]
+           "bench", "collectives", "comm", "compression", "models", "reference", "report", "schedules",
+           "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``labkit.widgets`` on first use: the dashboard needs ipywidgets, the engines do not."""
-    if name in ("widgets", "live"):
-        import importlib
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+    """``labkit.widgets`` on first use (the dashboard needs ipywidgets, the engines do not),
+    and the old flat module names (``labkit.grid``, ``labkit.diagnose``, ...)."""
+    module = _moved.resolve(name)
+    if module is None:
+        raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+    return module

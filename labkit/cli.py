@@ -41,8 +41,8 @@ def _add_run(sub) -> None:
 
 def cmd_run(args) -> int:
     import labkit
-    from .job import RunSpec
-    from .runner import validate
+    from .parallel.build import RunSpec
+    from .run.runner import validate
 
     try:
         strategy = Strategy(dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
@@ -98,7 +98,7 @@ def _add_bench(sub) -> None:
 
 def cmd_bench_comm(args) -> int:
     import labkit
-    import labkit.collectives
+    import labkit.comm.collectives
     from labkit import bench
 
     collectives = args.collectives or list(bench.COLLECTIVES)
@@ -106,8 +106,8 @@ def cmd_bench_comm(args) -> int:
         for name in collectives:
             bench.bus_factor(name, 2)
         for name in args.algorithms:
-            if name not in labkit.collectives.ALGORITHMS:
-                raise ValueError(f"--algorithms {name}: unknown; use {' '.join(labkit.collectives.ALGORITHMS)}")
+            if name not in labkit.comm.collectives.ALGORITHMS:
+                raise ValueError(f"--algorithms {name}: unknown; use {' '.join(labkit.comm.collectives.ALGORITHMS)}")
         if args.engines < 2:
             raise ValueError(f"--engines {args.engines}: communication needs at least 2 engines")
     except ValueError as exc:

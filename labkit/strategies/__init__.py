@@ -1,1 +1,1 @@
-"""One file per strategy. :mod:`.data_parallel` holds the four ways to average gradients."""
+"""Old home of the strategy modules; they live in :mod:`labkit.parallel` now (see labkit._moved)."""

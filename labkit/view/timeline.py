@@ -26,7 +26,7 @@ import matplotlib
 import matplotlib.colors
 from matplotlib.patches import Patch
 
-from labkit import metrics as _metrics
+from ..analysis import metrics as _metrics
 
 STREAMS = ("compute", "comm")
 # Trace thread ids. Integers with thread_name metadata, as the trace format specifies:

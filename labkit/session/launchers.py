@@ -31,7 +31,7 @@ import ipyparallel as ipp
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from traitlets.config import Config
 
-from .errors import LabError
+from ..errors import LabError
 
 LAUNCHERS = ("slurm", "mpi", "ssh")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .. import comm
 
 ALGORITHMS = ("ring", "ps", "torch")
 
@@ -191,7 +191,7 @@ def demo(algorithm: str, numel: int, ranks: int | None = None, repeats: int = 1,
     """
     import time
 
-    from .engine import session
+    from ..engine import session
 
     world = dist.get_world_size()
     ranks = ranks or world

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import collectives as algos
-from . import comm
+from ..comm import collectives as algos
+from .. import comm
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
 BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -83,7 +83,7 @@ def sweep_on_engine(series: list[tuple[str, str]], sizes: list[int], seconds_per
     """
     import torch.distributed as dist
 
-    from .engine import session
+    from ..engine import session
 
     n, me = dist.get_world_size(), dist.get_rank()
     rec, ctx = session().recorder, comm.context()
@@ -243,8 +243,8 @@ def compression_tradeoff(lab, model=None, configs=DEFAULT_TRADEOFF, steps: int =
     step time. Same seed, data and initial weights for every row, so the curves differ only
     by what compression did to the gradients.
     """
-    from .config import Strategy
-    from .models import mlp
+    from ..config import Strategy
+    from ..models import mlp
 
     model = model or mlp(width=32, depth=2, in_features=16, out_features=4)
     rows, baseline = [], None

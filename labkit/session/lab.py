@@ -19,12 +19,13 @@ from typing import Callable
 
 import ipyparallel as ipp
 
-from . import diagnose, engine
-from .config import Strategy
-from .errors import CollectiveTimeoutError, EngineDiedError, LabError, RankReport
-from .job import RunSpec
-from .placement import check_device_map
-from .run import Run
+from .. import engine
+from ..analysis import diagnose
+from ..config import Strategy
+from ..errors import CollectiveTimeoutError, EngineDiedError, LabError, RankReport
+from ..parallel.build import RunSpec
+from ..engine.placement import check_device_map
+from ..run.result import Run
 
 TIMEOUT_ERRORS = ("CollectiveTimeout",)
 COMM_ERRORS = ("CollectiveTimeout", "CommFailure", "CommMismatch", "DistBackendError", "DistNetworkError")
@@ -155,8 +156,8 @@ class Lab:
 
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
-        from .timeline import Timeline
-        from .waits import split_waits
+        from ..view.timeline import Timeline
+        from ..analysis.waits import split_waits
 
         out = self.apply(engine.traced, fn, args, kwargs)
         events = split_waits([e for r in out for e in r["events"]])
@@ -338,7 +339,7 @@ class Lab:
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None) -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see DESIGN.md for the contract."""
-        from .runner import execute
+        from ..run.runner import execute
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record)
         return execute(self, spec, on_step)
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from .. import comm
+from ... import comm
 
 MiB = 1024 * 1024
 
@@ -142,7 +142,7 @@ class BucketedSync(GradSync):
         self.buckets = [_Bucket(i, m) for i, m in enumerate(make_buckets(self.params, self.bucket_bytes))]
         self.compressor = None
         if self.compression != "none":
-            from ..compression import BucketCompressor
+            from ...comm.compression import BucketCompressor
             self.compressor = BucketCompressor(self.compression, self.group, self.dp, self.error_feedback)
         return model
 
@@ -197,7 +197,7 @@ class DDPSync(GradSync):
         if self.compression == "none":
             self.ddp.register_comm_hook(self, _ddp_allreduce_hook)
         else:
-            from ..compression import register_ddp_hook
+            from ...comm.compression import register_ddp_hook
             self.hook_state = register_ddp_hook(self.ddp, self.compression, self.group, self.dp,
                                                 self.error_feedback)
         return self.ddp

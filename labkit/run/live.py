@@ -26,13 +26,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import engine
-from .errors import LabError
-from .job import RunSpec
-from .run import Run
+from .. import engine
+from ..errors import LabError
+from ..parallel.build import RunSpec
+from .result import Run
 from .runner import _global_loss, _metrics, ship_by_value, validate
-from .timeline import Timeline
-from .waits import split_waits
+from ..view.timeline import Timeline
+from ..analysis.waits import split_waits
 
 
 @dataclass

@@ -106,7 +106,7 @@ def draw_grid(dims: ParallelDims, ax=None):
     """
     from matplotlib.patches import FancyBboxPatch
 
-    from .timeline import _new_figure
+    from ..view.timeline import _new_figure
 
     if ax is None:
         _, ax = _new_figure((1.2 + 2.2 * dims.pp, 0.8 + 1.3 * dims.dp * dims.tp))

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommFailure, CommMismatch
-from .recorder import Recorder
+from ..errors import CollectiveTimeout, CommFailure, CommMismatch
+from ..record.recorder import Recorder
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 

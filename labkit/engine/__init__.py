@@ -17,10 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .. import comm
 from .grid import ParallelDims, build_groups
 from .placement import choose_device, rank_from_env
-from .recorder import Recorder
+from ..record.recorder import Recorder
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
@@ -152,7 +152,7 @@ def ensure_groups(dp: int, pp: int, tp: int) -> bool:
 
 def setup_run(spec) -> dict:
     """Build this rank's part of the run: model, optimizer, gradient sync."""
-    from .job import build_job
+    from ..parallel.build import build_job
 
     s = session()
     s.recorder.enabled = spec.record

@@ -10,14 +10,14 @@ from typing import Callable
 
 from torch import nn
 
-from . import engine
-from .config import Strategy
-from .job import RunSpec
-from .metrics import step_metrics
-from .run import Run
-from .timeline import Timeline
-from .training import build_model, resolve_loss
-from .waits import split_waits
+from .. import engine
+from ..config import Strategy
+from ..parallel.build import RunSpec
+from ..analysis.metrics import step_metrics
+from .result import Run
+from ..view.timeline import Timeline
+from ..models.training import build_model, resolve_loss
+from ..analysis.waits import split_waits
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -40,7 +40,7 @@ def validate(spec: RunSpec, engines: int) -> None:
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
     blocks = len(build_model(spec.model, spec.seed))
     if s.pp > 1:
-        from .strategies.pipeline import check_split
+        from ..parallel.pipeline.stages import check_split
         check_split(s, blocks)
 
 

@@ -46,8 +46,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .comm import context
+from .. import comm
+from ..comm import context
 
 CODECS = ("fp16", "bf16", "int8")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

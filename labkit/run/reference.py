@@ -11,7 +11,7 @@ from statistics import median
 
 import torch
 
-from .training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
 
 
 @dataclass

@@ -23,11 +23,11 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from .. import comm
-from ..instrument import ActivationMeter, BackwardSpan
-from ..schedules import build_schedule
-from ..training import build_model, build_optimizer, resolve_data, resolve_loss
-from .data_parallel import DDPSync, build_grad_sync
+from ... import comm
+from ...record.instrument import ActivationMeter, BackwardSpan
+from .schedules import build_schedule
+from ...models.training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..data.sync import DDPSync, build_grad_sync
 
 _serial = itertools.count()   # one p2p tag per job: a failed run's stray messages match nothing later
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .config import Strategy
-from .instrument import ActivationMeter, instrument_backward
-from .strategies.data_parallel import build_grad_sync
-from .training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..config import Strategy
+from ..record.instrument import ActivationMeter, instrument_backward
+from .data.sync import build_grad_sync
+from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
 
 
 @dataclass
@@ -38,7 +38,7 @@ class RunSpec:
 def build_job(spec: RunSpec, groups, recorder, device):
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     if spec.strategy.pp > 1:
-        from .strategies.pipeline import PipelineJob
+        from .pipeline.stages import PipelineJob
         return PipelineJob(spec, groups, recorder, device)
     return DataParallelJob(spec, groups, recorder, device)
 

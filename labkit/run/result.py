@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import Strategy
+from ..config import Strategy
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

@@ -28,10 +28,10 @@ import time
 import ipywidgets as W
 import matplotlib
 
-from .config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
-from .job import RunSpec
-from .live import LiveRun, LiveRunner, describe_error
-from .runner import validate
+from ..config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
+from ..parallel.build import RunSpec
+from ..run.live import LiveRun, LiveRunner, describe_error
+from ..run.runner import validate
 
 # Controls that map one to one onto Strategy fields, in the order they are shown.
 STRATEGY_FIELDS = ("dp", "pp", "tp", "schedule", "chunks", "microbatches", "dp_mode", "bucket_mb",

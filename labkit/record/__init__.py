@@ -1,0 +1,1 @@
+"""Recording on the engines: per-rank event buffers and the backward / activation hooks."""

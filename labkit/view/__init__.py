@@ -1,0 +1,1 @@
+"""What the notebook shows: timeline plots and trace files, tables, the dashboard."""
