@@ -13,6 +13,11 @@ Each figure is the median over all measured steps of all rounds of the slowest r
 wall time, taken the same way on both sides (after an aligning barrier, to the end of the
 optimizer step; the first step of each run is warm-up). Rounds interleave every variant, so
 drift in machine load hits both sides alike. Ratios are labkit ÷ plain torch.
+
+labkit's engines rest between steps (each step is its own call from the notebook). On a loaded
+machine Linux's scheduler favours a process that has just woken over one that never sleeps,
+so a plain loop running its steps back to back came out ~1.5× *slower* than the same DDP on
+labkit's engines. The plain loop therefore rests ``--gap-ms`` before each step as well.
 """
 from __future__ import annotations
 
@@ -28,8 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import labkit
-from labkit.strategies.pipeline import stage_blocks
-from labkit.training import build_model, resolve_data
+from labkit.parallel.pipeline.stages import stage_blocks
+from labkit.models.training import build_model, resolve_data
 
 MiB = 1024 * 1024
 
@@ -48,14 +53,15 @@ def plain_ddp(rank: int, world: int, a: dict) -> list[float]:
     for step in range(a["steps"]):
         x, y = data(step)
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        time.sleep(a["gap_s"])
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
         loss.item()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
@@ -73,8 +79,9 @@ def plain_1f1b(rank: int, world: int, a: dict) -> list[float]:
     times = []
     for step in range(a["steps"]):
         x, y = data(step)
+        time.sleep(a["gap_s"])
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if rank == 0:
             pipe.step(x)
         elif rank == world - 1:
@@ -83,11 +90,43 @@ def plain_1f1b(rank: int, world: int, a: dict) -> list[float]:
             pipe.step()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
-PLAIN = {"ddp": plain_ddp, "1f1b": plain_1f1b}
+def labkit_job(rank: int, world: int, a: dict) -> list[float]:
+    """labkit's own job (the code an engine runs per step) in a plain process, no ipyparallel:
+    splits what labkit's strategy code costs from what running it on an engine costs."""
+    from labkit import comm
+    from labkit.engine.grid import ParallelDims, build_groups
+    from labkit.parallel.build import RunSpec, build_job
+    from labkit.record.recorder import Recorder
+
+    recorder = Recorder(rank, torch.device("cpu"), enabled=a["record"])
+    comm.bind(comm.CommContext(rank, recorder, 120.0))
+    mode, model = a["mode"], labkit.models.mlp(width=a["width"], depth=a["depth"])
+    if mode == "1f1b":
+        s, batch = labkit.Strategy(pp=world, schedule="1f1b", microbatches=a["microbatches"]), a["pp_batch"]
+    else:
+        s, batch = labkit.Strategy(dp=world, dp_mode=mode, bucket_mb=a["bucket_mb"]), a["batch"]
+    groups = build_groups(ParallelDims(s.dp, s.pp, s.tp), rank, 120.0)
+    job = build_job(RunSpec(s, model, batch=batch, steps=a["steps"], seed=a["seed"], record=a["record"]),
+                    groups, recorder, torch.device("cpu"))
+    times = []
+    for step in range(a["steps"]):
+        data = job.batch(step)
+        time.sleep(a["gap_s"])
+        comm.barrier()
+        recorder.start_step(step)
+        t0, c0 = time.perf_counter(), time.process_time()
+        job.step(step, data)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+        recorder.drain()
+    comm.bind(None)
+    return times
+
+
+PLAIN = {"ddp": plain_ddp, "1f1b": plain_1f1b, "job": labkit_job}
 
 
 def _worker(rank: int, world: int, port: int, threads: int, commands, results) -> None:
@@ -115,11 +154,13 @@ class PlainTorch:
         for p in self.procs:
             p.start()
 
-    def run(self, name: str, a: dict) -> list[float]:
+    def run(self, name: str, a: dict) -> tuple[list[float], list[float]]:
+        """Wall and CPU seconds of each measured step (the slowest rank's), warm-up left out."""
         for q in self.commands:
             q.put((name, a))
-        per_rank = dict(self.results.get(timeout=600) for _ in range(self.world))
-        return [max(ts) for ts in zip(*per_rank.values())][1:]
+        per_rank = [times for _, times in sorted(self.results.get(timeout=600) for _ in range(self.world))]
+        steps = list(zip(*per_rank))[1:]
+        return [max(w for w, _ in ranks) for ranks in steps], [max(c for _, c in ranks) for ranks in steps]
 
     def close(self) -> None:
         for q in self.commands:
@@ -131,58 +172,76 @@ class PlainTorch:
 
 
 # -- labkit, on a lab's engines --------------------------------------------------------------
-def labkit_times(lab, variant: str, a: dict, record: bool) -> list[float]:
+def engine_times(lab, mode: str, a: dict, record: bool) -> tuple[list[float], list[float]]:
     model = labkit.models.mlp(width=a["width"], depth=a["depth"])
-    if variant == "1f1b":
-        s = labkit.Strategy(pp=lab.world_size, schedule="1f1b", microbatches=a["microbatches"])
-        run = lab.run(s, model=model, batch=a["pp_batch"], steps=a["steps"], seed=a["seed"], record=record)
+    if mode == "1f1b":
+        s, batch = labkit.Strategy(pp=lab.world_size, schedule="1f1b", microbatches=a["microbatches"]), a["pp_batch"]
     else:
-        s = labkit.Strategy(dp=lab.world_size, dp_mode=variant, bucket_mb=a["bucket_mb"])
-        run = lab.run(s, model=model, batch=a["batch"], steps=a["steps"], seed=a["seed"], record=record)
-    return run.step_times[1:]
+        s, batch = labkit.Strategy(dp=lab.world_size, dp_mode=mode, bucket_mb=a["bucket_mb"]), a["batch"]
+    run = lab.run(s, model=model, batch=batch, steps=a["steps"], seed=a["seed"], record=record)
+    return run.step_times[1:], []            # engines report wall time only
 
 
-VARIANTS = (  # (row label, plain torch comparator, labkit mode or None for torch itself, record)
-    ("torch DDP", "ddp", None, None),
-    ("labkit ddp", "ddp", "ddp", True), ("labkit ddp", "ddp", "ddp", False),
-    ("labkit overlap", "ddp", "overlap", True), ("labkit overlap", "ddp", "overlap", False),
-    ("torch Schedule1F1B", "1f1b", None, None),
-    ("labkit 1f1b", "1f1b", "1f1b", True), ("labkit 1f1b", "1f1b", "1f1b", False),
-)
+# (row, comparator, labkit mode or None for plain torch itself); labkit rows run recorded and not
+ROWS = (("torch DDP", "ddp", None), ("labkit ddp", "ddp", "ddp"), ("labkit overlap", "ddp", "overlap"),
+        ("torch Schedule1F1B", "1f1b", None), ("labkit 1f1b", "1f1b", "1f1b"))
+WHERE = ("engines", "plain process")      # labkit on ipyparallel engines; labkit's job alone
+
+
+def variants():
+    for row, comparator, mode in ROWS:
+        if mode is None:
+            yield row, comparator, mode, None, None
+            continue
+        for where in WHERE:
+            for record in (True, False):
+                yield row, comparator, mode, where, record
 
 
 def measure(args) -> dict:
     a = dict(width=args.width, depth=args.depth, batch=args.batch, bucket_mb=args.bucket_mb, steps=args.steps,
-             seed=0, pp_batch=args.pp_batch, microbatches=args.microbatches)
-    times = {v: [] for v in VARIANTS}
+             seed=0, pp_batch=args.pp_batch, microbatches=args.microbatches, gap_s=args.gap_ms / 1e3)
+    times = {v: ([], []) for v in variants()}
     with labkit.Lab.start(engines=args.ranks, timeout=120, progress=False) as lab:
         args.threads = lab.threads or 1
         plain = PlainTorch(args.ranks, args.threads)
         try:
             for r in range(args.rounds):
-                for v in VARIANTS:
-                    label, comparator, mode, record = v
-                    times[v] += plain.run(comparator, a) if mode is None else labkit_times(lab, mode, a, record)
+                for v in times:
+                    row, comparator, mode, where, record = v
+                    if mode is None:
+                        wall, cpu = plain.run(comparator, a)
+                    elif where == "engines":
+                        wall, cpu = engine_times(lab, mode, a, record)
+                    else:
+                        wall, cpu = plain.run("job", dict(a, mode=mode, record=record))
+                    times[v][0].extend(wall)
+                    times[v][1].extend(cpu)
                 print(f"round {r + 1}/{args.rounds} done", flush=True)
         finally:
             plain.close()
-    return {v: median(ts) for v, ts in times.items()}
+    return {v: (median(w), median(c) if c else None) for v, (w, c) in times.items()}
 
 
 def print_table(med: dict, args) -> None:
     print(f"\n{args.ranks} ranks, {args.threads} thread(s) per rank on both sides; "
           f"mlp width {args.width} depth {args.depth}; dp: batch {args.batch}, bucket {args.bucket_mb} MiB; "
           f"pp: batch {args.pp_batch}, {args.microbatches} micro-batches; "
-          f"{args.rounds} rounds × {args.steps - 1} measured steps; medians")
-    print(f"{'':20} {'step ms':>9} {'÷ torch':>8}   {'no-record ms':>12} {'÷ torch':>8}")
-    base = {"ddp": med[VARIANTS[0]], "1f1b": med[VARIANTS[5]]}
-    for label, comparator, mode, record in VARIANTS:
+          f"{args.rounds} rounds × {args.steps - 1} measured steps; medians of the slowest rank's step")
+    print(f"{'':34} {'recorded':>19}   {'not recorded':>19}   {'CPU ms ÷ torch':>15}")
+    print(f"{'':34} {'ms':>9} {'÷ torch':>9}   {'ms':>9} {'÷ torch':>9}   {'rec':>7} {'no rec':>7}")
+    base = {}
+    for v, (wall, cpu) in med.items():
+        row, comparator, mode, where, record = v
         if mode is None:
-            print(f"{label:20} {1e3 * med[label, comparator, mode, record]:9.2f} {1.0:8.3f}")
+            base[comparator] = (wall, cpu)
+            print(f"{row + ' (plain processes)':34} {1e3 * wall:9.2f} {1.0:9.3f}   {'':>9} {'':>9}   "
+                  f"{1e3 * cpu:7.2f}ms")
         elif record:
-            on, off = med[label, comparator, mode, True], med[label, comparator, mode, False]
-            b = base[comparator]
-            print(f"{label:20} {1e3 * on:9.2f} {on / b:8.3f}   {1e3 * off:12.2f} {off / b:8.3f}")
+            (on, on_cpu), (off, off_cpu) = med[v], med[row, comparator, mode, where, False]
+            b, b_cpu = base[comparator]
+            cpu_text = f"{on_cpu / b_cpu:7.3f} {off_cpu / b_cpu:7.3f}" if on_cpu is not None else ""
+            print(f"{row + ', ' + where:34} {1e3 * on:9.2f} {on / b:9.3f}   {1e3 * off:9.2f} {off / b:9.3f}   {cpu_text}")
 
 
 def main() -> None:
@@ -196,6 +255,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--gap-ms", type=float, default=10.0, help="rest before each plain torch step (see above)")
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print_table(measure(args), args)

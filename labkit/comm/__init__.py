@@ -118,13 +118,14 @@ class Handle:
         _record(self._ctx, self.entry, self._start, self._done_at)
         return self
 
-    def future(self) -> torch.futures.Future:
-        """A future resolving to the (reduced) tensors, for DDP communication hooks."""
+    def future(self, first: bool = False) -> torch.futures.Future:
+        """A future resolving to the (reduced) tensors (``first``: to the first one, as a DDP
+        communication hook must return), completion recorded in the same single callback."""
         def finish(fut):
             self._completed()
             self.entry["state"] = "done"
             _record(self._ctx, self.entry, self._start, self._done_at)
-            return fut.value()
+            return fut.value()[0] if first else fut.value()
         return self.work.get_future().then(finish)
 
 

@@ -76,7 +76,7 @@ class DataParallelJob:
         s, rec = self.spec.strategy, self.recorder
         x, y = batch
         total = 0.0
-        self.meter.live, self.meter.peak = {}, 0
+        self.meter.start_step()
         for mb, (xm, ym) in enumerate(zip(x.chunk(s.microbatches), y.chunk(s.microbatches))):
             rec.microbatch = mb
             # forward too inside: DDP decides in forward whether this backward reduces

@@ -24,6 +24,7 @@ from statistics import median
 
 import matplotlib
 import matplotlib.colors
+import matplotlib.figure
 from matplotlib.patches import Patch
 
 from ..analysis import metrics as _metrics
@@ -209,19 +210,47 @@ def _plain(value):
 
 
 def _new_figure(figsize, **kwargs):
-    """A pyplot figure that notebooks display exactly once.
+    """A pyplot figure that a notebook shows exactly once, with or without a trailing ``;``.
 
-    Under the inline backend a figure that is both open and returned shows twice (once at
-    the end of the cell, once as the cell's value), so there we close it: the returned
-    Figure still renders and saves. Interactive backends (ipympl) keep it open.
+    In a notebook (inline or ipympl backend) the figure stays open, so the backend shows it
+    at the end of the cell even when ``;`` hides the returned value; the returned
+    :class:`TimelineFigure` then displays nothing while pyplot still holds it (else it would
+    show twice), and shows normally once the backend has closed it (a later cell's ``fig``).
+    Scripts and tests (Agg and other file backends) get it closed: nothing piles up.
     """
     import matplotlib.pyplot as plt  # here, so importing labkit never picks a backend
 
-    fig, axes = plt.subplots(figsize=figsize, layout="constrained", **kwargs)
+    fig, axes = plt.subplots(figsize=figsize, layout="constrained", FigureClass=TimelineFigure, **kwargs)
     backend = matplotlib.get_backend().lower()
-    if "inline" in backend or backend in ("agg", "pdf", "svg", "ps", "cairo", "pgf"):
+    if backend in ("agg", "pdf", "svg", "ps", "cairo", "pgf", "template"):
         plt.close(fig)
     return fig, axes
+
+
+class TimelineFigure(matplotlib.figure.Figure):
+    """A Figure that does not display itself a second time while pyplot will show it."""
+
+    def _ipython_display_(self):
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        if plt.fignum_exists(getattr(self, "number", -1)):
+            return                            # still open: the backend shows it at the cell's end
+        display(_Shown(self))
+
+
+class _Shown:
+    """The figure's picture, for a figure pyplot no longer holds."""
+
+    def __init__(self, fig):
+        self.fig = fig
+
+    def _repr_png_(self):
+        import io
+
+        buf = io.BytesIO()
+        self.fig.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
 
 
 def _lane(ranks, rank: int, stream: str) -> int:

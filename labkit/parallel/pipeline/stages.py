@@ -236,7 +236,7 @@ class PipelineJob:
         x, y = batch
         self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
         self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
-        self.meter.live, self.meter.peak = {}, 0
+        self.meter.start_step()
         for action in self.actions:
             self.link.poll()
             getattr(self, "_" + action.op.lower())(action)
