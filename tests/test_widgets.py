@@ -154,3 +154,17 @@ def test_an_engine_failure_names_the_rank_and_leaves_the_dashboard_usable(lab2):
     assert again.state == "done" and len(again.run.losses) == 2
     assert f"run {again.number} done" in dash.status_text
     dash.close()
+
+
+class ClosedLab(NoEngines):
+    """What ``lab.close()`` leaves: no engines to call."""
+
+    closed = True
+
+
+def test_after_lab_close_the_dashboard_says_so_and_disables_run():
+    dash = Dashboard(ClosedLab(), model=MODEL, batch=32, auto=True, plot="image")
+    assert dash.run_button.disabled and dash.status_text == "the lab is closed: start a new one"
+    dash.controls["microbatches"].value = 2              # a change after close: no AttributeError
+    assert dash.run() is None and dash.run_button.disabled
+    dash.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 from concurrent import futures
 from typing import Callable
@@ -104,8 +103,10 @@ class Lab:
         return lab
 
     def _say(self, text: str, end: str = "\n") -> None:
-        if self._progress:
-            print(text, end=end, file=sys.stderr, flush=True)
+        if self._progress:     # one line updated in place in a notebook; stderr in a terminal
+            from ..view.status import StatusLine
+            self._status = getattr(self, "_status", None) or StatusLine()
+            self._status.say(text)
 
     def _attach(self, expected: int, targets=None) -> None:
         """Learn each engine's rank from its environment, then join the world group."""
@@ -362,6 +363,11 @@ class Lab:
             _stop_quietly(self.cluster)
             self.cluster = None
         self.view = None
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: the engines are gone, start a new lab."""
+        return self.client is None and self.view is None
 
     def __enter__(self) -> "Lab":
         return self
