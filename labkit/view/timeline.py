@@ -212,11 +212,10 @@ def _plain(value):
 def _new_figure(figsize, **kwargs):
     """A pyplot figure that a notebook shows exactly once, with or without a trailing ``;``.
 
-    In a notebook (inline or ipympl backend) the figure stays open, so the backend shows it
-    at the end of the cell even when ``;`` hides the returned value; the returned
-    :class:`TimelineFigure` then displays nothing while pyplot still holds it (else it would
-    show twice), and shows normally once the backend has closed it (a later cell's ``fig``).
-    Scripts and tests (Agg and other file backends) get it closed: nothing piles up.
+    In a notebook the figure stays open, so the backend shows it at the end of the cell even
+    when ``;`` hides the returned value. The returned :class:`TimelineFigure` shows itself at
+    most once (see there). Scripts and tests (Agg and other file backends) get it closed, so
+    figures do not pile up.
     """
     import matplotlib.pyplot as plt  # here, so importing labkit never picks a backend
 
@@ -228,15 +227,25 @@ def _new_figure(figsize, **kwargs):
 
 
 class TimelineFigure(matplotlib.figure.Figure):
-    """A Figure that does not display itself a second time while pyplot will show it."""
+    """A Figure that IPython displays once, whoever asks first.
+
+    Inline backend: both the cell's value and the end-of-cell flush display the figure; the
+    first one shows its picture and closes it in pyplot, so the other finds nothing to show.
+    ipympl: while the figure is open its canvas widget is already on screen, so the cell's
+    value adds nothing; once closed, it shows as a picture.
+    """
 
     def _ipython_display_(self):
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-        if plt.fignum_exists(getattr(self, "number", -1)):
-            return                            # still open: the backend shows it at the cell's end
+        is_open = plt.fignum_exists(getattr(self, "number", -1))
+        backend = matplotlib.get_backend().lower()
+        if is_open and ("ipympl" in backend or "widget" in backend):
+            return
         display(_Shown(self))
+        if is_open:
+            plt.close(self)
 
 
 class _Shown:
