@@ -47,6 +47,8 @@ OTHER_COLOR = "#666666"
 # Characters of x-small text that fit across a default-width figure: a span that is 10% of
 # the x range holds about 11; spans with room for fewer than 2 get no label.
 LABEL_CHARS_PER_AXIS = 110
+# Spans of one lane overlapping by less than this are drawn as touching, in one row.
+TOUCH_S = 50e-6
 
 
 class Timeline:
@@ -143,7 +145,9 @@ class Timeline:
         for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
             ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
         ax.set_xlim(0, extent or 1.0)
-        ax.set_xlabel("time (ms)")
+        spec = ax.get_subplotspec()
+        if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
+            ax.set_xlabel("time (ms)")
         ax.set_title(self._plot_title(step))
         kinds = {e["kind"] for e in events}
         ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
@@ -288,7 +292,9 @@ def _stack_overlaps(events, offsets) -> dict[int, tuple[int, int]]:
         rows_of = {}
         for e in lane:
             start = offsets[e["step"]] + e["start"]
-            row = next((i for i, end in enumerate(row_ends) if end <= start + 1e-12), len(row_ends))
+            # spans that only touch (a backward closing a few µs after the next one opened)
+            # share a row: stacking them would split every compute lane into slivers
+            row = next((i for i, end in enumerate(row_ends) if end <= start + TOUCH_S), len(row_ends))
             if row == len(row_ends):
                 row_ends.append(0.0)
             row_ends[row] = offsets[e["step"]] + e["end"]
@@ -312,17 +318,20 @@ def _draw_span(ax, ranks, e: dict, offset: float, extent: float | None, slot=(0,
                    edgecolor="white" if e["kind"] != "wait" else "#777777", linewidth=0.5,
                    hatch="//" if e["kind"] == "wait" else None)
     room = int(LABEL_CHARS_PER_AXIS * width / extent) if extent else 0
-    if room >= 2 and rows <= 3:
-        ax.text(start + width / 2, y, _span_label(e, room), ha="center", va="center",
+    label = _span_label(e, room)
+    if label and rows <= 3:
+        ax.text(start + width / 2, y, label, ha="center", va="center",
                 fontsize="x-small", color=_text_color(color), clip_on=True)
 
 
-def _span_label(e: dict, room: int) -> str:
-    """ "F3"/"B3" for a micro-batch's forward/backward, else the name cut to `room` chars."""
+def _span_label(e: dict, room: int) -> str | None:
+    """ "F3"/"B3" for a micro-batch's forward/backward, else the name; None when it does not
+    fit in ``room`` characters (a cut label, "0.…", reads as a different name)."""
     if e["kind"] in ("fwd", "bwd") and e.get("microbatch") is not None:
-        return f"{e['kind'][0].upper()}{e['microbatch']}"
-    name = e.get("name") or e["kind"]
-    return name if len(name) <= room else name[:room - 1] + "…"
+        label = f"{e['kind'][0].upper()}{e['microbatch']}"
+    else:
+        label = e.get("name") or e["kind"]
+    return label if len(label) <= room else None
 
 
 def _text_color(hex_color: str) -> str:
