@@ -157,3 +157,24 @@ def test_one_x_label_per_figure_of_stacked_panels():
         Timeline(two_rank_run()).plot(ax=ax)
     assert [ax.get_xlabel() for ax in axes] == ["", "", "time (ms)"]
     plt.close(fig)
+
+
+def test_a_label_that_stops_fitting_when_the_axis_widens_is_not_drawn():
+    events = [ev(0, "compute", "fwd", 0.0, 0.002, microbatch=0), ev(0, "compute", "bwd", 0.002, 0.004, microbatch=0)]
+    fig = Timeline(events, 1).plot()
+    ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    drawn = lambda: [t.get_text() for t in ax.texts if t.get_visible() and _draws(t, renderer)]
+    assert drawn() == ["F0", "B0"]
+    ax.set_xlim(0, 400)                       # the spans are now 1/200 of the axis
+    assert drawn() == []
+
+
+def _draws(text, renderer) -> bool:
+    """Whether ``text.draw`` puts anything on the canvas (a fitted label may decline)."""
+    from unittest import mock
+
+    with mock.patch("matplotlib.text.Text.draw") as base:
+        text.draw(renderer)
+    return base.called

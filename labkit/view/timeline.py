@@ -25,6 +25,7 @@ from statistics import median
 import matplotlib
 import matplotlib.colors
 import matplotlib.figure
+import matplotlib.text
 from matplotlib.patches import Patch
 
 from ..analysis import metrics as _metrics
@@ -320,8 +321,29 @@ def _draw_span(ax, ranks, e: dict, offset: float, extent: float | None, slot=(0,
     room = int(LABEL_CHARS_PER_AXIS * width / extent) if extent else 0
     label = _span_label(e, room)
     if label and rows <= 3:
-        ax.text(start + width / 2, y, label, ha="center", va="center",
-                fontsize="x-small", color=_text_color(color), clip_on=True)
+        ax.add_artist(_FittedLabel(start, width, y, label, color=_text_color(color)))
+
+
+class _FittedLabel(matplotlib.text.Text):
+    """A span's label that is drawn only if it fits inside its bar as finally drawn.
+
+    The bar's width on screen is known only at draw time: a notebook may widen the x range
+    afterwards (several panels on one time axis), and a label that fitted then overflows
+    into its neighbours. Checked against the rendered text's width, it is left out instead.
+    """
+
+    def __init__(self, start: float, width: float, y: float, label: str, color: str):
+        super().__init__(start + width / 2, y, label, ha="center", va="center", fontsize="x-small",
+                         color=color, clip_on=True)
+        self.span = (start, start + width)
+
+    def draw(self, renderer):
+        ax = self.axes
+        if ax is not None:
+            (x0, _), (x1, _) = ax.transData.transform([(self.span[0], 0), (self.span[1], 0)])
+            if self.get_window_extent(renderer).width > 0.95 * abs(x1 - x0):
+                return
+        super().draw(renderer)
 
 
 def _span_label(e: dict, room: int) -> str | None:
