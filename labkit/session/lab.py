@@ -13,7 +13,6 @@ holds the state and delegates each job to its own module: starting engines throu
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent import futures
@@ -27,6 +26,7 @@ from ..config import Strategy
 from ..errors import EngineDiedError, LabError
 from ..parallel.build import RunSpec
 from ..run.result import Run
+from ..view.status import StatusLine
 from . import calls
 from .launch import Launched, start_engines
 from .ranks import map_ranks, master_address
@@ -52,6 +52,7 @@ class Lab:
         self._launched = Launched("connect", None, client)
         self._holder: tuple[int, str] | None = None     # (thread id, what) of a run holding the lab
         self._hold_lock = threading.Lock()
+        self._status: StatusLine | None = None     # the progress line (view.status), made on first use
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
@@ -68,9 +69,10 @@ class Lab:
         """
         if not isinstance(engines, int) or engines < 1:
             raise ValueError(f"engines={engines!r} must be a whole number ≥ 1")
-        launched = start_engines(launcher, engines, start_timeout, progress, debug, **cluster_kwargs)
+        status = StatusLine() if progress else None        # one line for the whole start
+        launched = start_engines(launcher, engines, start_timeout, status and status.say, debug, **cluster_kwargs)
         lab = cls(launched.client, launched.cluster, timeout, threads=launched.threads, progress=progress)
-        lab.debug, lab._launched = debug, launched
+        lab.debug, lab._launched, lab._status = debug, launched, status
         try:
             lab._attach(expected=engines)
         except BaseException:
@@ -93,9 +95,10 @@ class Lab:
         lab._attach(expected=len(client.ids))
         return lab
 
-    def _say(self, text: str, end: str = "\n") -> None:
-        if self._progress:
-            print(text, end=end, file=sys.stderr, flush=True)
+    def _say(self, text: str) -> None:
+        if self._progress:     # one line updated in place in a notebook; stderr in a terminal
+            self._status = self._status or StatusLine()
+            self._status.say(text)
 
     def _attach(self, expected: int, targets=None) -> None:
         """Learn each engine's rank from its environment, then join the world group."""
@@ -324,6 +327,11 @@ class Lab:
             self._launched.stop()
             self.cluster = None
         self.view = None
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: the engines are gone, start a new lab."""
+        return self.client is None and self.view is None
 
     def __enter__(self) -> "Lab":
         return self
