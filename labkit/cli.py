@@ -129,7 +129,8 @@ def _report(run) -> None:
     m = run.metrics
     print(f"losses: {' '.join(f'{x:.5f}' for x in run.losses)}")
     print(f"step time {1e3 * m['step_time_s']:.2f} ms  throughput {m['throughput_samples_s']:.1f} samples/s")
-    for key in ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction"):
+    for key in ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction",
+                "schedule_bubble_fraction", "lab_overhead_fraction"):
         print(f"{key:>22}: {m[key]:.3f}")
     print(f"{'bytes_sent per rank':>22}: {[int(b) for b in m['bytes_sent']]}")
 

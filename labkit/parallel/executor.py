@@ -94,7 +94,7 @@ class Executor:
         self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
         self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
         self.input_grads, self.kept = {}, {}       # for SEND_B / a local turn; I's state for W
-        self.meter.live, self.meter.peak = {}, 0
+        self.meter.start_step()
         for action in self.actions:
             self.link.poll()
             getattr(self, self.HANDLERS[action.op])(action)

@@ -215,6 +215,9 @@ class Dashboard:
 
     def _check(self) -> RunSpec | None:
         """The spec the controls describe, or None after showing why it cannot run."""
+        if getattr(self.lab, "closed", False):     # lab.close() ran (notebook 05 ends with it)
+            self._set_problem("the lab is closed: start a new one")
+            return None
         try:
             spec = self.spec()
             validate(spec, self.lab.world_size)
