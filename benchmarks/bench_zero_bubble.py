@@ -17,6 +17,12 @@ comparators labkit's own schedules are held against. On the same model and batch
 Each figure is the median over rounds × steps of the slowest rank's step (barrier, step,
 optimizer step), first step of each run left out; variants interleave round by round so
 drifting machine load hits all alike.
+
+Then labkit's own ``schedule="1f1b" | "zb-h1" | "zbv"`` through ``lab.run`` (recording off),
+on the same mlp, batch and micro-batches, on ``pp`` local engines started after the torch
+processes have exited, with the ratio labkit ÷ torch per schedule (target ≤ 1.00). The two
+halves run one after the other, not interleaved (engines and plain processes on two cores
+at once would time each other), so load that drifts between them shows in the ratio.
 """
 from __future__ import annotations
 
@@ -140,6 +146,35 @@ def main() -> None:
                        start_method="spawn")
     results = dict(queue.get() for _ in range(args.pp))
     report(args, results)
+    report_labkit(args, results, run_labkit(args))
+
+
+def run_labkit(args) -> dict:
+    """labkit's executor on the same schedules: {schedule: measured step times (slowest rank)}."""
+    import labkit
+
+    times: dict[str, list[float]] = {}
+    with labkit.Lab.start(engines=args.pp, progress=False) as lab:
+        for _ in range(args.rounds):
+            for schedule in SCHEDULES:
+                s = labkit.Strategy(pp=args.pp, schedule=schedule, microbatches=args.microbatches,
+                                    chunks=2 if schedule == "zbv" else 1)
+                run = lab.run(s, model=labkit.models.mlp(width=args.width, depth=args.depth), batch=args.batch,
+                              steps=args.steps, lr=0.01, seed=0, record=False)
+                times.setdefault(schedule, []).extend(run.step_times[1:])
+    return times
+
+
+def report_labkit(args, results, times) -> None:
+    def torch_ms(schedule):
+        per_rank = [sum(results[r][("schedule", schedule)], []) for r in results]
+        return median(max(ts) for ts in zip(*per_rank)) * 1e3
+
+    print(f"\nlabkit's executor through lab.run (recording off), {args.pp} local engines, same mlp and batch")
+    print(f"{'schedule':>10} {'labkit ms':>10} {'torch ms':>9} {'labkit ÷ torch':>15}")
+    for schedule in SCHEDULES:
+        ours = median(times[schedule]) * 1e3
+        print(f"{schedule:>10} {ours:10.2f} {torch_ms(schedule):9.2f} {ours / torch_ms(schedule):15.3f}")
 
 
 def report(args, results) -> None:

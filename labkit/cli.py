@@ -2,6 +2,7 @@
 
     labkit run --engines 4 --dp 2 --pp 2 --schedule 1f1b --microbatches 8 --batch 64 \\
                --steps 5 --json run.json --trace trace.json --plot timeline.png
+    labkit run --tp 2 --model gpt --width 128 --depth 4 --batch 8 --lr 0.3
     labkit bench comm --engines 4 --max-mb 16 --json comm.json --plot comm.png
 """
 from __future__ import annotations
@@ -41,8 +42,12 @@ def _add_run(sub) -> None:
     p = sub.add_parser("run", help="train a model under a strategy on local engines and report")
     p.add_argument("--engines", type=int, default=None, help="local engines to start (default dp*pp*tp)")
     add_strategy_flags(p)
-    p.add_argument("--width", type=int, default=256, help="MLP width")
-    p.add_argument("--depth", type=int, default=8, help="MLP depth (Linear layers)")
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                   help="mlp (synthetic regression) or gpt (character-level text, cross-entropy)")
+    p.add_argument("--width", type=int, default=256, help="MLP width; GPT n_embd")
+    p.add_argument("--depth", type=int, default=8, help="MLP depth (Linear layers); GPT n_layer")
+    p.add_argument("--heads", type=int, default=4, help="GPT attention heads")
+    p.add_argument("--block-size", type=int, default=64, help="GPT context length (tokens)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.1)
@@ -63,13 +68,15 @@ def cmd_run(args) -> int:
         strategy = strategy_from_args(args)
         engines = strategy.world_size if args.engines is None else args.engines
         _check_options(args, engines)
-        model = labkit.models.mlp(width=args.width, depth=args.depth)
-        validate(RunSpec(strategy, model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed), engines)
+        model, data, loss = build_cli_model(args)
+        validate(RunSpec(strategy, model, data, loss, batch=args.batch, steps=args.steps, lr=args.lr,
+                         seed=args.seed), engines)
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
     with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
-        run = lab.run(strategy, model=model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed,
+        run = lab.run(strategy, model=model, data=data, loss=loss, batch=args.batch, steps=args.steps,
+                      lr=args.lr, seed=args.seed,
                       on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
     _report(run)
     if args.json:
@@ -106,11 +113,24 @@ def _check_writable(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: not writable; choose a path you can write to")
 
 
+def build_cli_model(args):
+    """(model, data, loss) for ``--model``: the MLP on synthetic data, or a GPT on text."""
+    import labkit
+
+    if args.model == "mlp":
+        return labkit.models.mlp(width=args.width, depth=args.depth), None, "mse"
+    data = labkit.data.text(batch=args.batch, block_size=args.block_size, seed=args.seed)
+    model = labkit.models.gpt(n_layer=args.depth, n_head=args.heads, n_embd=args.width,
+                              block_size=args.block_size, vocab_size=data.vocab_size)
+    return model, data, "cross_entropy"
+
+
 def _report(run) -> None:
     m = run.metrics
     print(f"losses: {' '.join(f'{x:.5f}' for x in run.losses)}")
     print(f"step time {1e3 * m['step_time_s']:.2f} ms  throughput {m['throughput_samples_s']:.1f} samples/s")
-    for key in ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction"):
+    for key in ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction",
+                "schedule_bubble_fraction", "lab_overhead_fraction"):
         print(f"{key:>22}: {m[key]:.3f}")
     print(f"{'bytes_sent per rank':>22}: {[int(b) for b in m['bytes_sent']]}")
 

@@ -8,7 +8,8 @@ Each field is declared once, with :func:`setting`: its docstring, its axis, its 
 how a control or a run label shows it. The CLI's flags (:func:`labkit.cli`), the dashboard's
 controls and run labels (:meth:`Strategy.label`) are derived from that metadata, so a new
 field is one declaration here. Each axis checks its own fields in its own package
-(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``);
+(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
+``labkit.parallel.tensor.axis.check_strategy``);
 ``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
@@ -24,7 +25,9 @@ from .parallel import data as _data
 from .parallel import pipeline as _pipeline
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
-from .parallel.tensor.plan import TP_MODES
+from .parallel import PRECISIONS, RECOMPUTE_MODES, check_compute
+from .parallel.tensor.axis import TP_MODES
+from .parallel.tensor.axis import check_strategy as _check_tensor
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS", "TP_MODES"]
 
@@ -33,7 +36,8 @@ def setting(default, doc: str, *, axis: str, choices=None, control=None, title: 
             label: str | None = None, show: str = "axis"):
     """A Strategy field and what every view needs to know about it.
 
-    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on) or "degrees".
+    ``axis``: "dp", "pp", "tp", "zero" (the field matters when that axis is on), "degrees", or
+    "compute" (how every stage computes: precision, recompute; always on).
     ``control``: how the dashboard shows it: "degree", "choice", "bool", ("int", lo, hi),
     ("log2", lo, hi), or None (no control; the CLI still has a flag).
     ``label``: a format for run labels ("dp={}"); ``show``: "always", "axis" (while the axis
@@ -54,18 +58,6 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"Strategy.{name}={value!r} must be a whole number ≥ 1")
 
 
-def _check_tensor(s) -> None:
-    # The tp axis's settings; the plan against the model is checked once the model is known
-    # (labkit.parallel.tensor.check_tensor_parallel, from labkit.run.runner.validate).
-    if not isinstance(s.sequence_parallel, bool):
-        raise ValueError(f"Strategy.sequence_parallel={s.sequence_parallel!r} must be True or False")
-    if s.sequence_parallel and s.tp_mode != "megatron":
-        raise ValueError("Strategy.sequence_parallel is built for tp_mode='megatron' only; use that mode")
-    if s.tp > 1 and s.tp_mode == "dtensor" and s.dp > 1:
-        raise ValueError("Strategy.tp_mode='dtensor' with dp > 1: labkit's gradient sync averages plain "
-                         "tensors, not DTensor shards; use tp_mode='megatron' with dp, or dp=1")
-
-
 def _check_zero(s) -> None:
     # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
     if type(s.zero) is not int or s.zero != 0:
@@ -73,7 +65,7 @@ def _check_zero(s) -> None:
 
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,8 +76,14 @@ class Strategy:
                       axis="degrees", control="degree", label="dp={}", show="always")
     pp: int = setting(1, "Pipeline-parallel degree: consecutive blocks of the model on different ranks.",
                       axis="degrees", control="degree", label="pp={}")
-    tp: int = setting(1, "Tensor-parallel degree: each planned layer split over tp ranks (the model's tp_plan).",
+    tp: int = setting(1, "Tensor-parallel degree: each layer's matrices split over tp ranks (Megatron-LM).",
                       axis="degrees", control="degree", label="tp={}")
+    tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': f/g over labkit.comm, on the "
+                                       "timeline) or torch's parallelize_module ('dtensor').", axis="tp",
+                           choices=TP_MODES, control="choice", title="tp mode", label="{}")
+    sequence_parallel: bool = setting(False, "Megatron mode: LayerNorm regions cut along the sequence "
+                                             "(all-gather / reduce-scatter in place of f and g).", axis="tp",
+                                      control="bool", title="sequence parallel", label="sp", show="changed")
     zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
                         axis="zero", label="zero={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,
@@ -108,12 +106,6 @@ class Strategy:
                                          "bf16, int8 and fp8 in the bucketed and overlap modes, powersgd in ddp "
                                          "(torch's fp16/bf16 DDP hooks have none).", axis="dp", control="bool",
                                    title="error feedback", label="error_feedback={}", show="changed")
-    tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': labkit's f/g layers, on the "
-                                       "timeline) or torch's ('dtensor': parallelize_module).", axis="tp",
-                           choices=TP_MODES, control="choice", title="tp mode", label="{}")
-    sequence_parallel: bool = setting(False, "Megatron mode: also cut the LayerNorm regions along the sequence "
-                                             "(the model's sp_plan).", axis="tp", control="bool",
-                                      title="sequence parallel", label="sp", show="changed")
     split_at: tuple[int, ...] = setting((), "Pipeline stage boundaries: the block indices where stages 1, 2, … "
                                             "start (pp·chunks − 1 of them); empty means balanced by parameter "
                                             "count (interleaved: equal block counts).", axis="pp",
@@ -123,6 +115,13 @@ class Strategy:
                                           "own rows (torch's default under DDP, a different model). See "
                                           "labkit.parallel.data.batchnorm.", axis="dp", control="bool",
                                    title="sync batch norm", label="sync_batchnorm={}", show="changed")
+    # How each stage computes, whatever the degrees (labkit.parallel.precision, .recompute).
+    precision: str = setting("fp32", "Compute precision under autocast, fp32 master weights: fp32, bf16, or fp16 "
+                                     "(dynamic loss scaling; skipped steps in run.metrics).", axis="compute",
+                             choices=PRECISIONS, control="choice", label="{}", show="changed")
+    recompute: str = setting("none", "Activation recomputation per stage: none, full (every block) or selective "
+                                     "(submodules named 'core': attention's softmax region).", axis="compute",
+                             choices=RECOMPUTE_MODES, control="choice", label="recompute={}", show="changed")
 
     def __post_init__(self) -> None:
         for f in fields(self):

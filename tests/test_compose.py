@@ -36,12 +36,6 @@ def test_zero_bubble_with_overlapped_data_parallel_buckets(lab4):
     assert run.max_diff(labkit.reference(MLP, batch=16, steps=3, seed=4)) < 1e-5
 
 
-def test_tied_weights_across_stages_are_refused_before_the_engines():
-    from labkit.parallel.build import RunSpec
-    from labkit.run.runner import validate
-
-    spec = RunSpec(labkit.Strategy(pp=2, microbatches=2), GPT, DATA, "cross_entropy", batch=8)
-    with pytest.raises(ValueError, match="tied weight split across pipeline stages"):
-        validate(spec, engines=2)
+def test_ddp_with_a_split_backward_is_refused_before_the_engines():
     with pytest.raises(ValueError, match="dp_mode='ddp'"):
         labkit.Strategy(dp=2, pp=2, schedule="zb-h1", dp_mode="ddp")

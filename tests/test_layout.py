@@ -161,6 +161,8 @@ def test_each_axis_checks_its_own_fields_through_strategy():
         Strategy(pp=2, split_at=(2, 1))
     with pytest.raises(ValueError, match=r"Strategy\.sequence_parallel"):   # the tp axis's rule
         Strategy(tp=2, tp_mode="dtensor", sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"Strategy\.tp_mode"):                # the tp axis's rule
+        Strategy(dp=2, tp=2, tp_mode="dtensor")
     with pytest.raises(ValueError, match=r"Strategy\.zero"):
         Strategy(zero=1)
     assert dataclasses.replace(Strategy(pp=2), split_at=[2]).split_at == (2,)

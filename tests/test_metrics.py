@@ -50,9 +50,9 @@ def test_total_intersection_and_difference():
 
 # --- step metrics ---------------------------------------------------------------------------
 
-def test_keys_are_the_design_table_plus_bytes_total():
+def test_keys_are_the_design_table_plus_bytes_total_and_the_idle_split():
     m = step_metrics([ev(0, "compute", "fwd", 0, 1)], world_size=1, global_batch=8)
-    assert set(m) == DESIGN_KEYS | {"bytes_sent_total"}
+    assert set(m) == DESIGN_KEYS | {"bytes_sent_total", "schedule_bubble_fraction", "lab_overhead_fraction"}
 
 
 def test_fully_overlapped_comm():
@@ -171,3 +171,52 @@ def test_speedup():
     s = speedup(step_time_1=8.0, step_time_n=2.5, n=4)
     assert s["speedup"] == pytest.approx(3.2)
     assert s["scaling_efficiency"] == pytest.approx(0.8)
+
+
+# --- idle time split three ways: schedule bubble, exposed comm, lab overhead ----------------
+
+def test_idle_splits_into_schedule_bubble_exposed_comm_and_lab_overhead():
+    # One rank, T = 10: compute 0–2 and 5–7, a gap 2–3 (overhead), a wait for a peer 3–4,
+    # a receive 4–5 (comm, exposed), the optimizer 7–8, then done until the step ends at 10
+    # (another rank ends then): tail 8–10.
+    events = [ev(0, "compute", "fwd", 0, 2), ev(0, "comm", "wait", 3, 4, peer=1),
+              ev(0, "comm", "recv", 4, 5, peer=1), ev(0, "compute", "bwd", 5, 7),
+              ev(0, "compute", "optimizer", 7, 8), ev(1, "compute", "fwd", 0, 10)]
+    r0 = per_rank_metrics(events, rank=0, step=0)
+    assert r0["exposed_comm_fraction"] == pytest.approx(0.1)
+    assert r0["schedule_bubble_fraction"] == pytest.approx(0.3)    # wait 3–4 and tail 8–10
+    assert r0["lab_overhead_fraction"] == pytest.approx(0.1)       # the gap 2–3
+    assert r0["bubble_fraction"] == pytest.approx(0.4)             # bubble + overhead, as before
+    busy_compute = 5 / 10
+    assert (busy_compute + r0["exposed_comm_fraction"] + r0["schedule_bubble_fraction"]
+            + r0["lab_overhead_fraction"]) == pytest.approx(1.0)
+
+
+def test_comm_inside_a_wait_or_the_tail_is_comm_not_bubble():
+    # A late send completing (comm, 6–8) after the rank's compute and a wait overlapping compute.
+    events = [ev(0, "compute", "fwd", 0, 6), ev(0, "comm", "wait", 5, 7, peer=1),
+              ev(0, "comm", "send", 6, 8, peer=1), ev(1, "compute", "fwd", 0, 10)]
+    r0 = per_rank_metrics(events, rank=0, step=0)
+    assert r0["exposed_comm_fraction"] == pytest.approx(0.2)
+    assert r0["schedule_bubble_fraction"] == pytest.approx(0.2)    # tail 8–10 only
+    assert r0["lab_overhead_fraction"] == pytest.approx(0.0)
+
+
+def test_gpipe_with_per_action_overhead_counts_it_apart_from_the_bubble():
+    # GPipe p=2 m=2 (unit forwards, backward 1), every action followed by 0.5 of harness
+    # work: the schedule bubble stays where the waits put it, the rest is overhead.
+    events = gpipe_events(2, 2)
+    # each unit of schedule time before an action adds 0.5 of overhead; spans keep their length
+    shifted = [dict(e, start=1.5 * e["start"], end=1.5 * e["start"] + e["end"] - e["start"]) for e in events]
+    m = step_metrics(shifted, world_size=2, global_batch=4)
+    assert m["step_time_s"] == pytest.approx(8.5)                  # last B of stage 0 starts at 5·1.5
+    assert m["bubble_fraction"] == pytest.approx(m["schedule_bubble_fraction"] + m["lab_overhead_fraction"])
+    assert m["lab_overhead_fraction"] > 0.1
+    assert m["schedule_bubble_fraction"] < m["bubble_fraction"]
+
+
+def test_a_rank_with_no_events_waited_the_whole_step():
+    events = [ev(0, "compute", "fwd", 0, 4)]
+    m = step_metrics(events, world_size=2, global_batch=1)
+    assert m["schedule_bubble_fraction"] == pytest.approx(0.5)
+    assert m["lab_overhead_fraction"] == pytest.approx(0.0)

@@ -126,3 +126,55 @@ def test_compare_shares_the_time_axis():
     assert ax_a.get_title().startswith("GPipe") and ax_b.get_title().startswith("1F1B")
     assert len(lanes(ax_a)) == len(lanes(ax_b)) == 4
     fig.savefig(io.BytesIO(), format="png")
+
+
+def bar_heights(ax):
+    return sorted({round(p.get_paths()[0].get_extents().height, 6) for p in ax.collections})
+
+
+def test_touching_spans_share_a_row_and_overlapping_ones_stack():
+    touching = [ev(0, "compute", "bwd", 0.0, 0.001005, microbatch=0),       # ends 5 µs after the next starts
+                ev(0, "compute", "bwd", 0.001, 0.002, microbatch=1)]
+    fig = Timeline(touching, 1).plot()
+    assert bar_heights(fig.axes[0]) == [pytest.approx(0.8)]              # one full-height row
+    buckets = [ev(0, "comm", "allreduce", 0.0, 0.002), ev(0, "comm", "allreduce", 0.001, 0.003)]
+    assert bar_heights(Timeline(buckets, 1).plot().axes[0]) == [pytest.approx(0.4)]   # two rows
+
+
+def test_labels_that_do_not_fit_are_left_out_not_cut():
+    events = [ev(0, "comm", "allreduce", 0.0, 0.0001), ev(0, "compute", "fwd", 0.0, 0.01, microbatch=3)]
+    events[0]["name"] = "a rather long bucket name"
+    texts = [t.get_text() for t in Timeline(events, 1).plot().axes[0].texts]
+    assert texts == ["F3"]
+    assert not any("…" in t for t in texts)
+
+
+def test_one_x_label_per_figure_of_stacked_panels():
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, sharex=True)
+    for ax in axes:
+        Timeline(two_rank_run()).plot(ax=ax)
+    assert [ax.get_xlabel() for ax in axes] == ["", "", "time (ms)"]
+    plt.close(fig)
+
+
+def test_a_label_that_stops_fitting_when_the_axis_widens_is_not_drawn():
+    events = [ev(0, "compute", "fwd", 0.0, 0.002, microbatch=0), ev(0, "compute", "bwd", 0.002, 0.004, microbatch=0)]
+    fig = Timeline(events, 1).plot()
+    ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    drawn = lambda: [t.get_text() for t in ax.texts if t.get_visible() and _draws(t, renderer)]
+    assert drawn() == ["F0", "B0"]
+    ax.set_xlim(0, 400)                       # the spans are now 1/200 of the axis
+    assert drawn() == []
+
+
+def _draws(text, renderer) -> bool:
+    """Whether ``text.draw`` puts anything on the canvas (a fitted label may decline)."""
+    from unittest import mock
+
+    with mock.patch("matplotlib.text.Text.draw") as base:
+        text.draw(renderer)
+    return base.called

@@ -74,6 +74,7 @@ def test_slider_change_reruns_and_redraws_with_the_new_settings(lab2):
     assert dash.run() == "started"
     first = dash.wait(DEADLINE)
     assert first.state == "done" and len(first.run.losses) == 2
+    assert len(first.run.step_times) == 2 and min(first.run.step_times) > 0   # the one driver fills them
     assert fwd_per_rank(first) == {0: 1, 1: 1}
     image, table = bytes(dash.timeline_view.widget.value), dash.metrics.value
     assert image.startswith(b"\x89PNG") and "step time" in table
@@ -200,3 +201,17 @@ def test_a_collective_timeout_in_the_dashboard_is_handled_as_in_lab_run(lab2):
     finally:
         dash.close()
         lab2.timeout = 30                 # the shared lab's own timeout (a fresh store next call)
+
+
+class ClosedLab(NoEngines):
+    """What ``lab.close()`` leaves: no engines to call."""
+
+    closed = True
+
+
+def test_after_lab_close_the_dashboard_says_so_and_disables_run():
+    dash = Dashboard(ClosedLab(), model=MODEL, batch=32, auto=True, plot="image")
+    assert dash.run_button.disabled and dash.status_text == "the lab is closed: start a new one"
+    dash.controls["microbatches"].value = 2              # a change after close: no AttributeError
+    assert dash.run() is None and dash.run_button.disabled
+    dash.close()

@@ -54,6 +54,8 @@ class Kind:
     call: str | None = None
     """The labkit.comm function that records it (comm kinds)."""
     description: str = ""
+    waits: bool = False
+    """Time spent waiting for a peer: schedule bubble in the metrics, never comm."""
 
 
 # Colours: Okabe & Ito (2008), colour-blind safe, topped up from Paul Tol's muted scheme.
@@ -70,15 +72,17 @@ _ROWS = (
     Kind("broadcast", "comm", "#F0E442", True, "broadcast"),
     Kind("send", "comm", "#882255", True, "send"),
     Kind("recv", "comm", "#44AA99", False, "recv"),
-    Kind("wait", "comm", "#BBBBBB", False, description="a receive before its sender posted (bubble)"),
+    Kind("wait", "comm", "#BBBBBB", False, description="a receive before its sender posted (bubble)",
+         waits=True),
     Kind("compress", "compute", "#999933", description="shrinking a bucket before it is sent"),
     Kind("decompress", "compute", "#DDCC77", description="restoring a received bucket"),
 )
 KINDS: dict[str, Kind] = {k.name: k for k in _ROWS}
 OTHER_COLOR = "#666666"      # a kind outside the table (user code): drawn, never dropped
 
-# Kinds whose bytes left this rank (metrics' bytes_sent).
+# Kinds whose bytes left this rank (metrics' bytes_sent); kinds that wait for a peer (bubble).
 SEND_KINDS = frozenset(k.name for k in _ROWS if k.moves_bytes)
+WAIT_KINDS = frozenset(k.name for k in _ROWS if k.waits)
 _BY_CALL = {k.call: k.name for k in _ROWS if k.call}
 
 

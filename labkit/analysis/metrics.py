@@ -21,6 +21,20 @@ included) is comm. From those sets:
     overlap_fraction      |X ∩ C| / |X|      HTA's "comm/compute overlap"; 0 with no comm
     bubble_fraction       (T − |C ∪ X|) / T  idle: neither computing nor communicating
 
+Idle time on the compute lane, T − |C|, splits three ways (the first is the one above):
+
+    exposed_comm_fraction     |X − C| / T                comm the compute lane waited out
+    schedule_bubble_fraction  |(W ∪ tail) − (C ∪ X)| / T waiting for a peer: W = union of
+                              ``wait`` spans (a receive before its sender posted), tail = from
+                              the rank's last event to T (done, the step not yet over)
+    lab_overhead_fraction     the rest of (T − |C ∪ X|) / T: gaps between actions that are
+                              neither, i.e. the harness's own per-action work (Python, hooks)
+
+so ``bubble_fraction = schedule_bubble_fraction + lab_overhead_fraction``. With tiny
+micro-batches the per-action overhead is a large share of the step; a lab that calls it all
+bubble teaches that the bubble does not shrink with m (FACTS.md, "The lab as a measuring
+instrument").
+
 T is the step's duration rather than the rank's own last end because a rank that finishes
 early still idles until the step ends; with per-rank T the last pipeline stage's idle tail
 would vanish and GPipe's bubble would not come out as (p−1)/(m+p−1) (GPipe, Huang et al.
@@ -36,11 +50,13 @@ from statistics import mean, median
 
 Span = tuple[float, float]
 
-# Kinds whose `bytes` left this rank (the kind table's moves_bytes): recv counts on the
-# sender's side, wait moves nothing, and compress is compute that shrinks what is sent.
-from .events import SEND_KINDS  # noqa: E402
+# From the kind table: kinds whose `bytes` left this rank (moves_bytes: recv counts on the
+# sender's side, wait moves nothing, compress is compute that shrinks what is sent), and
+# kinds that wait for a peer (waits: bubble, never comm).
+from .events import SEND_KINDS, WAIT_KINDS  # noqa: E402
 
-FRACTION_KEYS = ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction")
+FRACTION_KEYS = ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction",
+                 "schedule_bubble_fraction", "lab_overhead_fraction")
 
 
 # --- interval arithmetic on sorted, disjoint unions ----------------------------------------
@@ -88,7 +104,7 @@ def difference_length(a, b) -> float:
 
 def is_comm(event: dict) -> bool:
     """True for time spent communicating: comm stream, not waiting for a peer."""
-    return event["stream"] == "comm" and event["kind"] != "wait"
+    return event["stream"] == "comm" and event["kind"] not in WAIT_KINDS
 
 
 def step_duration(step_events) -> float:
@@ -104,6 +120,8 @@ def _rank_metrics(step_events, rank: int, duration: float) -> dict:
     comm_len = total(comm)
     both = intersection_length(comm, compute)
     busy = total(compute + comm)
+    waiting = _waiting(mine, duration)
+    schedule_bubble = difference_length(waiting, compute + comm)
     per_t = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     return {
         "step_time_s": duration,
@@ -111,8 +129,17 @@ def _rank_metrics(step_events, rank: int, duration: float) -> dict:
         "exposed_comm_fraction": per_t(comm_len - both),
         "overlap_fraction": both / comm_len if comm_len > 0 else 0.0,
         "bubble_fraction": per_t(duration - busy),
+        "schedule_bubble_fraction": per_t(schedule_bubble),
+        "lab_overhead_fraction": per_t(max(0.0, duration - busy - schedule_bubble)),
         "bytes_sent": sum(int(e.get("bytes") or 0) for e in mine if e["kind"] in SEND_KINDS),
     }
+
+
+def _waiting(mine, duration: float) -> list[Span]:
+    """Where this rank waited for others: its ``wait`` spans, and from its last event to T."""
+    spans = [(e["start"], e["end"]) for e in mine if e["kind"] in WAIT_KINDS]
+    last = max((float(e["end"]) for e in mine), default=0.0)
+    return spans + [(last, duration)]
 
 
 def per_rank_metrics(events, rank: int, step: int) -> dict:
@@ -120,7 +147,7 @@ def per_rank_metrics(events, rank: int, step: int) -> dict:
 
     `events` may hold every rank and step: T comes from all ranks of `step`.
     Returns step_time_s, comm_fraction, exposed_comm_fraction, overlap_fraction,
-    bubble_fraction and bytes_sent.
+    bubble_fraction, schedule_bubble_fraction, lab_overhead_fraction and bytes_sent.
     """
     step_events = [e for e in events if e["step"] == step]
     return _rank_metrics(step_events, rank, step_duration(step_events))

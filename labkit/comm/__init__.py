@@ -110,10 +110,11 @@ def wire_bytes(op: str, nbytes: int, n: int) -> int:
 class Handle:
     """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
 
-    def __init__(self, ctx: CommContext, entry: dict, work, start):
+    def __init__(self, ctx: CommContext, entry: dict, work, start, watch: bool = True):
         self._ctx, self.entry, self.work, self._start = ctx, entry, work, start
         self._done_at = None
-        if work is not None and ctx.recorder.enabled and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
+        if (watch and work is not None and ctx.recorder.enabled and not ctx.recorder.cuda
+                and entry["op"] not in ("send", "recv")):
             # gloo completes collectives on its own thread: note when, without blocking.
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())
@@ -133,13 +134,14 @@ class Handle:
         _record(self._ctx, self.entry, self._start, self._done_at)
         return self
 
-    def future(self) -> torch.futures.Future:
-        """A future resolving to the (reduced) tensors, for DDP communication hooks."""
+    def future(self, first: bool = False) -> torch.futures.Future:
+        """A future resolving to the (reduced) tensors (``first``: to the first one, as a DDP
+        communication hook must return), completion recorded in the same single callback."""
         def finish(fut):
             self._completed()
             self.entry["state"] = "done"
             _record(self._ctx, self.entry, self._start, self._done_at)
-            return fut.value()
+            return fut.value()[0] if first else fut.value()
         return self.work.get_future().then(finish)
 
 
@@ -182,7 +184,7 @@ def _guard(ctx: CommContext, entry: dict, call):
 
 # -- issuing --------------------------------------------------------------------------------
 def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
-           async_op: bool):
+           async_op: bool, watch: bool = True):
     ctx = context()
     if op != "barrier":
         if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
@@ -213,10 +215,16 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     else:
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
-    handle = Handle(ctx, entry, work, start)
+    handle = Handle(ctx, entry, work, start, watch)
     if ctx.comm_stream is not None and work is not None:
         handle._done_at = end
-    return handle if async_op else handle.wait()
+    if async_op:
+        return handle
+    handle.wait()
+    # The caller blocked here: a compute span around this call (a forward holding a tensor-
+    # parallel all-reduce) is cut around it, so the wait counts as exposed comm, not compute.
+    ctx.recorder.blocked(start, ctx.recorder.mark())
+    return handle
 
 
 def _channel(rank: int, op: str, ranks: list[int], peer, world: bool) -> str:
@@ -237,6 +245,16 @@ def all_reduce(tensor, group=None, name="", op="sum", async_op=False, microbatch
     nbytes = wire_bytes("allreduce", tensor.numel() * tensor.element_size(), _group_size(group))
     return _issue("all_reduce", tensor, group, name, None, microbatch, nbytes,
                   lambda: dist.all_reduce(tensor, op=OPS[op], group=group, async_op=True), async_op)
+
+
+def all_reduce_future(tensor, group=None, name="") -> torch.futures.Future:
+    """Start a sum all-reduce of ``tensor``; a future of the reduced tensor, as a DDP comm hook
+    returns. Its completion is noted by that future's one callback (no second watcher: a
+    Python callback per bucket is paid on gloo's thread, under the GIL)."""
+    nbytes = wire_bytes("allreduce", tensor.numel() * tensor.element_size(), _group_size(group))
+    handle = _issue("all_reduce", tensor, group, name, None, None, nbytes,
+                    lambda: dist.all_reduce(tensor, group=group, async_op=True), True, watch=False)
+    return handle.future(first=True)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", async_op=False):

@@ -207,6 +207,10 @@ def demo(algorithm: str, numel: int, ranks: int | None = None, repeats: int = 1,
             for _ in range(repeats):
                 x = x0.clone()
                 rec.enabled = True
+                # Clocks aligned as in a training step: every member starts its clock as the
+                # barrier releases it, so one rank's sends and another's receives share a zero
+                # (without it the server's sends appeared after the workers' pulls had ended).
+                dist.barrier(group=group)
                 rec.start_step(0)
                 t0 = time.perf_counter()
                 all_reduce(x, algorithm, group)

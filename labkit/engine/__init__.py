@@ -167,7 +167,9 @@ def setup_run(spec, run_id: str | None = None) -> dict:
     s.run_id = run_id
     from ..analysis.drift import build_step_snapshots
     s.snapshots = build_step_snapshots(s.job) if spec.extra.get("snapshots") else None
-    return {"rank": s.rank, "params": sum(p.numel() for p in s.job.model.parameters()), "warnings": caught}
+    local = [getattr(p, "_local_tensor", p) for p in s.job.model.parameters()]    # a DTensor: its shard
+    return {"rank": s.rank, "params": sum(t.numel() for t in local),
+            "parameter_bytes": sum(t.numel() * t.element_size() for t in local), "warnings": caught}
 
 
 def run_step(step: int, run_id: str | None = None) -> dict:

@@ -64,6 +64,14 @@ class ParallelDims:
     def tp_groups(self) -> list[list[int]]:
         return [[self.rank_of(d, p, t) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
 
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last rank of each pipeline (Megatron's embedding group): with a tied
+        embedding and head they hold the two copies, whose gradients are summed."""
+        if self.pp == 1:
+            return []
+        return [[self.rank_of(d, 0, t), self.rank_of(d, self.pp - 1, t)] for d in range(self.dp)
+                for t in range(self.tp)]
+
 
 @dataclass
 class ProcessGroups:
@@ -77,6 +85,8 @@ class ProcessGroups:
     dp_ranks: list[int]
     pp_ranks: list[int]
     tp_ranks: list[int]
+    embedding: object = None              # this rank's embedding group, if it is in one
+    embedding_ranks: list[int] | None = None
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -88,11 +98,12 @@ def build_groups(dims: ParallelDims, rank: int, timeout_s: float, backend: str |
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    mine = {}
-    for kind, groups in (("dp", dims.dp_groups()), ("pp", dims.pp_groups()), ("tp", dims.tp_groups())):
+    mine = {"embedding": (None, None)}
+    for kind, groups in (("dp", dims.dp_groups()), ("pp", dims.pp_groups()), ("tp", dims.tp_groups()),
+                         ("embedding", dims.embedding_groups())):
         for ranks in groups:
             group = dist.new_group(ranks, timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[kind] = (group, ranks)
     return ProcessGroups(dims, rank, mine["dp"][0], mine["pp"][0], mine["tp"][0],
-                         mine["dp"][1], mine["pp"][1], mine["tp"][1])
+                         mine["dp"][1], mine["pp"][1], mine["tp"][1], *mine["embedding"])

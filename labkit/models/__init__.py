@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .gpt import GPT, gpt  # noqa: F401  (the transformer the course trains on text)
+from .sample import generate, validation_loss  # noqa: F401  (a trained GPT's text and held-out loss)
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 

@@ -9,8 +9,13 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
-   dp = 1: none; sharding slots in here later);
-5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions.
+   dp = 1: none; sharding slots in here later), and for a weight tied across the first and
+   last stage, the embedding group's sum (:mod:`.pipeline.tied`);
+5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions, with
+   the run's precision (autocast, fp16 loss scaling: :mod:`.precision`).
+
+Activation recomputation (:mod:`.recompute`) is applied per stage in step 4, before the sync
+wraps the stage's blocks.
 
     >>> job = build_job(spec, groups, recorder, device)     # engine side (labkit.engine.setup_run)
 """
@@ -28,6 +33,9 @@ from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
+from .precision import build_precision
+from .recompute import apply_recompute
+from .pipeline.tied import build_tied_sync
 
 
 
@@ -46,27 +54,35 @@ class RunSpec:
     seed: int = 0
     record: bool = True
     extra: dict = field(default_factory=dict)
-    tp_plan: dict | None = None      # None: the model's own tp_plan
     allow_nonfinite: bool = False
     """Carry on through NaN/inf losses (by default the first one stops the run, naming its step)."""
+    tp_plan: dict | None = None   # tensor-parallel plan (DTensor's convention); None: the model's tp_plan
 
 
 def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None) -> Executor:
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     s = spec.strategy
-    dp_index, pp_index, _ = groups.coords
+    dp_index, pp_index, tp_index = groups.coords
     full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
+    held = my_stages(s, pp_index)
     stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
-              for c, g in enumerate(my_stages(s, pp_index))]
+              for c, g in enumerate(held)]
+    tied = build_tied_sync(full, blocks, held, groups)                     #    + the embedding group
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
+    if s.precision == "fp16" and not params:      # its scaler would miss the overflow vote
+        raise ValueError(f"Strategy.precision='fp16': pipeline rank {pp_index} holds no trainable parameters, "
+                         "so it cannot join the loss scaler's overflow check; move a block with "
+                         "parameters onto it (Strategy.split_at) or use precision='bf16'")
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
         build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
-        recorder, device, dp_index, owns_parameters=dp_index == 0, report=build_report(s, groups))
+        recorder, device, dp_index, owns_parameters=dp_index == 0, tied=tied,
+        tp_group=groups.tp if s.tp > 1 else None, tp_index=tp_index,
+        precision=build_precision(s.precision, device))                    # autocast, loss scaling
 
 
 def p2p_tag(run_id: str | None) -> int:
@@ -76,31 +92,16 @@ def p2p_tag(run_id: str | None) -> int:
     return int(run_id[:7], 16) if run_id else 0
 
 
-def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan=None) -> nn.Sequential:
-    """Step 2: split the planned layers over the tp group (``plan``: the model's ``tp_plan``
-    unless given); ``tp == 1`` leaves the model whole. The whole model was built under the
-    seed first, so each rank cuts its shard from the reference's weights."""
+
+def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan: dict | None = None) -> nn.Sequential:
+    """Step 2: split the planned layers over the tp group (Megatron's f/g layers or DTensor's
+    ``parallelize_module``); ``tp == 1`` leaves it whole. The model holds the seeded whole
+    weights, so every tp rank cuts its shard from the reference's tensors."""
     if strategy.tp == 1:
         return model
     from .tensor import build_tensor_parallel
-    return build_tensor_parallel(model, strategy.tp_mode, groups.tp, groups.coords[2], strategy.tp,
-                                 plan=plan, sequence_parallel=strategy.sequence_parallel)
-
-
-def build_report(strategy: Strategy, groups):
-    """How this rank's part becomes ``run.parameters()``: its tensors as they are, or with
-    tp > 1 the shards gathered over the tp group (every tp rank takes part; tp index 0 reports)."""
-    def plain(model: nn.Module) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-    if strategy.tp == 1:
-        return plain
-
-    def gathered(model: nn.Module) -> dict:
-        from .tensor import full_state_dict
-        state = full_state_dict(model, groups.tp)
-        return state if groups.coords[2] == 0 else {}
-    return gathered
+    return build_tensor_parallel(model, strategy.tp_mode, groups.tp, groups.coords[2], strategy.tp, plan,
+                                 sequence_parallel=strategy.sequence_parallel)
 
 
 def build_batchnorm(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
@@ -135,6 +136,9 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
     for i in blocks:                   # keep the full model's indices: same state_dict keys
         module.add_module(str(i), full[i])
     module = module.to(device)
+    # Activation recomputation, per stage, before any wrapper sees the blocks (torchtitan
+    # applies AC before FSDP/compile likewise): "full" checkpoints each of the stage's blocks.
+    apply_recompute(module, s.recompute)
     has_grads = any(p.requires_grad for p in module.parameters())
     sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
                            s.error_feedback)

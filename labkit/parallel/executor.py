@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .pipeline.split_backward import backward_input, backward_weight
+from .precision import Precision
 
 
 def global_batch(data, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,11 +59,15 @@ class Executor:
                 "SEND_B": "_send_grad", "RECV_B": "_recv_grad"}
 
     def __init__(self, spec, stages: list[Stage], last_stage: int, actions, link, data, loss_fn,
-                 optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool, report=None):
+                 optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool,
+                 precision: Precision | None = None, tied=None, tp_group=None, tp_index: int = 0):
         self.spec, self.stages, self.last_stage, self.actions = spec, stages, last_stage, actions
         self.link, self.data, self.loss_fn, self.optimizer = link, data, loss_fn, optimizer
         self.meter, self.recorder, self.device, self.dp_index = meter, recorder, device, dp_index
-        self.owns_parameters, self.report = owns_parameters, report
+        self.owns_parameters = owns_parameters
+        self.precision = precision or Precision("fp32", device)   # autocast and fp16's loss scale
+        self.tied = tied                   # the embedding group's sync (tied weights across stages)
+        self.tp_group, self.tp_index = tp_group, tp_index     # tp_group None: no tensor split
         # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
         self.model = nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
         # The reduction is armed for each stage's last gradient accumulation: its last B, or
@@ -89,7 +94,7 @@ class Executor:
         self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
         self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
         self.input_grads, self.kept = {}, {}       # for SEND_B / a local turn; I's state for W
-        self.meter.live, self.meter.peak = {}, 0
+        self.meter.start_step()
         for action in self.actions:
             self.link.poll()
             getattr(self, self.HANDLERS[action.op])(action)
@@ -97,22 +102,27 @@ class Executor:
         self.recorder.microbatch = None
         for stage in self.stages:
             stage.sync.finish()
+        if self.tied is not None:          # after the dp reduction, as Megatron does
+            self.tied.finish()
+        stepped = {}
         if self.optimizer is not None:
             with self.recorder.span("optimizer", "SGD step"):
-                self.optimizer.step()
+                stepped = self.precision.step(self.optimizer)     # fp16: unscale, maybe skip
                 self.optimizer.zero_grad(set_to_none=False)
         last = any(st.index == self.last_stage for st in self.stages)
         return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
-                "peak_activation_bytes": self.meter.peak}
+                "peak_activation_bytes": self.meter.peak, **stepped}
 
     def full_state_dict(self) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
-        rank (dp index 0 reports its stages; with tp, its tp index 0 the gathered shards), so
-        the notebook just merges the answers."""
+        rank (here: dp index 0 reports its stages; with tp, its tp index 0 after gathering the
+        shards, a collective every tp rank of dp index 0 joins), so the notebook just merges."""
         if not self.owns_parameters:
             return {}
-        if self.report is not None:
-            return self.report(self.model)
+        if self.tp_group is not None:
+            from .tensor import full_state_dict
+            state = full_state_dict(self.model, self.tp_group)
+            return state if self.tp_index == 0 else {}
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def _label(self, op: str, a) -> str:
@@ -134,10 +144,13 @@ class Executor:
         rec.microbatch = a.microbatch
         with rec.span("fwd", self._label("F", a), microbatch=a.microbatch), \
                 self.meter.forward(key, inp) as kept, stage.sync.defer():
-            out = stage.run(inp)
+            with self.precision.autocast():
+                out = stage.run(inp)
+                if a.stage == self.last_stage:
+                    out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches
             if a.stage == self.last_stage:
-                out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches
                 self.loss = self.loss + out.detach()      # read once per step, not per micro-batch
+                out = self.precision.scale(out)           # fp16: backward starts from loss × S
             kept.append(out)
         self.outputs[key] = out
 

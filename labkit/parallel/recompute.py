@@ -33,27 +33,33 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-MODES = ("none", "full", "selective")
+from . import RECOMPUTE_MODES as MODES
+
 CORE = "core"     # the name of the submodule "selective" checkpoints
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     """Set `model`'s recompute `mode` ("none" | "full" | "selective") in place; returns it."""
-    if mode not in MODES:
-        raise ValueError(f"recompute={mode!r} is unknown; choose one of {', '.join(MODES)}")
+    targets = check_recompute(model, mode)
     for module in model.modules():
         module.__dict__.pop("forward", None)        # undo an earlier mode
-    if mode == "none":
-        return model
+    for module in targets:
+        module.forward = types.MethodType(_recomputed_forward, module)
+    return model
+
+
+def check_recompute(model: nn.Module, mode: str) -> list[nn.Module]:
+    """The modules `mode` would checkpoint; ValueError naming the fix for an unknown mode or a
+    model that "selective" finds nothing in (``lab.run`` checks this before engines are called)."""
+    if mode not in MODES:
+        raise ValueError(f"recompute={mode!r} is unknown; choose one of {', '.join(MODES)}")
     targets = recompute_targets(model, mode)
-    if not targets:
+    if mode != "none" and not targets:
         raise ValueError(f"recompute='selective' checkpoints submodules named {CORE!r} (attention's "
                          f"softmax/dropout region) but {type(model).__name__} has none; put that region "
                          f"in a parameter-free submodule named {CORE!r} (as labkit.models.gpt does), "
                          "or use recompute='full'")
-    for module in targets:
-        module.forward = types.MethodType(_recomputed_forward, module)
-    return model
+    return targets
 
 
 def recompute_targets(model: nn.Module, mode: str) -> list[nn.Module]:

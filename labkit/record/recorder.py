@@ -40,12 +40,13 @@ class Recorder:
         self._events: list[dict] = []
         self._pending: list[tuple[dict, object, object]] = []   # CUDA: (event, start, end)
         self._step_start = None
+        self._blocked: list[tuple[float, float]] = []   # intervals the host waited in a blocking call
 
     # -- clock ---------------------------------------------------------------------------
     def start_step(self, step: int) -> None:
         """Mark time zero of ``step`` (called right after the step's aligning barrier)."""
         self.step = step
-        self._events, self._pending = [], []
+        self._events, self._pending, self._blocked = [], [], []
         self._t0 = time.perf_counter()
         if self.cuda:
             import torch
@@ -77,10 +78,31 @@ class Recorder:
             torch.cuda.synchronize()      # the op's kernels end before the next op is launched
         event = make_event(self.rank, kind, name, self.step, start, end, microbatch, nbytes, peer, stream)
         if isinstance(start, float) and isinstance(end, float):
-            self._events.append(event)
+            self._events.extend(self._cut(event))
         else:
             self._pending.append((event, start, end))
         return event
+
+    def blocked(self, start, end) -> None:
+        """The host waited in a blocking collective from ``start`` to ``end`` (CPU marks): a
+        compute span around that wait is cut in two, since the rank computed nothing then
+        (tensor parallelism's f and g sit inside forward and backward, on the critical path)."""
+        if self.enabled and isinstance(start, float) and isinstance(end, float):
+            self._blocked.append((start, end))
+
+    def _cut(self, event: dict) -> list[dict]:
+        """``event`` without the blocked intervals inside it (compute spans only)."""
+        if event["stream"] != "compute" or not self._blocked:
+            return [event]
+        pieces, start = [], event["start"]
+        for b0, b1 in self._blocked:
+            if b0 >= start and b1 <= event["end"]:
+                if b0 > start:
+                    pieces.append({**event, "start": start, "end": b0})
+                start = b1
+        if start < event["end"] or not pieces:
+            pieces.append({**event, "start": start, "end": max(start, event["end"])})
+        return pieces
 
     @contextmanager
     def span(self, kind: str, name: str = "", stream: str | None = None, microbatch=None, nbytes=0, peer=None):

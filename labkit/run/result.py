@@ -30,8 +30,12 @@ class Run:
     interrupted: bool = False
     step_times: list[float] = field(default_factory=list, repr=False)
     """Wall time of each step on the slowest rank (measured whether or not events are recorded)."""
+    parameter_bytes: list[int] = field(default_factory=list, repr=False)
+    """Per rank, bytes of the parameters it holds (a tensor-parallel shard counts its own part)."""
     snapshots: list[dict] = field(default_factory=list, repr=False)
     """Per step, {rank: parameters and gradient norms after the step}; with ``lab.run(..., snapshots=True)``."""
+    skipped_steps: list[int] = field(default_factory=list, repr=False)
+    """precision="fp16": the steps whose update the loss scaler skipped (gradients overflowed)."""
 
     def grad_norms(self, reference=None):
         """The gradient check: every parameter's gradient norm per step and rank (and the reference's)."""
@@ -41,6 +45,12 @@ class Run:
     def parameters(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state_dict, gathered from the engines, same keys as the model's."""
         return dict(self.params)
+
+    def tp_bytes(self, n_embd: int, seq: int) -> list[dict]:
+        """Per rank, tensor-parallel bytes per step measured beside Megatron's formula
+        (:mod:`labkit.analysis.tensor_bytes`)."""
+        from ..analysis.tensor_bytes import tp_bytes_table
+        return tp_bytes_table(self, n_embd, seq)
 
     def max_diff(self, other) -> float:
         """Largest parameter difference from another run or ``labkit.reference`` result."""

@@ -26,6 +26,7 @@ from ..models.training import build_model, resolve_loss
 from .checks import check_model, check_number
 from .relay import relay_warnings
 from ..analysis.waits import split_waits
+from ..parallel.recompute import check_recompute
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -45,19 +46,32 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_snapshots(spec.extra.get("snapshots", False))
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
+    if spec.data is not None and hasattr(spec.model, "check_data"):
+        spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
+    if s.tp > 1:
+        from ..parallel.tensor.plan import check_tensor_parallel
+        check_tensor_parallel(s.tp, s.tp_mode, spec.model, spec.tp_plan, s.sequence_parallel,
+                              getattr(spec.data, "block_size", None))
     with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
         built = build_model(spec.model, spec.seed)
     check_model(built, s)
+    check_recompute(built, s.recompute)              # "selective" needs submodules named core
     if s.pp > 1:
-        from ..parallel.pipeline.stages import check_split, check_tied
+        from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))
-        check_tied(s, built)
-    if s.tp > 1:
-        from ..parallel.tensor import check_tensor_parallel
-        check_tensor_parallel(s.tp, s.tp_mode, spec.model, spec.tp_plan, s.sequence_parallel,
-                              getattr(spec.data, "block_size", None))
-    if spec.data is not None and hasattr(spec.model, "check_data"):
-        spec.model.check_data(spec.data)          # e.g. a GPT's block_size and vocab against the text
+        _check_tied_split_backward(s, built)
+
+
+def _check_tied_split_backward(s: Strategy, built: nn.Sequential) -> None:
+    """ZB-V puts the first and last stage on rank 0, so a tied embedding and head are one
+    Parameter there, reached by two stages' split backward: not built (it fails on the engines)."""
+    if s.schedule != "zbv":
+        return
+    from ..parallel.pipeline.stages import stage_blocks
+    from ..parallel.pipeline.tied import tied_across_stages
+    if tied_across_stages(built, stage_blocks(built, s)):
+        raise ValueError("Strategy.schedule='zbv' with a weight tied between the first and last stage (a tied "
+                         "embedding and head) is not built; use labkit.models.gpt(tie=False), or another schedule")
 
 
 def measured_steps(steps: int) -> int:
@@ -106,8 +120,10 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             on_groups(rebuilt)
         run_id = uuid.uuid4().hex[:12]
         warned: set = set()           # engine warnings, each relayed once per rank and run
-        relay_warnings(lab.apply(engine.setup_run, spec, run_id), warned)
+        built = lab.apply(engine.setup_run, spec, run_id)
+        relay_warnings(built, warned)
         run = Run(s, [], Timeline([], lab.world_size), {}, spec.batch, ranks=lab.ranks)
+        run.parameter_bytes = [b["parameter_bytes"] for b in built]
         peak = [0] * lab.world_size
         for step in range(spec.steps):
             results = lab.apply(engine.run_step, step, run_id)
@@ -134,6 +150,19 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
         peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
     run.timeline.extend(split_waits(step_events))
     run.metrics = _metrics(run.timeline.events, len(peak), spec, list(peak), step)
+    _precision_metrics(run, results)
+
+
+def _precision_metrics(run: Run, results: list[dict]) -> None:
+    """fp16's loss scaler: the steps it skipped (gradients overflowed; every rank agrees, see
+    labkit.parallel.precision) and the scale of the last step, in ``run.metrics``."""
+    scaled = [r for r in results if "loss_scale" in r]
+    if not scaled:
+        return
+    if scaled[0]["skipped"]:
+        run.skipped_steps.append(len(run.losses) - 1)
+    run.metrics["skipped_steps"] = len(run.skipped_steps)
+    run.metrics["loss_scale"] = scaled[0]["loss_scale"]
 
 
 def _global_loss(results: list[dict]) -> float:

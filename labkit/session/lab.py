@@ -15,7 +15,6 @@ loop (:mod:`labkit.run.runner`).
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from concurrent import futures
@@ -29,6 +28,7 @@ from ..config import Strategy
 from ..errors import ControllerDiedError, EngineDiedError, LabError
 from ..parallel.build import RunSpec
 from ..run.result import Run
+from ..view.status import StatusLine
 from . import calls, lifetime
 from .checks import check_start
 from .launch import Launched, start_engines
@@ -58,6 +58,7 @@ class Lab:
         self._limit: float | None = None      # lab.limit(seconds): bound on each call's wait
         self._stuck = None                    # (what, futures) of ranks that never answered a call
         self._processes: list = []            # a local cluster's processes (psutil, see lifetime.py)
+        self._status: StatusLine | None = None     # the progress line (view.status), made on first use
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
@@ -73,9 +74,10 @@ class Lab:
         and shapes; a few ms per call).
         """
         check_start(engines, timeout, launcher, cluster_kwargs)
-        launched = start_engines(launcher, engines, start_timeout, progress, debug, **cluster_kwargs)
+        status = StatusLine() if progress else None        # one line for the whole start
+        launched = start_engines(launcher, engines, start_timeout, status and status.say, debug, **cluster_kwargs)
         lab = cls(launched.client, launched.cluster, timeout, threads=launched.threads, progress=progress)
-        lab.debug, lab._launched = debug, launched
+        lab.debug, lab._launched, lab._status = debug, launched, status
         try:
             lab._attach(expected=engines)
         except BaseException:
@@ -98,9 +100,10 @@ class Lab:
         lab._attach(expected=len(client.ids))
         return lab
 
-    def _say(self, text: str, end: str = "\n") -> None:
-        if self._progress:
-            print(text, end=end, file=sys.stderr, flush=True)
+    def _say(self, text: str) -> None:
+        if self._progress:     # one line updated in place in a notebook; stderr in a terminal
+            self._status = self._status or StatusLine()
+            self._status.say(text)
 
     def _attach(self, expected: int, targets=None) -> None:
         """Learn each engine's rank from its environment, then join the world group."""
@@ -381,6 +384,9 @@ class Lab:
             tp_plan: dict | None = None) -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
+        ``tp_plan`` (tp > 1): which modules tensor parallelism splits, in DTensor's convention
+        (``{"*.attn.qkv": "colwise", ...}``); default: the model's own ``tp_plan``.
+
         ``snapshots=True`` records every rank's parameters and gradient norms after each step,
         for ``labkit.drift`` and ``run.grad_norms()`` (see labkit.analysis.drift for the cost).
         A NaN or infinite loss stops the run with a LabError naming the step and ranks, unless
@@ -419,6 +425,11 @@ class Lab:
             lifetime.terminate(self._processes + left)       # what a dead controller left behind
             self.cluster = None
         self.view = None
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: the engines are gone, start a new lab."""
+        return self.client is None and self.view is None
 
     def __enter__(self) -> "Lab":
         return self

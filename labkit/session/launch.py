@@ -4,12 +4,11 @@
 compute threads each engine was given, and how to restart the same engines (``lab.recover``).
 ipyparallel finds its launchers by name the same way; the lab never asks which one it got.
 
->>> launched = start_engines("local", engines=2, timeout=120, progress=True)
->>> launched = start_engines("slurm", engines=8, timeout=600, progress=True, gpus_per_node=4)
+>>> launched = start_engines("local", engines=2, timeout=120, say=print)
+>>> launched = start_engines("slurm", engines=8, timeout=600, say=print, gpus_per_node=4)
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import ipyparallel as ipp
@@ -46,14 +45,14 @@ class Launched:
             local.stop_quietly(self.cluster)
 
 
-def start_engines(launcher: str, engines: int, timeout: float, progress: bool, debug: bool = False,
+def start_engines(launcher: str, engines: int, timeout: float, say=None, debug: bool = False,
                   **options) -> Launched:
-    """``engines`` engines through ``launcher`` ("local", "slurm", "mpi", "ssh"), all registered."""
-    say = (lambda text, end="\n": print(text, end=end, file=sys.stderr, flush=True)) if progress \
-        else (lambda text, end="\n": None)
+    """``engines`` engines through ``launcher`` ("local", "slurm", "mpi", "ssh"), all registered;
+    progress lines go to ``say`` (the lab's status line; None: quiet)."""
+    say = say or (lambda text: None)
     if launcher == "local":
         cluster, client, threads = local.start_local(engines, timeout, say, debug, **options)
         return Launched("local", cluster, client, threads, dict(options))
     from .launchers import start_cluster
-    cluster, client = start_cluster(launcher, engines, timeout, progress, **options)
+    cluster, client = start_cluster(launcher, engines, timeout, say, **options)
     return Launched(launcher, cluster, client)

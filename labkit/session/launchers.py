@@ -65,9 +65,10 @@ class _Cluster(ipp.Cluster):
             shutil.rmtree(self._work_dir, ignore_errors=True)
 
 
-def start_cluster(launcher: str, engines: int, timeout: float = 120.0, progress: bool = True,
+def start_cluster(launcher: str, engines: int, timeout: float = 120.0, say=None,
                   **options) -> tuple[ipp.Cluster, ipp.Client]:
     """Start a controller and ``engines`` engines through ``launcher``; return (cluster, client).
+    Progress lines go to ``say`` (the lab's status line; None: quiet).
 
     Options for every launcher: ``python`` (the engines' interpreter, default this one),
     ``environment`` (extra variables for the engines, e.g. ``NCCL_SOCKET_IFNAME``),
@@ -85,7 +86,7 @@ def start_cluster(launcher: str, engines: int, timeout: float = 120.0, progress:
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: choose one of {('local',) + LAUNCHERS}")
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say = say or (lambda text: None)
     work_dir = tempfile.mkdtemp(prefix=f"labkit-{launcher}-")
     try:
         cluster, env = _build(launcher, engines, work_dir, dict(options))

@@ -37,14 +37,17 @@ from .canvas import Painter, WidgetFigure, use_ipympl
 from .form import STRATEGY_FIELDS
 from .status import diff_table, labels, metrics_table, status_html
 
+_READ = object()     # Dashboard._choice: read, do not replace
+
+
 class Dashboard:
     """Strategy controls, Run/Stop/Pin, a live per-rank timeline, metrics and a status line."""
 
     def __init__(self, lab, model, batch: int = 64, steps: int = 3, data=None, loss="mse",
                  lr: float = 0.1, seed: int = 0, strategy: Strategy | None = None,
                  auto: bool = True, plot: str = "auto"):
-        self.lab, self.model, self.batch, self.data = lab, model, batch, data
-        self.loss, self.lr, self.seed = loss, lr, seed
+        self.lab, self.batch, self.lr, self.seed = lab, batch, lr, seed
+        self.models = form.model_choices(model, data, loss, batch)   # the model control's choices
         self.pinned: LiveRun | None = None
         self.draws = 0                   # timeline redraws so far
         self.last_draw: tuple | None = None       # (run number, step, perf_counter) of the latest
@@ -124,6 +127,23 @@ class Dashboard:
         """The Strategy the controls describe (ValueError if impossible)."""
         return Strategy(**{name: self.controls[name].value for name in STRATEGY_FIELDS})
 
+    def _choice(self, part: int, value=_READ):
+        """Read (or, with ``value``, replace) part ``part`` (0 model, 1 data, 2 loss) of the
+        model control's current choice."""
+        name = self.controls["model"].value
+        if value is not _READ:
+            entry = list(self.models[name])
+            entry[part] = value
+            self.models[name] = tuple(entry)
+        return self.models[name][part]
+
+    model = property(lambda self: self._choice(0), lambda self, v: self._choice(0, v),
+                     doc="The chosen model; setting it replaces that choice's model.")
+    data = property(lambda self: self._choice(1), lambda self, v: self._choice(1, v),
+                    doc="The chosen model's data (None: synthetic); settable.")
+    loss = property(lambda self: self._choice(2), lambda self, v: self._choice(2, v),
+                    doc="The chosen model's loss; settable.")
+
     def spec(self) -> RunSpec:
         return RunSpec(self.strategy(), self.model, self.data, self.loss, self.batch,
                        self.controls["steps"].value, self.lr, 0.0, self.seed)
@@ -142,6 +162,7 @@ class Dashboard:
         c = form.build_controls(s, self.lab.world_size)
         c.update({
             "steps": W.IntSlider(value=steps, min=1, max=20, description="steps per run"),
+            "model": W.Dropdown(options=list(self.models), description="model"),
             "auto": W.Checkbox(value=auto, description="run on change", indent=False),
         })
         for name, w in c.items():
@@ -181,7 +202,7 @@ class Dashboard:
         group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
         panel = W.HBox([group(title, *names) for title, names in form.groups()],
                        layout=W.Layout(flex_flow="row wrap"))
-        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["steps"], c["auto"]],
+        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["model"], c["steps"], c["auto"]],
                      layout=W.Layout(flex_flow="row wrap"))
         return W.VBox([bar, W.HBox([self.progress, self.status]), panel, self.tabs], layout=W.Layout(width="100%"))
 
@@ -194,6 +215,9 @@ class Dashboard:
 
     def _check(self) -> RunSpec | None:
         """The spec the controls describe, or None after showing why it cannot run."""
+        if getattr(self.lab, "closed", False):     # lab.close() ran (notebook 05 ends with it)
+            self._set_problem("the lab is closed: start a new one")
+            return None
         try:
             spec = self.spec()
             validate(spec, self.lab.world_size)

@@ -11,7 +11,8 @@ from ..config import strategy_fields
 
 STRATEGY_FIELDS = tuple(f.name for f in strategy_fields() if f.metadata["control"] is not None)
 GROUPS = (("Degrees", "degrees"), ("Pipeline (pp > 1)", "pp"), ("Data parallel", "dp"),
-          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"))
+          ("Tensor parallel (tp > 1)", "tp"), ("Sharding (zero > 0)", "zero"),
+          ("Precision and memory", "compute"))
 
 
 def build_controls(strategy, world_size: int) -> dict:
@@ -58,3 +59,20 @@ def check_offered(name: str, value, control) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ValueError(f"dash.set({name}={value!r}): the {name} control goes from {low:g} to {high:g}")
+
+
+def model_choices(model, data, loss, batch: int) -> dict:
+    """{label: (model, data, loss)} for the dashboard's model control: the model given (if any,
+    or "mlp" / "gpt" by name), the MLP on synthetic data, and a small GPT on text."""
+    from .. import data as text_data
+    from .. import models
+
+    text = text_data.text(batch=batch, block_size=32)
+    presets = {"mlp": (models.mlp(width=256, depth=8), None, "mse"),
+               "gpt": (models.gpt(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=text.vocab_size),
+                       text, "cross_entropy")}
+    if isinstance(model, str):
+        if model not in presets:
+            raise ValueError(f"Dashboard(model={model!r}): use 'mlp', 'gpt' or a model")
+        return {model: presets[model], **presets}
+    return {"yours": (model, data, loss), **presets} if model is not None else presets

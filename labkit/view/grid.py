@@ -10,9 +10,10 @@ from .timeline import _new_figure
 
 
 def draw_grid(dims: ParallelDims, ax=None):
-    """Draw the rank grid: one box per rank (pipeline stages across, dp replicas down),
-    each pipeline group joined by arrows (activations flow right), each dp group by a
-    dashed band (its gradients are averaged together). Returns the Figure.
+    """Draw the rank grid: one box per rank (pipeline stages across, dp replicas down, each
+    replica's tp ranks stacked), each pipeline group joined by arrows (activations flow
+    right), each dp group by a dashed band (its gradients are averaged together), each tp
+    group framed in green (its ranks split every layer). Returns the Figure.
 
     >>> labkit.grid.draw_grid(ParallelDims(dp=2, pp=2))
     """
@@ -34,6 +35,13 @@ def draw_grid(dims: ParallelDims, ax=None):
         if pp_i + 1 < dims.pp:      # pipeline group: activations to the next stage, grads back
             ax.annotate("", xy=(x + 2.2, y + 0.4), xytext=(x + 1.65, y + 0.4),
                         arrowprops={"arrowstyle": "<->", "color": "#882255", "lw": 1.5})
+    if dims.tp > 1:                 # tp group: neighbours (tp innermost), one layer's shards
+        for group in dims.tp_groups():
+            dp_i, pp_i, _ = dims.coords(group[0])
+            y0 = 1.3 * dp_i * dims.tp
+            ax.add_patch(FancyBboxPatch((2.2 * pp_i - 0.15, y0 - 0.15), 1.9, 1.3 * dims.tp - 0.2,
+                                        boxstyle="round,pad=0.02", facecolor="none", edgecolor="#009E73",
+                                        lw=2.5, zorder=3))
     if dims.dp > 1:                 # dp group: same stage (and tp index), every replica
         for group in dims.dp_groups():
             _, pp_i, tp_i = dims.coords(group[0])
@@ -45,5 +53,6 @@ def draw_grid(dims: ParallelDims, ax=None):
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(f"dp={dims.dp} × pp={dims.pp}" + (f" × tp={dims.tp}" if dims.tp > 1 else "")
-                 + ": arrows = pipeline (p2p), dashed = dp group (all-reduce)", fontsize="small")
+                 + ": arrows = pipeline (p2p), dashed = dp group (all-reduce)"
+                 + (", green box = tp group (f/g all-reduces)" if dims.tp > 1 else ""), fontsize="small")
     return ax.figure

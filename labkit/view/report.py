@@ -11,6 +11,8 @@ COLUMNS = (
     ("exposed_comm_fraction", "exposed comm", lambda v: f"{v:.2f}"),
     ("overlap_fraction", "overlap", lambda v: f"{v:.2f}"),
     ("bubble_fraction", "idle (bubble)", lambda v: f"{v:.2f}"),
+    ("schedule_bubble_fraction", "of which schedule", lambda v: f"{v:.2f}"),
+    ("lab_overhead_fraction", "of which overhead", lambda v: f"{v:.2f}"),
     ("bytes_sent", "KiB sent / rank", lambda v: f"{max(v) / 1024:,.1f}"),
 )
 

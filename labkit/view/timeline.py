@@ -24,6 +24,8 @@ from statistics import median
 
 import matplotlib
 import matplotlib.colors
+import matplotlib.figure
+import matplotlib.text
 from matplotlib.patches import Patch
 
 from ..analysis import metrics as _metrics
@@ -39,6 +41,8 @@ PALETTE = {name: kind.color for name, kind in KINDS.items()}
 # Characters of x-small text that fit across a default-width figure: a span that is 10% of
 # the x range holds about 11; spans with room for fewer than 2 get no label.
 LABEL_CHARS_PER_AXIS = 110
+# Spans of one lane overlapping by less than this are drawn as touching, in one row.
+TOUCH_S = 50e-6
 
 
 class Timeline:
@@ -139,7 +143,9 @@ class Timeline:
         for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
             ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
         ax.set_xlim(0, extent or 1.0)
-        ax.set_xlabel("time (ms)")
+        spec = ax.get_subplotspec()
+        if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
+            ax.set_xlabel("time (ms)")
         ax.set_title(self._plot_title(step))
         kinds = {e["kind"] for e in events}
         ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
@@ -206,19 +212,56 @@ def _plain(value):
 
 
 def _new_figure(figsize, **kwargs):
-    """A pyplot figure that notebooks display exactly once.
+    """A pyplot figure that a notebook shows exactly once, with or without a trailing ``;``.
 
-    Under the inline backend a figure that is both open and returned shows twice (once at
-    the end of the cell, once as the cell's value), so there we close it: the returned
-    Figure still renders and saves. Interactive backends (ipympl) keep it open.
+    In a notebook the figure stays open, so the backend shows it at the end of the cell even
+    when ``;`` hides the returned value. The returned :class:`TimelineFigure` shows itself at
+    most once (see there). Scripts and tests (Agg and other file backends) get it closed, so
+    figures do not pile up.
     """
     import matplotlib.pyplot as plt  # here, so importing labkit never picks a backend
 
-    fig, axes = plt.subplots(figsize=figsize, layout="constrained", **kwargs)
+    fig, axes = plt.subplots(figsize=figsize, layout="constrained", FigureClass=TimelineFigure, **kwargs)
     backend = matplotlib.get_backend().lower()
-    if "inline" in backend or backend in ("agg", "pdf", "svg", "ps", "cairo", "pgf"):
+    if backend in ("agg", "pdf", "svg", "ps", "cairo", "pgf", "template"):
         plt.close(fig)
     return fig, axes
+
+
+class TimelineFigure(matplotlib.figure.Figure):
+    """A Figure that IPython displays once, whoever asks first.
+
+    Inline backend: both the cell's value and the end-of-cell flush display the figure; the
+    first one shows its picture and closes it in pyplot, so the other finds nothing to show.
+    ipympl: while the figure is open its canvas widget is already on screen, so the cell's
+    value adds nothing; once closed, it shows as a picture.
+    """
+
+    def _ipython_display_(self):
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        is_open = plt.fignum_exists(getattr(self, "number", -1))
+        backend = matplotlib.get_backend().lower()
+        if is_open and ("ipympl" in backend or "widget" in backend):
+            return
+        display(_Shown(self))
+        if is_open:
+            plt.close(self)
+
+
+class _Shown:
+    """The figure's picture, for a figure pyplot no longer holds."""
+
+    def __init__(self, fig):
+        self.fig = fig
+
+    def _repr_png_(self):
+        import io
+
+        buf = io.BytesIO()
+        self.fig.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
 
 
 def _lane(ranks, rank: int, stream: str) -> int:
@@ -247,7 +290,9 @@ def _stack_overlaps(events, offsets) -> dict[int, tuple[int, int]]:
         rows_of = {}
         for e in lane:
             start = offsets[e["step"]] + e["start"]
-            row = next((i for i, end in enumerate(row_ends) if end <= start + 1e-12), len(row_ends))
+            # spans that only touch (a backward closing a few µs after the next one opened)
+            # share a row: stacking them would split every compute lane into slivers
+            row = next((i for i, end in enumerate(row_ends) if end <= start + TOUCH_S), len(row_ends))
             if row == len(row_ends):
                 row_ends.append(0.0)
             row_ends[row] = offsets[e["step"]] + e["end"]
@@ -271,17 +316,41 @@ def _draw_span(ax, ranks, e: dict, offset: float, extent: float | None, slot=(0,
                    edgecolor="white" if e["kind"] != "wait" else "#777777", linewidth=0.5,
                    hatch="//" if e["kind"] == "wait" else None)
     room = int(LABEL_CHARS_PER_AXIS * width / extent) if extent else 0
-    if room >= 2 and rows <= 3:
-        ax.text(start + width / 2, y, _span_label(e, room), ha="center", va="center",
-                fontsize="x-small", color=_text_color(color), clip_on=True)
+    label = _span_label(e, room)
+    if label and rows <= 3:
+        ax.add_artist(_FittedLabel(start, width, y, label, color=_text_color(color)))
 
 
-def _span_label(e: dict, room: int) -> str:
-    """ "F3"/"B3" for a micro-batch's forward/backward, else the name cut to `room` chars."""
+class _FittedLabel(matplotlib.text.Text):
+    """A span's label that is drawn only if it fits inside its bar as finally drawn.
+
+    The bar's width on screen is known only at draw time: a notebook may widen the x range
+    afterwards (several panels on one time axis), and a label that fitted then overflows
+    into its neighbours. Checked against the rendered text's width, it is left out instead.
+    """
+
+    def __init__(self, start: float, width: float, y: float, label: str, color: str):
+        super().__init__(start + width / 2, y, label, ha="center", va="center", fontsize="x-small",
+                         color=color, clip_on=True)
+        self.span = (start, start + width)
+
+    def draw(self, renderer):
+        ax = self.axes
+        if ax is not None:
+            (x0, _), (x1, _) = ax.transData.transform([(self.span[0], 0), (self.span[1], 0)])
+            if self.get_window_extent(renderer).width > 0.95 * abs(x1 - x0):
+                return
+        super().draw(renderer)
+
+
+def _span_label(e: dict, room: int) -> str | None:
+    """ "F3"/"B3" for a micro-batch's forward/backward, else the name; None when it does not
+    fit in ``room`` characters (a cut label, "0.…", reads as a different name)."""
     if e["kind"] in ("fwd", "bwd") and e.get("microbatch") is not None:
-        return f"{e['kind'][0].upper()}{e['microbatch']}"
-    name = e.get("name") or e["kind"]
-    return name if len(name) <= room else name[:room - 1] + "…"
+        label = f"{e['kind'][0].upper()}{e['microbatch']}"
+    else:
+        label = e.get("name") or e["kind"]
+    return label if len(label) <= room else None
 
 
 def _text_color(hex_color: str) -> str:

@@ -43,21 +43,6 @@ def check_split(strategy, blocks: int) -> None:
                          f"pp/chunks, or give the boundaries with Strategy(split_at=...)")
 
 
-def check_tied(strategy, model: nn.Sequential) -> None:
-    """Raise ValueError unless every parameter lives in one stage: a weight tied across stages
-    (a GPT's embedding and head) would become two copies whose gradients nobody sums."""
-    blocks = stage_blocks(model, strategy)
-    stage_of: dict[int, tuple[int, str]] = {}
-    for stage, indices in enumerate(blocks):
-        for i in indices:
-            for name, p in model[i].named_parameters(remove_duplicate=False):
-                seen = stage_of.setdefault(id(p), (stage, f"{i}.{name}"))
-                if seen[0] != stage:
-                    raise ValueError(f"parameters {seen[1]!r} (stage {seen[0]}) and {i}.{name!r} (stage {stage}) are "
-                                     "one tied weight split across pipeline stages; untie them (e.g. "
-                                     "labkit.models.gpt(tie=False)) or keep both blocks in one stage with split_at")
-
-
 def split_blocks(weights: list[int], stages: int, split_at=(), equal: bool = False) -> list[range]:
     """Block indices of each stage: at ``split_at``, in equal counts, or balanced by ``weights``.
 

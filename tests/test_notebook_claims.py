@@ -1,0 +1,94 @@
+"""Every figure backs its text: on the same execution as ``test_notebooks.py``, each cell
+that promises a figure shows one, and the numbers the markdown talks about hold.
+
+A cell promises a figure when it draws (``.plot(``, ``plt.subplots(``, ``plot_…(``). The
+claims are read from the notebook's own variables at the end of the run (the probe cell of
+``conftest.executed_notebook``), never re-measured here.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from conftest import executed_notebook
+
+pytestmark = pytest.mark.slow        # it executes the notebooks: engines started
+
+HERE = pathlib.Path(__file__).parent.parent / "notebooks"
+NOTEBOOKS = sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
+DRAWS = re.compile(r"\.plot\(|plt\.subplots\(|\bplot_\w+\(")
+
+
+def figure_cells_without_a_figure(nb) -> list[int]:
+    """Indexes of code cells that draw but show no image."""
+    missing = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or not DRAWS.search(cell.source):
+            continue
+        shown = any(o.get("output_type") in ("display_data", "execute_result")
+                    and ("image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {}))
+                    for o in cell.get("outputs", []))
+        if not shown:
+            missing.append(i)
+    return missing
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_figure_cell_shows_a_figure(path):
+    nb, _ = executed_notebook(path)
+    assert figure_cells_without_a_figure(nb) == []
+
+
+def notebook(stem: str):
+    return executed_notebook(HERE / f"{stem}.ipynb")
+
+
+def test_02_bubble_falls_with_m_and_follows_the_formula():
+    """02's text: the bubble falls with m and stays within −0.05 / +0.10 of (p−1)/(m+p−1).
+
+    The formula holds for stages that cost the same; 02 sweeps a model whose two stages do
+    (a thin input layer: with 8 equal layers split by parameters, stage 0's backward is ~0.77
+    of stage 1's, since its first layer computes no input gradient). Idle time outside the
+    schedule only adds to the bubble: the lab's per-action overhead (grows with m) and, on a
+    busy machine, one stage's stalls showing up as its neighbour's wait. Hence the asymmetric
+    band: on a shared 2-core machine under load the sweep measured −0.02 … +0.13 (quiet: less).
+    "Falls" is checked over each quadrupling of m (and from 1 to 2), where the formula drops by
+    at least 0.14, so a stall cannot flip it; a schedule that serialises the stages (0.5 at every
+    m) or idles far more than the formula fails.
+    """
+    _, v = notebook("02_pipeline")
+    sweep, measured, formula = v["sweep"], v["measured"], v["formula"]
+    assert len(measured) == len(sweep) >= 5 and sweep[:3] == [1, 2, 4] and sweep[-1] >= 16
+    split = {m: {k: round(r[k], 3) for k in ("schedule_bubble_fraction", "lab_overhead_fraction",
+                                             "exposed_comm_fraction")}
+             for m, r in v.get("swept.metrics", {}).items()}
+    for m, got, want in zip(sweep, measured, formula):
+        assert want - 0.05 <= got <= want + 0.10, f"m={m}: bubble_fraction {got:.3f}, formula {want:.3f}; {split}"
+    assert measured[1] < measured[0] and all(b < a for a, b in zip(measured, measured[2:])), \
+        f"not falling with m: {measured}"
+
+
+def test_01_overlap_hides_comm_that_bucketed_exposes():
+    """01's text: bucketed reduces after backward (no overlap); overlap and ddp launch buckets
+    while backward runs, so their comm overlaps compute and less of it is exposed."""
+    _, v = notebook("01_data_parallel")
+    m = v["runs.metrics"]
+    assert m["bucketed"]["overlap_fraction"] < 0.05
+    for mode in ("overlap", "ddp"):
+        assert m[mode]["overlap_fraction"] > 0.2, (mode, m[mode]["overlap_fraction"])
+    assert m["overlap"]["exposed_comm_fraction"] < m["bucketed"]["exposed_comm_fraction"]
+
+
+def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
+    """04's text: the server's busiest rank sends (n−1)·S, growing with n; the ring's
+    2(n−1)/n·S < 2·S whatever n. (Times on CPU are explained in the text, not claimed.)"""
+    _, v = notebook("04_communication")
+    S = v["S"]
+    for row in v["rows"]:
+        n, busiest = row["n"], max(row["bytes"])
+        if row["algorithm"] == "ps":
+            assert busiest == pytest.approx((n - 1) * S, rel=0.01)
+        else:
+            assert busiest == pytest.approx(2 * (n - 1) / n * S, rel=0.01) and busiest < 2 * S
