@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .parallel import data as _data
 from .parallel import pipeline as _pipeline
+from .parallel import zero as _zero
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
 
@@ -58,14 +59,8 @@ def _check_tensor(s) -> None:
         raise ValueError("Strategy.tp: tensor parallelism is not available in this version; use tp=1")
 
 
-def _check_zero(s) -> None:
-    # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
-    if s.zero != 0:
-        raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
-
-
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _zero.check_strategy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +73,14 @@ class Strategy:
                       axis="degrees", control="degree", label="pp={}")
     tp: int = setting(1, "Tensor-parallel degree (this version supports tp=1).",
                       axis="degrees", control="degree", label="tp={}")
-    zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
-                        axis="zero", label="zero={}", show="changed")
+    zero: int = setting(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
+                           "3 also the parameters (labkit.parallel.zero).", axis="zero",
+                        control=("int", 0, 3), label="zero={}", show="changed")
+    zero_mode: str = setting("labkit", "Sharding by hand ('labkit') or torch's fully_shard ('fsdp2'; zero=2 or 3).",
+                             axis="zero", choices=_zero.ZERO_MODES, control="choice", title="zero mode",
+                             label="{}", show="changed")
+    prefetch: int = setting(0, "zero=3: blocks whose all-gather is issued ahead (the forward overlap).",
+                            axis="zero", control=("int", 0, 2), label="prefetch={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,
                             control="choice", label="{}")
     microbatches: int = setting(1, "Micro-batches per step; each rank's share of the batch is split into this many.",
@@ -106,7 +107,7 @@ class Strategy:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.type in ("int", int) and f.name != "zero":
+            if f.type in ("int", int) and f.name not in ("zero", "prefetch"):   # 0 allowed; zero checks them
                 _check_positive_int(f.name, getattr(self, f.name))
             if f.metadata["choices"] is not None:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -117,12 +118,22 @@ class Handle:
             # gloo completes collectives on its own thread: note when, without blocking.
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())
-            except RuntimeError:     # gloo's reduce_scatter_tensor has no future: completion seen at wait()
-                pass
+            except RuntimeError:
+                # gloo's reduce_scatter_tensor has no future: a watcher thread sees it complete,
+                # so an overlapped reduce-scatter (zero=2/3) ends on the timeline when it did,
+                # not when the optimizer finally waits for it.
+                threading.Thread(target=self._watch, daemon=True).start()
 
     def _completed(self):
         if self._done_at is None:
             self._done_at = self._ctx.recorder.mark()
+
+    def _watch(self):
+        try:
+            self.work.wait()
+        except Exception:        # reported by the caller's own wait()
+            return
+        self._completed()
 
     def wait(self):
         """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
@@ -240,8 +251,9 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", op="sum", async_op=False):
     """Reduce ``tensor`` over the group and leave this rank's 1/n slice in ``output``."""
     nbytes = wire_bytes("reduce_scatter", tensor.numel() * tensor.element_size(), _group_size(group))
+    reduce_op = OPS[op] if isinstance(op, str) else op        # FSDP2 passes torch's ReduceOp
     return _issue("reduce_scatter", tensor, group, name, None, None, nbytes,
-                  lambda: dist.reduce_scatter_tensor(output, tensor, op=OPS[op], group=group, async_op=True),
+                  lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=True),
                   async_op)
 
 

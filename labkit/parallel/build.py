@@ -8,7 +8,7 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
-   dp = 1: none; sharding slots in here later);
+   dp = 1: none; zero > 0: the sharded syncs of labkit.parallel.zero);
 5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions.
 
     >>> job = build_job(spec, groups, recorder, device)     # engine side (labkit.engine.setup_run)
@@ -47,6 +47,7 @@ class RunSpec:
     seed: int = 0
     record: bool = True
     extra: dict = field(default_factory=dict)
+    optimizer: str = "sgd"      # "sgd" | "adamw": torch's own, torch's defaults, this lr
 
 
 def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
@@ -64,8 +65,18 @@ def build_job(spec: RunSpec, groups, recorder, device) -> Executor:
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, next(_serial)), data, resolve_loss(spec.loss),
-        build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
+        build_step_optimizer(spec, stages, params), ActivationMeter(params),
         recorder, device, dp_index, owns_parameters=dp_index == 0)
+
+
+def build_step_optimizer(spec: RunSpec, stages: list[Stage], params: list):
+    """Step 5's optimizer: torch's own over this rank's parameters; with zero, over its shards."""
+    if not params:
+        return None
+    if spec.strategy.zero:
+        from .zero.sync import build_sharded_optimizer
+        return build_sharded_optimizer([st.sync for st in stages], spec, params)
+    return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)
 
 
 def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
@@ -95,8 +106,12 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
         module.add_module(str(i), full[i])
     module = module.to(device)
     has_grads = any(p.requires_grad for p in module.parameters())
-    sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
-                           s.error_feedback)
+    if s.zero:   # --- sharding (labkit.parallel.zero): ZeRO-1/2/3 by hand, or torch's FSDP2 ---
+        from .zero.sync import build_zero_sync
+        sync = build_zero_sync(s, groups.dp, s.dp if has_grads else 1, recorder)
+    else:
+        sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
+                               s.error_feedback)
     span = None
     if s.pp == 1:
         instrument_backward(module, recorder)

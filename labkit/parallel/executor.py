@@ -15,10 +15,13 @@ dp), step the optimizer. Built by :func:`labkit.parallel.build.build_job`.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .zero.memory import measure_memory
 
 
 @dataclass
@@ -79,19 +82,27 @@ class Executor:
         for stage in self.stages:
             stage.sync.finish()
         if self.optimizer is not None:
-            with self.recorder.span("optimizer", "SGD step"):
+            label = getattr(self.optimizer, "label", f"{type(self.optimizer).__name__} step")
+            with self.recorder.span("optimizer", label):
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
+        for stage in self.stages:
+            stage.sync.after_step()          # ZeRO-1/2: updated shards gathered back
         last = any(st.index == self.last_stage for st in self.stages)
         return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
-                "peak_activation_bytes": self.meter.peak}
+                "peak_activation_bytes": self.meter.peak,
+                "memory": measure_memory(self.stages, self.optimizer, self.meter.peak)}
 
     def full_state_dict(self) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
-        rank (here: dp index 0 reports its stages), so the notebook just merges the answers."""
+        rank (here: dp index 0 reports its stages), so the notebook just merges the answers.
+        Every rank asks its syncs first: a sharded one gathers, which takes the whole dp group."""
+        state = {}
+        for stage in self.stages:
+            state.update(stage.sync.full_state_dict(stage.module))
         if not self.owns_parameters:
             return {}
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def _label(self, op: str, a) -> str:
         return f"{op}{a.microbatch}" + (f" c{a.chunk}" if len(self.stages) > 1 else "")
@@ -104,8 +115,9 @@ class Executor:
         key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
         inp = self.xs[a.microbatch] if a.stage == 0 else self.inputs[key]
         rec.microbatch = a.microbatch
-        with rec.span("fwd", self._label("F", a), microbatch=a.microbatch), \
-                self.meter.forward(key, inp) as kept, stage.sync.defer():
+        span = nullcontext() if stage.sync.times_forward else rec.span("fwd", self._label("F", a),
+                                                                        microbatch=a.microbatch)
+        with span, self.meter.forward(key, inp) as kept, stage.sync.defer():
             out = stage.run(inp)
             if a.stage == self.last_stage:
                 out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches

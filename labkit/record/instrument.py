@@ -92,7 +92,7 @@ class ActivationMeter:
     """
 
     def __init__(self, params):
-        self.param_ptrs = {p.data_ptr() for p in params}
+        self.params = list(params)      # (parameters are told apart by _is_parameter)
         self.live: dict[tuple, int] = {}
         self.peak = 0
 
@@ -101,7 +101,7 @@ class ActivationMeter:
         seen: dict[int, int] = {}
 
         def pack(t):
-            if t.data_ptr() not in self.param_ptrs:
+            if not _is_parameter(t):
                 seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
             return t
 
@@ -116,3 +116,15 @@ class ActivationMeter:
 
     def release(self, key) -> None:
         self.live.pop(key, None)
+
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A weight, or a view of one (Linear saves ``w.t()``): a leaf that requires grad.
+
+    Asked of the tensor, not looked up by address: a sharded model (zero=3, FSDP2) gathers its
+    weights into fresh memory every forward. Stage inputs that require grad are leaves too;
+    the meter adds those (and the outputs) explicitly after the forward.
+    """
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad

@@ -33,8 +33,9 @@ class Reference:
 
 
 def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int = 0, data=None,
-              loss="mse", momentum: float = 0.0, threads: int | None = None) -> Reference:
-    """Train ``model`` on the whole global batch in this process (plain SGD, mean loss).
+              loss="mse", momentum: float = 0.0, threads: int | None = None, optimizer: str = "sgd") -> Reference:
+    """Train ``model`` on the whole global batch in this process (plain SGD, mean loss;
+    ``optimizer="adamw"``: torch's AdamW with its defaults).
 
     ``threads`` pins torch's intra-op threads for the run (for a fair one-engine baseline).
     """
@@ -45,7 +46,7 @@ def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int
         net = build_model(model, seed)
         data_fn = resolve_data(data, net, batch, seed)
         loss_fn = resolve_loss(loss)
-        opt = build_optimizer(net.parameters(), lr, momentum)
+        opt = build_optimizer(net.parameters(), lr, momentum, optimizer)
         losses, times = [], []
         for step in range(steps):
             x, y = data_fn(step)

@@ -293,10 +293,11 @@ class Lab:
     # -- training ---------------------------------------------------------------------------
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
-            on_step: Callable | None = None) -> Run:
-        """Train ``model`` for ``steps`` under ``strategy``; see DESIGN.md for the contract."""
+            on_step: Callable | None = None, optimizer: str = "sgd") -> Run:
+        """Train ``model`` for ``steps`` under ``strategy``; see DESIGN.md for the contract.
+        ``optimizer``: "sgd" or "adamw" (torch's own, torch's defaults, this ``lr``)."""
         from ..run.runner import execute
-        spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record)
+        spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record, optimizer=optimizer)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)
 

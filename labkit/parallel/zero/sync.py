@@ -1,0 +1,250 @@
+"""ZeRO-1/2/3 by hand, as gradient syncs the executor drives like the dp modes
+(``wrap``, ``defer``, ``backward``, ``finish``, ``after_step``), plus an optimizer that steps
+only this rank's shards (:class:`ShardedOptimizer`).
+
+The three stages of Rajbhandari et al. 2020 (arXiv 1910.02054), Figure 1:
+
+* :class:`Zero1Sync` (P_os): buckets of whole gradients are reduce-scattered after backward;
+  the optimizer steps this rank's shard; ``after_step`` all-gathers the updated shards back
+  into the parameters. Same traffic as plain DP: reduce-scatter + all-gather = all-reduce.
+* :class:`Zero2Sync` (P_os+g): each bucket is reduce-scattered from autograd hooks the moment
+  its gradients exist (like the ``overlap`` mode), and the full gradients are dropped, so a
+  rank holds gradients for the buckets in flight and its own shard only.
+* :class:`Zero3Sync` (P_os+g+p): one unit per block; parameters live as shards, each block
+  gathered just before its forward and freed after, gathered again for its backward, and its
+  gradient reduce-scattered when the block's backward is done. ``prefetch`` = k issues the
+  gathers of the next k blocks before this block's forward (the previous k in backward), so
+  they run under compute. Traffic: gather (fwd) + gather (bwd) + reduce-scatter = 1.5× DP.
+
+Every collective goes through :mod:`labkit.comm` (timed, flight-logged, with the timeout).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from ..data.sync import GradSync, NoSync, make_buckets
+from .shard import FlatUnit, Meter
+
+
+def build_zero_sync(strategy, group, dp: int, recorder) -> GradSync:
+    """The sync for ``strategy.zero`` / ``zero_mode`` over ``group``; dp = 1 (no parameters): NoSync."""
+    if dp == 1:
+        return NoSync(group, dp, strategy.bucket_mb)
+    if strategy.zero_mode == "fsdp2":
+        from .fsdp2 import FSDP2Sync
+        return FSDP2Sync(group, dp, strategy.bucket_mb, recorder, strategy.zero, strategy.prefetch)
+    kinds = {1: Zero1Sync, 2: Zero2Sync, 3: Zero3Sync}
+    return kinds[strategy.zero](group, dp, strategy.bucket_mb, recorder, strategy.prefetch)
+
+
+class Zero1Sync(GradSync):
+    """ZeRO-1: whole gradients, sharded optimizer state, parameters all-gathered after the step."""
+
+    def __init__(self, group, dp: int, bucket_mb: float, recorder, prefetch: int = 0):
+        super().__init__(group, dp, bucket_mb)
+        self.recorder, self.prefetch = recorder, prefetch
+        self.rank = dist.get_rank(group)
+        self.grad_meter, self.param_meter = Meter(), Meter()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        super().wrap(model)
+        self.units = self.build_units(model)
+        return model
+
+    def build_units(self, model: nn.Module) -> list[FlatUnit]:
+        buckets = make_buckets(self.params, self.bucket_bytes)       # in the order gradients arrive
+        return [FlatUnit(i, m, self.group, self.dp, self.rank, f"bucket {i}") for i, m in enumerate(buckets)]
+
+    def finish(self) -> None:
+        for unit in self.units:
+            unit.reduce_scatter(unit.flat_grad())
+        for unit in self.units:
+            unit.finish_grads()
+            for _, p in unit.members:         # consumed; ZeRO-1 keeps the buffers (its memory cost)
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def after_step(self) -> None:
+        """The updated shards back into every rank's parameters (all issued, then waited)."""
+        for unit in self.units:
+            unit.gathered = False
+            unit.gather()
+        for unit in self.units:
+            unit.wait()
+
+    def held_bytes(self, module: nn.Module) -> dict:
+        params = sum(u.nbytes for u in self.units)
+        grads = sum(p.grad.numel() * p.grad.element_size() for _, p in self.params if p.grad is not None)
+        shard_grads = sum(u.shard_bytes() for u in self.units)
+        return {"params": params, "params_peak": params, "grads": grads + shard_grads,
+                "grads_peak": grads + shard_grads}
+
+
+class Zero2Sync(Zero1Sync):
+    """ZeRO-2: buckets reduce-scattered during backward; full gradients dropped once sent."""
+
+    def wrap(self, model):
+        super().wrap(model)
+        for unit in self.units:
+            for _, p in unit.members:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad(u, p))
+        return model
+
+    def _on_grad(self, unit: FlatUnit, p) -> None:
+        self.grad_meter.add(p.grad.numel() * p.grad.element_size())
+        unit.ready += 1
+        if unit.ready == len(unit.members):
+            self._send_grads(unit)
+
+    def _send_grads(self, unit: FlatUnit) -> None:
+        """Pack the unit's gradients, drop the full ones, reduce-scatter (async) the packed copy."""
+        flat = unit.flat_grad()
+        self.grad_meter.add(flat.numel() * flat.element_size())
+        for _, p in unit.members:
+            if p.grad is not None:
+                self.grad_meter.sub(p.grad.numel() * p.grad.element_size())
+                p.grad = None
+        unit.ready = 0
+        unit.reduce_scatter(flat)
+        unit.sent = True
+
+    def finish(self) -> None:
+        for unit in self.units:
+            if unit.ready or not getattr(unit, "sent", False):   # a parameter that got no gradient
+                self._send_grads(unit)
+        for unit in self.units:
+            self.grad_meter.sub(unit.finish_grads())
+            unit.sent = False
+
+    def held_bytes(self, module):
+        held = super().held_bytes(module)
+        shard_grads = sum(u.shard_bytes() for u in self.units)
+        held["grads_peak"] = shard_grads + self.grad_meter.peak
+        self.grad_meter.reset()
+        return held
+
+
+class Zero3Sync(Zero2Sync):
+    """ZeRO-3: a unit per block, gathered around its forward and its backward, freed between."""
+
+    times_forward = True          # forward spans per block, so a gather's wait is never compute
+
+    def build_units(self, model):
+        self.blocks = list(model.named_children())
+        units, self.unit_of = [], {}
+        for name, block in self.blocks:
+            members = [(f"{name}.{n}", p) for n, p in block.named_parameters() if p.requires_grad]
+            if members:
+                self.unit_of[name] = len(units)
+                units.append(FlatUnit(len(units), members, self.group, self.dp, self.rank, f"block {name}"))
+        return units
+
+    def wrap(self, model):
+        super().wrap(model)
+        for unit in self.units:
+            unit.free()
+        for name, block in self.blocks:
+            # prepend: our hooks run before the recorder's, so a block's backward span opens
+            # only once its parameters are here (the wait shows on the comm lane).
+            block.register_forward_pre_hook(lambda m, a, n=name: self._before_forward(n), prepend=True)
+            block.register_forward_hook(lambda m, a, out, n=name: self._after_forward(n, out), prepend=True)
+        return model
+
+    # -- forward: gather this block (and the next ``prefetch``), free after ----------------------
+    def _before_forward(self, name: str) -> None:
+        i = self.unit_of.get(name)
+        if i is not None:
+            self._gather(i)
+            self.units[i].wait()
+            for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
+                self._gather(j)             # issued now: runs beside this block's compute
+        self._fwd_start = self.recorder.mark()
+
+    def _after_forward(self, name: str, out) -> None:
+        self.recorder.add("fwd", f"F block {name}", self._fwd_start, self.recorder.mark(),
+                          microbatch=getattr(self.recorder, "microbatch", None))
+        i = self.unit_of.get(name)
+        if i is None:
+            return
+        self._free(i)
+        if getattr(out, "requires_grad", False):
+            out.register_hook(lambda _g, i=i: self._before_backward(i))
+
+    # -- backward: gather again (and the previous ``prefetch``), reduce-scatter, free ------------
+    def _before_backward(self, i: int) -> None:
+        self._gather(i)
+        self.units[i].wait()
+        for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
+            self._gather(j)
+
+    def _send_grads(self, unit):
+        super()._send_grads(unit)
+        self._free(unit.index)
+
+    def _gather(self, i: int) -> None:
+        unit = self.units[i]
+        if not unit.gathered and unit.handle is None:
+            self.param_meter.add(unit.nbytes)
+        unit.gather()
+
+    def _free(self, i: int) -> None:
+        unit = self.units[i]
+        if unit.gathered:
+            unit.free()
+            self.param_meter.sub(unit.nbytes)
+
+    def after_step(self) -> None:
+        pass                        # the next forward gathers the updated shards
+
+    def full_state_dict(self, module: nn.Module) -> dict:
+        """Every block gathered (a collective on every dp rank), copied, freed again."""
+        for i in range(len(self.units)):
+            self._gather(i)
+        for i in range(len(self.units)):
+            self.units[i].wait()
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        for i in range(len(self.units)):
+            self._free(i)
+        return state
+
+    def held_bytes(self, module):
+        shards = sum(u.shard_bytes() for u in self.units)
+        held = {"params": shards, "params_peak": shards + self.param_meter.peak,
+                "grads": shards, "grads_peak": shards + self.grad_meter.peak}
+        self.param_meter.reset()
+        self.grad_meter.reset()
+        return held
+
+
+class ShardedOptimizer:
+    """torch's optimizer over this rank's shards only: 1/dp of the optimizer state.
+
+    SGD and AdamW are elementwise, so stepping a flat slice is the same arithmetic as stepping
+    the whole tensors; the zero padding has zero gradient and stays zero (decay of 0 is 0).
+    """
+
+    def __init__(self, units: list[FlatUnit], inner):
+        self.units, self.inner = units, inner
+        self.label = f"{type(inner).__name__} step (shards)"
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self.inner.zero_grad(set_to_none=False)      # shard grads are accumulated into in place
+
+
+def build_sharded_optimizer(syncs: list, spec, params: list):
+    """Step 5's optimizer with zero: over the shards (by hand), or FSDP2's DTensor parameters."""
+    from ...models.training import build_optimizer
+
+    if spec.strategy.zero_mode == "fsdp2":
+        return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)
+    units = [u for sync in syncs for u in getattr(sync, "units", ())]
+    inner = build_optimizer([u.shard for u in units], spec.lr, spec.momentum, spec.optimizer)
+    return ShardedOptimizer(units, inner)
