@@ -43,6 +43,7 @@ def _add_run(sub) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="torch's own, its defaults (default sgd)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--json", help="write strategy, losses, metrics and events here")
@@ -60,12 +61,14 @@ def cmd_run(args) -> int:
         strategy = strategy_from_args(args)
         engines = args.engines or strategy.world_size
         model = labkit.models.mlp(width=args.width, depth=args.depth)
-        validate(RunSpec(strategy, model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed), engines)
+        validate(RunSpec(strategy, model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed,
+                         optimizer=args.optimizer), engines)
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
     with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
         run = lab.run(strategy, model=model, batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed,
+                      optimizer=args.optimizer,
                       on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
     _report(run)
     if args.json:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -119,21 +118,21 @@ class Handle:
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())
             except RuntimeError:
-                # gloo's reduce_scatter_tensor has no future: a watcher thread sees it complete,
-                # so an overlapped reduce-scatter (zero=2/3) ends on the timeline when it did,
-                # not when the optimizer finally waits for it.
-                threading.Thread(target=self._watch, daemon=True).start()
+                # gloo's reduce_scatter_tensor has no future: completion is seen by poll() or
+                # wait(). (A second thread waiting on the same work raced the caller's wait
+                # and corrupted results: measured, so no watcher thread.)
+                pass
 
     def _completed(self):
         if self._done_at is None:
             self._done_at = self._ctx.recorder.mark()
 
-    def _watch(self):
-        try:
-            self.work.wait()
-        except Exception:        # reported by the caller's own wait()
-            return
-        self._completed()
+    def poll(self) -> bool:
+        """Without blocking: note the completion time if the work is done; True if so.
+        (Sharded syncs poll in-flight reduce-scatters from their autograd hooks.)"""
+        if self.work is not None and self._done_at is None and self.work.is_completed():
+            self._completed()
+        return self.work is None or self._done_at is not None
 
     def wait(self):
         """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
