@@ -53,7 +53,7 @@ def check(result, optimizer):
 
 # -- every stage, prefetch on and off, by hand and torch's, SGD and AdamW (dp=2) -----------------
 CASES = [dict(zero=1), dict(zero=2), dict(zero=3), dict(zero=3, prefetch=1), dict(zero=3, prefetch=2),
-         dict(zero=3, zero_mode="fsdp2"), dict(zero=3, zero_mode="fsdp2", prefetch=1)]
+         dict(zero=3, zero_mode="fsdp2"), dict(zero=3, zero_mode="fsdp2", prefetch=1), dict(zero=2, zero_mode="fsdp2")]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

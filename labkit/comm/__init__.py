@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -110,33 +111,32 @@ def wire_bytes(op: str, nbytes: int, n: int) -> int:
 class Handle:
     """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
 
-    def __init__(self, ctx: CommContext, entry: dict, work, start):
+    def __init__(self, ctx: CommContext, entry: dict, work, start, watch: bool = False):
         self._ctx, self.entry, self.work, self._start = ctx, entry, work, start
         self._done_at = None
+        self._watcher = None
         if work is not None and ctx.recorder.enabled and not ctx.recorder.cuda and entry["op"] not in ("send", "recv"):
             # gloo completes collectives on its own thread: note when, without blocking.
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())
             except RuntimeError:
-                # gloo's reduce_scatter_tensor has no future: completion is seen by poll() or
-                # wait(). (A second thread waiting on the same work raced the caller's wait
-                # and corrupted results: measured, so no watcher thread.)
-                pass
+                # gloo's reduce_scatter_tensor has no future and its is_completed() stays False;
+                # an async one (zero=2/3, issued during backward) is waited for by one watcher
+                # thread, so it ends on the timeline when it did, not when the optimizer waits.
+                # That thread is the only waiter: two threads waiting on one such work copied
+                # its result out twice, the second over a buffer already reused (measured).
+                if watch:
+                    self._watcher = _Watcher(work, self._completed)
 
     def _completed(self):
         if self._done_at is None:
             self._done_at = self._ctx.recorder.mark()
 
-    def poll(self) -> bool:
-        """Without blocking: note the completion time if the work is done; True if so.
-        (Sharded syncs poll in-flight reduce-scatters from their autograd hooks.)"""
-        if self.work is not None and self._done_at is None and self.work.is_completed():
-            self._completed()
-        return self.work is None or self._done_at is not None
-
     def wait(self):
         """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
-        if self.work is not None:
+        if self._watcher is not None:
+            _guard(self._ctx, self.entry, self._watcher.join)
+        elif self.work is not None:
             _guard(self._ctx, self.entry, lambda: _wait_work(self._ctx, self.work))
         self._completed()
         self.entry["state"] = "done"
@@ -151,6 +151,28 @@ class Handle:
             _record(self._ctx, self.entry, self._start, self._done_at)
             return fut.value()
         return self.work.get_future().then(finish)
+
+
+class _Watcher:
+    """One thread that waits for a work without a future and notes when it completed."""
+
+    def __init__(self, work, on_done):
+        self.done, self.error = threading.Event(), None
+        self._work, self._on_done = work, on_done
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            self._work.wait()
+        except Exception as exc:      # raised again in the caller's thread by join()
+            self.error = exc
+        self._on_done()
+        self.done.set()
+
+    def join(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 def _wait_work(ctx, work):
@@ -216,7 +238,7 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     else:
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
-    handle = Handle(ctx, entry, work, start)
+    handle = Handle(ctx, entry, work, start, watch=async_op)
     return handle if async_op else handle.wait()
 
 

@@ -92,9 +92,6 @@ class Zero2Sync(Zero1Sync):
         return model
 
     def _on_grad(self, unit: FlatUnit, p) -> None:
-        for other in self.units:        # gloo's reduce-scatter has no future: see when it ended
-            for handle, _, _ in other.grad_handles:
-                handle.poll()
         self.grad_meter.add(p.grad.numel() * p.grad.element_size())
         unit.ready += 1
         if unit.ready == len(unit.members):
