@@ -39,7 +39,7 @@ def plot_memory(runs: dict, optimizer: str = "sgd", momentum: float = 0.0, peak:
 
     rows = memory_table(runs, optimizer, momentum, peak)
     if ax is None:
-        _, ax = plt.subplots(figsize=(1.2 + 0.5 * len(rows), 3.2))
+        _, ax = plt.subplots(figsize=(2.8 + 0.5 * len(rows), 3.2), layout="constrained")
     labels = [f"z{r['stage']}\nr{r['rank']}" for r in rows]
     bottom = [0.0] * len(rows)
     for key, name, color in PARTS:
@@ -50,5 +50,5 @@ def plot_memory(runs: dict, optimizer: str = "sgd", momentum: float = 0.0, peak:
                label="ZeRO formula (model state)", zorder=3)
     ax.set_ylabel("KiB per rank" + (" (peak)" if peak else " (at rest)"))
     ax.set_title("model state per rank, stage by stage")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax

@@ -65,6 +65,7 @@ class FlatUnit:
         self.handle = None               # an all-gather in flight
         self.grad_handles = []           # reduce-scatters in flight: (handle, output)
         self.ready = 0                   # members whose gradient exists this micro-batch
+        self.sent = False                # its gradients went out at least once this step
 
     # -- parameters ------------------------------------------------------------------------
     def free(self) -> None:
@@ -100,27 +101,24 @@ class FlatUnit:
             parts.append(self.flat.new_zeros(self.padded - self.numel))
         return torch.cat(parts)
 
-    def reduce_scatter(self, flat: torch.Tensor, async_op: bool = True) -> None:
-        """Sum ``flat`` over the group; this rank keeps its slice (added to the shard's grad later)."""
+    def reduce_scatter(self, flat: torch.Tensor) -> None:
+        """Start summing ``flat`` over the group; this rank's slice is added to the shard's
+        grad by :meth:`collect_oldest` (one micro-batch's gradients per call)."""
         out = flat.new_empty(self.shard_numel)
         handle = comm.reduce_scatter(out, flat, self.group, name=f"reduce-scatter {self.name}",
                                      async_op=True)
         self.grad_handles.append((handle, out, flat))
-        if not async_op:
-            self.finish_grads()
 
-    def finish_grads(self) -> int:
-        """Wait for this unit's reduce-scatters and average them into the shard's grad;
-        returns the bytes of packed gradients that were in flight."""
-        held = 0
-        for handle, out, flat in self.grad_handles:
-            handle.wait()
-            self.shard.grad.add_(out)
-            held += flat.numel() * flat.element_size()
-        if self.grad_handles:
-            self.shard.grad.div_(self.dp)
-        self.grad_handles = []
-        return held
+    def collect_oldest(self) -> int:
+        """Wait for the oldest reduce-scatter, add its slice; returns the packed bytes freed."""
+        handle, out, flat = self.grad_handles.pop(0)
+        handle.wait()
+        self.shard.grad.add_(out)
+        return flat.numel() * flat.element_size()
+
+    def average_grads(self) -> None:
+        """Sum over ranks (and micro-batches) → the mean, as the all-reduce modes divide by dp."""
+        self.shard.grad.div_(self.dp)
 
     def shard_bytes(self) -> int:
         return self.shard_numel * self.shard.element_size()

@@ -20,6 +20,8 @@ Every collective goes through :mod:`labkit.comm` (timed, flight-logged, with the
 """
 from __future__ import annotations
 
+import collections
+
 import torch.distributed as dist
 from torch import nn
 
@@ -41,11 +43,17 @@ def build_zero_sync(strategy, group, dp: int, recorder) -> GradSync:
 class Zero1Sync(GradSync):
     """ZeRO-1: whole gradients, sharded optimizer state, parameters all-gathered after the step."""
 
+    # Reduce-scatters in flight at once: launching one more waits for the oldest, so a rank
+    # holds the packed gradients of at most this many buckets (DeepSpeed bounds its ZeRO-2
+    # buckets, FSDP2 its reduce-scatter buffers, for the same reason).
+    MAX_IN_FLIGHT = 2
+
     def __init__(self, group, dp: int, bucket_mb: float, recorder, prefetch: int = 0):
         super().__init__(group, dp, bucket_mb)
         self.recorder, self.prefetch = recorder, prefetch
         self.rank = dist.get_rank(group)
         self.grad_meter, self.param_meter = Meter(), Meter()
+        self.in_flight = collections.deque()      # units, in the order their reduce-scatters started
 
     def wrap(self, model: nn.Module) -> nn.Module:
         super().wrap(model)
@@ -58,12 +66,26 @@ class Zero1Sync(GradSync):
 
     def finish(self) -> None:
         for unit in self.units:
-            unit.reduce_scatter(unit.flat_grad())
+            flat = unit.flat_grad()
+            self.grad_meter.add(flat.numel() * flat.element_size())
+            unit.reduce_scatter(flat)
+            self.in_flight.append(unit)
+            while len(self.in_flight) > self.MAX_IN_FLIGHT:
+                self._collect_oldest()
+        self._collect_all()
         for unit in self.units:
-            unit.finish_grads()
             for _, p in unit.members:         # consumed; ZeRO-1 keeps the buffers (its memory cost)
                 if p.grad is not None:
                     p.grad.zero_()
+
+    def _collect_oldest(self) -> None:
+        self.grad_meter.sub(self.in_flight.popleft().collect_oldest())
+
+    def _collect_all(self) -> None:
+        while self.in_flight:
+            self._collect_oldest()
+        for unit in self.units:
+            unit.average_grads()
 
     def after_step(self) -> None:
         """The updated shards back into every rank's parameters (all issued, then waited)."""
@@ -77,8 +99,10 @@ class Zero1Sync(GradSync):
         params = sum(u.nbytes for u in self.units)
         grads = sum(p.grad.numel() * p.grad.element_size() for _, p in self.params if p.grad is not None)
         shard_grads = sum(u.shard_bytes() for u in self.units)
-        return {"params": params, "params_peak": params, "grads": grads + shard_grads,
-                "grads_peak": grads + shard_grads}
+        held = {"params": params, "params_peak": params, "grads": grads + shard_grads,
+                "grads_peak": grads + shard_grads + self.grad_meter.peak}    # + packed buckets in flight
+        self.grad_meter.reset()
+        return held
 
 
 class Zero2Sync(Zero1Sync):
@@ -108,20 +132,23 @@ class Zero2Sync(Zero1Sync):
         unit.ready = 0
         unit.reduce_scatter(flat)
         unit.sent = True
+        self.in_flight.append(unit)
+        while len(self.in_flight) > self.MAX_IN_FLIGHT:
+            self._collect_oldest()
 
     def finish(self) -> None:
         for unit in self.units:
-            if unit.ready or not getattr(unit, "sent", False):   # a parameter that got no gradient
+            if unit.ready or not unit.sent:       # a parameter that got no gradient
                 self._send_grads(unit)
+        self._collect_all()
         for unit in self.units:
-            self.grad_meter.sub(unit.finish_grads())
             unit.sent = False
 
     def held_bytes(self, module):
-        held = super().held_bytes(module)
         shard_grads = sum(u.shard_bytes() for u in self.units)
-        held["grads_peak"] = shard_grads + self.grad_meter.peak
-        self.grad_meter.reset()
+        peak = self.grad_meter.peak                    # full gradients and packed buckets at once
+        held = super().held_bytes(module)
+        held["grads_peak"] = shard_grads + peak
         return held
 
 
