@@ -113,7 +113,9 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
         sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
                                s.error_feedback)
     span = None
-    if s.pp == 1:
+    if sync.times_backward:           # ZeRO-3 times its blocks itself, around its gathers
+        pass
+    elif s.pp == 1:
         instrument_backward(module, recorder)
     else:
         span = _stage_span(module, recorder)

@@ -97,8 +97,9 @@ class GradSync:
         raise NotImplementedError
 
     # -- what sharded syncs (labkit.parallel.zero) change; plain data parallelism needs none --
-    times_forward = False
-    """True when the sync records forward spans per block itself (ZeRO-3 gathers inside forward)."""
+    times_forward = times_backward = False
+    """True when the sync records forward (backward) spans per block itself: ZeRO-3 gathers
+    inside them, and only it knows where a gather's wait ends and compute begins."""
 
     def after_step(self) -> None:
         """After the optimizer step (ZeRO-1/2: the updated shards are all-gathered here)."""

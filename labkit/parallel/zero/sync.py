@@ -10,7 +10,7 @@ The three stages of Rajbhandari et al. 2020 (arXiv 1910.02054), Figure 1:
 * :class:`Zero2Sync` (P_os+g): each bucket is reduce-scattered from autograd hooks the moment
   its gradients exist (like the ``overlap`` mode), and the full gradients are dropped, so a
   rank holds gradients for the buckets in flight and its own shard only.
-* :class:`Zero3Sync` (P_os+g+p): one unit per block; parameters live as shards, each block
+* :class:`~.zero3.Zero3Sync` (P_os+g+p), in :mod:`.zero3`: one unit per block; parameters live as shards, each block
   gathered just before its forward and freed after, gathered again for its backward, and its
   gradient reduce-scattered when the block's backward is done. ``prefetch`` = k issues the
   gathers of the next k blocks before this block's forward (the previous k in backward), so
@@ -36,6 +36,7 @@ def build_zero_sync(strategy, group, dp: int, recorder) -> GradSync:
     if strategy.zero_mode == "fsdp2":
         from .fsdp2 import FSDP2Sync
         return FSDP2Sync(group, dp, strategy.bucket_mb, recorder, strategy.zero, strategy.prefetch)
+    from .zero3 import Zero3Sync
     kinds = {1: Zero1Sync, 2: Zero2Sync, 3: Zero3Sync}
     return kinds[strategy.zero](group, dp, strategy.bucket_mb, recorder, strategy.prefetch)
 
@@ -70,8 +71,7 @@ class Zero1Sync(GradSync):
             self.grad_meter.add(flat.numel() * flat.element_size())
             unit.reduce_scatter(flat)
             self.in_flight.append(unit)
-            while len(self.in_flight) > self.MAX_IN_FLIGHT:
-                self._collect_oldest()
+            self._collect_beyond(self.MAX_IN_FLIGHT)
         self._collect_all()
         for unit in self.units:
             for _, p in unit.members:         # consumed; ZeRO-1 keeps the buffers (its memory cost)
@@ -80,6 +80,10 @@ class Zero1Sync(GradSync):
 
     def _collect_oldest(self) -> None:
         self.grad_meter.sub(self.in_flight.popleft().collect_oldest())
+
+    def _collect_beyond(self, limit: int) -> None:
+        while len(self.in_flight) > limit:
+            self._collect_oldest()
 
     def _collect_all(self) -> None:
         while self.in_flight:
@@ -108,6 +112,8 @@ class Zero1Sync(GradSync):
 class Zero2Sync(Zero1Sync):
     """ZeRO-2: buckets reduce-scattered during backward; full gradients dropped once sent."""
 
+    COLLECT_ON_SEND = True      # bound the buckets in flight as each is sent (ZeRO-3: between blocks)
+
     def wrap(self, model):
         super().wrap(model)
         for unit in self.units:
@@ -133,8 +139,8 @@ class Zero2Sync(Zero1Sync):
         unit.reduce_scatter(flat)
         unit.sent = True
         self.in_flight.append(unit)
-        while len(self.in_flight) > self.MAX_IN_FLIGHT:
-            self._collect_oldest()
+        if self.COLLECT_ON_SEND:
+            self._collect_beyond(self.MAX_IN_FLIGHT)
 
     def finish(self) -> None:
         for unit in self.units:
@@ -149,98 +155,6 @@ class Zero2Sync(Zero1Sync):
         peak = self.grad_meter.peak                    # full gradients and packed buckets at once
         held = super().held_bytes(module)
         held["grads_peak"] = shard_grads + peak
-        return held
-
-
-class Zero3Sync(Zero2Sync):
-    """ZeRO-3: a unit per block, gathered around its forward and its backward, freed between."""
-
-    times_forward = True          # forward spans per block, so a gather's wait is never compute
-
-    def build_units(self, model):
-        self.blocks = list(model.named_children())
-        units, self.unit_of = [], {}
-        for name, block in self.blocks:
-            members = [(f"{name}.{n}", p) for n, p in block.named_parameters() if p.requires_grad]
-            if members:
-                self.unit_of[name] = len(units)
-                units.append(FlatUnit(len(units), members, self.group, self.dp, self.rank, f"block {name}"))
-        return units
-
-    def wrap(self, model):
-        super().wrap(model)
-        for unit in self.units:
-            unit.free()
-        for name, block in self.blocks:
-            # prepend: our hooks run before the recorder's, so a block's backward span opens
-            # only once its parameters are here (the wait shows on the comm lane).
-            block.register_forward_pre_hook(lambda m, a, n=name: self._before_forward(n), prepend=True)
-            block.register_forward_hook(lambda m, a, out, n=name: self._after_forward(n, out), prepend=True)
-        return model
-
-    # -- forward: gather this block (and the next ``prefetch``), free after ----------------------
-    def _before_forward(self, name: str) -> None:
-        i = self.unit_of.get(name)
-        if i is not None:
-            self._gather(i)
-            self.units[i].wait()
-            for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
-                self._gather(j)             # issued now: runs beside this block's compute
-        self._fwd_start = self.recorder.mark()
-
-    def _after_forward(self, name: str, out) -> None:
-        self.recorder.add("fwd", f"F block {name}", self._fwd_start, self.recorder.mark(),
-                          microbatch=getattr(self.recorder, "microbatch", None))
-        i = self.unit_of.get(name)
-        if i is None:
-            return
-        self._free(i)
-        if getattr(out, "requires_grad", False):
-            out.register_hook(lambda _g, i=i: self._before_backward(i))
-
-    # -- backward: gather again (and the previous ``prefetch``), reduce-scatter, free ------------
-    def _before_backward(self, i: int) -> None:
-        self._gather(i)
-        self.units[i].wait()
-        for j in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-            self._gather(j)
-
-    def _send_grads(self, unit):
-        super()._send_grads(unit)
-        self._free(unit.index)
-
-    def _gather(self, i: int) -> None:
-        unit = self.units[i]
-        if not unit.gathered and unit.handle is None:
-            self.param_meter.add(unit.nbytes)
-        unit.gather()
-
-    def _free(self, i: int) -> None:
-        unit = self.units[i]
-        if unit.gathered:
-            unit.free()
-            self.param_meter.sub(unit.nbytes)
-
-    def after_step(self) -> None:
-        pass                        # the next forward gathers the updated shards
-
-    def full_state_dict(self, module: nn.Module) -> dict:
-        """Every block gathered (a collective on every dp rank), copied, freed again."""
-        for i in range(len(self.units)):
-            self._gather(i)
-        for i in range(len(self.units)):
-            self.units[i].wait()
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        for i in range(len(self.units)):
-            self._free(i)
-        return state
-
-    def held_bytes(self, module):
-        shards = sum(u.shard_bytes() for u in self.units)
-        held = {"params": shards, "params_peak": shards + self.param_meter.peak,
-                "grads": shards, "grads_peak": shards + self.grad_meter.peak}
-        self.param_meter.reset()
-        self.grad_meter.reset()
         return held
 
 
