@@ -11,17 +11,17 @@ FSDP2, torch's own loop: ``fully_shard`` on each block and the root, ``reshard_a
 interleaved round by round; each figure is the median step over all measured steps (the first
 of each round is warm-up). Times are wall seconds of the slowest rank.
 
-Measured once on the shared 2-core machine under load (load average ~8, other test suites
-running), defaults (mlp 512×8, batch 32, AdamW, 1 MiB buckets, prefetch 1, 3×11 steps):
+Measured on the shared 2-core machine under load (load average 3–5, other developers'
+tests running), defaults (mlp 512×8, batch 32, AdamW, 1 MiB buckets, prefetch 1, 3×11 steps):
 
     variant            step ms   ÷ overlap dp
-    overlap dp           43.18          1.000
-    zero=1               59.50          1.378
-    zero=2               55.97          1.296
-    zero=3               67.27          1.558
-    zero=3 prefetch      68.10          1.577
-    fsdp2 prefetch       94.83          2.196
-    hand zero=3 prefetch ÷ FSDP2 prefetch: 0.718   (an earlier run: 0.593)
+    overlap dp           32.12          1.000
+    zero=1               52.91          1.647
+    zero=2               53.70          1.672
+    zero=3               71.23          2.218
+    zero=3 prefetch      69.39          2.160
+    fsdp2 prefetch       98.29          3.060
+    hand zero=3 prefetch ÷ FSDP2 prefetch: 0.706   (earlier runs, heavier load: 0.593, 0.718)
 
 On 2 CPU cores the gloo threads doing the gathers compete with compute for the same cores,
 so prefetch moves gathers under compute on the timeline without shortening the step.
