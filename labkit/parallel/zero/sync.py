@@ -173,6 +173,11 @@ class ShardedOptimizer:
     def state(self):
         return self.inner.state
 
+    @property
+    def param_groups(self):
+        """The shards' groups: fp16's loss scaler unscales (and checks for inf) the shard grads."""
+        return self.inner.param_groups
+
     def step(self) -> None:
         self.inner.step()
 
