@@ -156,3 +156,25 @@ def test_memory_table_and_bars_from_runs():
     assert rows[0]["formula"] == rows[0]["measured"] == 1600 and rows[2]["formula"] == rows[2]["measured"] == 800
     assert memory_table(runs, optimizer="adamw", peak=True)[2]["measured"] == 1600
     assert len(plot_memory(runs, optimizer="adamw").patches) == 4 * 4
+
+
+@pytest.mark.parametrize("kwargs", [dict(dp=2, zero=3), dict(dp=2, zero=2, zero_mode="fsdp2"),
+                                    dict(dp=2, pp=2, zero=1, microbatches=2)])
+def test_a_tied_weight_with_sharding_is_refused_before_engines(kwargs):
+    data = labkit.data.text(batch=8, block_size=16)
+    tied = labkit.models.gpt(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=data.vocab_size)
+    spec = RunSpec(labkit.Strategy(**kwargs), tied, data, "cross_entropy", batch=8)
+    with pytest.raises(ValueError, match=r"Strategy\.zero=.*tie=False"):
+        validate(spec, labkit.Strategy(**kwargs).world_size)
+    validate(RunSpec(labkit.Strategy(dp=2, zero=2), tied, data, "cross_entropy", batch=8), 2)   # pp=1: fine
+
+
+def test_zero_shards_the_local_tensor_parallel_parameters(lab4):
+    """The zero syncs shard whatever a stage holds: dp=2 × tp=2 equals one process."""
+    data = labkit.data.text(batch=8, block_size=16)
+    gpt = labkit.models.gpt(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=data.vocab_size, tie=False)
+    kw = dict(data=data, loss="cross_entropy", batch=8, steps=STEPS, lr=0.3, seed=0)
+    result = lab4.run(labkit.Strategy(dp=2, tp=2, zero=3, prefetch=1), model=gpt, **kw)
+    check_against = labkit.reference(gpt, **kw)
+    assert result.max_diff(check_against) <= 1e-5
+    assert result.losses == pytest.approx(check_against.losses, abs=1e-5)

@@ -27,6 +27,7 @@ from .checks import check_model, check_number
 from .relay import relay_warnings
 from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
+from ..parallel.zero import check_model as check_zero_model
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -57,6 +58,7 @@ def validate(spec: RunSpec, engines: int) -> None:
         built = build_model(spec.model, spec.seed)
     check_model(built, s)
     check_recompute(built, s.recompute)              # "selective" needs submodules named core
+    check_zero_model(s, built)                       # sharding and a tied weight
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))

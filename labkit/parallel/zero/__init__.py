@@ -56,6 +56,27 @@ def check_strategy(s) -> None:
                          f"reduce-scatters; use compression='none' with zero={s.zero}")
 
 
+def check_model(s, built) -> None:
+    """The model-dependent rule (called by ``run/runner.py:validate``, before any engine): a
+    parameter shared by two blocks (a GPT's tied embedding and head) is one tensor that a
+    sharded layout would put in two places. zero=3 flattens each block into its own unit, and
+    FSDP2 refuses a parameter in two ``fully_shard`` groups; across pipeline stages the tied
+    copies' gradient sum (``parallel/pipeline/tied.py``) runs after the sync, which with zero
+    has already consumed the full gradients."""
+    if s.zero == 0:
+        return
+    blocks_of: dict[int, set] = {}        # parameter → the blocks that hold it
+    for name, p in built.named_parameters(remove_duplicate=False):
+        blocks_of.setdefault(id(p), set()).add(name.split(".")[0])
+    shared = any(len(blocks) > 1 for blocks in blocks_of.values())
+    if shared and (s.zero == 3 or s.zero_mode == "fsdp2" or s.pp > 1):
+        how = "" if s.zero == 3 else f" with pp={s.pp}" if s.pp > 1 else f" with zero_mode={s.zero_mode!r}"
+        raise ValueError(f"Strategy.zero={s.zero}{how}: the model shares a parameter "
+                         "between blocks (a tied embedding and head), which a sharded layout would hold in two "
+                         "places; use labkit.models.gpt(tie=False), or zero_mode='labkit' with zero=1 or 2 and "
+                         "pp=1, or zero=0")
+
+
 # -- the paper's model-state memory, fp32 ----------------------------------------------------
 def model_state_bytes(psi: float, dp: int, stage: int, k: float = 8, param_bytes: int = 4,
                       grad_bytes: int = 4) -> dict:
