@@ -51,6 +51,7 @@ def _add_run(sub) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="torch's own, its defaults (default sgd)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--json", help="write strategy, losses, metrics and events here")
@@ -70,13 +71,13 @@ def cmd_run(args) -> int:
         _check_options(args, engines)
         model, data, loss = build_cli_model(args)
         validate(RunSpec(strategy, model, data, loss, batch=args.batch, steps=args.steps, lr=args.lr,
-                         seed=args.seed), engines)
+                         seed=args.seed, optimizer=args.optimizer), engines)
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
     with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
         run = lab.run(strategy, model=model, data=data, loss=loss, batch=args.batch, steps=args.steps,
-                      lr=args.lr, seed=args.seed,
+                      lr=args.lr, seed=args.seed, optimizer=args.optimizer,
                       on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
     _report(run)
     if args.json:

@@ -9,7 +9,8 @@ how a control or a run label shows it. The CLI's flags (:func:`labkit.cli`), the
 controls and run labels (:meth:`Strategy.label`) are derived from that metadata, so a new
 field is one declaration here. Each axis checks its own fields in its own package
 (``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
-``labkit.parallel.tensor.axis.check_strategy``);
+``labkit.parallel.tensor.axis.check_strategy``, ``labkit.parallel.zero.check_strategy``,
+``labkit.parallel.check_compute``);
 ``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .parallel import data as _data
 from .parallel import pipeline as _pipeline
+from .parallel import zero as _zero
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
 from .parallel import PRECISIONS, RECOMPUTE_MODES, check_compute
@@ -58,14 +60,8 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"Strategy.{name}={value!r} must be a whole number ≥ 1")
 
 
-def _check_zero(s) -> None:
-    # The sharding axis plugs in here: labkit.parallel.zero.check_strategy(s).
-    if type(s.zero) is not int or s.zero != 0:
-        raise ValueError("Strategy.zero: ZeRO sharding is not available in this version; use zero=0")
-
-
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _check_zero, check_compute)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _zero.check_strategy, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,8 +80,14 @@ class Strategy:
     sequence_parallel: bool = setting(False, "Megatron mode: LayerNorm regions cut along the sequence "
                                              "(all-gather / reduce-scatter in place of f and g).", axis="tp",
                                       control="bool", title="sequence parallel", label="sp", show="changed")
-    zero: int = setting(0, "ZeRO stage for sharding optimizer state (this version supports zero=0).",
-                        axis="zero", label="zero={}", show="changed")
+    zero: int = setting(0, "ZeRO stage over the dp group: 1 shards the optimizer state, 2 also the gradients, "
+                           "3 also the parameters (labkit.parallel.zero).", axis="zero",
+                        control=("int", 0, 3), label="zero={}", show="changed")
+    zero_mode: str = setting("labkit", "Sharding by hand ('labkit') or torch's fully_shard ('fsdp2'; zero=2 or 3).",
+                             axis="zero", choices=_zero.ZERO_MODES, control="choice", title="zero mode",
+                             label="{}", show="changed")
+    prefetch: int = setting(0, "zero=3: blocks whose all-gather is issued ahead (the forward overlap).",
+                            axis="zero", control=("int", 0, 2), label="prefetch={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,
                             control="choice", label="{}")
     microbatches: int = setting(1, "Micro-batches per step; each rank's share of the batch is split into this many.",
@@ -125,7 +127,7 @@ class Strategy:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.type in ("int", int) and f.name != "zero":
+            if f.type in ("int", int) and f.name not in ("zero", "prefetch"):   # 0 allowed; zero checks them
                 _check_positive_int(f.name, getattr(self, f.name))
             if f.metadata["choices"] is not None:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])

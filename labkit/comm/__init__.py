@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -110,16 +111,24 @@ def wire_bytes(op: str, nbytes: int, n: int) -> int:
 class Handle:
     """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
 
-    def __init__(self, ctx: CommContext, entry: dict, work, start, watch: bool = True):
+    def __init__(self, ctx: CommContext, entry: dict, work, start, watch: bool = True,
+                 thread: bool = False):
         self._ctx, self.entry, self.work, self._start = ctx, entry, work, start
         self._done_at = None
+        self._watcher = None
         if (watch and work is not None and ctx.recorder.enabled and not ctx.recorder.cuda
                 and entry["op"] not in ("send", "recv")):
             # gloo completes collectives on its own thread: note when, without blocking.
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())
-            except RuntimeError:     # gloo's reduce_scatter_tensor has no future: completion seen at wait()
-                pass
+            except RuntimeError:
+                # gloo's reduce_scatter_tensor has no future and its is_completed() stays False;
+                # an async one (zero=2/3, issued during backward) is waited for by one watcher
+                # thread, so it ends on the timeline when it did, not when the optimizer waits.
+                # That thread is the only waiter: two threads waiting on one such work copied
+                # its result out twice, the second over a buffer already reused (measured).
+                if thread:
+                    self._watcher = _Watcher(work, self._completed)
 
     def _completed(self):
         if self._done_at is None:
@@ -127,7 +136,9 @@ class Handle:
 
     def wait(self):
         """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
-        if self.work is not None:
+        if self._watcher is not None:
+            _guard(self._ctx, self.entry, self._watcher.join)
+        elif self.work is not None:
             _guard(self._ctx, self.entry, lambda: _wait_work(self._ctx, self.work))
         self._completed()
         self.entry["state"] = "done"
@@ -143,6 +154,28 @@ class Handle:
             _record(self._ctx, self.entry, self._start, self._done_at)
             return fut.value()[0] if first else fut.value()
         return self.work.get_future().then(finish)
+
+
+class _Watcher:
+    """One thread that waits for a work without a future and notes when it completed."""
+
+    def __init__(self, work, on_done):
+        self.done, self.error = threading.Event(), None
+        self._work, self._on_done = work, on_done
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            self._work.wait()
+        except Exception as exc:      # raised again in the caller's thread by join()
+            self.error = exc
+        self._on_done()
+        self.done.set()
+
+    def join(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 def _wait_work(ctx, work):
@@ -215,7 +248,7 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     else:
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
-    handle = Handle(ctx, entry, work, start, watch)
+    handle = Handle(ctx, entry, work, start, watch, thread=async_op)
     if ctx.comm_stream is not None and work is not None:
         handle._done_at = end
     if async_op:
@@ -267,8 +300,9 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", op="sum", async_op=False):
     """Reduce ``tensor`` over the group and leave this rank's 1/n slice in ``output``."""
     nbytes = wire_bytes("reduce_scatter", tensor.numel() * tensor.element_size(), _group_size(group))
+    reduce_op = OPS[op] if isinstance(op, str) else op        # FSDP2 passes torch's ReduceOp
     return _issue("reduce_scatter", tensor, group, name, None, None, nbytes,
-                  lambda: dist.reduce_scatter_tensor(output, tensor, op=OPS[op], group=group, async_op=True),
+                  lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=True),
                   async_op)
 
 

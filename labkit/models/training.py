@@ -87,6 +87,22 @@ def resolve_data(data, model: nn.Sequential, batch: int, seed: int) -> Callable:
     return SyntheticRegression(d_in, d_out, batch, seed)
 
 
-def build_optimizer(params, lr: float, momentum: float = 0.0) -> torch.optim.Optimizer:
-    """Plain SGD (no momentum unless asked), as in the reference."""
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def check_optimizer(optimizer: str, momentum: float = 0.0) -> None:
+    """Raise ValueError naming the argument and the fix for an optimiser labkit cannot build."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is unknown; use one of {', '.join(map(repr, OPTIMIZERS))}")
+    if optimizer == "adamw" and momentum:
+        raise ValueError(f"momentum={momentum!r} is SGD's; AdamW has its own betas (torch's defaults): "
+                         "use momentum=0 with optimizer='adamw'")
+
+
+def build_optimizer(params, lr: float, momentum: float = 0.0, optimizer: str = "sgd") -> torch.optim.Optimizer:
+    """torch's own optimiser with torch's defaults and the run's lr, as in the reference:
+    "sgd" (no momentum unless asked) or "adamw" (betas 0.9/0.999, eps 1e-8, weight decay 0.01)."""
+    check_optimizer(optimizer, momentum)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=momentum)

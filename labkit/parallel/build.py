@@ -9,10 +9,11 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
-   dp = 1: none; sharding slots in here later), and for a weight tied across the first and
-   last stage, the embedding group's sum (:mod:`.pipeline.tied`);
+   dp = 1: none; zero > 0: the sharded syncs of :mod:`.zero`), and for a weight tied across
+   the first and last stage, the embedding group's sum (:mod:`.pipeline.tied`);
 5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions, with
-   the run's precision (autocast, fp16 loss scaling: :mod:`.precision`).
+   the run's precision (autocast, fp16 loss scaling: :mod:`.precision`) and optimizer (with
+   zero: over this rank's shards).
 
 Activation recomputation (:mod:`.recompute`) is applied per stage in step 4, before the sync
 wraps the stage's blocks.
@@ -57,6 +58,7 @@ class RunSpec:
     allow_nonfinite: bool = False
     """Carry on through NaN/inf losses (by default the first one stops the run, naming its step)."""
     tp_plan: dict | None = None   # tensor-parallel plan (DTensor's convention); None: the model's tp_plan
+    optimizer: str = "sgd"        # "sgd" | "adamw": torch's own, torch's defaults, this lr
 
 
 def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None) -> Executor:
@@ -79,7 +81,7 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
         Link(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
-        build_optimizer(params, spec.lr, spec.momentum) if params else None, ActivationMeter(params),
+        build_step_optimizer(spec, stages, params), ActivationMeter(params),
         recorder, device, dp_index, owns_parameters=dp_index == 0, tied=tied,
         tp_group=groups.tp if s.tp > 1 else None, tp_index=tp_index,
         precision=build_precision(s.precision, device))                    # autocast, loss scaling
@@ -91,6 +93,15 @@ def p2p_tag(run_id: str | None) -> int:
     nothing later. A per-engine counter would drift apart once a build failed on some ranks."""
     return int(run_id[:7], 16) if run_id else 0
 
+
+def build_step_optimizer(spec: RunSpec, stages: list[Stage], params: list):
+    """Step 5's optimizer: torch's own over this rank's parameters; with zero, over its shards."""
+    if not params:
+        return None
+    if spec.strategy.zero:
+        from .zero.sync import build_sharded_optimizer
+        return build_sharded_optimizer([st.sync for st in stages], spec, params)
+    return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)
 
 
 def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan: dict | None = None) -> nn.Sequential:
@@ -140,10 +151,16 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
     # applies AC before FSDP/compile likewise): "full" checkpoints each of the stage's blocks.
     apply_recompute(module, s.recompute)
     has_grads = any(p.requires_grad for p in module.parameters())
-    sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
-                           s.error_feedback)
+    if s.zero:   # --- sharding (labkit.parallel.zero): ZeRO-1/2/3 by hand, or torch's FSDP2 ---
+        from .zero.sync import build_zero_sync
+        sync = build_zero_sync(s, groups.dp, s.dp if has_grads else 1, recorder)
+    else:
+        sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
+                               s.error_feedback)
     span = None
-    if s.pp == 1:
+    if sync.times_backward:           # ZeRO-3 times its blocks itself, around its gathers
+        pass
+    elif s.pp == 1:
         instrument_backward(module, recorder)
     else:
         span = _stage_span(module, recorder)

@@ -15,6 +15,7 @@ dp), step the optimizer. Built by :func:`labkit.parallel.build.build_job`.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from .pipeline.split_backward import backward_input, backward_weight
 from .precision import Precision
+from .zero.memory import measure_memory
 
 
 def global_batch(data, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,24 +108,32 @@ class Executor:
             self.tied.finish()
         stepped = {}
         if self.optimizer is not None:
-            with self.recorder.span("optimizer", "SGD step"):
+            label = getattr(self.optimizer, "label", f"{type(self.optimizer).__name__} step")
+            with self.recorder.span("optimizer", label):
                 stepped = self.precision.step(self.optimizer)     # fp16: unscale, maybe skip
                 self.optimizer.zero_grad(set_to_none=False)
+        for stage in self.stages:
+            stage.sync.after_step()          # ZeRO-1/2: updated shards gathered back
         last = any(st.index == self.last_stage for st in self.stages)
         return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
-                "peak_activation_bytes": self.meter.peak, **stepped}
+                "peak_activation_bytes": self.meter.peak,
+                "memory": measure_memory(self.stages, self.optimizer, self.meter.peak), **stepped}
 
     def full_state_dict(self) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
         rank (here: dp index 0 reports its stages; with tp, its tp index 0 after gathering the
-        shards, a collective every tp rank of dp index 0 joins), so the notebook just merges."""
+        shards, a collective every tp rank of dp index 0 joins), so the notebook just merges.
+        Every rank asks its syncs first: a sharded one (zero) gathers, which takes the whole dp group."""
+        state = {}
+        for stage in self.stages:
+            state.update(stage.sync.full_state_dict(stage.module))
         if not self.owns_parameters:
             return {}
         if self.tp_group is not None:
             from .tensor import full_state_dict
-            state = full_state_dict(self.model, self.tp_group)
+            state = full_state_dict(self.model, self.tp_group, state)
             return state if self.tp_index == 0 else {}
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def _label(self, op: str, a) -> str:
         return f"{op}{a.microbatch}" + (f" c{a.chunk}" if len(self.stages) > 1 else "")
@@ -142,8 +152,9 @@ class Executor:
             prev = self.outputs[self.chunk_of[a.stage - 1], a.microbatch]
             inp = self.inputs[key] = prev.detach().requires_grad_(prev.is_floating_point())
         rec.microbatch = a.microbatch
-        with rec.span("fwd", self._label("F", a), microbatch=a.microbatch), \
-                self.meter.forward(key, inp) as kept, stage.sync.defer():
+        span = nullcontext() if stage.sync.times_forward else rec.span("fwd", self._label("F", a),
+                                                                        microbatch=a.microbatch)
+        with span, self.meter.forward(key, inp) as kept, stage.sync.defer():
             with self.precision.autocast():
                 out = stage.run(inp)
                 if a.stage == self.last_stage:

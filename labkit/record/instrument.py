@@ -97,7 +97,8 @@ class ActivationMeter:
     """
 
     def __init__(self, params):
-        self.param_ptrs = {p.data_ptr() for p in params}
+        self.params = list(params)      # (parameters are told apart by _is_parameter)
+        self.param_ids = {id(p) for p in self.params}   # by identity: zero=3 regathers their memory
         self.live: dict[tuple, int] = {}
         self.peak = 0
         self.measured = False
@@ -116,7 +117,7 @@ class ActivationMeter:
         seen: dict[int, int] = {}
 
         def pack(t):
-            if t.data_ptr() not in self.param_ptrs and not self._is_param_cast(t):
+            if not _is_parameter(t) and not _is_param_cast(t, self.param_ids):
                 seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
             return t
 
@@ -129,17 +130,30 @@ class ActivationMeter:
         self.live[key] = sum(seen.values())
         self.peak = max(self.peak, sum(self.live.values()))
 
-    def _is_param_cast(self, t) -> bool:
-        """A parameter's low-precision copy that autocast made for this forward (bf16/fp16
-        mixed precision): weights, not activations, so not counted. autocast's copy is a
-        ``_to_copy`` of the parameter itself: its grad_fn leads straight to the parameter's
-        AccumulateGrad (saved as such, or as a view of it: a Linear saves ``weight.t()``)."""
-        fn = (t._base if t._base is not None else t).grad_fn
-        if fn is None or type(fn).__name__ != "ToCopyBackward0":
-            return False
-        nxt = fn.next_functions[0][0] if fn.next_functions else None
-        variable = getattr(nxt, "variable", None)
-        return variable is not None and variable.data_ptr() in self.param_ptrs
-
     def release(self, key) -> None:
         self.live.pop(key, None)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A weight, or a view of one (Linear saves ``w.t()``): a leaf that requires grad.
+
+    Asked of the tensor, not looked up by address: a sharded model (zero=3, FSDP2) gathers its
+    weights into fresh memory every forward. Stage inputs that require grad are leaves too;
+    the meter adds those (and the outputs) explicitly after the forward.
+    """
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+def _is_param_cast(t: torch.Tensor, param_ids: set) -> bool:
+    """A parameter's low-precision copy that autocast made for this forward (bf16/fp16 mixed
+    precision): weights, not activations, so not counted. autocast's copy is a ``_to_copy`` of
+    the parameter itself: its grad_fn leads straight to an AccumulateGrad (saved as such, or as
+    a view of it: a Linear saves ``weight.t()``), whose variable is one of ``param_ids`` (by
+    identity, not address: zero=3 gathers its weights into fresh memory every forward)."""
+    fn = (t._base if t._base is not None else t).grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions[0][0] if fn.next_functions else None
+    variable = getattr(nxt, "variable", None)
+    return variable is not None and id(variable) in param_ids

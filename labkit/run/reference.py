@@ -41,8 +41,10 @@ class Reference:
 
 
 def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int = 0, data=None,
-              loss="mse", momentum: float = 0.0, threads: int | None = None, snapshots: bool = False) -> Reference:
-    """Train ``model`` on the whole global batch in this process (plain SGD, mean loss).
+              loss="mse", momentum: float = 0.0, threads: int | None = None, snapshots: bool = False,
+              optimizer: str = "sgd") -> Reference:
+    """Train ``model`` on the whole global batch in this process (plain SGD, mean loss;
+    ``optimizer="adamw"``: torch's AdamW with its defaults).
 
     ``threads`` pins torch's intra-op threads for the run (for a fair one-engine baseline).
     ``snapshots`` records parameters and gradient norms after every step, for ``labkit.drift``.
@@ -53,17 +55,17 @@ def reference(model, batch: int = 64, steps: int = 5, lr: float = 0.1, seed: int
         torch.set_num_threads(threads)
     with torch.random.fork_rng(devices=[]):      # the run seeds torch; the caller's RNG stays as it was
         try:
-            return _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots)
+            return _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots, optimizer)
         finally:
             torch.set_num_threads(previous)
 
 
-def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots) -> Reference:
+def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots, optimizer) -> Reference:
     """One process, the whole global batch per step: the yardstick's loop."""
     net = build_model(model, seed)
     data_fn = resolve_data(data, net, batch, seed)
     loss_fn = resolve_loss(loss)
-    opt = build_optimizer(net.parameters(), lr, momentum)
+    opt = build_optimizer(net.parameters(), lr, momentum, optimizer)
     recorder = StepSnapshots(net, opt) if snapshots else None
     losses, times, taken = [], [], []
     for step in range(steps):

@@ -22,11 +22,12 @@ from ..parallel.build import RunSpec
 from ..analysis.metrics import step_metrics
 from .result import Run
 from ..view.timeline import Timeline
-from ..models.training import build_model, resolve_loss
+from ..models.training import build_model, check_optimizer, resolve_loss
 from .checks import check_model, check_number
 from .relay import relay_warnings
 from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
+from ..parallel.zero import check_model as check_zero_model
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -44,6 +45,7 @@ def validate(spec: RunSpec, engines: int) -> None:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     resolve_loss(spec.loss)
     check_snapshots(spec.extra.get("snapshots", False))
+    check_optimizer(spec.optimizer, spec.momentum)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
     if spec.data is not None and hasattr(spec.model, "check_data"):
@@ -56,6 +58,7 @@ def validate(spec: RunSpec, engines: int) -> None:
         built = build_model(spec.model, spec.seed)
     check_model(built, s)
     check_recompute(built, s.recompute)              # "selective" needs submodules named core
+    check_zero_model(s, built)                       # sharding and a tied weight
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))
@@ -151,6 +154,7 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
     run.timeline.extend(split_waits(step_events))
     run.metrics = _metrics(run.timeline.events, len(peak), spec, list(peak), step)
     _precision_metrics(run, results)
+    run.metrics["memory_bytes"] = _memory(results)      # per rank, after this step
 
 
 def _precision_metrics(run: Run, results: list[dict]) -> None:
@@ -175,6 +179,11 @@ def _metrics(events, world_size, spec, peak, step) -> dict:
     skip = measured_steps(spec.steps) if step >= measured_steps(spec.steps) else 0
     kept = [e for e in events if e["step"] >= skip]
     return step_metrics(kept, world_size, spec.batch, peak_activation_bytes=peak)
+
+
+def _memory(results: list[dict]) -> list[dict]:
+    """Per rank, model-state bytes held (labkit.parallel.zero.memory): rank order."""
+    return [r.get("memory", {}) for r in sorted(results, key=lambda r: r["rank"])]
 
 
 def gather_parameters(lab) -> dict:

@@ -381,11 +381,12 @@ class Lab:
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
-            tp_plan: dict | None = None) -> Run:
+            tp_plan: dict | None = None, optimizer: str = "sgd") -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
         ``tp_plan`` (tp > 1): which modules tensor parallelism splits, in DTensor's convention
         (``{"*.attn.qkv": "colwise", ...}``); default: the model's own ``tp_plan``.
+        ``optimizer``: "sgd" or "adamw" (torch's own, torch's defaults, this ``lr``).
 
         ``snapshots=True`` records every rank's parameters and gradient norms after each step,
         for ``labkit.drift`` and ``run.grad_norms()`` (see labkit.analysis.drift for the cost).
@@ -396,7 +397,8 @@ class Lab:
         from ..run.runner import execute
         self._check_open()
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
-                       extra={"snapshots": snapshots}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan)
+                       extra={"snapshots": snapshots}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
+                       optimizer=optimizer)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)
 

@@ -97,6 +97,24 @@ class GradSync:
     def finish(self) -> None:
         raise NotImplementedError
 
+    # -- what sharded syncs (labkit.parallel.zero) change; plain data parallelism needs none --
+    times_forward = times_backward = False
+    """True when the sync records forward (backward) spans per block itself: ZeRO-3 gathers
+    inside them, and only it knows where a gather's wait ends and compute begins."""
+
+    def after_step(self) -> None:
+        """After the optimizer step (ZeRO-1/2: the updated shards are all-gathered here)."""
+
+    def full_state_dict(self, module: nn.Module) -> dict:
+        """The module's whole parameters; every dp rank calls it (sharded syncs gather)."""
+        return dict(module.state_dict())
+
+    def held_bytes(self, module: nn.Module) -> dict:
+        """Parameter and gradient bytes this rank holds: at rest, and the most at once."""
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+        return {"params": params, "params_peak": params, "grads": grads, "grads_peak": grads}
+
 
 class NoSync(GradSync):
     """Nothing to average: one replica (dp = 1), or a stage without parameters."""

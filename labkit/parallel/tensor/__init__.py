@@ -108,17 +108,21 @@ def _mark_sequence_region(model: nn.Module, sp_plan: dict, tp_group) -> None:
                 p.register_hook(all_reduce_grad(tp_group, f"{name}.{pname}"))
 
 
-def full_state_dict(model: nn.Module, tp_group=None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, tp_group=None, local: dict | None = None) -> dict[str, torch.Tensor]:
     """The unsharded state dict, with the model's own keys, on CPU (a collective over tp).
 
     Megatron shards are gathered with :func:`labkit.comm.all_gather` (so the gather is on the
-    timeline too); DTensor parameters with ``full_tensor()``.
+    timeline too); DTensor parameters with ``full_tensor()``. ``local``: this rank's tp shards
+    by key, when the model's own parameters are not whole over dp (zero=3 frees them; its
+    sync gathers them into such a dict first).
     """
     state = {}
     for prefix, module in model.named_modules():
         dims = getattr(module, "shard_dims", None)
         for name, tensor in module.named_parameters(recurse=False):
             key = f"{prefix}.{name}" if prefix else name
+            if local is not None and key in local:
+                tensor = local[key]
             if dims is not None and name in dims:
                 tensor = _gather(tensor.detach(), dims[name], tp_group, key)
             elif hasattr(tensor, "full_tensor"):

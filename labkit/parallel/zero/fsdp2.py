@@ -1,0 +1,102 @@
+"""torch's own sharding as the comparator: FSDP2's ``fully_shard`` on each block, then the root.
+
+``zero=3`` is ``reshard_after_forward=True`` (parameters freed after each block's forward and
+gathered again for backward); ``zero=2`` is ``reshard_after_forward=False`` (parameters kept
+whole between forward and backward, gradients still reduce-scattered: ZeRO-2's memory
+pattern, as torch's docs describe it). ``prefetch`` = k becomes
+``set_modules_to_forward_prefetch(next k blocks)`` and
+``set_modules_to_backward_prefetch(previous k blocks)``.
+
+How its collectives reach the timeline: FSDP2 lets a module replace its all-gather and its
+reduce-scatter (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch ≥
+2.7). :class:`LabkitAllGather` and :class:`LabkitReduceScatter` keep torch's buffer
+allocation (``DefaultAllocMixin``) and issue the call through :mod:`labkit.comm`, so each is
+timed, flight-logged and bounded by the lab's timeout like every labkit call. On CPU, FSDP2
+issues its all-gathers synchronously (there are no streams to overlap on), so its prefetch
+changes the order of gathers but hides less than the hand-built one, whose gathers are
+asynchronous gloo work.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from ... import comm
+from ..data.sync import GradSync
+
+
+class LabkitAllGather(DefaultAllGather):
+    """FSDP2's all-gather, issued through labkit.comm (completed before it returns)."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        comm.all_gather(output_tensor, input_tensor, group, name="fsdp2 all-gather")
+        return None                 # done already: FSDP waits only on a Work it is given
+
+
+class LabkitReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, issued through labkit.comm (torch's op: it divides around it)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        comm.reduce_scatter(output_tensor, input_tensor, group, name="fsdp2 reduce-scatter", op=op)
+        return None
+
+
+class FSDP2Sync(GradSync):
+    """The stage's blocks under ``fully_shard``; FSDP2 does the reducing inside backward."""
+
+    times_forward = True           # per-block forward spans, outside FSDP2's pre-forward gather
+
+    def __init__(self, group, dp: int, bucket_mb: float, recorder, zero: int, prefetch: int):
+        super().__init__(group, dp, bucket_mb)
+        self.recorder, self.reshard, self.prefetch = recorder, zero == 3, prefetch
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().wrap(model)
+        device = next(model.parameters()).device
+        mesh = DeviceMesh.from_group(self.group, device_type=device.type)
+        blocks = [b for b in model.children() if any(p.requires_grad for p in b.parameters())]
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard)
+        for module in blocks + [model]:
+            module.set_custom_all_gather(LabkitAllGather())
+            module.set_custom_reduce_scatter(LabkitReduceScatter())
+        k = self.prefetch
+        for i, block in enumerate(blocks):
+            if k:
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + k])
+                block.set_modules_to_backward_prefetch(blocks[max(i - k, 0):i][::-1])
+        for name, block in model.named_children():
+            # registered after fully_shard's: the span starts once FSDP2 has gathered the block
+            block.register_forward_pre_hook(lambda m, a: self._open())
+            block.register_forward_hook(lambda m, a, out, n=name: self._close(n), prepend=True)
+        return model
+
+    def _open(self):
+        self._start = self.recorder.mark()
+
+    def _close(self, name: str):
+        self.recorder.add("fwd", f"F block {name}", self._start, self.recorder.mark(),
+                          microbatch=getattr(self.recorder, "microbatch", None))
+
+    def finish(self) -> None:
+        pass                 # FSDP2's backward already reduce-scattered every block
+
+    def full_state_dict(self, module: nn.Module) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in module.state_dict().items()}
+
+    def held_bytes(self, module: nn.Module) -> dict:
+        """Local shards at rest (peaks are FSDP2's business: not measured here)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+        grads = [g.to_local() if hasattr(g, "to_local") else g
+                 for g in (p.grad for p in module.parameters()) if g is not None]
+        params = sum(t.numel() * t.element_size() for t in local)
+        grad_bytes = sum(t.numel() * t.element_size() for t in grads)
+        return {"params": params, "params_peak": params, "grads": grad_bytes, "grads_peak": grad_bytes}
+
