@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow        # it executes the notebooks: engines starte
 HERE = pathlib.Path(__file__).parent.parent / "notebooks"
 NOTEBOOKS = sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
 DRAWS = re.compile(r"\.plot\(|plt\.subplots\(|\bplot_\w+\(")
+INTERACTIVE = re.compile(r"\binteract(_manual)?\(")
 
 
 def figure_cells_without_a_figure(nb) -> list[int]:
@@ -27,6 +28,8 @@ def figure_cells_without_a_figure(nb) -> list[int]:
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or not DRAWS.search(cell.source):
             continue
+        if INTERACTIVE.search(cell.source):
+            continue      # drawn into the widget's own output area, kept in widget state, not the cell's
         shown = any(o.get("output_type") in ("display_data", "execute_result")
                     and ("image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {}))
                     for o in cell.get("outputs", []))
