@@ -229,3 +229,12 @@ def test_a_build_that_failed_on_one_rank_leaves_the_next_pipeline_matched(lab2):
         lab2.run(labkit.Strategy(dp=2), model=_fails_on_rank_one, batch=16, steps=1)
     run = lab2.run(labkit.Strategy(pp=2, microbatches=2), model=MLP, batch=16, steps=STEPS, seed=4)
     assert run.max_diff(labkit.reference(MLP, batch=16, steps=STEPS, seed=4)) < 1e-5
+
+
+@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1), ("zbv", 2)])
+def test_zero_bubble_schedules_at_pp4_equal_one_process(lab4, schedule, chunks):
+    """Four stages (ZB-V: eight chunks in a V) through the executor, against one process."""
+    model = labkit.models.mlp(width=32, depth=8)
+    s = labkit.Strategy(pp=4, schedule=schedule, chunks=chunks, microbatches=8)
+    run = lab4.run(s, model=model, batch=32, steps=STEPS, seed=5)
+    assert run.max_diff(labkit.reference(model, batch=32, steps=STEPS, seed=5)) < 1e-5
