@@ -18,6 +18,7 @@ import torch
 
 from ..config import Strategy
 from .events import SEND_KINDS
+from .tables import CellTable
 from ..models.training import build_model, resolve_data, resolve_loss
 
 SETTINGS = {
@@ -50,8 +51,8 @@ class Curve:
         return self.param_gaps[-1]
 
 
-@dataclass
-class Curves:
+@dataclass(repr=False)      # the table's __repr__ (CellTable)
+class Curves(CellTable):
     """Several settings' curves and the reference's; a table in the notebook, ``plot()`` draws them."""
 
     reference_losses: list[float]
@@ -67,16 +68,6 @@ class Curves:
                          f"{abs(c.val_losses[-1] - ref_val):.2e}", f"{c.max_diff:.2e}",
                          f"{c.bytes_per_step[-1] / 1024:,.1f}", f"{1e3 * c.step_time_s:.1f}"])
         return heads, body
-
-    def __repr__(self) -> str:
-        heads, body = self._cells()
-        widths = [max(len(r[i]) for r in [heads] + body) for i in range(len(heads))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [heads] + body)
-
-    def _repr_html_(self) -> str:
-        heads, body = self._cells()
-        rows = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in [heads] + body)
-        return f"<table>{rows}</table>"
 
     def plot(self):
         """Loss (solid) and validation loss (dashed) against the reference, the parameters'

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .tables import CellTable
+
 SYNC, PRECISION, UNKNOWN = "sync", "precision", "unknown"
 
 
@@ -83,8 +85,8 @@ def build_step_snapshots(job) -> StepSnapshots:
 
 
 # -- the gradient check -----------------------------------------------------------------------
-@dataclass
-class GradNorms:
+@dataclass(repr=False)      # the table's __repr__ (CellTable)
+class GradNorms(CellTable):
     """Every parameter's gradient norm, per step and rank: ``norms[(step, parameter, rank)]``.
 
     Shows as a table (one row per step and parameter, one column per rank, and the
@@ -104,16 +106,6 @@ class GradNorms:
         body = [[str(step), name] + [f"{self.norms[(step, name, c)]:.6g}" if (step, name, c) in self.norms else ""
                                      for c in self.columns] for step, name in self.order]
         return heads, body
-
-    def __repr__(self) -> str:
-        heads, body = self._cells()
-        widths = [max(len(r[i]) for r in [heads] + body) for i in range(len(heads))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [heads] + body)
-
-    def _repr_html_(self) -> str:
-        heads, body = self._cells()
-        rows = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in [heads] + body)
-        return f"<table>{rows}</table>"
 
 
 def grad_norms(snapshots: list[dict], reference=None) -> GradNorms:
