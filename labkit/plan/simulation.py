@@ -44,18 +44,9 @@ class Simulated:
 
 def build_buckets(params: list[tuple[str, int, int]], bucket_bytes: float) -> list[list[tuple[str, int, int]]]:
     """(name, bytes, block) in registration order → buckets in gradient order, as
-    :func:`labkit.strategies.data_parallel.make_buckets` fills them (reverse order, closed
-    once a bucket reaches the cap)."""
-    buckets, current, size = [], [], 0
-    for item in reversed(params):
-        current.append(item)
-        size += item[1]
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    :func:`labkit.parallel.data.sync.make_buckets` fills them (one rule: ``fill_buckets``)."""
+    from ..parallel.data import fill_buckets
+    return fill_buckets(params, lambda item: item[1], bucket_bytes)
 
 
 def _stage_ranges(costs: CostTable, strategy) -> list[range]:

@@ -34,3 +34,19 @@ def check_strategy(s) -> None:
                          "'powersgd' with ddp")
     if c == "powersgd" and mode != "ddp":
         raise ValueError("Strategy.compression='powersgd' is torch's DDP comm hook; use dp_mode='ddp'")
+
+
+def fill_buckets(items: list, size_of, bucket_bytes: float) -> list[list]:
+    """``items`` in registration order → buckets in the order gradients arrive: backward runs
+    from the last layer to the first, so buckets fill in reverse order (as DDP's do), each
+    closing once it reaches ``bucket_bytes``. Pure, so the planner replays the same buckets."""
+    buckets, current, size = [], [], 0
+    for item in reversed(items):
+        current.append(item)
+        size += size_of(item)
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

@@ -59,16 +59,8 @@ def make_buckets(params: list[tuple[str, nn.Parameter]], bucket_bytes: float) ->
     Backward runs from the last layer to the first, so buckets are filled in reverse
     registration order (as DDP does); a bucket closes once it reaches the cap.
     """
-    buckets, current, size = [], [], 0
-    for name, p in reversed(params):
-        current.append((name, p))
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    from . import fill_buckets
+    return fill_buckets(params, lambda item: item[1].numel() * item[1].element_size(), bucket_bytes)
 
 
 class GradSync:
