@@ -1,7 +1,7 @@
 """labkit against plain torch: what the lab's harness costs a step.
 
-    .venv/bin/python benchmarks/bench_vs_torch.py                  # 2 ranks, ~3 minutes
-    .venv/bin/python benchmarks/bench_vs_torch.py --rounds 7 --steps 30
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_vs_torch.py        # 2 ranks, ~5 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_vs_torch.py --rounds 15 --steps 30
 
 torch runs in its own plain processes (``torch.multiprocessing`` spawn, gloo, no ipyparallel,
 the same threads per rank as labkit's engines): ``DistributedDataParallel`` with the same
@@ -9,10 +9,14 @@ bucket size, and ``torch.distributed.pipelining``'s ``Schedule1F1B`` on labkit's
 labkit runs its ``ddp`` and ``overlap`` data-parallel modes and its ``1f1b`` pipeline on the
 same model, batch, data and buckets, with the timeline recorded and without.
 
-Each figure is the median over all measured steps of all rounds of the slowest rank's step
-wall time, taken the same way on both sides (after an aligning barrier, to the end of the
-optimizer step; the first step of each run is warm-up). Rounds interleave every variant, so
-drift in machine load hits both sides alike. Ratios are labkit ÷ plain torch.
+Each round runs every variant once; a variant's figure for the round is the median over its
+measured steps of the slowest rank's step, taken the same way on both sides (after an aligning
+barrier, to the end of the optimizer step; the first step of each run is warm-up). A ratio is
+labkit ÷ plain torch *in the same round*, so drift in machine load between rounds cancels; the
+table gives the median ratio over rounds and the middle half of them, which is the honest
+resolution of the figure (on a shared 2-core VM a round's ratio swings by ±10 %). CPU time
+(every thread of the process, gloo's included) is far steadier than wall time: it says what
+labkit's code costs; wall time adds what the harness's processes take from the cores.
 
 labkit's engines rest between steps (each step is its own call from the notebook). On a loaded
 machine Linux's scheduler favours a process that has just woken over one that never sleeps,
@@ -179,7 +183,7 @@ def engine_times(lab, mode: str, a: dict, record: bool) -> tuple[list[float], li
     else:
         s, batch = labkit.Strategy(dp=lab.world_size, dp_mode=mode, bucket_mb=a["bucket_mb"]), a["batch"]
     run = lab.run(s, model=model, batch=batch, steps=a["steps"], seed=a["seed"], record=record)
-    return run.step_times[1:], []            # engines report wall time only
+    return run.step_times[1:], run.step_cpu_times[1:]
 
 
 # (row, comparator, labkit mode or None for plain torch itself); labkit rows run recorded and not
@@ -199,15 +203,16 @@ def variants():
 
 
 def measure(args) -> dict:
+    """Per variant, per round: (median wall, median CPU) of its measured steps."""
     a = dict(width=args.width, depth=args.depth, batch=args.batch, bucket_mb=args.bucket_mb, steps=args.steps,
              seed=0, pp_batch=args.pp_batch, microbatches=args.microbatches, gap_s=args.gap_ms / 1e3)
-    times = {v: ([], []) for v in variants()}
+    rounds = {v: [] for v in variants()}
     with labkit.Lab.start(engines=args.ranks, timeout=120, progress=False) as lab:
         args.threads = lab.threads or 1
         plain = PlainTorch(args.ranks, args.threads)
         try:
             for r in range(args.rounds):
-                for v in times:
+                for v in rounds:
                     row, comparator, mode, where, record = v
                     if mode is None:
                         wall, cpu = plain.run(comparator, a)
@@ -215,33 +220,43 @@ def measure(args) -> dict:
                         wall, cpu = engine_times(lab, mode, a, record)
                     else:
                         wall, cpu = plain.run("job", dict(a, mode=mode, record=record))
-                    times[v][0].extend(wall)
-                    times[v][1].extend(cpu)
+                    rounds[v].append((median(wall), median(cpu)))
                 print(f"round {r + 1}/{args.rounds} done", flush=True)
         finally:
             plain.close()
-    return {v: (median(w), median(c) if c else None) for v, (w, c) in times.items()}
+    return rounds
 
 
-def print_table(med: dict, args) -> None:
+def ratio_text(mine: list, base: list, k: int) -> str:
+    """Median over rounds of (this variant ÷ torch in the same round), with the middle half of
+    the rounds' ratios: machine load drifts between rounds, so one round's pair is compared."""
+    ratios = sorted(m[k] / b[k] for m, b in zip(mine, base))
+    q = len(ratios) // 4
+    return f"{median(ratios):6.3f} {ratios[q]:5.2f}–{ratios[-q - 1]:<5.2f}"
+
+
+def print_table(rounds: dict, args) -> None:
     print(f"\n{args.ranks} ranks, {args.threads} thread(s) per rank on both sides; "
           f"mlp width {args.width} depth {args.depth}; dp: batch {args.batch}, bucket {args.bucket_mb} MiB; "
           f"pp: batch {args.pp_batch}, {args.microbatches} micro-batches; "
-          f"{args.rounds} rounds × {args.steps - 1} measured steps; medians of the slowest rank's step")
-    print(f"{'':34} {'recorded':>19}   {'not recorded':>19}   {'CPU ms ÷ torch':>15}")
-    print(f"{'':34} {'ms':>9} {'÷ torch':>9}   {'ms':>9} {'÷ torch':>9}   {'rec':>7} {'no rec':>7}")
+          f"{args.rounds} rounds × {args.steps - 1} measured steps; the slowest rank's step, median per round;")
+    print("ratios: median over rounds of labkit ÷ torch in the same round (middle half of the rounds)\n")
+    print(f"{'':34} {'wall, recorded':>21}   {'wall, not recorded':>21}   {'CPU, rec':>18}   {'CPU, no rec':>18}")
+    print(f"{'':34} {'ms':>7} {'÷ torch':>13}   {'ms':>7} {'÷ torch':>13}   {'÷ torch':>18}   {'÷ torch':>18}")
     base = {}
-    for v, (wall, cpu) in med.items():
+    for v, per_round in rounds.items():
         row, comparator, mode, where, record = v
+        wall = median(w for w, _ in per_round)
         if mode is None:
-            base[comparator] = (wall, cpu)
-            print(f"{row + ' (plain processes)':34} {1e3 * wall:9.2f} {1.0:9.3f}   {'':>9} {'':>9}   "
-                  f"{1e3 * cpu:7.2f}ms")
+            base[comparator] = per_round
+            cpu = median(c for _, c in per_round)
+            print(f"{row + ' (plain processes)':34} {1e3 * wall:7.2f} {'1':>13}   {'':>21}   CPU {1e3 * cpu:.2f} ms")
         elif record:
-            (on, on_cpu), (off, off_cpu) = med[v], med[row, comparator, mode, where, False]
-            b, b_cpu = base[comparator]
-            cpu_text = f"{on_cpu / b_cpu:7.3f} {off_cpu / b_cpu:7.3f}" if on_cpu is not None else ""
-            print(f"{row + ', ' + where:34} {1e3 * on:9.2f} {on / b:9.3f}   {1e3 * off:9.2f} {off / b:9.3f}   {cpu_text}")
+            off = rounds[row, comparator, mode, where, False]
+            b = base[comparator]
+            print(f"{row + ', ' + where:34} {1e3 * wall:7.2f} {ratio_text(per_round, b, 0)}   "
+                  f"{1e3 * median(w for w, _ in off):7.2f} {ratio_text(off, b, 0)}   "
+                  f"{ratio_text(per_round, b, 1):>18}   {ratio_text(off, b, 1):>18}")
 
 
 def main() -> None:
@@ -254,7 +269,7 @@ def main() -> None:
     p.add_argument("--pp-batch", type=int, default=64, help="pipeline global batch")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--gap-ms", type=float, default=10.0, help="rest before each plain torch step (see above)")
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

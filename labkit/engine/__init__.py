@@ -189,11 +189,12 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
         comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
         s.recorder.start_step(step)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = s.job.step(step, batch)
         if s.device.type == "cuda":
             torch.cuda.synchronize()
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
+    result["cpu_s"] = time.process_time() - c0        # CPU time of every thread (gloo's too)
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
     if s.snapshots is not None:

@@ -30,6 +30,8 @@ class Run:
     interrupted: bool = False
     step_times: list[float] = field(default_factory=list, repr=False)
     """Wall time of each step on the slowest rank (measured whether or not events are recorded)."""
+    step_cpu_times: list[float] = field(default_factory=list, repr=False)
+    """CPU time of each step on the busiest rank: all of its process's threads (comm threads too)."""
     parameter_bytes: list[int] = field(default_factory=list, repr=False)
     """Per rank, bytes of the parameters it holds (a tensor-parallel shard counts its own part)."""
     snapshots: list[dict] = field(default_factory=list, repr=False)

@@ -145,6 +145,7 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
     """Fold one step's answers into ``run``: loss, wall time, events (appended), metrics."""
     run.losses.append(_global_loss(results))
     run.step_times.append(max(r["step_s"] for r in results))
+    run.step_cpu_times.append(max(r["cpu_s"] for r in results))
     if "snapshot" in results[0]:
         run.snapshots.append({r["rank"]: r.pop("snapshot") for r in results})
     step_events = []

@@ -32,6 +32,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from traitlets.config import Config
 
 from ..errors import LabError
+from .local import CONTROLLER_ARGS
 
 LAUNCHERS = ("slurm", "mpi", "ssh")
 
@@ -143,7 +144,7 @@ def _build(launcher: str, engines: int, work_dir: str, options: dict) -> tuple[i
         explicit.merge(extra)
     cls = LabMPIEngineSetLauncher if launcher == "mpi" else launcher
     cluster = _Cluster(work_dir=work_dir, engines=cls, n=engines, controller_ip=controller_ip, delay=0,
-                       log_level=logging.ERROR, **({"profile": profile} if profile else {}))
+                       controller_args=list(CONTROLLER_ARGS), log_level=logging.ERROR, **({"profile": profile} if profile else {}))
     merged = Config()
     for layer in (defaults, cluster.profile_config, explicit):
         merged.merge(layer)

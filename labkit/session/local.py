@@ -18,6 +18,12 @@ import ipyparallel as ipp
 from ..errors import LabError
 
 
+# The hub keeps no task database: labkit never re-fetches a result from the hub, and its default
+# in-memory one stores every step's answer (events included), growing for as long as the lab
+# lives and costing the controller Python work on every message while the engines compute.
+CONTROLLER_ARGS = ("--nodb",)
+
+
 def threads_per_engine(engines: int) -> int:
     """Each engine's share of this machine's cores (at least one)."""
     return max(1, (os.cpu_count() or 1) // engines)
@@ -36,7 +42,9 @@ def start_local(engines: int, timeout: float, say, debug: bool = False,
                 **cluster_kwargs) -> tuple[ipp.Cluster, ipp.Client, int]:
     """A controller on 127.0.0.1 and one engine set per rank; (cluster, client, threads)."""
     threads = threads_per_engine(engines)
-    cluster = ipp.Cluster(n=engines, log_level=logging.ERROR, controller_ip="127.0.0.1", **cluster_kwargs)
+    cluster = ipp.Cluster(n=engines, log_level=logging.ERROR, controller_ip="127.0.0.1",
+                          controller_args=[*CONTROLLER_ARGS, *cluster_kwargs.pop("controller_args", [])],
+                          **cluster_kwargs)
     try:
         return cluster, _start(cluster, engines, threads, timeout, say, debug), threads
     except BaseException:
