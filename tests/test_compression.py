@@ -25,10 +25,11 @@ def _sent_per_step(run, rank=0, step=STEPS - 1) -> int:
 
 # -- pure -------------------------------------------------------------------------------------
 def test_int8_round_trip_is_within_half_a_step():
-    x = torch.randn(1000) * 3
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3
     q, scale = quantize_int8(x)
     assert q.dtype == torch.int8 and q.abs().max() == 127
-    assert (dequantize_int8(q, scale) - x).abs().max() <= scale / 2 + 1e-7
+    rounding = 4 * torch.finfo(torch.float32).eps * x.abs().max()     # float32's own error at |x|
+    assert (dequantize_int8(q, scale) - x).abs().max() <= scale / 2 + rounding
 
 
 def test_int8_scale_carries_a_non_finite_gradient():
