@@ -194,18 +194,27 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     """Loose: on a loaded 2-core machine one 1 MB all-reduce takes 2–20 ms from step to step,
     so the bound only catches gross errors (a missing backward, a unit slip); a batch large
     enough for compute to dominate keeps it meaningful. benchmarks/bench_plan.py reports the
-    figures, case by case, over interleaved rounds."""
+    figures, case by case, over interleaved rounds. One tp and one zero case too: the MLP's
+    Linear layers alternately column- and row-parallel (Megatron's MLP)."""
     import labkit
 
     model = labkit.models.mlp(width=256, depth=4)
-    costs = plan.calibrate(lab2, model=model, batch=256, sizes=[32, 64, 128], repeats=7)
-    assert costs.world_size == 2 and {"all_reduce", "sendrecv"} <= set(costs.comm)
-    for s in (labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(pp=2, schedule="1f1b", microbatches=4)):
-        run = lab2.run(s, model=model, batch=256, steps=5)
+    tp_plan = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+    costs = plan.calibrate(lab2, model=model, batch=256, sizes=[32, 64, 128, 256], repeats=7, tp=(2,),
+                           tp_plan=tp_plan)
+    assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
+    assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
+    cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
+             (labkit.Strategy(tp=2), tp_plan), (labkit.Strategy(dp=2, zero=3, prefetch=1), None)]
+    for s, split in cases:
+        run = lab2.run(s, model=model, batch=256, steps=5, tp_plan=split)
         pred = plan.simulate(s, costs, batch=256, model=model)
         assert {e["kind"] for e in pred.timeline.events} >= {"fwd", "bwd"}
+        measured_kinds = {e["kind"] for e in run.timeline.events if e["stream"] == "comm"}
+        assert {e["kind"] for e in pred.timeline.events if e["stream"] == "comm"} == measured_kinds, s
         ratio = pred.metrics["step_time_s"] / run.metrics["step_time_s"]
         assert 0.4 <= ratio <= 2.5, (s, ratio)
+
 
 def test_search_lab_ranks_every_runnable_strategy_by_prediction():
     costs = _costs(blocks=4)

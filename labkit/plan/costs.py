@@ -2,12 +2,13 @@
 
 ``calibrate(lab, model=, batch=)`` times, on every engine at once (so the engines contend for
 the cores as they do in a run), each top-level block's forward and backward per micro-batch
-size, the loss, and each block's optimizer step; then the α-β of all-reduce, all-gather,
-reduce-scatter (ZeRO's calls) and point-to-point with :func:`labkit.bench.comm_sweep` and its
-fit. With ``tp=(2,)`` it also times the blocks as the model's tensor plan cuts them, at one
-rank's shard width, and labkit's f/g calls (:mod:`labkit.plan.tensor_costs`). The table is plain JSON and
-knows the model it was measured on (block types and parameter shapes): simulating or loading
-it for another model is refused.
+size, the loss, and each block's optimizer step (:mod:`.block_timing`); then the α-β of
+all-reduce, all-gather, reduce-scatter (ZeRO's calls) and point-to-point with
+:func:`labkit.bench.comm_sweep` and its fit, and what a step adds to them (:mod:`.comm_timing`,
+:mod:`.in_step`: the real executor run once per kind of call). With ``tp=(2,)`` it also times
+the blocks as the model's tensor plan cuts them, at one rank's shard width, and labkit's f/g
+calls (:mod:`.tensor_costs`). The table is plain JSON and knows the model it was measured on
+(block types and parameter shapes): simulating or loading it for another model is refused.
 
     >>> costs = labkit.plan.calibrate(lab, model=labkit.models.mlp(width=256, depth=8), batch=64)
     >>> costs.save("costs.json"); costs = labkit.plan.CostTable.load("costs.json", model=make_model)
@@ -17,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from statistics import median
 
@@ -163,262 +163,6 @@ class CostTable:
         return table
 
 
-# -- on the engines ---------------------------------------------------------------------------
-def _once(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):            # the first call warms up allocations
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times[1:])
-
-
-def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, loss="mse", tp: int = 1,
-                tp_plan=None) -> dict:
-    """This rank's seconds per block forward / backward / optimizer step for each size.
-
-    Timed the way the executor runs them: the backward-span hooks installed and the
-    recorder on, forward under the activation meter (their Python cost is part of a step).
-    ``tp`` > 1: the blocks as one tensor-parallel rank holds them (the plan's modules at
-    their shard's shape, no collectives), and per block the f/g calls a step makes.
-    """
-    import torch
-
-    from ..engine import session
-    from ..record.instrument import ActivationMeter, instrument_backward, remove_hooks
-    from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
-
-    from .tensor_costs import build_local_shard, watch_calls
-
-    net = build_model(model, seed)
-    x, y = resolve_data(data, net, max(sizes), seed)(0)
-    signature = model_signature(net)         # of the whole model, whatever the shard
-    matched, calls, watchers = ({}, {}, [])
-    if tp > 1:
-        matched = build_local_shard(net, tp_plan, tp)
-    loss_fn = resolve_loss(loss)
-    recorder = session().recorder
-    was_recording, recorder.enabled = recorder.enabled, True
-    hooks = instrument_backward(net, recorder)
-    meter = ActivationMeter(list(net.parameters()))
-
-    try:
-        def forward(block, inp):
-            with meter.forward(0, inp) as kept:
-                out = block(inp)
-                kept.append(out)
-            return out
-
-        blocks = [{"name": f"{type(b).__name__} {i}", "params": [p.numel() for p in b.parameters()],
-                   "out_numel": 0} for i, b in enumerate(net)]
-        # Each block's input at each size, and its output's gradient (ones: the cost does not
-        # depend on the values).
-        inputs: dict[tuple, tuple] = {}
-        if matched:
-            calls, watchers = watch_calls(net, matched)
-        for size in sizes:
-            h = x[:size]
-            for i, block in enumerate(net):
-                inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
-                out = forward(block, inp)
-                inputs[i, size] = (inp, torch.ones_like(out) if out.requires_grad else None)
-                blocks[i]["out_numel"] = out[0].numel()
-                h = out.detach()
-            inputs["loss", size] = (h.detach().requires_grad_(True), y[:size])
-        remove_hooks(watchers)
-        for i, b in enumerate(blocks):     # one forward's calls (the hooks saw each size once)
-            b["calls"] = calls.get(i, [])[:len(calls.get(i, [])) // len(sizes)]
-        # Rounds over every (block, size) rather than repeats back to back: on a loaded machine
-        # the median then spans the load's ups and downs instead of one moment of it.
-        fwd, both = {}, {}
-        for _ in range(repeats + 1):
-            for size in sizes:
-                for i, block in enumerate(net):
-                    inp, grad = inputs[i, size]
-                    fwd.setdefault((i, size), []).append(_once(lambda: forward(block, inp)))
-                    if grad is not None:
-                        both.setdefault((i, size), []).append(_once(lambda: forward(block, inp).backward(grad)))
-                pred, target = inputs["loss", size]
-                fwd.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).item()))
-                both.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).backward()))
-        robust = lambda samples: median(samples[1:]) if len(samples) > 1 else samples[0]     # the first warms up
-        for i, b in enumerate(blocks):
-            b["fwd"] = [robust(fwd[i, size]) for size in sizes]
-            b["bwd"] = [max(0.0, robust(both[i, size]) - f) if (i, size) in both else 0.0
-                        for size, f in zip(sizes, b["fwd"])]
-        out_loss = {"fwd": [robust(fwd["loss", size]) for size in sizes]}
-        out_loss["bwd"] = [max(0.0, robust(both["loss", size]) - f) for size, f in zip(sizes, out_loss["fwd"])]
-        chain = time_chain(net, forward, loss_fn, x, y, sizes, repeats)
-        scale_to_chain(blocks, out_loss, chain)
-        for i, block in enumerate(net):
-            params = [p for p in block.parameters() if p.requires_grad]
-            blocks[i]["optimizer"] = 0.0
-            if params:
-                opt = build_optimizer(params, 0.0)
-                blocks[i]["optimizer"] = _timed(lambda: (opt.step(), opt.zero_grad(set_to_none=False)), repeats)
-        # The executor steps every parameter in one call: scale the blocks' steps to its time.
-        whole = build_optimizer([p for p in net.parameters() if p.requires_grad], 0.0)
-        chain["optimizer"] = _timed(lambda: (whole.step(), whole.zero_grad(set_to_none=False)), repeats)
-        parts = sum(b["optimizer"] for b in blocks)
-        for b in blocks:
-            b["optimizer"] *= chain["optimizer"] / parts if parts > 0 else 1.0
-    finally:
-        remove_hooks(hooks)
-        recorder.drain()
-        recorder.enabled = was_recording
-    return {"blocks": blocks, "loss": out_loss, "signature": signature, "plan": matched, "chain": chain}
-
-
-def time_chain(net, forward, loss_fn, x, y, sizes: list[int], repeats: int) -> dict:
-    """Seconds of the whole model's forward (blocks and loss) and backward (one ``backward()``
-    from the loss) per size, medians over ``repeats``: what the executor runs as one action."""
-    out = {"fwd": [], "bwd": []}
-    for size in sizes:
-        f, b = [], []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            h = x[:size]
-            for block in net:
-                h = forward(block, h)
-            loss = loss_fn(h, y[:size])
-            t1 = time.perf_counter()
-            loss.backward()
-            f.append(t1 - t0)
-            b.append(time.perf_counter() - t1)
-        out["fwd"].append(median(f[1:]))
-        out["bwd"].append(median(b[1:]))
-    return out
-
-
-def scale_to_chain(blocks: list[dict], loss: dict, chain: dict) -> None:
-    """Scale each size's block times (in place) so that they add up to the chain's.
-
-    A block timed alone runs with its weights and activations hot in cache; in a step the
-    whole model streams through, and backward runs as one graph (measured ×1.3–1.7 for the
-    backward of an MLP of 512-wide layers). The split between blocks stays as measured."""
-    for key in ("fwd", "bwd"):
-        for j in range(len(chain[key])):
-            parts = sum(b[key][j] for b in blocks) + loss[key][j]
-            factor = chain[key][j] / parts if parts > 0 else 1.0
-            for row in (*blocks, loss):
-                row[key][j] *= factor
-
-
-def time_calls(iters: int = 20) -> dict:
-    """This rank's seconds per labkit.comm call as a step makes them (recording on, each call
-    waited): a 4-byte all-reduce, all-gather and reduce-scatter, and one way of a 4-byte ping-pong between ranks 0 and 1.
-
-    The sweep times bare transport with calls back to back; a step also pays the flight
-    recorder, the recording and a thread wake-up per message, which is the α a step sees.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from .. import comm
-    from ..engine import session
-
-    recorder = session().recorder
-    was_recording, recorder.enabled = recorder.enabled, True
-    me, x = dist.get_rank(), torch.zeros(1)
-    try:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            comm.all_reduce(x, name="calibrate")
-        all_reduce = (time.perf_counter() - t0) / iters
-        n = dist.get_world_size()
-        whole, part = torch.zeros(n), torch.zeros(1)
-        sharded = {}
-        for op, call in (("all_gather", lambda: comm.all_gather(whole, part, name="calibrate")),
-                         ("reduce_scatter", lambda: comm.reduce_scatter(part, whole, name="calibrate"))):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                call()
-            sharded[op] = (time.perf_counter() - t0) / iters
-        dist.barrier()
-        p2p = 0.0
-        if me in (0, 1):
-            peer = 1 - me
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                for sending in ((True, False) if me == 0 else (False, True)):
-                    call = comm.isend if sending else comm.irecv
-                    call(x, peer, None, "calibrate", tag=7, check=False).wait()
-            p2p = (time.perf_counter() - t0) / iters / 2
-        dist.barrier()
-    finally:
-        recorder.drain()
-        recorder.enabled = was_recording
-    return {"all_reduce": all_reduce, "sendrecv": p2p, **sharded}
-
-
-def time_busy_all_reduce(nbytes: int, iters: int = 8) -> dict:
-    """Seconds of one all-reduce of ``nbytes`` with this rank idle, and with it computing
-    meanwhile (issue, then small matmuls until the work completes), medians over ``iters``.
-
-    On CPU the comm thread and the compute thread share the cores, so a transfer that
-    overlaps compute (a bucket launched during backward, a pipeline send) takes longer
-    than the same call on an idle rank; the ratio is the table's ``busy_factor``.
-    """
-    import torch
-    import torch.distributed as dist
-
-    x, a = torch.zeros(max(1, nbytes // 4)), torch.randn(128, 128)
-    idle, busy, alone, beside = [], [], [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        for _ in range(20):
-            a @ a
-        alone.append((time.perf_counter() - t0) / 20)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        idle.append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        work = dist.all_reduce(x, async_op=True)
-        deadline = t0 + max(1.0, 50 * idle[-1])     # a starved comm thread must not stall calibration
-        done = 0
-        while not work.is_completed() and time.perf_counter() < deadline:
-            a @ a           # polled between small matmuls: a Python callback would wait for the GIL
-            done += 1
-        busy.append(time.perf_counter() - t0)
-        if done:
-            beside.append(busy[-1] / done)
-        work.wait()
-    # and the other way round: each matmul beside the transfer against one alone
-    compute = median(beside) / median(alone) if beside else 1.0
-    return {"idle_s": median(idle), "busy_s": median(busy), "compute_factor": compute}
-
-
-def time_copies(nbytes: int, parts: int = 4, iters: int = 9) -> dict:
-    """Bytes per second of what a bucket costs the compute thread: packing gradients into one
-    flat buffer (``torch.cat``), copying the average back and dividing, and dividing alone
-    (the naive mode's per-tensor ``div_``). The lab times none of them as compute."""
-    import torch
-
-    grads = [torch.randn(max(1, nbytes // 4 // parts)) for _ in range(parts)]
-    flat = torch.cat(grads)
-
-    def unpack():
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()]).div_(2)
-            offset += g.numel()
-
-    size = flat.numel() * 4
-    rate = lambda fn: size / max(_timed(fn, iters), 1e-9)
-    return {"pack_Bps": rate(lambda: torch.cat(grads)), "unpack_Bps": rate(unpack),
-            "div_Bps": rate(lambda: [g.div_(2) for g in grads])}
-
-
 # -- in the notebook --------------------------------------------------------------------------
 def default_sizes(batch: int) -> list[int]:
     """Micro-batch sizes worth measuring for ``batch``: batch, batch/2, … down to 1."""
@@ -455,6 +199,8 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
     ``tp_plan`` (default: the model's own); the f/g calls are timed on the lab's engines.
     """
     from .. import bench
+    from .block_timing import time_blocks
+    from .comm_timing import time_busy_all_reduce, time_calls, time_copies
 
     sizes = sorted(set(sizes)) if sizes else default_sizes(batch)
     if any(not isinstance(s, int) or s < 1 for s in sizes):
@@ -500,6 +246,7 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
 
 def time_sharded(lab, tp: int, model, seed, sizes, repeats, data, loss, tp_plan) -> dict:
     """The blocks at one tp rank's shard shape, and the α-β of f and g through labkit's own."""
+    from .block_timing import time_blocks
     from .tensor_costs import fit_tp_calls, time_tp_calls
 
     per_rank = lab.apply(time_blocks, model, seed, sizes, repeats, data, loss, tp, tp_plan)

@@ -9,10 +9,30 @@ DESIGN.md keys, from :func:`labkit.metrics.step_metrics`) and ``.timeline`` (a
 
 A bucket launched during backward progresses at 1/``busy_factor`` of its speed while the
 rank still computes (measured by the calibration: on CPU the comm and compute threads
-share the cores), at full speed after. Not modelled yet: tp and zero (being built),
-gradient compression (its encode/decode cost is not in the table), DDP's small first
-bucket, the same slowdown for pipeline messages, and the executor's per-action Python gaps
-(measured as 0.07–0.16 idle share in data-parallel steps on the loaded 2-core machine).
+share the cores), at full speed after.
+
+Tensor parallelism (``tp_mode="megatron"``): the blocks cost what they measured at one rank's
+shard width (:mod:`labkit.plan.tensor_costs`: the plan's modules replaced by plain modules of
+the shard's shape, not cost/tp, since LayerNorms, biases and Python do not shrink), and each
+row-parallel module's g (forward) and column-parallel module's f (backward) is a blocking
+all-reduce of the activation on the compute path, drawn as ``allreduce`` "tp g 2"/"tp f 4" with
+the compute span cut around it, as the recorder cuts it. dp×tp and pp×tp replicate the replay
+over the tp ranks (tp innermost); dp all-reduces the shards' gradients.
+
+ZeRO (``zero_mode="labkit"``): the units and calls of :mod:`labkit.parallel.zero`, replayed
+by :mod:`labkit.plan.sharded` (zero=1 also with pp > 1): reduce-scatters of the executor's
+buckets after backward (1) or from its hooks in every micro-batch (2), at most two in flight;
+all-gathers after the step (1, 2) or of each block before its forward and its backward, with
+``prefetch`` (3); the optimizer on 1/dp of the parameters.
+
+Calibrated against a real step (:mod:`labkit.plan.in_step`): how much slower each collective,
+the optimizer and a pipeline's compute run inside the executor than alone, and the executor's
+untimed seconds per action.
+
+Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
+parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
+with a message), DDP's small first bucket, the busy slowdown of pipeline messages, and the
+compute slowdown beside in-flight transfers outside ZeRO's replay.
 
     >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
     >>> overlay(pred, run)                   # predicted outlines over the measured spans

@@ -5,7 +5,7 @@ between a column- and a row-parallel layer (GELU, the attention core over this r
 too, but LayerNorms, residuals, the replicated bias and Python's per-module cost do not. So the
 planner times the blocks as the tensor plan cuts them: every planned module is replaced by a
 plain module of one rank's shard shape (:func:`build_local_shard`), without its collectives,
-and timed like the whole model (:func:`labkit.plan.costs.time_blocks`). Forward hooks on the
+and timed like the whole model (:func:`labkit.plan.block_timing.time_blocks`). Forward hooks on the
 planned modules note where Megatron's calls are (Shoeybi et al. 2019, §3):
 
 * a row-parallel Linear or vocab-parallel Embedding: **g**, an all-reduce of its output in
