@@ -33,9 +33,12 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
     out = [(f"dp{engines} {m}", labkit.Strategy(dp=engines, dp_mode=m)) for m in ("naive", "bucketed", "overlap", "ddp")]
     out += [(f"dp{engines} zero{z}", labkit.Strategy(dp=engines, zero=z)) for z in (1, 2, 3)]
     out.append((f"dp{engines} zero3 prefetch1", labkit.Strategy(dp=engines, zero=3, prefetch=1)))
-    out.append(("tp2", labkit.Strategy(tp=2)))
-    if engines >= 4:
-        out.append(("dp2 tp2 overlap", labkit.Strategy(dp=2, tp=2, dp_mode="overlap")))
+    if engines == 2:
+        out.append(("tp2", labkit.Strategy(tp=2)))
+    else:
+        out += [(f"dp{engines // 2} tp2 overlap", labkit.Strategy(dp=engines // 2, tp=2, dp_mode="overlap")),
+                (f"pp2 tp2{f' dp{engines // 4}' if engines > 4 else ''} 1f1b m4",
+                 labkit.Strategy(dp=engines // 4, pp=2, tp=2, schedule="1f1b", microbatches=4))]
     pp = 2
     dp = engines // pp
     for schedule in ("gpipe", "1f1b"):

@@ -117,6 +117,9 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 4, data=None, loss=
     n = lab.world_size
     run = lambda s, plan=None: lab.run(s, model=model, data=data, loss=loss, batch=batch, steps=steps,
                                        record=True, tp_plan=plan)
+    if batch % (2 * n):
+        raise ValueError(f"calibrate(in_step=True) runs the executor with dp={n} and pp=2 × 4 micro-batches; "
+                         f"batch={batch} must be a multiple of {2 * n}, or pass in_step=False")
     naive = run(Strategy(dp=n, dp_mode="naive"))
     zero = run(Strategy(dp=n, zero=1))
     piped = n % 2 == 0 and batch % (n // 2 * 4) == 0 and len(costs.blocks) >= 2
@@ -131,7 +134,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 4, data=None, loss=
         out["gap_s"] = gap_per_action(pipe, 4 * 4 + 2)
         out["pipeline_compute"] = pipeline_compute_factor(pipe, costs, gpipe, batch)
     out["optimizer"] = optimizer_factor(naive, costs)
-    for key in costs.tensor:           # the smallest calibrated tp degree that divides the engines
+    for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:
             out["tp"] = tp_factor(run(Strategy(tp=t, dp=n // t, dp_mode="bucketed"), tp_plan), costs, t)
