@@ -134,10 +134,12 @@ class Rank:
         self.collect(MAX_IN_FLIGHT)
 
     def collect(self, limit: int = 0) -> None:
+        """Wait for the oldest reduce-scatters until at most ``limit`` are in flight; each received
+        slice is added to the shard's gradient (and divided by dp: ``unpack``)."""
         while len(self.in_flight) > limit:
             end, unit = self.in_flight.popleft()
             self.wait(end)
-            self.clock += unit.unpack if limit == 0 else 0.0
+            self.clock += unit.unpack
 
 
 def sharded_tail(rank: Rank, units: list[Unit], zero: int, optimizer: float, label: str = "SGD step (shards)") -> None:
