@@ -23,8 +23,22 @@ import labkit  # noqa: E402
 from labkit import plan  # noqa: E402
 
 
+def mlp_tp_plan(depth: int = 8) -> dict:
+    """Megatron's MLP split for labkit.models.mlp: Linear layers (even blocks) alternately
+    column- and row-parallel, so each pair needs one g forward and one f backward."""
+    return {str(2 * i): "colwise" if i % 2 == 0 else "rowwise" for i in range(depth)}
+
+
 def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
     out = [(f"dp{engines} {m}", labkit.Strategy(dp=engines, dp_mode=m)) for m in ("naive", "bucketed", "overlap", "ddp")]
+    out += [(f"dp{engines} zero{z}", labkit.Strategy(dp=engines, zero=z)) for z in (1, 2, 3)]
+    out.append((f"dp{engines} zero3 prefetch1", labkit.Strategy(dp=engines, zero=3, prefetch=1)))
+    if engines == 2:
+        out.append(("tp2", labkit.Strategy(tp=2)))
+    else:
+        out += [(f"dp{engines // 2} tp2 overlap", labkit.Strategy(dp=engines // 2, tp=2, dp_mode="overlap")),
+                (f"pp2 tp2{f' dp{engines // 4}' if engines > 4 else ''} 1f1b m4",
+                 labkit.Strategy(dp=engines // 4, pp=2, tp=2, schedule="1f1b", microbatches=4))]
     pp = 2
     dp = engines // pp
     for schedule in ("gpipe", "1f1b"):
@@ -38,11 +52,11 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
     return out
 
 
-def one_round(lab, model, batch: int, steps: int) -> list[dict]:
-    costs = plan.calibrate(lab, model=model, batch=batch)
+def one_round(lab, model, batch: int, steps: int, plan_tp: dict) -> list[dict]:
+    costs = plan.calibrate(lab, model=model, batch=batch, tp=(2,), tp_plan=plan_tp)
     rows = []
     for name, s in cases(lab.world_size):
-        run = lab.run(s, model=model, batch=batch, steps=steps)
+        run = lab.run(s, model=model, batch=batch, steps=steps, tp_plan=plan_tp if s.tp > 1 else None)
         pred = plan.simulate(s, costs, batch=batch, model=model)
         rows.append({"case": name, **{f"measured_{k}": run.metrics[k] for k in KEYS},
                      **{f"predicted_{k}": pred.metrics[k] for k in KEYS}})
@@ -78,7 +92,7 @@ def main() -> None:
     args = p.parse_args()
     model = labkit.models.mlp(width=args.width, depth=8)
     with labkit.Lab.start(engines=args.engines, timeout=120, progress=False) as lab:
-        rounds = [one_round(lab, model, args.batch, args.steps) for _ in range(args.rounds)]
+        rounds = [one_round(lab, model, args.batch, args.steps, mlp_tp_plan(8)) for _ in range(args.rounds)]
     print(f"{args.engines} engines, mlp(width={args.width}, depth=8), batch {args.batch}, "
           f"{args.rounds} rounds, medians over rounds")
     print(summarise(rounds))

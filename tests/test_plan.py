@@ -194,18 +194,27 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     """Loose: on a loaded 2-core machine one 1 MB all-reduce takes 2–20 ms from step to step,
     so the bound only catches gross errors (a missing backward, a unit slip); a batch large
     enough for compute to dominate keeps it meaningful. benchmarks/bench_plan.py reports the
-    figures, case by case, over interleaved rounds."""
+    figures, case by case, over interleaved rounds. One tp and one zero case too: the MLP's
+    Linear layers alternately column- and row-parallel (Megatron's MLP)."""
     import labkit
 
     model = labkit.models.mlp(width=256, depth=4)
-    costs = plan.calibrate(lab2, model=model, batch=256, sizes=[32, 64, 128], repeats=7)
-    assert costs.world_size == 2 and {"all_reduce", "sendrecv"} <= set(costs.comm)
-    for s in (labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(pp=2, schedule="1f1b", microbatches=4)):
-        run = lab2.run(s, model=model, batch=256, steps=5)
+    tp_plan = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+    costs = plan.calibrate(lab2, model=model, batch=256, sizes=[32, 64, 128, 256], repeats=7, tp=(2,),
+                           tp_plan=tp_plan)
+    assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
+    assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
+    cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
+             (labkit.Strategy(tp=2), tp_plan), (labkit.Strategy(dp=2, zero=3, prefetch=1), None)]
+    for s, split in cases:
+        run = lab2.run(s, model=model, batch=256, steps=5, tp_plan=split)
         pred = plan.simulate(s, costs, batch=256, model=model)
         assert {e["kind"] for e in pred.timeline.events} >= {"fwd", "bwd"}
+        measured_kinds = {e["kind"] for e in run.timeline.events if e["stream"] == "comm"}
+        assert {e["kind"] for e in pred.timeline.events if e["stream"] == "comm"} == measured_kinds, s
         ratio = pred.metrics["step_time_s"] / run.metrics["step_time_s"]
         assert 0.4 <= ratio <= 2.5, (s, ratio)
+
 
 def test_search_lab_ranks_every_runnable_strategy_by_prediction():
     costs = _costs(blocks=4)
@@ -230,3 +239,102 @@ def test_overlapped_buckets_share_the_cpu_with_backward():
     assert end_of_comm(1.0, 2.0) == pytest.approx(1 + 2)          # free overlap: a GPU's comm engine
     assert end_of_comm(2.0, 2.0) == pytest.approx(1 + 4)          # half speed under backward
     assert end_of_comm(4.0, 5.0) == pytest.approx(11 + 5 - 10 / 4)  # the rest at full speed after it
+
+
+# -- tensor parallelism and ZeRO in the replay ---------------------------------------------------
+def _sharded_costs(blocks=4, numel=1000) -> CostTable:
+    """_costs() with all-gather / reduce-scatter α-β and blocks timed at tp=2: even blocks
+    column-parallel (block 0 reads the data: no f), odd ones row-parallel (a g each)."""
+    costs = _costs(blocks=blocks, numel=numel)
+    costs.comm.update(all_gather={"alpha_s": 2e-5, "beta_Bps": 1e9, "n": 2},
+                      reduce_scatter={"alpha_s": 3e-5, "beta_Bps": 1e9, "n": 2})
+    rows = [dict(b, params=[numel // 2], fwd=[5e-4, 1e-3], bwd=[1e-3, 2e-3], optimizer=5e-5,
+                 calls=[("g", 10)] if i % 2 else ([("f", 10)] if i else [])) for i, b in enumerate(costs.blocks)]
+    costs.tensor = {"2": {"plan": {}, "blocks": rows, "loss": costs.loss,
+                          "calls": {"g": {"alpha_s": 1e-4, "beta_Bps": 1e8}, "f": {"alpha_s": 2e-4, "beta_Bps": 1e8}}}}
+    return costs
+
+
+def _spans(pred, rank=0, kinds=None):
+    return sorted((e for e in pred.timeline.events if e["rank"] == rank and (kinds is None or e["kind"] in kinds)),
+                  key=lambda e: e["start"])
+
+
+def test_tp_replay_blocks_on_f_in_backward_and_g_in_forward():
+    import labkit
+
+    costs = _sharded_costs()
+    pred = plan.simulate(labkit.Strategy(tp=2), costs, batch=32)
+    calls = [e for e in _spans(pred) if e["kind"] == "allreduce"]
+    assert [e["name"] for e in calls] == ["tp g 1", "tp g 3", "tp f 2"]     # forward order, then backward
+    assert {e["bytes"] for e in calls} == {4 * 10 * 32}          # the activation: 2(n−1)/n·S with n = 2
+    g = 1e-4 + 4 * 10 * 32 / 1e8
+    f = 2e-4 + 4 * 10 * 32 / 1e8
+    expected = 4 * 1e-3 + 4 * 2e-3 + 2 * g + f + 4 * 5e-5        # nothing overlaps: f and g block the rank
+    assert pred.metrics["step_time_s"] == pytest.approx(expected)
+    assert pred.metrics["exposed_comm_fraction"] == pytest.approx(pred.metrics["comm_fraction"])
+    compute = _spans(pred, kinds={"fwd", "bwd"})
+    assert not any(c["start"] < e["end"] and e["start"] < c["end"] for c in compute for e in calls)
+    assert sorted(pred.timeline.ranks) == [0, 1]
+
+
+def test_dp_times_tp_all_reduces_the_shards_gradients_on_every_rank():
+    import labkit
+
+    pred = plan.simulate(labkit.Strategy(dp=2, tp=2, dp_mode="naive"), _sharded_costs(), batch=64)
+    assert sorted(pred.timeline.ranks) == [0, 1, 2, 3]
+    grads = [e for e in _spans(pred, rank=3) if e["kind"] == "allreduce" and not e["name"].startswith("tp")]
+    assert len(grads) == 4 and {e["bytes"] for e in grads} == {4 * 500}       # half of each block, per tp rank
+
+
+def test_zero3_gathers_every_unit_before_its_forward_and_again_before_its_backward():
+    import labkit
+
+    costs = _sharded_costs(blocks=3)
+    pred = plan.simulate(labkit.Strategy(dp=2, zero=3, microbatches=2), costs, batch=64)
+    events = _spans(pred)
+    gathers = [e for e in events if e["kind"] == "allgather"]
+    scatters = [e for e in events if e["kind"] == "reduce_scatter"]
+    assert len(gathers) == 3 * 2 * 2 and len(scatters) == 3 * 2             # units × (fwd, bwd) × micro-batches
+    assert {e["bytes"] for e in gathers + scatters} == {4 * 1000 // 2}        # (n−1)/n of the unit
+    mb0 = [e["name"] for e in events if e["microbatch"] == 0 and e["kind"] in ("allgather", "fwd", "bwd")]
+    assert mb0 == ["gather block 0", "F block 0", "gather block 1", "F block 1", "gather block 2", "F block 2",
+                   "gather block 2", "Linear 2", "gather block 1", "Linear 1", "gather block 0", "Linear 0"]
+    optimizer = [e for e in events if e["kind"] == "optimizer"]
+    assert optimizer[0]["end"] - optimizer[0]["start"] == pytest.approx(3 * 1e-4 / 2)   # 1/dp of the step
+    assert not any(e["kind"] == "allgather" and e["start"] >= optimizer[0]["end"] for e in events)
+
+
+def test_zero1_scatters_after_the_schedule_and_zero2_inside_each_backward():
+    import labkit
+
+    costs = _sharded_costs(blocks=3)
+    one = _spans(plan.simulate(labkit.Strategy(dp=2, zero=1, microbatches=2, bucket_mb=0.001), costs, batch=64))
+    last_bwd = max(e["end"] for e in one if e["kind"] == "bwd")
+    step = next(e for e in one if e["kind"] == "optimizer")
+    assert all(last_bwd <= e["start"] <= step["start"] for e in one if e["kind"] == "reduce_scatter")
+    assert len([e for e in one if e["kind"] == "reduce_scatter"]) == 3
+    assert [e["start"] >= step["end"] for e in one if e["kind"] == "allgather"] == [True] * 3
+    two = _spans(plan.simulate(labkit.Strategy(dp=2, zero=2, microbatches=2, bucket_mb=0.001), costs, batch=64))
+    scatters = [e for e in two if e["kind"] == "reduce_scatter"]
+    assert len(scatters) == 3 * 2 and scatters[0]["start"] < max(e["end"] for e in two if e["kind"] == "bwd")
+
+
+def test_sharded_tables_old_and_new_load_and_what_cannot_be_simulated_says_so():
+    import labkit
+
+    old = _costs().to_dict()
+    old.update(format=1)
+    old.pop("tensor"), old.pop("in_step")
+    table = CostTable.from_dict(old)                           # format 1 still loads ...
+    with pytest.raises(ValueError, match="calibrate again"):  # ... and refuses what it did not measure
+        plan.simulate(labkit.Strategy(dp=2, zero=1), table, batch=64)
+    with pytest.raises(ValueError, match="tp=\\(2,\\)"):
+        plan.simulate(labkit.Strategy(tp=2), table, batch=64)
+    with pytest.raises(ValueError, match="neither 1 nor"):
+        CostTable.from_dict(dict(old, format=99))
+    costs = _sharded_costs()
+    with pytest.raises(ValueError, match="zero_mode='labkit'"):
+        plan.simulate(labkit.Strategy(dp=2, zero=2, zero_mode="fsdp2"), costs, batch=64)
+    with pytest.raises(ValueError, match="tp_mode='megatron'"):
+        plan.simulate(labkit.Strategy(tp=2, tp_mode="dtensor"), costs, batch=64)

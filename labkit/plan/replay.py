@@ -6,7 +6,12 @@ with pp = 1 the data-parallel job's F0 B0 F1 B1 …), and the same gradient call
 * ``naive`` / ``bucketed`` — one blocking all-reduce per tensor / per bucket after backward;
 * ``overlap`` — each bucket launched when its gradients exist during the last micro-batch's
   backward, waited for before the optimizer;
-* ``ddp`` — the same launches, but backward itself returns only once every bucket is done.
+* ``ddp`` — the same launches, but backward itself returns only once every bucket is done;
+* tensor parallelism's f and g — blocking all-reduces inside a forward or backward
+  (``fwd_calls``/``bwd_calls``), the compute span cut around each, as the recorder cuts it;
+* zero=1 — after the schedule, each stage's buckets reduce-scattered, the shards stepped and
+  all-gathered back (:func:`labkit.plan.sharded.sharded_tail`; zero 2 and 3 need pp = 1 and
+  are replayed block by block there).
 
 Each rank has one compute stream and one comm stream. A collective starts once the comm
 stream is free and every peer issued it; dp replicas are alike, so one pipeline is replayed
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..parallel.pipeline.schedules import Action, build_schedule
+from .sharded import Call, Rank, Unit, sharded_tail
 
 
 @dataclass
@@ -48,6 +54,14 @@ class StageProgram:
     busy_factor: float = 1.0
     """How much slower a collective progresses while its rank computes (CPU: the comm and
     compute threads share the cores; 1 where comm has its own engine, as on a GPU)."""
+    fwd_calls: list[list[Call]] = field(default_factory=list)    # per stage: tp's g in each forward
+    bwd_calls: list[list[Call]] = field(default_factory=list)    # … and f in each backward
+    units: list[list[Unit]] = field(default_factory=list)        # per stage: zero=1's buckets
+    zero: int = 0
+    tp: int = 1
+    gap: float = 0.0
+    """The executor's untimed seconds before each action and each call after the schedule
+    (Python between actions: link polling, hooks, bookkeeping; measured, labkit.plan.in_step)."""
 
 
 def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
@@ -94,14 +108,27 @@ class _Replay:
             self.finish(r)
         return self.replicate()
 
+    def calls(self, which: list, stage: int) -> list:
+        return which[stage] if which else []
+
+    def compute(self, r: int, kind: str, name: str, seconds: float, calls: list, microbatch) -> None:
+        """``seconds`` of compute on rank r with blocking ``calls`` inside (the span cut around them)."""
+        rank = Rank()
+        rank.clock = self.clock[r]
+        rank.compute(kind, name, seconds, calls, microbatch)
+        self.events += [dict(e, rank=r) for e in rank.events]
+        self.clock[r] = rank.clock
+
     def act(self, r: int, a: Action) -> bool:
+        if not a.op.startswith("RECV"):
+            self.clock[r] += self.prog.gap
         prog, t = self.prog, self.clock[r]
         if a.op == "F":
-            self.event(r, "compute", "fwd", self.label("F", a), t, t + prog.fwd[a.stage], a.microbatch)
-            self.clock[r] = t + prog.fwd[a.stage]
+            self.compute(r, "fwd", self.label("F", a), prog.fwd[a.stage], self.calls(prog.fwd_calls, a.stage),
+                         a.microbatch)
         elif a.op == "B":
-            self.event(r, "compute", "bwd", self.label("B", a), t, t + prog.bwd[a.stage], a.microbatch)
-            self.clock[r] = t + prog.bwd[a.stage]
+            self.compute(r, "bwd", self.label("B", a), prog.bwd[a.stage], self.calls(prog.bwd_calls, a.stage),
+                         a.microbatch)
             if self.dp > 1 and self.dp_mode in ("overlap", "ddp") and self.last_b[r][a.chunk] == a.microbatch:
                 self.launch(r, a.chunk, a.stage, t)
         elif a.op.startswith("SEND"):
@@ -140,6 +167,7 @@ class _Replay:
             return False
         sent_at, send = self.posted[key][k]
         self.taken[key] = k + 1
+        self.clock[r] += self.prog.gap
         sender_stage = send.stage
         cost, nbytes = self.prog.p2p[min(sender_stage, a.stage)], self.prog.p2p_bytes[min(sender_stage, a.stage)]
         posted_at = self.clock[r]
@@ -154,10 +182,19 @@ class _Replay:
     def finish(self, r: int) -> None:
         """After the schedule: each chunk's gradient sync, then the optimizer step."""
         stages = [c * self.pp + r for c in range(self.chunks)]
+        if self.prog.zero:
+            rank = Rank(gap=self.prog.gap)
+            rank.clock, rank.comm_free = self.clock[r], self.comm_free[r]
+            optimizer = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
+            sharded_tail(rank, [u for g in stages for u in self.prog.units[g]], self.prog.zero, optimizer)
+            self.events += [dict(e, rank=r) for e in rank.events]
+            self.clock[r] = rank.clock
+            return
         if self.dp > 1:
             for chunk, stage in enumerate(stages):
                 if self.dp_mode in ("naive", "bucketed"):
                     for msg in self.prog.grads[stage]:
+                        self.clock[r] += self.prog.gap
                         start = max(self.clock[r] + msg.pack, self.comm_free[r])
                         self.comm_free[r] = start + msg.cost
                         self.event(r, "comm", "allreduce", msg.name, start, self.comm_free[r], nbytes=msg.bytes)
@@ -166,20 +203,18 @@ class _Replay:
                     self.wait_and_unpack(r, chunk)
         cost = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
         if cost > 0:
+            self.clock[r] += self.prog.gap
             t = self.clock[r]
             self.event(r, "compute", "optimizer", "SGD step", t, t + cost)
             self.clock[r] = t + cost
 
     def replicate(self) -> list[dict]:
-        """The pipeline's events for every dp replica (rank = dp_index·pp + stage, labkit's grid)."""
-        out = []
-        for d in range(self.replicas):
-            for e in self.events:
-                copy = dict(e, rank=d * self.pp + e["rank"])
-                if copy["peer"] is not None:
-                    copy["peer"] = d * self.pp + copy["peer"]
-                out.append(copy)
-        return out
+        """The pipeline's events for every dp replica and tp rank (rank = (dp_index·pp + stage)·tp
+        + tp_index, labkit's grid, tp innermost)."""
+        tp = self.prog.tp
+        return [dict(e, rank=(d * self.pp + e["rank"]) * tp + t,
+                     peer=None if e["peer"] is None else (d * self.pp + e["peer"]) * tp + t)
+                for d in range(self.replicas) for t in range(tp) for e in self.events]
 
 
 def replay(prog: StageProgram, pp: int, dp: int, schedule: str = "1f1b", microbatches: int = 1,

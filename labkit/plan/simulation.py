@@ -9,10 +9,30 @@ DESIGN.md keys, from :func:`labkit.metrics.step_metrics`) and ``.timeline`` (a
 
 A bucket launched during backward progresses at 1/``busy_factor`` of its speed while the
 rank still computes (measured by the calibration: on CPU the comm and compute threads
-share the cores), at full speed after. Not modelled yet: tp and zero (being built),
-gradient compression (its encode/decode cost is not in the table), DDP's small first
-bucket, the same slowdown for pipeline messages, and the executor's per-action Python gaps
-(measured as 0.07–0.16 idle share in data-parallel steps on the loaded 2-core machine).
+share the cores), at full speed after.
+
+Tensor parallelism (``tp_mode="megatron"``): the blocks cost what they measured at one rank's
+shard width (:mod:`labkit.plan.tensor_costs`: the plan's modules replaced by plain modules of
+the shard's shape, not cost/tp, since LayerNorms, biases and Python do not shrink), and each
+row-parallel module's g (forward) and column-parallel module's f (backward) is a blocking
+all-reduce of the activation on the compute path, drawn as ``allreduce`` "tp g 2"/"tp f 4" with
+the compute span cut around it, as the recorder cuts it. dp×tp and pp×tp replicate the replay
+over the tp ranks (tp innermost); dp all-reduces the shards' gradients.
+
+ZeRO (``zero_mode="labkit"``): the units and calls of :mod:`labkit.parallel.zero`, replayed
+by :mod:`labkit.plan.sharded` (zero=1 also with pp > 1): reduce-scatters of the executor's
+buckets after backward (1) or from its hooks in every micro-batch (2), at most two in flight;
+all-gathers after the step (1, 2) or of each block before its forward and its backward, with
+``prefetch`` (3); the optimizer on 1/dp of the parameters.
+
+Calibrated against a real step (:mod:`labkit.plan.in_step`): how much slower each collective,
+the optimizer and a pipeline's compute run inside the executor than alone, and the executor's
+untimed seconds per action.
+
+Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
+parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
+with a message), DDP's small first bucket, the busy slowdown of pipeline messages, and the
+compute slowdown beside in-flight transfers outside ZeRO's replay.
 
     >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
     >>> overlay(pred, run)                   # predicted outlines over the measured spans
@@ -25,6 +45,7 @@ from ..analysis.metrics import step_metrics
 from ..view.timeline import Timeline
 from .costs import CostTable
 from .replay import Message, StageProgram, replay
+from .sharded import Block, Call, ShardedProgram, Unit, replay_sharded
 
 MiB = 1024 * 1024
 
@@ -57,13 +78,34 @@ def _stage_ranges(costs: CostTable, strategy) -> list[range]:
                         equal=strategy.schedule == "interleaved")
 
 
-def _grad_messages(costs: CostTable, strategy, blocks: range, bwd_of, loss_bwd: float) -> list[Message]:
+def _held_blocks(costs: CostTable, strategy) -> tuple[list[dict], dict]:
+    """Per-block costs as one rank holds the blocks: whole, or at the tp shard's width (measured)."""
+    if strategy.tp > 1:
+        entry = costs.sharded(strategy.tp)
+        return entry["blocks"], entry["loss"]
+    return costs.blocks, costs.loss
+
+
+def _tp_calls(costs: CostTable, strategy, row: dict, size: int, direction: str, at: float) -> list[Call]:
+    """Block ``row``'s f ("f", backward) or g ("g", forward) all-reduces at ``size`` rows, made
+    ``at`` seconds into the action (at the block's end: exact for one Linear per block)."""
+    n = strategy.tp
+    out = []
+    for which, numel in row.get("calls", []) if n > 1 else []:
+        if which == direction:
+            nbytes = 4 * numel * size
+            out.append(Call(f"tp {which} {row['name'].split()[-1]}", int(round(2 * (n - 1) / n * nbytes)),
+                            costs.tp_call_s(which, nbytes, n), at))
+    return out
+
+
+def _grad_messages(costs: CostTable, strategy, blocks: range, rows: list[dict], bwd_of, loss_bwd: float) -> list[Message]:
     """The all-reduces of one stage's gradients, with when (into its backward) each is ready."""
     done, t = {}, loss_bwd
     for i in reversed(blocks):          # backward visits the blocks last to first
         t += bwd_of(i)
         done[i] = t
-    params = [(f"{i}.{k}", 4 * n, i) for i in blocks for k, n in enumerate(costs.blocks[i]["params"])]
+    params = [(f"{i}.{k}", 4 * n, i) for i in blocks for k, n in enumerate(rows[i]["params"])]
     n = strategy.dp
     wire = lambda nbytes: int(round(2 * (n - 1) / n * nbytes))      # ring all-reduce, per rank
     if strategy.dp_mode == "naive":
@@ -78,25 +120,105 @@ def _grad_messages(costs: CostTable, strategy, blocks: range, bwd_of, loss_bwd: 
     return out
 
 
+def build_units(costs: CostTable, strategy, blocks: range, rows: list[dict]) -> list[Unit]:
+    """ZeRO's flat units over ``blocks``: the executor's buckets (zero=1/2) or one per block with
+    parameters (zero=3), each padded to a multiple of dp (parallel/zero/shard.py)."""
+    n = strategy.dp
+    params = [(f"{i}.{k}", 4 * numel, i) for i in blocks for k, numel in enumerate(rows[i]["params"])]
+    if strategy.zero == 3:
+        groups = [[p for p in params if p[2] == i] for i in blocks]
+        groups, names = [g for g in groups if g], [f"block {g[0][2]}" for g in groups if g]
+    else:
+        groups = build_buckets(params, strategy.bucket_mb * MiB)
+        names = [f"bucket {k}" for k in range(len(groups))]
+    units = []
+    for name, group in zip(names, groups):
+        nbytes = 4 * n * -(-sum(b for _, b, _ in group) // 4 // n)          # padded: every shard alike
+        units.append(Unit(name, nbytes, costs.collective_s("all_gather", nbytes, n),
+                          costs.collective_s("reduce_scatter", nbytes, n), min(i for _, _, i in group),
+                          pack=costs.copy_s(nbytes, "pack"), unpack=costs.copy_s(nbytes / n, "div"),
+                          wire=int(round((n - 1) / n * nbytes))))
+    return units
+
+
 def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     """Per-stage costs of ``strategy`` on ``batch`` from the measured table."""
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
     ranges = _stage_ranges(costs, strategy) if strategy.pp > 1 else [range(len(costs.blocks))]
+    rows, loss = _held_blocks(costs, strategy)
     last = len(ranges) - 1
-    prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor)
+    prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
+                        gap=costs.gap_s(strategy.pp))
+    stretch = costs.slowdown("pipeline_compute") if strategy.pp > 1 else 1.0     # labkit.plan.in_step
+    fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * stretch
+    bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * stretch
     for g, blocks in enumerate(ranges):
-        loss_f = costs.at(costs.loss["fwd"], size) if g == last else 0.0
-        loss_b = costs.at(costs.loss["bwd"], size) if g == last else 0.0
-        bwd_of = lambda i: costs.at(costs.blocks[i]["bwd"], size)
-        prog.fwd.append(sum(costs.at(costs.blocks[i]["fwd"], size) for i in blocks) + loss_f)
+        loss_f = costs.at(loss["fwd"], size) * stretch if g == last else 0.0
+        loss_b = costs.at(loss["bwd"], size) * stretch if g == last else 0.0
+        fwd_calls, at = [], 0.0
+        for i in blocks:
+            at += fwd_of(i)
+            fwd_calls += _tp_calls(costs, strategy, rows[i], size, "g", at)
+        bwd_calls, at, wall = [], loss_b, {}
+        for i in reversed(blocks):
+            at += bwd_of(i)
+            calls = _tp_calls(costs, strategy, rows[i], size, "f", at)
+            bwd_calls += calls
+            wall[i] = bwd_of(i) + sum(c.cost for c in calls)      # what the gradients wait for
+        prog.fwd.append(sum(fwd_of(i) for i in blocks) + loss_f)
         prog.bwd.append(sum(bwd_of(i) for i in blocks) + loss_b)
-        out_bytes = 4 * costs.blocks[blocks[-1]]["out_numel"] * size
+        prog.fwd_calls.append(fwd_calls)
+        prog.bwd_calls.append(bwd_calls)
+        out_bytes = 4 * rows[blocks[-1]]["out_numel"] * size
         prog.p2p_bytes.append(out_bytes)
         prog.p2p.append(costs.p2p_s(out_bytes) if strategy.pp > 1 and g < last else 0.0)
-        prog.grads.append(_grad_messages(costs, strategy, blocks, bwd_of, loss_b) if strategy.dp > 1 else [])
-        prog.optimizer.append(sum(costs.blocks[i]["optimizer"] for i in blocks))
+        sync = strategy.dp > 1 and not strategy.zero
+        prog.grads.append(_grad_messages(costs, strategy, blocks, rows, wall.__getitem__, loss_b) if sync else [])
+        prog.units.append(build_units(costs, strategy, blocks, rows) if strategy.zero else [])
+        step = sum(rows[i]["optimizer"] for i in blocks) * costs.slowdown("optimizer")
+        prog.optimizer.append(step / strategy.dp if strategy.zero else step)
     return prog
+
+
+def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProgram:
+    """zero=2/3 (pp = 1): the whole model block by block, with its units and tp calls."""
+    strategy.check_batch(batch)
+    size = batch // (strategy.dp * strategy.microbatches)
+    rows, loss = _held_blocks(costs, strategy)
+    blocks = []
+    for row in rows:
+        fwd, bwd = costs.at(row["fwd"], size), costs.at(row["bwd"], size)
+        blocks.append(Block(row["name"], fwd, bwd, _tp_calls(costs, strategy, row, size, "g", fwd),
+                            _tp_calls(costs, strategy, row, size, "f", bwd)))
+    units = build_units(costs, strategy, range(len(rows)), rows)
+    return ShardedProgram(blocks, units, strategy.zero, strategy.microbatches, strategy.prefetch,
+                          sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
+                          costs.at(loss["fwd"], size),
+                          costs.at(loss["bwd"], size), costs.busy_factor, costs.gap_s(1), costs.compute_factor)
+
+
+def check_simulable(strategy, costs: CostTable) -> None:
+    """ValueError (naming the field and the fix) for what the replay does not model."""
+    if strategy.tp > 1:
+        if strategy.tp_mode != "megatron":
+            raise ValueError(f"simulate: tp_mode={strategy.tp_mode!r} runs torch's DTensor collectives, which "
+                             "labkit does not time; simulate tp_mode='megatron' (labkit's own f and g)")
+        if strategy.sequence_parallel:
+            raise ValueError("simulate: sequence_parallel=True is not modelled (its all-gathers and "
+                             "reduce-scatters are not in the cost table); use sequence_parallel=False")
+        costs.sharded(strategy.tp)
+    if strategy.zero and strategy.zero_mode != "labkit":
+        raise ValueError(f"simulate: zero_mode={strategy.zero_mode!r} is torch's FSDP2, whose calls and "
+                         "prefetching happen inside torch; simulate zero_mode='labkit' (the same stages by hand)")
+    if strategy.zero:
+        costs.alpha_beta("all_gather"), costs.alpha_beta("reduce_scatter")
+    if strategy.compression != "none":
+        raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
+                         "decode costs are not in the cost table); use compression='none'")
+    if strategy.pp * strategy.chunks > len(costs.blocks):
+        raise ValueError(f"pp*chunks = {strategy.pp * strategy.chunks} stages but the model has "
+                         f"{len(costs.blocks)} blocks; use fewer stages")
 
 
 def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulated:
@@ -108,19 +230,15 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         raise TypeError(f"costs must be a labkit.plan.CostTable (from labkit.plan.calibrate), got {type(costs).__name__}")
     if model is not None:
         costs.check(model)
-    if getattr(strategy, "tp", 1) != 1 or getattr(strategy, "zero", 0) != 0:
-        raise ValueError("simulate: tp > 1 and zero > 0 are not modelled from measured costs yet; "
-                         "use labkit.plan.predict for them at scale")
-    if strategy.compression != "none":
-        raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
-                         "decode costs are not in the cost table); use compression='none'")
-    if strategy.pp * strategy.chunks > len(costs.blocks):
-        raise ValueError(f"pp*chunks = {strategy.pp * strategy.chunks} stages but the model has "
-                         f"{len(costs.blocks)} blocks; use fewer stages")
-    prog = build_program(strategy, costs, batch)
-    events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
-                    strategy.chunks, strategy.dp_mode)
+    check_simulable(strategy, costs)
     world = strategy.world_size
+    if strategy.zero >= 2:
+        one = replay_sharded(build_sharded_program(strategy, costs, batch))
+        events = [dict(e, rank=r) for r in range(world) for e in one]       # every rank alike (pp = 1)
+    else:
+        prog = build_program(strategy, costs, batch)
+        events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
+                        strategy.chunks, strategy.dp_mode)
     return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
 
 

@@ -1,0 +1,144 @@
+"""What the sweep does not see: collectives inside a real step, and the executor's own gaps.
+
+The α-β sweep times each call back to back on idle ranks. Inside a step the same call pays
+more: a watcher thread per async call, several calls queued on one group, the flight
+recorder, other processes on the same cores. And the executor spends Python time between
+actions (polling the pipeline link, hooks, bookkeeping) that no span covers: the metrics'
+``lab_overhead_fraction``. Both are measured here by running the real executor once per kind
+of call, on the lab's engines, and comparing its recorded spans with what the cost table
+predicts for the same calls:
+
+* ``dp`` naive — blocking all-reduces after backward, nothing beside them: all_reduce's factor;
+* ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
+  from the first issue to the last completion against the calls run one after another);
+* ``pp=2`` GPipe — point-to-point: the receive spans against α + S/β;
+* ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
+* the optimizer span of the naive run against the blocks' steps timed alone, and the
+  pipeline run's forward and backward spans against its stages' calibrated costs;
+
+and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits) over
+the actions and calls a rank made. Factors are medians over steps after the first (warm-up).
+
+    >>> in_step = time_in_step(lab, model, batch, costs)     # {"all_reduce": 1.6, ..., "gap_s": 1e-4}
+"""
+from __future__ import annotations
+
+from statistics import median
+
+
+def _steps(run) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for e in run.timeline.events:
+        if e["step"] > 0:
+            out.setdefault(e["step"], []).append(e)
+    return out
+
+
+def _ratio(values) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return median(values) if values else None
+
+
+def all_reduce_factor(run, costs, n: int) -> float | None:
+    """Recorded all-reduce seconds over the α-β prediction for the same calls, per step."""
+    per_step = []
+    for events in _steps(run).values():
+        calls = [e for e in events if e["kind"] == "allreduce" and e["rank"] == 0]
+        predicted = sum(costs.all_reduce_s(e["bytes"] * n / (2 * (n - 1)), n, busy=False) for e in calls)
+        per_step.append(sum(e["end"] - e["start"] for e in calls) / predicted if predicted else None)
+    return _ratio(per_step)
+
+
+def window_factor(run, costs, kind: str, op: str, n: int) -> float | None:
+    """From the first issue to the last completion of ``kind`` calls against their serial α-β sum."""
+    per_step = []
+    for events in _steps(run).values():
+        calls = [e for e in events if e["kind"] == kind and e["rank"] == 0]
+        if calls:
+            window = max(e["end"] for e in calls) - min(e["start"] for e in calls)
+            predicted = sum(costs.collective_s(op, e["bytes"] * n / (n - 1), n) for e in calls)
+            per_step.append(window / predicted)
+    return _ratio(per_step)
+
+
+def p2p_factor(run, costs) -> float | None:
+    per_step = []
+    for events in _steps(run).values():
+        sends = [e["bytes"] for e in events if e["kind"] == "send" and e["bytes"]]
+        recvs = [e["end"] - e["start"] for e in events if e["kind"] == "recv"]
+        if sends and recvs:     # sums, not medians: the slow receives are part of the step too
+            per_step.append(sum(recvs) / (len(recvs) * costs.p2p_s(median(sends))))
+    return _ratio(per_step)
+
+
+def tp_factor(run, costs, tp: int) -> float | None:
+    """Recorded f/g seconds over the prediction from the calls timed alone (tensor_costs)."""
+    per_step = []
+    for events in _steps(run).values():
+        calls = [e for e in events if e["kind"] == "allreduce" and e["rank"] == 0 and e["name"][:5] in ("tp f ", "tp g ")]
+        predicted = sum(costs.tp_call_s(e["name"][3], e["bytes"] * tp / (2 * (tp - 1)), tp) for e in calls)
+        per_step.append(sum(e["end"] - e["start"] for e in calls) / predicted if predicted else None)
+    return _ratio(per_step)
+
+
+def optimizer_factor(run, costs, share: float = 1.0) -> float | None:
+    """The recorded optimizer span over the blocks' calibrated steps (× ``share`` of them)."""
+    predicted = share * sum(b["optimizer"] for b in costs.blocks)
+    spans = [sum(e["end"] - e["start"] for e in evs if e["kind"] == "optimizer" and e["rank"] == 0)
+             for evs in _steps(run).values()]
+    return _ratio([s / predicted for s in spans]) if predicted > 0 else None
+
+
+def pipeline_compute_factor(run, costs, strategy, batch: int) -> float | None:
+    """Recorded forward and backward seconds of a pipeline run over the stages' calibrated ones.
+
+    A stage computes beside its link's transfers and the other stage's process, on the same
+    cores, with a micro-batch's activations leaving for another process: measured ×1.1–1.4 of
+    the blocks timed as one chain on the 2-core machine."""
+    from .simulation import build_program
+
+    prog = build_program(strategy, costs, batch)
+    predicted = strategy.microbatches * sum(prog.fwd) + strategy.microbatches * sum(prog.bwd)
+    per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in ("fwd", "bwd") and e["rank"] < strategy.pp)
+                / predicted for evs in _steps(run).values()]
+    return _ratio(per_step) if predicted > 0 else None
+
+
+def gap_per_action(run, actions: int) -> float:
+    """Untimed seconds per action: lab_overhead_fraction·T per rank over its ``actions``."""
+    m = run.metrics
+    return max(0.0, m["lab_overhead_fraction"] * m["step_time_s"] / max(1, actions))
+
+
+def time_in_step(lab, model, batch: int, costs, steps: int = 4, data=None, loss="mse", tp_plan=None) -> dict:
+    """Run the executor once per kind of call; the cost table's ``in_step`` entry."""
+    from ..config import Strategy
+
+    n = lab.world_size
+    run = lambda s, plan=None: lab.run(s, model=model, data=data, loss=loss, batch=batch, steps=steps,
+                                       record=True, tp_plan=plan)
+    if batch % (2 * n):
+        raise ValueError(f"calibrate(in_step=True) runs the executor with dp={n} and pp=2 × 4 micro-batches; "
+                         f"batch={batch} must be a multiple of {2 * n}, or pass in_step=False")
+    naive = run(Strategy(dp=n, dp_mode="naive"))
+    zero = run(Strategy(dp=n, zero=1))
+    piped = n % 2 == 0 and batch % (n // 2 * 4) == 0 and len(costs.blocks) >= 2
+    gpipe = Strategy(pp=2, dp=n // 2, schedule="gpipe", microbatches=4)
+    pipe = run(gpipe) if piped else None
+    out = {"all_reduce": all_reduce_factor(naive, costs, n),
+           "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
+           "all_gather": window_factor(zero, costs, "allgather", "all_gather", n)}
+    if pipe is not None:
+        out["sendrecv"] = p2p_factor(pipe, costs)
+        # gpipe, m = 4: F, B, a send and a receive per micro-batch, then the sync and the step
+        out["gap_s"] = gap_per_action(pipe, 4 * 4 + 2)
+        out["pipeline_compute"] = pipeline_compute_factor(pipe, costs, gpipe, batch)
+    out["optimizer"] = optimizer_factor(naive, costs)
+    for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
+        t = int(key)
+        if n % t == 0:
+            out["tp"] = tp_factor(run(Strategy(tp=t, dp=n // t, dp_mode="bucketed"), tp_plan), costs, t)
+            break
+    params = sum(len(b["params"]) for b in costs.blocks)
+    out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1)      # F, B, one call per tensor, the step
+    return {k: v for k, v in out.items() if v is not None}

@@ -1,0 +1,228 @@
+"""The replay of a sharded (ZeRO) step, block by block: the calls :mod:`labkit.parallel.zero` makes.
+
+What each stage issues over the dp group (Rajbhandari et al. 2020; the code in
+``parallel/zero/sync.py`` and ``zero3.py``), with one comm stream per rank (gloo runs a group's
+calls in issue order) and at most ``MAX_IN_FLIGHT`` reduce-scatters outstanding — issuing one
+more first waits for the oldest, on the compute thread:
+
+* zero=1 — after the schedule, each bucket is packed and reduce-scattered; all are waited for,
+  the shard's gradient divided by dp; the optimizer steps 1/dp of the parameters; the updated
+  shards are all-gathered back (all issued, then waited).
+* zero=2 — each bucket is packed and reduce-scattered the moment its gradients exist, in every
+  micro-batch's backward (so while backward still computes); the same tail.
+* zero=3 — one unit per block: gathered before its forward (waited; ``prefetch`` = k issues the
+  next k as well), freed after; gathered again before its backward (the previous k prefetched),
+  reduce-scattered when its backward is done; no gather after the step (the next forward does it).
+
+A wait inside a block's backward is part of that block's span, as the recorder draws it (the
+hook that waits runs inside ``backward()``); a gather waited before a block is not.
+
+    >>> events = replay_sharded(prog)        # one rank's step; copied to every dp and tp rank
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_IN_FLIGHT = 2       # parallel/zero/sync.py: Zero1Sync.MAX_IN_FLIGHT
+
+
+@dataclass
+class Call:
+    """A blocking collective made inside a forward or backward (tensor parallelism's f and g)."""
+
+    name: str
+    bytes: int          # on the wire from each rank
+    cost: float         # seconds the compute thread waits
+    at: float           # compute seconds into the action when it is made
+    kind: str = "allreduce"
+
+
+@dataclass
+class Unit:
+    """One flat, padded unit of parameters: a bucket (zero=1/2) or a block (zero=3)."""
+
+    name: str
+    nbytes: int             # the whole padded buffer
+    gather: float           # seconds of its all-gather
+    scatter: float          # … of its reduce-scatter
+    first_block: int        # its gradients all exist once this block's backward is done
+    pack: float = 0.0       # compute-thread seconds to pack its gradients (torch.cat)
+    unpack: float = 0.0     # … to add the received slice and divide by dp
+    wire: int = 0           # bytes each rank sends per call: (n−1)/n of nbytes
+
+
+@dataclass
+class Block:
+    """One top-level block, per micro-batch."""
+
+    name: str
+    fwd: float
+    bwd: float
+    fwd_calls: list[Call] = field(default_factory=list)
+    bwd_calls: list[Call] = field(default_factory=list)
+
+
+@dataclass
+class ShardedProgram:
+    blocks: list[Block]
+    units: list[Unit]
+    zero: int
+    microbatches: int = 1
+    prefetch: int = 0
+    optimizer: float = 0.0          # the shards' step: 1/dp of the whole model's
+    loss_fwd: float = 0.0
+    loss_bwd: float = 0.0
+    busy_factor: float = 1.0        # a transfer beside compute progresses 1/busy_factor as fast
+    gap: float = 0.0                # the executor's untimed seconds per action (labkit.plan.in_step)
+    compute_factor: float = 1.0     # compute beside an in-flight transfer runs 1/compute_factor as fast
+
+
+class Rank:
+    """One rank's clocks and events: the compute thread, the dp group's comm stream."""
+
+    def __init__(self, busy_factor: float = 1.0, gap: float = 0.0, compute_factor: float = 1.0):
+        self.clock = self.comm_free = 0.0
+        self.busy_factor, self.gap, self.compute_factor = busy_factor, gap, compute_factor
+        self.in_flight: deque = deque()
+        self.events: list[dict] = []
+
+    def event(self, stream, kind, name, start, end, microbatch=None, nbytes=0, peer=None):
+        self.events.append({"rank": 0, "stream": stream, "kind": kind, "name": name, "step": 0,
+                            "microbatch": microbatch, "start": start, "end": end, "bytes": nbytes, "peer": peer})
+
+    def compute(self, kind: str, name: str, seconds: float, calls: list[Call], microbatch=None) -> None:
+        """``seconds`` of compute with the blocking ``calls`` made inside it (spans cut around them)."""
+        done = 0.0
+        for c in sorted(calls, key=lambda c: c.at):
+            self._span(kind, name, c.at - done, microbatch)
+            self.event("comm", c.kind, c.name, self.clock, self.clock + c.cost, microbatch, c.bytes)
+            self.clock += c.cost
+            done = c.at
+        self._span(kind, name, seconds - done, microbatch)
+
+    def _span(self, kind, name, seconds, microbatch):
+        """``seconds`` of compute; while a transfer is still in flight it runs 1/compute_factor
+        as fast (on CPU gloo's threads reduce and copy on the same cores)."""
+        if seconds <= 0:
+            return
+        c, wall = self.compute_factor, seconds
+        if c > 1 and self.comm_free > self.clock:
+            shared = min(seconds * c, self.comm_free - self.clock)
+            wall = shared + seconds - shared / c
+        self.event("compute", kind, name, self.clock, self.clock + wall, microbatch)
+        self.clock += wall
+
+    def issue(self, kind: str, name: str, cost: float, nbytes: int, beside: float = 0.0, microbatch=None) -> float:
+        """An async call issued now; it runs once the comm stream is free, at 1/busy_factor of its
+        speed while the next ``beside`` seconds of compute run, at full speed after (processor
+        sharing, as the overlap mode's buckets). Returns its end."""
+        start = max(self.clock, self.comm_free)
+        shared, f = max(0.0, self.clock + beside - start), self.busy_factor
+        self.comm_free = start + cost * f if cost * f <= shared else start + shared + cost - shared / f
+        self.event("comm", kind, name, start, self.comm_free, microbatch, nbytes)
+        return self.comm_free
+
+    def wait(self, end: float) -> None:
+        self.clock = max(self.clock, end)
+
+    def scatter(self, unit: Unit, beside: float = 0.0, microbatch=None) -> None:
+        """Pack, reduce-scatter (async); beyond MAX_IN_FLIGHT the oldest is waited for."""
+        self.clock += unit.pack
+        end = self.issue("reduce_scatter", f"reduce-scatter {unit.name}", unit.scatter, unit.wire, beside, microbatch)
+        self.in_flight.append((end, unit))
+        self.collect(MAX_IN_FLIGHT)
+
+    def collect(self, limit: int = 0) -> None:
+        """Wait for the oldest reduce-scatters until at most ``limit`` are in flight; each received
+        slice is added to the shard's gradient (and divided by dp: ``unpack``)."""
+        while len(self.in_flight) > limit:
+            end, unit = self.in_flight.popleft()
+            self.wait(end)
+            self.clock += unit.unpack
+
+
+def sharded_tail(rank: Rank, units: list[Unit], zero: int, optimizer: float, label: str = "SGD step (shards)") -> None:
+    """After the schedule: zero=1's reduce-scatters, every stage's wait, the shards' optimizer
+    step, and (zero=1/2) the updated shards all-gathered back."""
+    if zero == 1:
+        for unit in units:
+            rank.scatter(unit)
+    rank.collect()
+    if optimizer > 0:
+        rank.clock += rank.gap
+        rank.event("compute", "optimizer", label, rank.clock, rank.clock + optimizer)
+        rank.clock += optimizer
+    if zero in (1, 2):
+        ends = [rank.issue("allgather", f"gather {u.name}", u.gather, u.wire) for u in units]
+        rank.wait(max(ends, default=rank.clock))
+
+
+def _forward(rank: Rank, prog: ShardedProgram, mb: int) -> None:
+    units = {u.first_block: k for k, u in enumerate(prog.units)} if prog.zero == 3 else {}
+    if prog.zero != 3:
+        total = sum(b.fwd for b in prog.blocks) + prog.loss_fwd
+        calls, at = [], 0.0
+        for b in prog.blocks:
+            calls += [Call(c.name, c.bytes, c.cost, at + c.at, c.kind) for c in b.fwd_calls]
+            at += b.fwd
+        rank.compute("fwd", f"F{mb}", total, calls, mb)
+        return
+    gathered: dict[int, float] = {}
+    for i, b in enumerate(prog.blocks):
+        k = units.get(i)
+        if k is not None:
+            _gather(rank, prog, k, gathered, mb, 0.0)
+            rank.wait(gathered.pop(k))
+            for j in range(k + 1, min(k + 1 + prog.prefetch, len(prog.units))):
+                _gather(rank, prog, j, gathered, mb, b.fwd)
+        loss = prog.loss_fwd if i == len(prog.blocks) - 1 else 0.0
+        rank.compute("fwd", f"F block {b.name.split()[-1]}", b.fwd + loss, b.fwd_calls, mb)
+
+
+def _gather(rank: Rank, prog: ShardedProgram, k: int, gathered: dict, mb, beside: float) -> None:
+    """Issue unit k's all-gather unless in flight; ``beside``: the compute it runs beside (prefetch)."""
+    if k not in gathered:
+        u = prog.units[k]
+        gathered[k] = rank.issue("allgather", f"gather {u.name}", u.gather, u.wire, beside, microbatch=mb)
+
+
+def _backward(rank: Rank, prog: ShardedProgram, mb: int) -> None:
+    ready: dict[int, list[int]] = {}          # block → the units whose last gradient it makes
+    for k, u in enumerate(prog.units):
+        ready.setdefault(u.first_block, []).append(k)
+    gathered: dict[int, float] = {}
+    last = len(prog.blocks) - 1
+    for i in range(last, -1, -1):
+        b = prog.blocks[i]
+        mine = ready.get(i, [])
+        if prog.zero == 3:
+            rank.collect(MAX_IN_FLIGHT)
+            for k in mine:               # one unit per block
+                _gather(rank, prog, k, gathered, mb, 0.0)
+                rank.wait(gathered.pop(k))
+                for j in range(k - 1, max(k - 1 - prog.prefetch, -1), -1):
+                    _gather(rank, prog, j, gathered, mb, b.bwd)
+        loss = prog.loss_bwd if i == last else 0.0
+        before = len(rank.events)
+        rank.compute("bwd", b.name, loss + b.bwd, [Call(c.name, c.bytes, c.cost, loss + c.at, c.kind)
+                                                   for c in b.bwd_calls], mb)
+        if prog.zero >= 2 and mine:
+            spans = [e for e in rank.events[before:] if e["stream"] == "compute"]
+            ahead = sum(x.bwd for x in prog.blocks[:i])       # the backward still to run beside it
+            for k in mine:
+                rank.scatter(prog.units[k], ahead, microbatch=mb)
+            if spans and prog.zero == 2:      # the hook's pack and any wait sit inside the block's span
+                spans[-1]["end"] = rank.clock
+
+
+def replay_sharded(prog: ShardedProgram) -> list[dict]:
+    """One rank's events of one step (rank 0, times from the step's start); dp ranks are alike."""
+    rank = Rank(prog.busy_factor, prog.gap, prog.compute_factor)
+    for mb in range(prog.microbatches):
+        rank.clock += prog.gap
+        _forward(rank, prog, mb)
+        rank.clock += prog.gap
+        _backward(rank, prog, mb)
+    sharded_tail(rank, prog.units, prog.zero, prog.optimizer)
+    return rank.events
