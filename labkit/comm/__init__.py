@@ -248,7 +248,9 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     else:
         start = ctx.recorder.mark()
         work = _guard(ctx, entry, call)
-    handle = Handle(ctx, entry, work, start, watch, thread=async_op)
+    # A blocking call ends when its wait returns; only an async one needs gloo's thread to
+    # note its completion (a Python callback there doubled a small blocking call's cost).
+    handle = Handle(ctx, entry, work, start, watch and async_op, thread=async_op)
     if ctx.comm_stream is not None and work is not None:
         handle._done_at = end
     if async_op:

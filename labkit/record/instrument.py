@@ -36,9 +36,9 @@ class BackwardSpan:
             return
         first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
         self.expects_input_grad = first is not None and first.requires_grad
-        output.register_hook(self.open)
+        on_grad(output, self.open)
         if self.expects_input_grad:
-            first.register_hook(self.inputs_ready)
+            on_grad(first, self.inputs_ready, before_others=True)
 
     def open(self, _grad):
         self.start = self.recorder.mark()
@@ -63,6 +63,28 @@ class BackwardSpan:
             rec = self.recorder
             rec.add("bwd", self.name, self.start, rec.mark(), microbatch=getattr(rec, "microbatch", None))
             self.start = None
+
+
+def on_grad(t: torch.Tensor, fn, before_others: bool = False) -> None:
+    """Call ``fn(grad)`` when ``t``'s gradient is computed, with one autograd hook per tensor
+    however many spans watch it: a block's output is the next block's input, so its one hook
+    closes the later block's span and then opens the earlier one's (a hook registered per span
+    per forward costs a handle and a C++ → Python call each, which a small step notices)."""
+    watchers = t.__dict__.get("_labkit_on_grad")
+    if watchers is None:
+        watchers = t._labkit_on_grad = []
+        t.register_hook(_call_each(watchers))
+    if before_others:
+        watchers.insert(0, fn)
+    else:
+        watchers.append(fn)
+
+
+def _call_each(watchers: list):
+    def hook(grad):
+        for fn in watchers:
+            fn(grad)
+    return hook          # None: the gradient passes on unchanged
 
 
 def instrument_backward(model: nn.Sequential, recorder, names: list[str] | None = None) -> list:
