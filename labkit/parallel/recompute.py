@@ -95,10 +95,21 @@ def held_activation_bytes(model: nn.Module, *inputs) -> int:
     stays alive (autograd's saved tensors, the inputs a checkpoint keeps, the output), with no
     hook of labkit's in the way.
     """
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = model(*inputs)
+    # Garbage from before (a cycle holding tensors) freed by a collection inside the window
+    # would count as a negative allocation: collect first, and none during the forward.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = model(*inputs)
+    finally:
+        if was_enabled:
+            gc.enable()
     held = sum(e.self_cpu_memory_usage for e in prof.key_averages())
     del out
     return held
