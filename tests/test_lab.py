@@ -46,6 +46,15 @@ def test_failure_names_the_rank_and_carries_its_traceback(lab2):
     assert lab2.apply(lambda: 1) == [1, 1]            # the lab is still usable
 
 
+def test_the_controller_keeps_no_answers_and_steps_report_cpu_time(lab2):
+    """The controller keeps no task database (it would hold every step's answer), and every
+    step reports its CPU time beside its wall time."""
+    run = lab2.run(labkit.Strategy(dp=2), model=labkit.models.mlp(width=32, depth=2), batch=8, steps=3)
+    assert "--nodb" in lab2.cluster.controller_args
+    assert len(run.step_cpu_times) == len(run.step_times) == 3
+    assert all(c > 0 for c in run.step_cpu_times)
+
+
 def test_groups_survive_a_change_of_mode_and_rebuild_for_new_degrees(lab2):
     from labkit import engine
     model = labkit.models.mlp(width=16, depth=2)

@@ -232,9 +232,7 @@ class Lab:
             raise
         failed = [(t, calls.error_of(f)) for t, f in zip(targets, children) if f not in pending and calls.error_of(f)]
         if not failed and not pending:
-            out = ar.get(timeout=5)
-            self._forget(ar)
-            return out
+            return ar.get(timeout=5)
         self._dirty = True
         self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if f in pending]
         busy = sorted(r for r, _ in self._busy if r is not None)
@@ -247,14 +245,6 @@ class Lab:
         if error.dead:
             self._dead = error.dead
         raise error from None
-
-    def _forget(self, ar) -> None:
-        """Drop a finished call's answers from the client's caches: ipyparallel keeps every
-        result it ever received (each step's events, for as long as the notebook runs)."""
-        try:
-            self.client.purge_local_results(ar)
-        except Exception:
-            pass             # nothing to forget, or ipyparallel changed its caches: not worth failing a call
 
     def _flight_logs(self, skip=()) -> dict[int, list[dict]]:
         """Every answering rank's flight recorder (rank → entries); {} if none can be read."""
