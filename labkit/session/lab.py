@@ -422,9 +422,8 @@ class Lab:
             self.client.close()
             self.client = None
         if self.cluster is not None:
-            left = lifetime.lab_processes(self.cluster)
-            self._launched.stop()
-            lifetime.terminate(self._processes + left)       # what a dead controller left behind
+            self._launched.stop()                            # and what is left of their trees
+            lifetime.terminate(self._processes)              # … or of a dead controller's
             self.cluster = None
         self.view = None
 

@@ -32,7 +32,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from traitlets.config import Config
 
 from ..errors import LabError
-from .local import CONTROLLER_ARGS
+from .local import CONTROLLER_ARGS, stop_quietly
 
 LAUNCHERS = ("slurm", "mpi", "ssh")
 
@@ -107,7 +107,7 @@ def start_cluster(launcher: str, engines: int, timeout: float = 120.0, say=None,
         client = cluster.connect_client_sync()
         _wait_for_engines(launcher, cluster, client, engines, timeout, say, t0)
     except BaseException:
-        _stop(cluster)
+        stop_quietly(cluster)
         raise
     say(f"labkit: {engines} engines up through {launcher} in {time.monotonic() - t0:.0f} s")
     return cluster, client
@@ -329,13 +329,6 @@ def _message(exc: BaseException) -> str:
 
 
 # -- stopping --------------------------------------------------------------------------------
-def _stop(cluster: ipp.Cluster) -> None:
-    try:
-        cluster.stop_cluster_sync()
-    except Exception:
-        pass
-
-
 def _wait_for_jobs_to_leave(jobs: list[str], timeout: float) -> None:
     """scancel returns at once; wait (bounded) until Slurm has really ended the jobs."""
     deadline = time.monotonic() + timeout

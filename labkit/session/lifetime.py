@@ -63,16 +63,39 @@ def terminate(processes: list[psutil.Process], grace: float = 3.0) -> list[int]:
     procs = []
     for proc in {p.pid: p for p in processes}.values():
         try:
-            if proc.is_running():
+            if _living(proc):
                 proc.terminate()
                 procs.append(proc)
         except psutil.Error:
             continue
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = _wait(procs, grace)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(alive, timeout=grace)
-    return [p.pid for p in alive]
+    return [p.pid for p in _wait(alive, grace)]
+
+
+def is_engine(proc: psutil.Process) -> bool:
+    try:
+        return "ipyparallel.engine" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def _living(proc: psutil.Process) -> bool:
+    """Running and not a zombie: an exited process whose parent has not reaped it yet (a
+    nanny whose engine exited first) is gone, and waiting on it would last the whole grace."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` for ``procs`` to end; those still living."""
+    deadline = time.monotonic() + timeout
+    while (procs := [p for p in procs if _living(p)]) and time.monotonic() < deadline:
+        psutil.wait_procs(procs, timeout=0.05)
+    return procs
