@@ -52,10 +52,12 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
     return out
 
 
-def one_round(lab, model, batch: int, steps: int, plan_tp: dict) -> list[dict]:
+def one_round(lab, model, batch: int, steps: int, plan_tp: dict, only: str = "") -> list[dict]:
     costs = plan.calibrate(lab, model=model, batch=batch, tp=(2,), tp_plan=plan_tp)
     rows = []
     for name, s in cases(lab.world_size):
+        if only not in name:
+            continue
         run = lab.run(s, model=model, batch=batch, steps=steps, tp_plan=plan_tp if s.tp > 1 else None)
         pred = plan.simulate(s, costs, batch=batch, model=model)
         rows.append({"case": name, **{f"measured_{k}": run.metrics[k] for k in KEYS},
@@ -88,11 +90,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--cases", default="", help="only the cases whose name contains this, e.g. 'dp2'")
     p.add_argument("--json")
     args = p.parse_args()
     model = labkit.models.mlp(width=args.width, depth=8)
     with labkit.Lab.start(engines=args.engines, timeout=120, progress=False) as lab:
-        rounds = [one_round(lab, model, args.batch, args.steps, mlp_tp_plan(8)) for _ in range(args.rounds)]
+        rounds = [one_round(lab, model, args.batch, args.steps, mlp_tp_plan(8), args.cases) for _ in range(args.rounds)]
     print(f"{args.engines} engines, mlp(width={args.width}, depth=8), batch {args.batch}, "
           f"{args.rounds} rounds, medians over rounds")
     print(summarise(rounds))

@@ -338,3 +338,26 @@ def test_sharded_tables_old_and_new_load_and_what_cannot_be_simulated_says_so():
         plan.simulate(labkit.Strategy(dp=2, zero=2, zero_mode="fsdp2"), costs, batch=64)
     with pytest.raises(ValueError, match="tp_mode='megatron'"):
         plan.simulate(labkit.Strategy(tp=2, tp_mode="dtensor"), costs, batch=64)
+
+
+def test_the_overlap_fit_recovers_the_stretch_and_busy_factor_it_is_shown():
+    """A 'measured' overlapped step made by the replay itself, with a known backward stretch and
+    busy factor: in_step's fit finds both again from the spans alone."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import overlap_fit
+    from labkit.plan.simulation import build_program
+
+    costs, batch = _costs(blocks=4, numel=400_000), 32
+    s = labkit.Strategy(dp=2, dp_mode="overlap", bucket_mb=1.0)
+    prog = replace(build_program(s, costs, batch), overlap_busy=3.75, overlap_stretch=1.3)
+    assert len(prog.grads[0]) == 4                              # a bucket per block: they overlap
+    events = replay(prog, pp=1, dp=2, dp_mode="overlap", replicas=1)
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = overlap_fit(run, costs, s, batch)
+    assert fit["overlap_bwd"] == pytest.approx(1.3)
+    assert fit["overlap_busy"] == pytest.approx(3.75)
+    plain = replay(build_program(s, costs, batch), pp=1, dp=2, dp_mode="overlap", replicas=1)
+    assert max(e["end"] for e in plain) < max(e["end"] for e in events)     # the fit changes the step

@@ -12,6 +12,9 @@ predicts for the same calls:
 * ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
   from the first issue to the last completion against the calls run one after another);
 * ``pp=2`` GPipe — point-to-point: the receive spans against α + S/β;
+* ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
+  and the busy factor that makes the replay's comm tail after backward the measured one
+  (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
 * the optimizer span of the naive run against the blocks' steps timed alone, and the
   pipeline run's forward and backward spans against its stages' calibrated costs;
@@ -104,10 +107,54 @@ def pipeline_compute_factor(run, costs, strategy, batch: int) -> float | None:
     return _ratio(per_step) if predicted > 0 else None
 
 
+def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | None:
+    """(backward seconds, comm seconds after backward ends) of one step on ``rank``."""
+    bwd = [e for e in events if e["kind"] == "bwd" and e["rank"] == rank]
+    comm = [e for e in events if e["kind"] == "allreduce" and e["rank"] == rank]
+    if not bwd or not comm:
+        return None
+    end = max(e["end"] for e in bwd)
+    return end - min(e["start"] for e in bwd), max(0.0, max(e["end"] for e in comm) - end)
+
+
+def overlap_fit(run, costs, strategy, batch: int) -> dict:
+    """``overlap_bwd``: the measured backward that launches buckets over the replay's; then
+    ``overlap_busy``: the busy factor (on a grid) whose replayed comm tail after backward is
+    nearest the measured one. Medians over steps; {} if the run recorded no overlap."""
+    from dataclasses import replace
+
+    from .replay import replay
+    from .simulation import build_program
+
+    measured = [shape for evs in _steps(run).values() if (shape := _overlap_shape(evs))]
+    if not measured:
+        return {}
+    bwd, tail = median(b for b, _ in measured), median(t for _, t in measured)
+
+    def shape(**fields):        # the replay packs buckets after its backward span; the lab, inside it
+        prog = replace(build_program(strategy, costs, batch), **fields)
+        pack = sum(m.pack for m in prog.grads[0])
+        b, t = _overlap_shape(replay(prog, 1, strategy.dp, microbatches=1, dp_mode=strategy.dp_mode, replicas=1))
+        return b + pack, max(0.0, t - pack)
+
+    span = shape(overlap_busy=1.0, overlap_stretch=1.0)[0]
+    pack = sum(m.pack for m in build_program(strategy, costs, batch).grads[0])
+    stretch = max(1.0, (bwd - pack) / (span - pack))
+    grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(12)]    # 1 … ~35
+    busy = min(grid, key=lambda f: abs(shape(overlap_busy=f, overlap_stretch=stretch)[1] - tail))
+    return {"overlap_bwd": stretch, "overlap_busy": busy}
+
+
 def gap_per_action(run, actions: int) -> float:
     """Untimed seconds per action: lab_overhead_fraction·T per rank over its ``actions``."""
     m = run.metrics
     return max(0.0, m["lab_overhead_fraction"] * m["step_time_s"] / max(1, actions))
+
+
+def replace_in_step(costs, in_step: dict):
+    """A copy of ``costs`` with ``in_step`` factors (None values dropped)."""
+    from dataclasses import replace
+    return replace(costs, in_step={k: v for k, v in in_step.items() if v is not None})
 
 
 def time_in_step(lab, model, batch: int, costs, steps: int = 4, data=None, loss="mse", tp_plan=None) -> dict:
@@ -134,6 +181,9 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 4, data=None, loss=
         out["gap_s"] = gap_per_action(pipe, 4 * 4 + 2)
         out["pipeline_compute"] = pipeline_compute_factor(pipe, costs, gpipe, batch)
     out["optimizer"] = optimizer_factor(naive, costs)
+    table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
+    overlapped = Strategy(dp=n, dp_mode="overlap")
+    out.update(overlap_fit(run(overlapped), table, overlapped, batch))
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:

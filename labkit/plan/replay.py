@@ -62,6 +62,12 @@ class StageProgram:
     gap: float = 0.0
     """The executor's untimed seconds before each action and each call after the schedule
     (Python between actions: link polling, hooks, bookkeeping; measured, labkit.plan.in_step)."""
+    overlap_busy: float | None = None
+    """``busy_factor`` for the buckets launched inside backward (overlap, ddp), where measured
+    in a real overlapped step; None: ``busy_factor``."""
+    overlap_stretch: float = 1.0
+    """How much longer the backward that launches buckets takes than the same backward alone
+    (its compute shares the cores with the transfers; measured in the same step)."""
 
 
 def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
@@ -127,26 +133,28 @@ class _Replay:
             self.compute(r, "fwd", self.label("F", a), prog.fwd[a.stage], self.calls(prog.fwd_calls, a.stage),
                          a.microbatch)
         elif a.op == "B":
-            self.compute(r, "bwd", self.label("B", a), prog.bwd[a.stage], self.calls(prog.bwd_calls, a.stage),
-                         a.microbatch)
-            if self.dp > 1 and self.dp_mode in ("overlap", "ddp") and self.last_b[r][a.chunk] == a.microbatch:
-                self.launch(r, a.chunk, a.stage, t)
+            launches = self.dp > 1 and self.dp_mode in ("overlap", "ddp") and self.last_b[r][a.chunk] == a.microbatch
+            stretch = prog.overlap_stretch if launches and prog.grads[a.stage] else 1.0
+            self.compute(r, "bwd", self.label("B", a), prog.bwd[a.stage] * stretch,
+                         self.calls(prog.bwd_calls, a.stage), a.microbatch)
+            if launches:
+                self.launch(r, a.chunk, a.stage, t, stretch)
         elif a.op.startswith("SEND"):
             self.posted.setdefault((r, a.peer, a.op[-1]), []).append((t, a))
         else:
             return self.recv(r, a)
         return True
 
-    def launch(self, r: int, chunk: int, stage: int, bwd_start: float) -> None:
+    def launch(self, r: int, chunk: int, stage: int, bwd_start: float, stretch: float = 1.0) -> None:
         """Buckets of the chunk's last backward, each issued once its gradients exist."""
-        f, packed = self.prog.busy_factor, 0.0
+        f, packed = self.prog.overlap_busy or self.prog.busy_factor, 0.0
         for msg in self.prog.grads[stage]:     # packing runs in the hooks, holding backward up
             packed += msg.pack
         self.clock[r] += packed
         bwd_end, packed = self.clock[r], 0.0
         for msg in self.prog.grads[stage]:
             packed += msg.pack
-            start = max(bwd_start + msg.ready + packed, self.comm_free[r])
+            start = max(bwd_start + msg.ready * stretch + packed, self.comm_free[r])
             # processor sharing: at rate 1/f while backward still computes, at full rate after
             shared = max(0.0, bwd_end - start)
             end = start + msg.cost * f if msg.cost * f <= shared else max(start, bwd_end) + msg.cost - shared / f

@@ -8,8 +8,10 @@ DESIGN.md keys, from :func:`labkit.metrics.step_metrics`) and ``.timeline`` (a
 :class:`labkit.Timeline`, so plot, trace export and metrics work unchanged).
 
 A bucket launched during backward progresses at 1/``busy_factor`` of its speed while the
-rank still computes (measured by the calibration: on CPU the comm and compute threads
-share the cores), at full speed after.
+rank still computes (on CPU the comm and compute threads share the cores), at full speed
+after; and that backward takes longer beside its buckets. Both come from one overlapped step
+of the calibration (``in_step["overlap_busy"]``, ``["overlap_bwd"]``), fitted so the replay's
+comm tail after backward is the measured one.
 
 Tensor parallelism (``tp_mode="megatron"``): the blocks cost what they measured at one rank's
 shard width (:mod:`labkit.plan.tensor_costs`: the plan's modules replaced by plain modules of
@@ -32,7 +34,7 @@ untimed seconds per action.
 Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
 parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
 with a message), DDP's small first bucket, the busy slowdown of pipeline messages, and the
-compute slowdown beside in-flight transfers outside ZeRO's replay.
+compute slowdown beside in-flight transfers other than overlap's buckets and ZeRO's calls.
 
     >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
     >>> overlay(pred, run)                   # predicted outlines over the measured spans
@@ -149,7 +151,8 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     rows, loss = _held_blocks(costs, strategy)
     last = len(ranges) - 1
     prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
-                        gap=costs.gap_s(strategy.pp))
+                        gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get("overlap_busy"),
+                        overlap_stretch=costs.slowdown("overlap_bwd"))
     stretch = costs.slowdown("pipeline_compute") if strategy.pp > 1 else 1.0     # labkit.plan.in_step
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * stretch
     bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * stretch
