@@ -131,9 +131,14 @@ def shrinking_model():
 
 
 def test_a_changing_shape_is_a_clear_error_not_a_dead_engine(lab2, mlp_ref):
-    with pytest.raises(LabError) as info:
-        lab2.run(labkit.Strategy(pp=2, schedule="gpipe", microbatches=4, split_at=(2,)),
-                 model=shrinking_model, batch=16, steps=1)
+    shared = lab2.timeout
+    lab2.timeout = 5                  # the receiver waits this long for what never comes
+    try:
+        with pytest.raises(LabError) as info:
+            lab2.run(labkit.Strategy(pp=2, schedule="gpipe", microbatches=4, split_at=(2,)),
+                     model=shrinking_model, batch=16, steps=1)
+    finally:
+        lab2.timeout = shared
     text = " ".join(r.message for r in info.value.reports)
     assert "must keep one output shape" in text and "(3, 24)" in text   # the sender says why
     assert info.value.ranks == [0]              # the receiver was waiting, not killed by gloo
