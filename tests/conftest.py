@@ -1,5 +1,5 @@
 """Shared fixtures: one lab per engine count for the whole session (starting engines costs
-~10 s each on a 2-core machine), and the Agg backend for plots."""
+5–8 s on a 2-core machine), and the Agg backend for plots."""
 from __future__ import annotations
 
 import json
