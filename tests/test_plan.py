@@ -361,3 +361,24 @@ def test_the_overlap_fit_recovers_the_stretch_and_busy_factor_it_is_shown():
     assert fit["overlap_busy"] == pytest.approx(3.75)
     plain = replay(build_program(s, costs, batch), pp=1, dp=2, dp_mode="overlap", replicas=1)
     assert max(e["end"] for e in plain) < max(e["end"] for e in events)     # the fit changes the step
+
+
+def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():
+    from labkit.plan.layout import ClusterStrategy
+    from labkit.plan.search import lab_strategy
+
+    s = lab_strategy(ClusterStrategy(dp=2, pp=2, tp=2, zero=1, microbatch_size=2, schedule="interleaved", chunks=2,
+                                     recompute="selective", dp_overlap=True), global_batch=16)
+    assert (s.dp, s.pp, s.tp, s.zero, s.schedule, s.chunks) == (2, 2, 2, 1, "interleaved", 2)
+    assert s.microbatches == 4 and s.recompute == "selective" and s.dp_mode == "overlap"
+    assert lab_strategy(ClusterStrategy(dp=4), global_batch=8).dp_mode == "bucketed"
+
+
+def test_search_verify_runs_the_top_strategies_on_the_lab(lab2):
+    tiny = GPT(layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    result = search(tiny, Cluster(nodes=1, gpus_per_node=2), global_batch=8, verify=lab2, top=2, steps=2)
+    assert [v["strategy"] for v in result.verified] == [p.strategy for p in result.ranked[:2]]
+    assert all(v["measured_s"] > 0 for v in result.verified), result.verified
+    assert "measured (s)" in result.table()
+    with pytest.raises(ValueError, match="the lab has 2 engines but the cluster 4 GPUs"):
+        search(tiny, Cluster(nodes=1, gpus_per_node=4), global_batch=8, verify=lab2)

@@ -143,3 +143,19 @@ def text(batch: int = 8, block_size: int = 64, seed: int = 0, source: str = "pyd
     >>> run = lab.run(labkit.Strategy(dp=2), model=model, data=data, loss="cross_entropy", batch=8)
     """
     return TextData(batch, block_size, seed, source, val_fraction)
+
+
+@dataclass
+class RandomTokens:
+    """Seeded random token ids over ``vocab_size``: ``data(step) -> (x, y)``, y the next token of
+    x (what the planner's ``search(verify=lab)`` trains a GPT of any vocabulary on)."""
+
+    vocab_size: int
+    batch: int
+    block_size: int
+    seed: int = 0
+
+    def __call__(self, step: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        ids = torch.randint(self.vocab_size, (self.batch, self.block_size + 1), generator=g)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()

@@ -79,10 +79,16 @@ class SearchResult:
             return (f"does not fit: none of {self.skipped} strategies fits {self.cluster.hardware.name} "
                     f"memory ({self.cluster.hardware.hbm_bytes / 1e9:.0f} GB); add GPUs, shorten the "
                     "sequence or shrink the model")
-        lines = [head]
+        measured = {id(v["strategy"]): v for v in self.verified}
+        lines = [head + (f" {'measured (s)':>12}" if measured else "")]
         for i, p in enumerate(self.ranked[:top]):
+            v = measured.get(id(p.strategy))
+            seen = "" if v is None else f" {v['measured_s']:>12.3f}" if "measured_s" in v else f" {'not run':>12}"
             lines.append(f"{i + 1:>3} {p.strategy.label():>40} {p.step_time_s:>9.3f} {100 * p.mfu:>5.1f}% "
-                         f"{p.tflops_per_gpu:>8.1f} {p.memory_gb_per_gpu:>9.1f}")
+                         f"{p.tflops_per_gpu:>8.1f} {p.memory_gb_per_gpu:>9.1f}{seen}")
+        for v in self.verified:
+            if "error" in v:
+                lines.append(f"not run on the lab: {v['strategy'].label()}: {v['error']}")
         lines.append(f"{len(self.ranked)} strategies fit, {self.skipped} do not")
         return "\n".join(lines)
 
@@ -105,17 +111,20 @@ class SearchResult:
 
 
 def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = None, verify=None,
-           **limits) -> SearchResult:
+           steps: int = 4, **limits) -> SearchResult:
     """Rank every placeable strategy that fits by predicted step time (fastest first).
 
     ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=).
-    ``verify=lab`` is not available at cluster scale on CPU engines: the lab runs labkit
-    Strategies (tp=1, zero=0 in this version), so it raises rather than pretend; on the
-    lab's own engines, :func:`labkit.plan.search_lab` predicts, confirms and picks.
+    ``verify=lab``: then run the ``top`` fastest (default 3) on the lab for ``steps`` steps each,
+    the GPT built by ``labkit.models.gpt`` on seeded random tokens, and keep the measured step
+    time beside the predicted one (``.verified``, and a column of ``.table()``). The lab must
+    have one engine per GPU of ``cluster`` (tune on the cluster itself: predict, confirm, pick);
+    for the lab's own CPU engines, :func:`labkit.plan.search_lab` predicts from a calibration.
     """
-    if verify is not None:
-        raise ValueError("search(verify=lab): running candidates for real needs tp and zero in labkit.Strategy; "
-                         "on the lab's own engines use labkit.plan.search_lab(costs, batch, engines, verify=lab)")
+    if verify is not None and verify.world_size != cluster.gpus:
+        raise ValueError(f"search(verify=lab): the lab has {verify.world_size} engines but the cluster "
+                         f"{cluster.gpus} GPUs; verify on a lab with one engine per GPU of the cluster, or "
+                         f"describe this lab as the cluster (Cluster(nodes=1, gpus_per_node={verify.world_size}, ...))")
     ranked, skipped = [], 0
     for s in candidates(model, cluster, global_batch, **limits):
         p = predict(model, cluster, global_batch, s)
@@ -127,7 +136,37 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
         raise ValueError(f"no strategy can be placed: {cluster.gpus} GPUs, {model.layers} layers, "
                          f"global_batch={global_batch}; check that the batch divides by the dp degrees")
     ranked.sort(key=lambda p: p.step_time_s)
-    return SearchResult(model, cluster, global_batch, ranked[:top] if top else ranked, skipped)
+    result = SearchResult(model, cluster, global_batch, ranked[:top] if top else ranked, skipped)
+    if verify is not None:
+        result.verified = [verify_one(verify, model, global_batch, p.strategy, steps) for p in ranked[:top or 3]]
+    return result
+
+
+def lab_strategy(s: ClusterStrategy, global_batch: int):
+    """The labkit.Strategy that runs ``s``: the same degrees, stage, schedule and recomputation;
+    Megatron's tp; the dp gradients reduced after backward, or overlapped with it."""
+    from ..config import Strategy
+
+    return Strategy(dp=s.dp, pp=s.pp, tp=s.tp, zero=s.zero, schedule=s.schedule, chunks=s.chunks,
+                    microbatches=global_batch // (s.dp * s.microbatch_size), recompute=s.recompute,
+                    sequence_parallel=s.sequence_parallel, dp_mode="overlap" if s.dp_overlap else "bucketed")
+
+
+def verify_one(lab, model: GPT, global_batch: int, s: ClusterStrategy, steps: int) -> dict:
+    """Run ``s`` on ``lab`` for ``steps`` steps: {"strategy", "measured_s"} or {"strategy", "error"}
+    (a strategy the planner places but labkit does not run, e.g. zero=3 with pp > 1)."""
+    from .. import models
+    from ..data.text import RandomTokens
+
+    try:
+        strategy = lab_strategy(s, global_batch)
+        run = lab.run(strategy, model=models.gpt(n_layer=model.layers, n_head=model.heads, n_embd=model.hidden,
+                                                 block_size=model.seq, vocab_size=model.vocab),
+                      data=RandomTokens(model.vocab, global_batch, model.seq), loss="cross_entropy",
+                      batch=global_batch, steps=steps)
+    except ValueError as exc:
+        return {"strategy": s, "error": str(exc)}
+    return {"strategy": s, "measured_s": run.metrics["step_time_s"]}
 
 
 def best_at(model: GPT, cluster: Cluster, global_batch: int, **limits) -> Prediction | None:
