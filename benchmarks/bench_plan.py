@@ -1,14 +1,15 @@
 """Predicted against measured step time on local CPU engines: the planner's accuracy here.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2 --rounds 3
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --rounds 2
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2          # ~4 minutes
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --rounds 8 --cases pp
 
 For each round: calibrate (per-block costs and α-β on these engines), then run every case
 for a few steps and simulate it from the cost table just measured; calibration and runs
 alternate so that a change of machine load moves both. Prints, per case, the medians over
 rounds of measured and predicted step time, their ratio, and the bubble and exposed-comm
-fractions measured/predicted. The figures are noisy on a shared 2-core machine: read the
-ratio's spread over rounds (``--json`` keeps every round).
+fractions measured/predicted. The figures are noisy on a shared 2-core machine (one round's
+ratio swings by ±30 %): a round takes ~15 s on 2 engines, so the default is 15 rounds; read
+the median with the ratio's spread over rounds (``--json`` keeps every round).
 """
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def summarise(rounds: list[list[dict]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cases", default="", help="only the cases whose name contains this, e.g. 'dp2'")
