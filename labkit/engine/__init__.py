@@ -195,6 +195,7 @@ def run_step(step: int, run_id: str | None = None) -> dict:
             torch.cuda.synchronize()
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
     result["cpu_s"] = time.process_time() - c0        # CPU time of every thread (gloo's too)
+    result["memory"] = s.job.memory()
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
     if s.snapshots is not None:

@@ -116,8 +116,12 @@ class Executor:
             stage.sync.after_step()          # ZeRO-1/2: updated shards gathered back
         last = any(st.index == self.last_stage for st in self.stages)
         return {"loss": float(self.loss) if last else 0.0, "loss_weight": 1.0 if last else 0.0,
-                "peak_activation_bytes": self.meter.peak,
-                "memory": measure_memory(self.stages, self.optimizer, self.meter.peak), **stepped}
+                "peak_activation_bytes": self.meter.peak, **stepped}
+
+    def memory(self) -> dict:
+        """This rank's model-state bytes after the last step (labkit.parallel.zero.memory);
+        asked for once the step's clock has stopped: counting them is not the step's work."""
+        return measure_memory(self.stages, self.optimizer, self.meter.peak)
 
     def full_state_dict(self) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
