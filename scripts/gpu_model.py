@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.data.text import RandomTokens  # noqa: F401  (seeded random token ids: data(step) -> (x, y))
+
 
 def _bf16(x: torch.Tensor):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda)
@@ -136,21 +138,6 @@ def count_params(factory, vocab_size: int) -> tuple[int, int]:
     with torch.device("meta"):
         model = factory()
     return sum(p.numel() for p in model.parameters()), matmul_params(model, vocab_size)
-
-
-@dataclass(frozen=True)
-class RandomTokens:
-    """Seeded random token ids: ``data(step) -> (x, y)`` with y the next token of x."""
-
-    vocab_size: int
-    batch: int
-    block_size: int
-    seed: int = 0
-
-    def __call__(self, step: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        ids = torch.randint(self.vocab_size, (self.batch, self.block_size + 1), generator=g)
-        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
 def token_loss(logits, targets):

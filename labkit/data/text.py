@@ -145,7 +145,7 @@ def text(batch: int = 8, block_size: int = 64, seed: int = 0, source: str = "pyd
     return TextData(batch, block_size, seed, source, val_fraction)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RandomTokens:
     """Seeded random token ids over ``vocab_size``: ``data(step) -> (x, y)``, y the next token of
     x (what the planner's ``search(verify=lab)`` trains a GPT of any vocabulary on)."""

@@ -131,14 +131,15 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
         return {}
     bwd, tail = median(b for b, _ in measured), median(t for _, t in measured)
 
+    base = build_program(strategy, costs, batch)
+    pack = sum(m.pack for m in base.grads[0])
+
     def shape(**fields):        # the replay packs buckets after its backward span; the lab, inside it
-        prog = replace(build_program(strategy, costs, batch), **fields)
-        pack = sum(m.pack for m in prog.grads[0])
-        b, t = _overlap_shape(replay(prog, 1, strategy.dp, microbatches=1, dp_mode=strategy.dp_mode, replicas=1))
+        b, t = _overlap_shape(replay(replace(base, **fields), 1, strategy.dp, microbatches=1,
+                                     dp_mode=strategy.dp_mode, replicas=1))
         return b + pack, max(0.0, t - pack)
 
     span = shape(overlap_busy=1.0, overlap_stretch=1.0)[0]
-    pack = sum(m.pack for m in build_program(strategy, costs, batch).grads[0])
     stretch = max(1.0, (bwd - pack) / (span - pack))
     grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(12)]    # 1 … ~35
     busy = min(grid, key=lambda f: abs(shape(overlap_busy=f, overlap_stretch=stretch)[1] - tail))
