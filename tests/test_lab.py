@@ -50,7 +50,10 @@ def test_the_controller_keeps_no_answers_and_steps_report_cpu_time(lab2):
     """The controller keeps no task database (it would hold every step's answer), and every
     step reports its CPU time beside its wall time."""
     run = lab2.run(labkit.Strategy(dp=2), model=labkit.models.mlp(width=32, depth=2), batch=8, steps=3)
-    assert "--nodb" in lab2.cluster.controller_args
+    from labkit.session import lifetime
+    started = lifetime.controller_process(lab2.cluster).cmdline()
+    assert "--nodb" in started
+    assert "--HeartMonitor.period=1000" in started        # registration within a beat or two, not 6 s
     assert len(run.step_cpu_times) == len(run.step_times) == 3
     assert all(c > 0 for c in run.step_cpu_times)
 

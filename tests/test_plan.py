@@ -70,7 +70,9 @@ def test_search_ranks_what_fits_and_says_when_nothing_does():
     result = search(GPT(layers=24, hidden=2048, heads=16), Cluster(nodes=2), global_batch=64)
     times = [p.step_time_s for p in result.ranked]
     assert times == sorted(times) and all(p.fits for p in result.ranked) and result.skipped > 0
-    assert "strategies fit" in result.table()
+    assert f"{len(result.ranked)} strategies fit" in result.table()
+    top = search(GPT(layers=24, hidden=2048, heads=16), Cluster(nodes=2), global_batch=64, top=2)
+    assert len(top.ranked) == 2 and f"{len(result.ranked)} strategies fit" in top.table()   # not 2
     nothing = search(GPT3, Cluster(nodes=1), global_batch=16)
     assert not nothing.fits and nothing.table().startswith("does not fit")
 

@@ -68,6 +68,8 @@ class SearchResult:
     ranked: list[Prediction]
     skipped: int = 0
     verified: list = field(default_factory=list)
+    fitting: int | None = None
+    """How many strategies fit before ``top`` cut ``ranked`` (None: all of them are in it)."""
 
     @property
     def fits(self) -> bool:
@@ -79,17 +81,17 @@ class SearchResult:
             return (f"does not fit: none of {self.skipped} strategies fits {self.cluster.hardware.name} "
                     f"memory ({self.cluster.hardware.hbm_bytes / 1e9:.0f} GB); add GPUs, shorten the "
                     "sequence or shrink the model")
-        measured = {id(v["strategy"]): v for v in self.verified}
-        lines = [head + (f" {'measured (s)':>12}" if measured else "")]
+        lines = [head + (f" {'measured (s)':>12}" if self.verified else "")]
         for i, p in enumerate(self.ranked[:top]):
-            v = measured.get(id(p.strategy))
-            seen = "" if v is None else f" {v['measured_s']:>12.3f}" if "measured_s" in v else f" {'not run':>12}"
-            lines.append(f"{i + 1:>3} {p.strategy.label():>40} {p.step_time_s:>9.3f} {100 * p.mfu:>5.1f}% "
+            v = self.verified[i] if i < len(self.verified) else None     # the first ones, in rank order
+            seen = "" if v is None else f" {_seconds(v['measured_s'], 12)}" if "measured_s" in v else f" {'not run':>12}"
+            lines.append(f"{i + 1:>3} {p.strategy.label():>40} {_seconds(p.step_time_s, 9)} {100 * p.mfu:>5.1f}% "
                          f"{p.tflops_per_gpu:>8.1f} {p.memory_gb_per_gpu:>9.1f}{seen}")
         for v in self.verified:
             if "error" in v:
                 lines.append(f"not run on the lab: {v['strategy'].label()}: {v['error']}")
-        lines.append(f"{len(self.ranked)} strategies fit, {self.skipped} do not")
+        fitting = len(self.ranked) if self.fitting is None else self.fitting
+        lines.append(f"{fitting} strategies fit, {self.skipped} do not")
         return "\n".join(lines)
 
     def plot(self, top: int = 20):
@@ -108,6 +110,11 @@ class SearchResult:
         ax_m.legend(fontsize="small")
         fig.tight_layout()
         return fig
+
+
+def _seconds(x: float, width: int) -> str:
+    """Seconds to three decimals, or in e-notation when that would read 0.000 (a toy model)."""
+    return f"{x:>{width}.3f}" if x >= 0.01 else f"{x:>{width}.1e}"
 
 
 def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = None, verify=None,
@@ -136,7 +143,8 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
         raise ValueError(f"no strategy can be placed: {cluster.gpus} GPUs, {model.layers} layers, "
                          f"global_batch={global_batch}; check that the batch divides by the dp degrees")
     ranked.sort(key=lambda p: p.step_time_s)
-    result = SearchResult(model, cluster, global_batch, ranked[:top] if top else ranked, skipped)
+    result = SearchResult(model, cluster, global_batch, ranked[:top] if top else ranked, skipped,
+                          fitting=len(ranked))
     if verify is not None:
         result.verified = [verify_one(verify, model, global_batch, p.strategy, steps) for p in ranked[:top or 3]]
     return result
