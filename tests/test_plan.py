@@ -322,6 +322,48 @@ def test_zero1_scatters_after_the_schedule_and_zero2_inside_each_backward():
     assert len(scatters) == 3 * 2 and scatters[0]["start"] < max(e["end"] for e in two if e["kind"] == "bwd")
 
 
+def test_two_lanes_share_the_link_so_a_short_call_no_longer_waits_behind_a_long_one():
+    from labkit.plan.sharded import Link, Transfer
+
+    one, two = Link(1), Link(2)
+    for link in (one, two):
+        link.add(Transfer(0.0, 8.0))                   # a long reduce-scatter ...
+        link.add(Transfer(1.0, 2.0))                   # ... and a short gather issued behind it
+    (long1, short1), (long2, short2) = one.transfers, two.transfers
+    assert (long1.ended, short1.began, short1.ended) == (8.0, 8.0, 10.0)        # one stream: in order
+    assert short2.began == 1.0 and short2.ended == pytest.approx(5.0)           # both at half speed
+    assert long2.ended == pytest.approx(10.0)          # the pair ends when one after the other would
+    late = Link(2)
+    first = late.add(Transfer(0.0, 4.0))
+    assert first.ended == 4.0
+    late.add(Transfer(2.0, 4.0))                       # issued later, it slows the one in flight
+    assert first.ended == pytest.approx(6.0) and late.free() == pytest.approx(8.0)
+    assert first.event is None and late.transfers[1].began == 2.0
+    queued = Link(2)
+    for start in (0.0, 0.0, 0.0):
+        queued.add(Transfer(start, 2.0))
+    assert [t.began for t in queued.transfers] == [0.0, 0.0, pytest.approx(4.0)]    # a third waits for a lane
+
+
+def test_zero3_on_gloo_gathers_the_next_block_beside_the_last_reduce_scatter():
+    import labkit
+
+    costs = _sharded_costs(blocks=3, numel=200_000)
+    s = labkit.Strategy(dp=2, zero=3)
+    serial = plan.simulate(s, costs, batch=64)
+    costs.comm["contention"] = {"lanes": 2}
+    assert costs.lanes == 2 and CostTable.from_dict(costs.to_dict()).lanes == 2
+    shared = plan.simulate(s, costs, batch=64)
+
+    def overlap(pred):
+        scatter = next(e for e in _spans(pred) if e["name"] == "reduce-scatter block 2")
+        gather = [e for e in _spans(pred) if e["name"] == "gather block 1"][-1]        # backward's
+        return gather["start"] < scatter["end"]
+
+    assert not overlap(serial) and overlap(shared)
+    assert shared.metrics["step_time_s"] < serial.metrics["step_time_s"]
+
+
 def test_sharded_tables_old_and_new_load_and_what_cannot_be_simulated_says_so():
     import labkit
 

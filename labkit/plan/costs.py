@@ -21,6 +21,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from statistics import median
 
+GLOO_THREADS = 2
+"""Worker threads of a gloo process group (``ProcessGroupGloo._Options()._threads``, torch 2.13):
+a group's async calls run two at a time (labkit.plan.sharded.Link). NCCL runs one stream."""
+
 FORMAT = 2
 """2: all-gather and reduce-scatter α-β, and ``tensor`` (tp-sharded block costs). A format-1
 table still loads (it simulates what it measured: no zero, no tp)."""
@@ -126,6 +130,11 @@ class CostTable:
         return self.comm.get("contention", {}).get("compute_factor", 1.0)
 
     @property
+    def lanes(self) -> int:
+        """How many async calls of one group run at once (gloo: its worker threads; 1 when not measured)."""
+        return int(self.comm.get("contention", {}).get("lanes", 1))
+
+    @property
     def busy_factor(self) -> float:
         """How much longer a transfer takes while its rank computes (1 when not measured)."""
         return self.comm.get("all_reduce", {}).get("busy_factor", 1.0)
@@ -229,7 +238,8 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
         copies = lab.apply(time_copies, min(param_bytes, 1 << 20))
         fits["copy"] = {k: min(r[k] for r in copies) for k in copies[0]}
         busy_factor = max(1.0, max(r["busy_s"] for r in contention) / max(r["idle_s"] for r in contention))
-        fits["contention"] = {"compute_factor": max(1.0, median(r["compute_factor"] for r in contention))}
+        fits["contention"] = {"compute_factor": max(1.0, median(r["compute_factor"] for r in contention)),
+                              "lanes": GLOO_THREADS if lab.ranks[0]["backend"] == "gloo" else 1}
         for (collective, _), (alpha, beta) in sweep.fits.items():
             # α as a step sees it: the slowest rank's recorded small call, if above the fit's
             seen = max(r[collective] for r in calls)

@@ -1,9 +1,10 @@
 """The replay of a sharded (ZeRO) step, block by block: the calls :mod:`labkit.parallel.zero` makes.
 
 What each stage issues over the dp group (Rajbhandari et al. 2020; the code in
-``parallel/zero/sync.py`` and ``zero3.py``), with one comm stream per rank (gloo runs a group's
-calls in issue order) and at most ``MAX_IN_FLIGHT`` reduce-scatters outstanding — issuing one
-more first waits for the oldest, on the compute thread:
+``parallel/zero/sync.py`` and ``zero3.py``), with the dp group's async calls on one link per rank
+(:class:`Link`: on gloo two run at once, sharing it; the cost table's ``lanes``) and at most
+``MAX_IN_FLIGHT`` reduce-scatters outstanding — issuing one more first waits for the oldest, on
+the compute thread:
 
 * zero=1 — after the schedule, each bucket is packed and reduce-scattered; all are waited for,
   the shard's gradient divided by dp; the optimizer steps 1/dp of the parameters; the updated
@@ -76,16 +77,103 @@ class ShardedProgram:
     busy_factor: float = 1.0        # a transfer beside compute progresses 1/busy_factor as fast
     gap: float = 0.0                # the executor's untimed seconds per action (labkit.plan.in_step)
     compute_factor: float = 1.0     # compute beside an in-flight transfer runs 1/compute_factor as fast
+    lanes: int = 1                  # calls of the dp group that run at once (gloo: its threads; see Link)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One async call on a link: ``work`` seconds at full speed, from ``start`` on."""
+
+    start: float
+    work: float
+    busy_until: float = 0.0     # before this it runs 1/busy of its speed (compute beside it)
+    busy: float = 1.0
+    event: dict | None = None   # its comm event, whose start and end the link keeps
+    began: float = 0.0
+    ended: float = 0.0
+
+
+class Link:
+    """A group's transfers: up to ``lanes`` at once sharing its speed, the rest queued in order.
+
+    gloo runs a group's async calls on a pool of worker threads (``ProcessGroupGloo`` options:
+    2 threads), so two calls run at once; on CPU both are the cores' copying and reducing, so
+    each goes at half speed (processor sharing: the pair ends when the two run one after the
+    other would, but a short call issued behind a long one no longer waits for all of it).
+    A later call can slow one already running, so ends are computed from every call issued
+    so far, and are final when waited for (the compute thread issues nothing while it waits).
+    ``lanes`` = 1 is one comm stream in issue order (NCCL's; a table calibrated before lanes were
+    recorded).
+    """
+
+    def __init__(self, lanes: int = 1):
+        self.lanes, self.transfers, self.floor = max(1, lanes), [], 0.0
+
+    def add(self, t: Transfer) -> Transfer:
+        self.transfers.append(t)
+        self._run()
+        return t
+
+    def busy_until(self, t: float) -> None:
+        """Nothing starts on the link before ``t`` (a stream already busy until then)."""
+        self.floor = max(self.floor, t)
+        self._run()
+
+    def free(self) -> float:
+        return max([self.floor] + [t.ended for t in self.transfers])
+
+    def _run(self) -> None:
+        """Processor sharing over every transfer issued so far; writes each one's span."""
+        waiting = sorted(self.transfers, key=lambda t: t.start)
+        left = {id(t): t.work for t in waiting}
+        active: list[Transfer] = []
+        now = self.floor
+        while waiting or active:
+            while waiting and len(active) < self.lanes and waiting[0].start <= now:
+                t = waiting.pop(0)
+                t.began = now
+                active.append(t)
+            if not active:
+                now = max(now, waiting[0].start)
+                continue
+            k = len(active)
+            rate = {id(t): 1.0 / (k * (t.busy if now < t.busy_until else 1.0)) for t in active}
+            step = min(left[id(t)] / rate[id(t)] for t in active)
+            for t in active:
+                if now < t.busy_until:
+                    step = min(step, t.busy_until - now)
+            if waiting and len(active) < self.lanes:
+                step = min(step, waiting[0].start - now)
+            step = max(step, 0.0)
+            for t in active:
+                left[id(t)] -= rate[id(t)] * step
+            now += step
+            for t in [t for t in active if left[id(t)] <= 1e-12]:
+                active.remove(t)
+                t.ended = now
+        for t in self.transfers:
+            if t.event is not None:
+                t.event["start"], t.event["end"] = t.began, t.ended
 
 
 class Rank:
-    """One rank's clocks and events: the compute thread, the dp group's comm stream."""
+    """One rank's clocks and events: the compute thread, the dp group's link."""
 
-    def __init__(self, busy_factor: float = 1.0, gap: float = 0.0, compute_factor: float = 1.0):
-        self.clock = self.comm_free = 0.0
+    def __init__(self, busy_factor: float = 1.0, gap: float = 0.0, compute_factor: float = 1.0, lanes: int = 1):
+        self.clock = 0.0
         self.busy_factor, self.gap, self.compute_factor = busy_factor, gap, compute_factor
+        self.link = Link(lanes)
         self.in_flight: deque = deque()
         self.events: list[dict] = []
+
+    @property
+    def comm_free(self) -> float:
+        """When the last transfer issued so far ends (given what is issued so far)."""
+        return self.link.free()
+
+    @comm_free.setter
+    def comm_free(self, t: float) -> None:
+        self.link.busy_until(t)
 
     def event(self, stream, kind, name, start, end, microbatch=None, nbytes=0, peer=None):
         self.events.append({"rank": 0, "stream": stream, "kind": kind, "name": name, "step": 0,
@@ -113,17 +201,16 @@ class Rank:
         self.event("compute", kind, name, self.clock, self.clock + wall, microbatch)
         self.clock += wall
 
-    def issue(self, kind: str, name: str, cost: float, nbytes: int, beside: float = 0.0, microbatch=None) -> float:
-        """An async call issued now; it runs once the comm stream is free, at 1/busy_factor of its
-        speed while the next ``beside`` seconds of compute run, at full speed after (processor
-        sharing, as the overlap mode's buckets). Returns its end."""
-        start = max(self.clock, self.comm_free)
-        shared, f = max(0.0, self.clock + beside - start), self.busy_factor
-        self.comm_free = start + cost * f if cost * f <= shared else start + shared + cost - shared / f
-        self.event("comm", kind, name, start, self.comm_free, microbatch, nbytes)
-        return self.comm_free
+    def issue(self, kind: str, name: str, cost: float, nbytes: int, beside: float = 0.0, microbatch=None) -> "Transfer":
+        """An async call issued now; it runs on the group's link (see :class:`Link`), at
+        1/busy_factor of its speed while the next ``beside`` seconds of compute run, at full
+        speed after (as the overlap mode's buckets). Returns it, to wait on."""
+        self.event("comm", kind, name, self.clock, self.clock, microbatch, nbytes)
+        return self.link.add(Transfer(self.clock, cost, self.clock + beside, self.busy_factor, self.events[-1]))
 
-    def wait(self, end: float) -> None:
+    def wait(self, until) -> None:
+        """Until a time, or until a transfer ends."""
+        end = until.ended if isinstance(until, Transfer) else until
         self.clock = max(self.clock, end)
 
     def scatter(self, unit: Unit, beside: float = 0.0, microbatch=None) -> None:
@@ -154,8 +241,8 @@ def sharded_tail(rank: Rank, units: list[Unit], zero: int, optimizer: float, lab
         rank.event("compute", "optimizer", label, rank.clock, rank.clock + optimizer)
         rank.clock += optimizer
     if zero in (1, 2):
-        ends = [rank.issue("allgather", f"gather {u.name}", u.gather, u.wire) for u in units]
-        rank.wait(max(ends, default=rank.clock))
+        for t in [rank.issue("allgather", f"gather {u.name}", u.gather, u.wire) for u in units]:
+            rank.wait(t)
 
 
 def _forward(rank: Rank, prog: ShardedProgram, mb: int) -> None:
@@ -218,7 +305,7 @@ def _backward(rank: Rank, prog: ShardedProgram, mb: int) -> None:
 
 def replay_sharded(prog: ShardedProgram) -> list[dict]:
     """One rank's events of one step (rank 0, times from the step's start); dp ranks are alike."""
-    rank = Rank(prog.busy_factor, prog.gap, prog.compute_factor)
+    rank = Rank(prog.busy_factor, prog.gap, prog.compute_factor, prog.lanes)
     for mb in range(prog.microbatches):
         rank.clock += prog.gap
         _forward(rank, prog, mb)

@@ -152,7 +152,7 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     last = len(ranges) - 1
     prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
                         gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get("overlap_busy"),
-                        overlap_stretch=costs.slowdown("overlap_bwd"))
+                        overlap_stretch=costs.slowdown("overlap_bwd"), lanes=costs.lanes)
     stretch = costs.slowdown("pipeline_compute") if strategy.pp > 1 else 1.0     # labkit.plan.in_step
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * stretch
     bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * stretch
@@ -198,7 +198,8 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
     return ShardedProgram(blocks, units, strategy.zero, strategy.microbatches, strategy.prefetch,
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
                           costs.at(loss["fwd"], size),
-                          costs.at(loss["bwd"], size), costs.busy_factor, costs.gap_s(1), costs.compute_factor)
+                          costs.at(loss["bwd"], size), costs.busy_factor, costs.gap_s(1), costs.compute_factor,
+                          costs.lanes)
 
 
 def check_simulable(strategy, costs: CostTable) -> None:
