@@ -7,7 +7,10 @@ torch runs in its own plain processes (``torch.multiprocessing`` spawn, gloo, no
 the same threads per rank as labkit's engines): ``DistributedDataParallel`` with the same
 bucket size, and ``torch.distributed.pipelining``'s ``Schedule1F1B`` on labkit's stage split.
 labkit runs its ``ddp`` and ``overlap`` data-parallel modes and its ``1f1b`` pipeline on the
-same model, batch, data and buckets, with the timeline recorded and without.
+same model, batch, data and buckets, with the timeline recorded and without. A second torch
+row registers torch's own Python ``allreduce_hook``: recorded ddp times each bucket through a
+Python comm hook (no other way to see a DDP bucket end on gloo), so that row is the floor any
+per-bucket timing of DDP pays, and recorded ddp is also shown against it.
 
 Each round runs every variant once; a variant's figure for the round is the median over its
 measured steps of the slowest rank's step, taken the same way on both sides (after an aligning
@@ -51,6 +54,9 @@ def plain_ddp(rank: int, world: int, a: dict) -> list[float]:
     model = build_model(labkit.models.mlp(width=a["width"], depth=a["depth"]), a["seed"])
     data = resolve_data(None, model, a["batch"], a["seed"])
     ddp = DDP(model, bucket_cap_mb=a["bucket_mb"], broadcast_buffers=False)
+    if a.get("hook"):           # torch's own Python all-reduce hook: what timing each bucket costs DDP
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        ddp.register_comm_hook(None, allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rows = a["batch"] // world
     times = []
@@ -130,7 +136,8 @@ def labkit_job(rank: int, world: int, a: dict) -> list[float]:
     return times
 
 
-PLAIN = {"ddp": plain_ddp, "1f1b": plain_1f1b, "job": labkit_job}
+PLAIN = {"ddp": plain_ddp, "ddp_hook": lambda rank, world, a: plain_ddp(rank, world, dict(a, hook=True)),
+         "1f1b": plain_1f1b, "job": labkit_job}
 
 
 def _worker(rank: int, world: int, port: int, threads: int, commands, results) -> None:
@@ -187,7 +194,8 @@ def engine_times(lab, mode: str, a: dict, record: bool) -> tuple[list[float], li
 
 
 # (row, comparator, labkit mode or None for plain torch itself); labkit rows run recorded and not
-ROWS = (("torch DDP", "ddp", None), ("labkit ddp", "ddp", "ddp"), ("labkit overlap", "ddp", "overlap"),
+ROWS = (("torch DDP", "ddp", None), ("torch DDP, Python hook", "ddp_hook", None),
+        ("labkit ddp", "ddp", "ddp"), ("labkit overlap", "ddp", "overlap"),
         ("torch Schedule1F1B", "1f1b", None), ("labkit 1f1b", "1f1b", "1f1b"))
 WHERE = ("engines", "plain process")      # labkit on ipyparallel engines; labkit's job alone
 
@@ -247,7 +255,12 @@ def print_table(rounds: dict, args) -> None:
     for v, per_round in rounds.items():
         row, comparator, mode, where, record = v
         wall = median(w for w, _ in per_round)
-        if mode is None:
+        if mode is None and comparator == "ddp_hook":       # torch's own price of a Python hook
+            b = base["ddp"]
+            print(f"{row:34} {1e3 * wall:7.2f} {ratio_text(per_round, b, 0)}   {'':>21}   "
+                  f"{ratio_text(per_round, b, 1):>18}")
+            base[comparator] = per_round
+        elif mode is None:
             base[comparator] = per_round
             cpu = median(c for _, c in per_round)
             print(f"{row + ' (plain processes)':34} {1e3 * wall:7.2f} {'1':>13}   {'':>21}   CPU {1e3 * cpu:.2f} ms")
@@ -257,6 +270,8 @@ def print_table(rounds: dict, args) -> None:
             print(f"{row + ', ' + where:34} {1e3 * wall:7.2f} {ratio_text(per_round, b, 0)}   "
                   f"{1e3 * median(w for w, _ in off):7.2f} {ratio_text(off, b, 0)}   "
                   f"{ratio_text(per_round, b, 1):>18}   {ratio_text(off, b, 1):>18}")
+            if mode == "ddp":        # recorded ddp times each bucket through a Python hook, as this row does
+                print(f"{'  recorded ÷ torch with its hook':34} {'':7} {ratio_text(per_round, base['ddp_hook'], 0)}")
 
 
 def main() -> None:

@@ -206,7 +206,11 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
                            tp_plan=tp_plan)
     assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
-    cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
+    assert costs.lanes == 2                                   # gloo's two worker threads
+    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy"} <= set(costs.in_step)
+    assert 0.5 < costs.in_step["dp_compute"] < 3 and costs.in_step["ddp_bwd"] >= 1
+    cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(dp=2, dp_mode="ddp"), None),
+             (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
              (labkit.Strategy(tp=2), tp_plan), (labkit.Strategy(dp=2, zero=3, prefetch=1), None)]
     for s, split in cases:
         run = lab2.run(s, model=model, batch=256, steps=5, tp_plan=split)
@@ -405,6 +409,27 @@ def test_the_overlap_fit_recovers_the_stretch_and_busy_factor_it_is_shown():
     assert fit["overlap_busy"] == pytest.approx(3.75)
     plain = replay(build_program(s, costs, batch), pp=1, dp=2, dp_mode="overlap", replicas=1)
     assert max(e["end"] for e in plain) < max(e["end"] for e in events)     # the fit changes the step
+
+
+def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_stretches_the_replay():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import dp_compute_factor
+
+    costs, batch = _sharded_costs(blocks=4), 32
+    s = labkit.Strategy(dp=2, dp_mode="naive")
+    events = [e for e in plan.simulate(s, costs, batch=batch).timeline.events if e["rank"] == 0]
+    slow = [dict(e, start=1.25 * e["start"], end=1.25 * e["end"]) for e in events]      # all 1.25× longer
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
+    factor = dp_compute_factor(run, costs, s, batch)
+    assert factor == pytest.approx(1.25)
+    stretched = replace(costs, in_step={"dp_compute": factor})
+    for strategy in (s, labkit.Strategy(dp=2, zero=2)):
+        spans = lambda c: sum(e["end"] - e["start"] for e in plan.simulate(strategy, c, batch=batch).timeline.events
+                              if e["kind"] in ("fwd", "bwd") and e["rank"] == 0)
+        assert spans(stretched) == pytest.approx(1.25 * spans(costs))
 
 
 def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():

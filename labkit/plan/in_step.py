@@ -15,9 +15,11 @@ predicts for the same calls:
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
   and the busy factor that makes the replay's comm tail after backward the measured one
   (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
+  the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
-* the optimizer span of the naive run against the blocks' steps timed alone, and the
-  pipeline run's forward and backward spans against its stages' calibrated costs;
+* the optimizer span of the naive run against the blocks' steps timed alone, and the forward
+  and backward spans of the naive run and of the pipeline run against the calibrated costs
+  (``dp_compute``, ``pipeline_compute``: compute inside a step runs a little slower);
 
 and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits) over
 the actions and calls a rank made. Factors are medians over steps after the first (warm-up).
@@ -107,6 +109,19 @@ def pipeline_compute_factor(run, costs, strategy, batch: int) -> float | None:
     return _ratio(per_step) if predicted > 0 else None
 
 
+def dp_compute_factor(run, costs, strategy, batch: int) -> float | None:
+    """Recorded forward and backward seconds of a data-parallel run over the blocks' calibrated
+    ones: compute inside a real step (beside the other ranks' processes, under the recorder's
+    hooks, with the step's memory traffic) against the blocks timed alone, ×1.0–1.1 here."""
+    from .simulation import build_program
+
+    prog = build_program(strategy, costs, batch)
+    predicted = sum(prog.fwd) + sum(prog.bwd)
+    per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in ("fwd", "bwd") and e["rank"] == 0)
+                / predicted for evs in _steps(run).values()]
+    return _ratio(per_step) if predicted > 0 else None
+
+
 def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | None:
     """(backward seconds, comm seconds after backward ends) of one step on ``rank``."""
     bwd = [e for e in events if e["kind"] == "bwd" and e["rank"] == rank]
@@ -168,14 +183,16 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     if batch % (2 * n):
         raise ValueError(f"calibrate(in_step=True) runs the executor with dp={n} and pp=2 × 4 micro-batches; "
                          f"batch={batch} must be a multiple of {2 * n}, or pass in_step=False")
-    naive = run(Strategy(dp=n, dp_mode="naive"))
+    naive_s = Strategy(dp=n, dp_mode="naive")
+    naive = run(naive_s)
     zero = run(Strategy(dp=n, zero=1))
     piped = n % 2 == 0 and batch % (n // 2 * 4) == 0 and len(costs.blocks) >= 2
     gpipe = Strategy(pp=2, dp=n // 2, schedule="gpipe", microbatches=4)
     pipe = run(gpipe) if piped else None
     out = {"all_reduce": all_reduce_factor(naive, costs, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
-           "all_gather": window_factor(zero, costs, "allgather", "all_gather", n)}
+           "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
+           "dp_compute": dp_compute_factor(naive, costs, naive_s, batch)}
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
         # gpipe, m = 4: F, B, a send and a receive per micro-batch, then the sync and the step
@@ -185,6 +202,10 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     overlapped = Strategy(dp=n, dp_mode="overlap")
     out.update(overlap_fit(run(overlapped), table, overlapped, batch))
+    ddp = Strategy(dp=n, dp_mode="ddp")         # torch's DDP: its buckets timed through a Python hook
+    fit = overlap_fit(run(ddp), table, ddp, batch)
+    if fit:
+        out.update(ddp_bwd=fit["overlap_bwd"], ddp_busy=fit["overlap_busy"])
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:

@@ -150,10 +150,11 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     ranges = _stage_ranges(costs, strategy) if strategy.pp > 1 else [range(len(costs.blocks))]
     rows, loss = _held_blocks(costs, strategy)
     last = len(ranges) - 1
+    fit = "ddp" if strategy.dp_mode == "ddp" and "ddp_bwd" in costs.in_step else "overlap"    # labkit.plan.in_step
     prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
-                        gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get("overlap_busy"),
-                        overlap_stretch=costs.slowdown("overlap_bwd"), lanes=costs.lanes)
-    stretch = costs.slowdown("pipeline_compute") if strategy.pp > 1 else 1.0     # labkit.plan.in_step
+                        gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get(f"{fit}_busy"),
+                        overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes)
+    stretch = costs.slowdown("pipeline_compute" if strategy.pp > 1 else "dp_compute")     # labkit.plan.in_step
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * stretch
     bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * stretch
     for g, blocks in enumerate(ranges):
@@ -189,16 +190,17 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
     rows, loss = _held_blocks(costs, strategy)
+    stretch = costs.slowdown("dp_compute")          # labkit.plan.in_step
     blocks = []
     for row in rows:
-        fwd, bwd = costs.at(row["fwd"], size), costs.at(row["bwd"], size)
+        fwd, bwd = costs.at(row["fwd"], size) * stretch, costs.at(row["bwd"], size) * stretch
         blocks.append(Block(row["name"], fwd, bwd, _tp_calls(costs, strategy, row, size, "g", fwd),
                             _tp_calls(costs, strategy, row, size, "f", bwd)))
     units = build_units(costs, strategy, range(len(rows)), rows)
     return ShardedProgram(blocks, units, strategy.zero, strategy.microbatches, strategy.prefetch,
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
-                          costs.at(loss["fwd"], size),
-                          costs.at(loss["bwd"], size), costs.busy_factor, costs.gap_s(1), costs.compute_factor,
+                          costs.at(loss["fwd"], size) * stretch,
+                          costs.at(loss["bwd"], size) * stretch, costs.busy_factor, costs.gap_s(1), costs.compute_factor,
                           costs.lanes)
 
 
