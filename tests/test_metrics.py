@@ -220,3 +220,18 @@ def test_a_rank_with_no_events_waited_the_whole_step():
     m = step_metrics(events, world_size=2, global_batch=1)
     assert m["schedule_bubble_fraction"] == pytest.approx(0.5)
     assert m["lab_overhead_fraction"] == pytest.approx(0.0)
+
+
+def test_metrics_combined_from_each_steps_part_equal_the_metrics_of_all_events():
+    """A run keeps one part per step (step_entry) and combines them after each step, instead of
+    going over every event of the run again: the same numbers."""
+    from labkit.analysis.metrics import combine_steps, step_entry
+
+    events = []
+    for step in range(3):
+        events += [e | {"step": step} for e in gpipe_events(2, 2 + step)]
+        events.append(ev(1, "comm", "allreduce", 1, 2 + step, step=step, nbytes=100 * (step + 1)))
+    for world in (2, 3):
+        parts = [step_entry([e for e in events if e["step"] == s], world) for s in range(3)]
+        combined = combine_steps(parts, world, global_batch=8, peak_activation_bytes=[1] * world)
+        assert combined == step_metrics(events, world, global_batch=8, peak_activation_bytes=[1] * world)

@@ -93,6 +93,10 @@ def test_schedules_match_reference_pp2(lab2, schedule, mlp_ref):
     assert {(e["rank"], e["peer"]) for e in sends} == {(0, 1), (1, 0)} and len(sends) == 8
     assert all(e["stream"] == "comm" for e in step if e["kind"] in ("send", "recv", "wait"))
     assert any(e["kind"] == "wait" for e in step)      # stage 1 waits for stage 0's first forward
+    from labkit.metrics import step_metrics                 # kept per step, the same as from every event
+    measured = [e for e in run.timeline.events if e["step"] >= 1]
+    whole = step_metrics(measured, 2, 16, peak_activation_bytes=run.metrics["peak_activation_bytes"])
+    assert {k: run.metrics[k] for k in whole} == whole
 
 
 def test_interleaved_matches_reference_pp2(lab2, eight_ref):

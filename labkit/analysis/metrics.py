@@ -177,12 +177,22 @@ def step_metrics(events, world_size: int | None, global_batch: int,
     """
     if world_size is None:
         world_size = 1 + max((e["rank"] for e in events), default=0)
-    steps = _by_step(events)
-    durations = [step_duration(evs) for evs in steps.values()]
-    per_rank = [
-        [_rank_metrics(evs, rank, t) for evs, t in zip(steps.values(), durations)]
-        for rank in range(world_size)
-    ]
+    entries = [step_entry(evs, world_size) for evs in _by_step(events).values()]
+    return combine_steps(entries, world_size, global_batch, peak_activation_bytes)
+
+
+def step_entry(step_events, world_size: int) -> tuple[float, list[dict]]:
+    """One step's part of the metrics: its T and each rank's fractions and bytes. A run keeps
+    these per step, so refreshing its metrics after a step costs that step's events only."""
+    t = step_duration(step_events)
+    return t, [_rank_metrics(step_events, rank, t) for rank in range(world_size)]
+
+
+def combine_steps(entries: list[tuple[float, list[dict]]], world_size: int, global_batch: int,
+                  peak_activation_bytes: list[int] | None = None) -> dict:
+    """step_metrics from the steps' :func:`step_entry` parts."""
+    durations = [t for t, _ in entries]
+    per_rank = [[ranks[rank] for _, ranks in entries] for rank in range(world_size)]
     step_time = median(durations) if durations else 0.0
     out = {
         "step_time_s": step_time,

@@ -19,7 +19,7 @@ from .. import engine
 from ..analysis.drift import check_snapshots
 from ..config import Strategy
 from ..parallel.build import RunSpec
-from ..analysis.metrics import step_metrics
+from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
 from ..view.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_loss
@@ -152,8 +152,14 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
     for r in results:
         step_events.extend(r["events"])
         peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
-    run.timeline.extend(split_waits(step_events))
-    run.metrics = _metrics(run.timeline.events, len(peak), spec, list(peak), step)
+    step_events = split_waits(step_events)
+    run.timeline.extend(step_events)
+    for s in sorted({e["step"] for e in step_events}):
+        # an event tagged with an earlier step (none today) refreshes that step from all of its events
+        mine = [e for e in step_events if e["step"] == s] if s == step else \
+            [e for e in run.timeline.events if e["step"] == s]
+        run.step_entries[s] = step_entry(mine, len(peak))
+    run.metrics = _metrics(run.step_entries, len(peak), spec, list(peak), step)
     _precision_metrics(run, results)
     run.metrics["memory_bytes"] = _memory(results)      # per rank, after this step
 
@@ -176,10 +182,12 @@ def _global_loss(results: list[dict]) -> float:
     return sum(r["loss"] * r["loss_weight"] for r in scored) / sum(r["loss_weight"] for r in scored)
 
 
-def _metrics(events, world_size, spec, peak, step) -> dict:
+def _metrics(entries: dict, world_size, spec, peak, step) -> dict:
+    """The metrics of the steps so far (the warm-up left out once a measured step exists), from
+    each step's part (analysis.metrics.step_entry): O(steps), not O(events of the run)."""
     skip = measured_steps(spec.steps) if step >= measured_steps(spec.steps) else 0
-    kept = [e for e in events if e["step"] >= skip]
-    return step_metrics(kept, world_size, spec.batch, peak_activation_bytes=peak)
+    kept = [entry for s, entry in sorted(entries.items()) if s >= skip]
+    return combine_steps(kept, world_size, spec.batch, peak_activation_bytes=peak)
 
 
 def _memory(results: list[dict]) -> list[dict]:
