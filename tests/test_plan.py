@@ -416,14 +416,14 @@ def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_s
     from types import SimpleNamespace
 
     import labkit
-    from labkit.plan.in_step import dp_compute_factor
+    from labkit.plan.in_step import compute_factor
 
     costs, batch = _sharded_costs(blocks=4), 32
     s = labkit.Strategy(dp=2, dp_mode="naive")
     events = [e for e in plan.simulate(s, costs, batch=batch).timeline.events if e["rank"] == 0]
     slow = [dict(e, start=1.25 * e["start"], end=1.25 * e["end"]) for e in events]      # all 1.25× longer
     run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
-    factor = dp_compute_factor(run, costs, s, batch)
+    factor = compute_factor(run, costs, s, batch)
     assert factor == pytest.approx(1.25)
     stretched = replace(costs, in_step={"dp_compute": factor})
     for strategy in (s, labkit.Strategy(dp=2, zero=2)):

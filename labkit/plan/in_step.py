@@ -94,30 +94,19 @@ def optimizer_factor(run, costs, share: float = 1.0) -> float | None:
     return _ratio([s / predicted for s in spans]) if predicted > 0 else None
 
 
-def pipeline_compute_factor(run, costs, strategy, batch: int) -> float | None:
-    """Recorded forward and backward seconds of a pipeline run over the stages' calibrated ones.
+def compute_factor(run, costs, strategy, batch: int) -> float | None:
+    """Recorded forward and backward seconds of a run over the calibrated ones, summed over one
+    pipeline's ranks (one rank for pp = 1; dp replicas are alike).
 
-    A stage computes beside its link's transfers and the other stage's process, on the same
-    cores, with a micro-batch's activations leaving for another process: measured ×1.1–1.4 of
-    the blocks timed as one chain on the 2-core machine."""
+    Compute inside a step runs beside the other ranks' processes and their transfers, on the
+    same cores, under the recorder's hooks: a data-parallel step measured ×1.0–1.4 of the
+    blocks timed alone on the 2-core machine, a pipeline stage ×1.1–1.4 (its micro-batches'
+    activations leave for another process)."""
     from .simulation import build_program
 
     prog = build_program(strategy, costs, batch)
-    predicted = strategy.microbatches * sum(prog.fwd) + strategy.microbatches * sum(prog.bwd)
+    predicted = strategy.microbatches * (sum(prog.fwd) + sum(prog.bwd))
     per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in ("fwd", "bwd") and e["rank"] < strategy.pp)
-                / predicted for evs in _steps(run).values()]
-    return _ratio(per_step) if predicted > 0 else None
-
-
-def dp_compute_factor(run, costs, strategy, batch: int) -> float | None:
-    """Recorded forward and backward seconds of a data-parallel run over the blocks' calibrated
-    ones: compute inside a real step (beside the other ranks' processes, under the recorder's
-    hooks, with the step's memory traffic) against the blocks timed alone, ×1.0–1.1 here."""
-    from .simulation import build_program
-
-    prog = build_program(strategy, costs, batch)
-    predicted = sum(prog.fwd) + sum(prog.bwd)
-    per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in ("fwd", "bwd") and e["rank"] == 0)
                 / predicted for evs in _steps(run).values()]
     return _ratio(per_step) if predicted > 0 else None
 
@@ -133,9 +122,10 @@ def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | N
 
 
 def overlap_fit(run, costs, strategy, batch: int) -> dict:
-    """``overlap_bwd``: the measured backward that launches buckets over the replay's; then
-    ``overlap_busy``: the busy factor (on a grid) whose replayed comm tail after backward is
-    nearest the measured one. Medians over steps; {} if the run recorded no overlap."""
+    """``<mode>_bwd`` (mode: the run's dp_mode, overlap or ddp): the measured backward that
+    launches buckets over the replay's; then ``<mode>_busy``: the busy factor (on a grid) whose
+    replayed comm tail after backward is nearest the measured one. Medians over steps; {} if
+    the run recorded no overlap."""
     from dataclasses import replace
 
     from .replay import replay
@@ -158,7 +148,7 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     stretch = max(1.0, (bwd - pack) / (span - pack))
     grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(12)]    # 1 … ~35
     busy = min(grid, key=lambda f: abs(shape(overlap_busy=f, overlap_stretch=stretch)[1] - tail))
-    return {"overlap_bwd": stretch, "overlap_busy": busy}
+    return {f"{strategy.dp_mode}_bwd": stretch, f"{strategy.dp_mode}_busy": busy}
 
 
 def gap_per_action(run, actions: int) -> float:
@@ -192,20 +182,18 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     out = {"all_reduce": all_reduce_factor(naive, costs, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
-           "dp_compute": dp_compute_factor(naive, costs, naive_s, batch)}
+           "dp_compute": compute_factor(naive, costs, naive_s, batch)}
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
         # gpipe, m = 4: F, B, a send and a receive per micro-batch, then the sync and the step
         out["gap_s"] = gap_per_action(pipe, 4 * 4 + 2)
-        out["pipeline_compute"] = pipeline_compute_factor(pipe, costs, gpipe, batch)
+        out["pipeline_compute"] = compute_factor(pipe, costs, gpipe, batch)
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     overlapped = Strategy(dp=n, dp_mode="overlap")
     out.update(overlap_fit(run(overlapped), table, overlapped, batch))
     ddp = Strategy(dp=n, dp_mode="ddp")         # torch's DDP: its buckets timed through a Python hook
-    fit = overlap_fit(run(ddp), table, ddp, batch)
-    if fit:
-        out.update(ddp_bwd=fit["overlap_bwd"], ddp_busy=fit["overlap_busy"])
+    out.update(overlap_fit(run(ddp), table, ddp, batch))
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:
