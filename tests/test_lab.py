@@ -67,6 +67,35 @@ def test_groups_survive_a_change_of_mode_and_rebuild_for_new_degrees(lab2):
     assert lab2.apply(engine.ensure_groups, 2, 1, 1) == [False, False]
 
 
+def _live_on_engines(lab):
+    """Per rank: torch Parameters and labkit gradient syncs that Python still holds."""
+    def count():
+        import gc
+        import torch
+        from labkit.parallel.data.sync import GradSync
+        gc.collect()
+        objects = gc.get_objects()
+        return (sum(isinstance(o, torch.nn.Parameter) for o in objects),
+                sum(isinstance(o, GradSync) for o in objects))
+    return lab.apply(count)
+
+
+def test_a_replaced_run_leaves_nothing_alive_on_the_engines(lab2):
+    """A run's parameters carry hooks held from C++ (and DDP's reducer holds its comm hook's
+    state); unbroken, those cycles kept every replaced job alive with its process groups. Two
+    rounds of the same runs must leave the engines holding the same objects."""
+    model = labkit.models.mlp(width=16, depth=2)
+    runs = [labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(dp=2, dp_mode="ddp"),
+            labkit.Strategy(dp=2, zero=1), labkit.Strategy(dp=2, zero=3), labkit.Strategy(pp=2, microbatches=2)]
+    counts = []
+    for _ in range(2):
+        for s in runs:
+            lab2.run(s, model=model, batch=8, steps=1)
+        counts.append(_live_on_engines(lab2))
+    assert counts[1] == counts[0]
+    assert all(syncs <= 1 for _, syncs in counts[1])        # the pipeline run's one sync at most
+
+
 @pytest.mark.slow
 def test_close_leaves_no_process_behind():
     before = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -135,8 +135,15 @@ def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: fl
     return s.describe()
 
 
+def drop_job(s: EngineSession) -> None:
+    """Forget the current job, breaking the cycles through its parameters' hooks (Executor.close)."""
+    job, s.job, s.run_id = s.job, None, None
+    if job is not None:
+        job.close()
+
+
 def _teardown(s: EngineSession) -> None:
-    s.job, s.run_id = None, None
+    drop_job(s)
     s.groups = None
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -150,7 +157,7 @@ def ensure_groups(dp: int, pp: int, tp: int) -> bool:
     dims = ParallelDims(dp, pp, tp)
     if s.groups is not None and s.groups.dims == dims:
         return False
-    s.job, s.run_id = None, None
+    drop_job(s)
     s.groups = build_groups(dims, s.rank, s.timeout_s)
     return True
 
@@ -160,7 +167,7 @@ def setup_run(spec, run_id: str | None = None) -> dict:
     from ..parallel.build import build_job
 
     s = session()
-    s.job, s.run_id = None, None
+    drop_job(s)
     s.recorder.enabled = spec.record
     with capture_warnings() as caught:
         s.job = build_job(spec, s.groups, s.recorder, s.device, run_id)
