@@ -432,6 +432,34 @@ def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_s
         assert spans(stretched) == pytest.approx(1.25 * spans(costs))
 
 
+def test_forward_and_backward_get_their_own_compute_factors():
+    """A pipeline's forwards ran well under their calibrated time while its backwards did not;
+    one factor for both would stretch each the wrong way."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import compute_factors
+
+    costs, batch = _sharded_costs(blocks=4), 32
+    s = labkit.Strategy(pp=2, schedule="gpipe", microbatches=4)
+    events = plan.simulate(s, costs, batch=batch).timeline.events
+    scale = {"fwd": 0.5, "bwd": 1.2}
+    slow = [dict(e, end=e["start"] + scale.get(e["kind"], 1.0) * (e["end"] - e["start"])) for e in events]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
+    fit = compute_factors(run, costs, s, batch, "pipeline_compute")
+    assert fit["pipeline_compute_fwd"] == pytest.approx(0.5)
+    assert fit["pipeline_compute_bwd"] == pytest.approx(1.2)
+    assert 0.5 < fit["pipeline_compute"] < 1.2
+    stretched = replace(costs, in_step=fit)
+    spans = lambda c, kind: sum(e["end"] - e["start"] for e in plan.simulate(s, c, batch=batch).timeline.events
+                                if e["kind"] == kind)
+    for kind, factor in scale.items():
+        assert spans(stretched, kind) == pytest.approx(factor * spans(costs, kind))
+    assert replace(costs, in_step={"pipeline_compute": 0.9}).compute_stretch("fwd", pp=2) == 0.9   # older tables
+    assert stretched.compute_stretch("fwd", pp=1) == 1.0          # the data-parallel factor is not the pipeline's
+
+
 def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():
     from labkit.plan.layout import ClusterStrategy
     from labkit.plan.search import lab_strategy

@@ -19,7 +19,8 @@ predicts for the same calls:
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
   and backward spans of the naive run and of the pipeline run against the calibrated costs
-  (``dp_compute``, ``pipeline_compute``: compute inside a step runs a little slower);
+  (``dp_compute``, ``pipeline_compute``, each also per kind, ``_fwd`` and ``_bwd``: compute
+  inside a step does not run at the speed of the blocks timed alone);
 
 and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits) over
 the actions and calls a rank made. Factors are medians over steps after the first (warm-up).
@@ -94,21 +95,30 @@ def optimizer_factor(run, costs, share: float = 1.0) -> float | None:
     return _ratio([s / predicted for s in spans]) if predicted > 0 else None
 
 
-def compute_factor(run, costs, strategy, batch: int) -> float | None:
-    """Recorded forward and backward seconds of a run over the calibrated ones, summed over one
-    pipeline's ranks (one rank for pp = 1; dp replicas are alike).
+def compute_factor(run, costs, strategy, batch: int, kinds: tuple = ("fwd", "bwd")) -> float | None:
+    """Recorded seconds of ``kinds`` (forward, backward or both) of a run over the calibrated
+    ones, summed over one pipeline's ranks (one rank for pp = 1; dp replicas are alike).
 
     Compute inside a step runs beside the other ranks' processes and their transfers, on the
-    same cores, under the recorder's hooks: a data-parallel step measured ×1.0–1.4 of the
-    blocks timed alone on the 2-core machine, a pipeline stage ×1.1–1.4 (its micro-batches'
-    activations leave for another process)."""
+    same cores, under the recorder's hooks: a data-parallel step measured ×0.9–1.4 of the
+    blocks timed alone on the 2-core machine. Forward and backward need not move together: a
+    pipeline stage's forwards ran ×0.33–0.75 of their calibrated time, its backwards ×0.8–0.97
+    (2 and 4 engines), so each gets its own factor."""
     from .simulation import build_program
 
     prog = build_program(strategy, costs, batch)
-    predicted = strategy.microbatches * (sum(prog.fwd) + sum(prog.bwd))
-    per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in ("fwd", "bwd") and e["rank"] < strategy.pp)
+    predicted = strategy.microbatches * (sum(prog.fwd) * ("fwd" in kinds) + sum(prog.bwd) * ("bwd" in kinds))
+    per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in kinds and e["rank"] < strategy.pp)
                 / predicted for evs in _steps(run).values()]
     return _ratio(per_step) if predicted > 0 else None
+
+
+def compute_factors(run, costs, strategy, batch: int, name: str) -> dict:
+    """``name`` (forward and backward together, what the notebook prints) and ``name_fwd``,
+    ``name_bwd`` (what the replay stretches by: :meth:`CostTable.compute_stretch`)."""
+    return {name: compute_factor(run, costs, strategy, batch),
+            f"{name}_fwd": compute_factor(run, costs, strategy, batch, ("fwd",)),
+            f"{name}_bwd": compute_factor(run, costs, strategy, batch, ("bwd",))}
 
 
 def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | None:
@@ -182,12 +192,12 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     out = {"all_reduce": all_reduce_factor(naive, costs, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
-           "dp_compute": compute_factor(naive, costs, naive_s, batch)}
+           **compute_factors(naive, costs, naive_s, batch, "dp_compute")}
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
         # gpipe, m = 4: F, B, a send and a receive per micro-batch, then the sync and the step
         out["gap_s"] = gap_per_action(pipe, 4 * 4 + 2)
-        out["pipeline_compute"] = compute_factor(pipe, costs, gpipe, batch)
+        out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     overlapped = Strategy(dp=n, dp_mode="overlap")

@@ -154,12 +154,12 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
                         gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get(f"{fit}_busy"),
                         overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes)
-    stretch = costs.slowdown("pipeline_compute" if strategy.pp > 1 else "dp_compute")     # labkit.plan.in_step
-    fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * stretch
-    bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * stretch
+    f_stretch, b_stretch = costs.compute_stretch("fwd", strategy.pp), costs.compute_stretch("bwd", strategy.pp)
+    fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * f_stretch
+    bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * b_stretch
     for g, blocks in enumerate(ranges):
-        loss_f = costs.at(loss["fwd"], size) * stretch if g == last else 0.0
-        loss_b = costs.at(loss["bwd"], size) * stretch if g == last else 0.0
+        loss_f = costs.at(loss["fwd"], size) * f_stretch if g == last else 0.0
+        loss_b = costs.at(loss["bwd"], size) * b_stretch if g == last else 0.0
         fwd_calls, at = [], 0.0
         for i in blocks:
             at += fwd_of(i)
@@ -190,17 +190,17 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
     rows, loss = _held_blocks(costs, strategy)
-    stretch = costs.slowdown("dp_compute")          # labkit.plan.in_step
+    f_stretch, b_stretch = costs.compute_stretch("fwd"), costs.compute_stretch("bwd")
     blocks = []
     for row in rows:
-        fwd, bwd = costs.at(row["fwd"], size) * stretch, costs.at(row["bwd"], size) * stretch
+        fwd, bwd = costs.at(row["fwd"], size) * f_stretch, costs.at(row["bwd"], size) * b_stretch
         blocks.append(Block(row["name"], fwd, bwd, _tp_calls(costs, strategy, row, size, "g", fwd),
                             _tp_calls(costs, strategy, row, size, "f", bwd)))
     units = build_units(costs, strategy, range(len(rows)), rows)
     return ShardedProgram(blocks, units, strategy.zero, strategy.microbatches, strategy.prefetch,
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
-                          costs.at(loss["fwd"], size) * stretch,
-                          costs.at(loss["bwd"], size) * stretch, costs.busy_factor, costs.gap_s(1), costs.compute_factor,
+                          costs.at(loss["fwd"], size) * f_stretch,
+                          costs.at(loss["bwd"], size) * b_stretch, costs.busy_factor, costs.gap_s(1), costs.compute_factor,
                           costs.lanes)
 
 
