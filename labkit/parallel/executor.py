@@ -87,7 +87,9 @@ class Executor:
         reaches its parameter (a gradient sync holding its buckets) made a cycle nothing could
         collect. Every replaced job stayed alive, with its model, optimizer and process groups,
         and each change of degrees left a world's gloo threads and sockets behind: +4 threads per
-        engine for each round of dp, tp and pp runs, without end."""
+        engine for each round of dp, tp and pp runs, without end. A long session slowed with it:
+        over 15 rounds of benchmarks/bench_plan.py, zero=1's step went from 52 to 114 ms (flat at
+        35–41 ms once jobs were closed)."""
         for sync in [st.sync for st in self.stages] + [self.tied]:
             if sync is not None:        # DDP's reducer (C++) keeps its comm hook's state: the sync
                 vars(sync).clear()
