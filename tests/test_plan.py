@@ -207,7 +207,8 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
-    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy"} <= set(costs.in_step)
+    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
+            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy"} <= set(costs.in_step)
     assert 0.5 < costs.in_step["dp_compute"] < 3 and costs.in_step["ddp_bwd"] >= 1
     cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(dp=2, dp_mode="ddp"), None),
              (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
@@ -430,6 +431,28 @@ def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_s
         spans = lambda c: sum(e["end"] - e["start"] for e in plan.simulate(strategy, c, batch=batch).timeline.events
                               if e["kind"] in ("fwd", "bwd") and e["rank"] == 0)
         assert spans(stretched) == pytest.approx(1.25 * spans(costs))
+
+
+def test_the_zero3_fit_recovers_the_backward_stretch_and_busy_factor_it_is_shown():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import zero3_fit
+
+    costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32      # 4 MB units: comm decides the step
+    s = labkit.Strategy(dp=2, zero=3)
+    shown = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.5})
+    events = [e for e in plan.simulate(s, shown, batch=batch).timeline.events if e["rank"] == 0]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = zero3_fit(run, costs, s, batch)
+    assert fit["zero3_bwd"] == pytest.approx(1.8)
+    assert fit["zero3_busy"] == 1.5
+    step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
+    assert step(costs) != pytest.approx(step(shown))                  # the fit matters to the step
+    assert step(replace(costs, in_step=fit)) == pytest.approx(step(shown))
+    zero2 = labkit.Strategy(dp=2, zero=2)
+    assert step(replace(costs, in_step=fit), zero2) == pytest.approx(step(costs, zero2))     # zero=3's alone
 
 
 def test_forward_and_backward_get_their_own_compute_factors():

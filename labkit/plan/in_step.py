@@ -16,6 +16,8 @@ predicts for the same calls:
   and the busy factor that makes the replay's comm tail after backward the measured one
   (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
+* ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, and the
+  busy factor that makes the replayed step the measured one (``zero3_fit``);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
   and backward spans of the naive run and of the pipeline run against the calibrated costs
@@ -161,6 +163,37 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     return {f"{strategy.dp_mode}_bwd": stretch, f"{strategy.dp_mode}_busy": busy}
 
 
+def zero3_fit(run, costs, strategy, batch: int) -> dict:
+    """zero=3: ``zero3_bwd``, the measured backward spans over the replay's, then ``zero3_busy``,
+    the busy factor (on a grid) whose replayed step is nearest the measured one. Medians over
+    steps; {} if the run recorded no backward.
+
+    Without prefetch, each block's backward computes beside the reduce-scatter of the block
+    behind it and, on gloo's two lanes, the gather of the next: on the 2-core machine its spans
+    measured ×2.0–2.6 of the replay's, where the contention probe (one call beside small
+    matmuls) predicts ×1.4–1.5. And comm beside that slower compute gets more of the cores."""
+    from dataclasses import replace
+
+    from .sharded import replay_sharded
+    from .simulation import build_sharded_program
+
+    steps = list(_steps(run).values())
+    bwd = _ratio([sum(e["end"] - e["start"] for e in evs if e["kind"] == "bwd" and e["rank"] == 0) for evs in steps])
+    if bwd is None:
+        return {}
+    step = median(max(e["end"] for e in evs) for evs in steps)
+
+    def replayed(**fit):
+        events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
+        return events, max(e["end"] for e in events)
+
+    spans = sum(e["end"] - e["start"] for e in replayed(zero3_bwd=1.0)[0] if e["kind"] == "bwd")
+    stretch = bwd / spans
+    grid = [0.5 + 0.125 * k for k in range(4)] + [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
+    busy = min(grid, key=lambda f: abs(replayed(zero3_bwd=stretch, zero3_busy=f)[1] - step))
+    return {"zero3_bwd": stretch, "zero3_busy": busy}
+
+
 def gap_per_action(run, actions: int) -> float:
     """Untimed seconds per action: lab_overhead_fraction·T per rank over its ``actions``."""
     m = run.metrics
@@ -204,6 +237,8 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     out.update(overlap_fit(run(overlapped), table, overlapped, batch))
     ddp = Strategy(dp=n, dp_mode="ddp")         # torch's DDP: its buckets timed through a Python hook
     out.update(overlap_fit(run(ddp), table, ddp, batch))
+    zero3 = Strategy(dp=n, zero=3)
+    out.update(zero3_fit(run(zero3), table, zero3, batch))
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:
