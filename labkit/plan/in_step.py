@@ -97,30 +97,41 @@ def optimizer_factor(run, costs, share: float = 1.0) -> float | None:
     return _ratio([s / predicted for s in spans]) if predicted > 0 else None
 
 
+def _compute_seconds(run, costs, strategy, batch: int) -> tuple[dict, list[dict]]:
+    """Calibrated forward and backward seconds of one step of ``strategy``, and the recorded
+    ones per step, summed over one pipeline's ranks (one rank for pp = 1; dp replicas are alike)."""
+    from .simulation import build_program
+
+    prog = build_program(strategy, costs, batch)
+    predicted = {"fwd": strategy.microbatches * sum(prog.fwd), "bwd": strategy.microbatches * sum(prog.bwd)}
+    measured = [{k: sum(e["end"] - e["start"] for e in evs if e["kind"] == k and e["rank"] < strategy.pp)
+                 for k in predicted} for evs in _steps(run).values()]
+    return predicted, measured
+
+
+def _stretch(predicted: dict, measured: list[dict], kinds: tuple) -> float | None:
+    expected = sum(predicted[k] for k in kinds)
+    return _ratio([sum(m[k] for k in kinds) / expected for m in measured]) if expected > 0 else None
+
+
 def compute_factor(run, costs, strategy, batch: int, kinds: tuple = ("fwd", "bwd")) -> float | None:
-    """Recorded seconds of ``kinds`` (forward, backward or both) of a run over the calibrated
-    ones, summed over one pipeline's ranks (one rank for pp = 1; dp replicas are alike).
+    """Recorded seconds of ``kinds`` (forward, backward or both) of a run over the calibrated ones.
 
     Compute inside a step runs beside the other ranks' processes and their transfers, on the
     same cores, under the recorder's hooks: a data-parallel step measured ×0.9–1.4 of the
     blocks timed alone on the 2-core machine. Forward and backward need not move together: a
     pipeline stage's forwards ran ×0.33–0.75 of their calibrated time, its backwards ×0.8–0.97
-    (2 and 4 engines), so each gets its own factor."""
-    from .simulation import build_program
-
-    prog = build_program(strategy, costs, batch)
-    predicted = strategy.microbatches * (sum(prog.fwd) * ("fwd" in kinds) + sum(prog.bwd) * ("bwd" in kinds))
-    per_step = [sum(e["end"] - e["start"] for e in evs if e["kind"] in kinds and e["rank"] < strategy.pp)
-                / predicted for evs in _steps(run).values()]
-    return _ratio(per_step) if predicted > 0 else None
+    (2 and 4 engines), so each gets its own factor (:func:`compute_factors`)."""
+    return _stretch(*_compute_seconds(run, costs, strategy, batch), kinds)
 
 
 def compute_factors(run, costs, strategy, batch: int, name: str) -> dict:
     """``name`` (forward and backward together, what the notebook prints) and ``name_fwd``,
     ``name_bwd`` (what the replay stretches by: :meth:`CostTable.compute_stretch`)."""
-    return {name: compute_factor(run, costs, strategy, batch),
-            f"{name}_fwd": compute_factor(run, costs, strategy, batch, ("fwd",)),
-            f"{name}_bwd": compute_factor(run, costs, strategy, batch, ("bwd",))}
+    predicted, measured = _compute_seconds(run, costs, strategy, batch)
+    return {name: _stretch(predicted, measured, ("fwd", "bwd")),
+            f"{name}_fwd": _stretch(predicted, measured, ("fwd",)),
+            f"{name}_bwd": _stretch(predicted, measured, ("bwd",))}
 
 
 def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | None:
