@@ -208,7 +208,8 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
     assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
-            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy"} <= set(costs.in_step)
+            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy", "rank_ends_s"} <= set(costs.in_step)
+    assert len(costs.in_step["rank_ends_s"]) == 2 and sum(costs.in_step["rank_ends_s"]) == pytest.approx(0, abs=1e-12)
     assert 0.5 < costs.in_step["dp_compute"] < 3 and costs.in_step["ddp_bwd"] >= 1
     cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(dp=2, dp_mode="ddp"), None),
              (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
@@ -502,3 +503,42 @@ def test_search_verify_runs_the_top_strategies_on_the_lab(lab2):
     assert "measured (s)" in result.table()
     with pytest.raises(ValueError, match="the lab has 2 engines but the cluster 4 GPUs"):
         search(tiny, Cluster(nodes=1, gpus_per_node=4), global_batch=8, verify=lab2)
+
+
+def test_the_ranks_spread_is_where_each_rank_ends_from_the_mean_smallest_first():
+    from types import SimpleNamespace
+
+    from labkit.plan.in_step import rank_spread
+
+    def step(k, ends):
+        return [{"rank": r, "stream": "compute", "kind": "fwd", "step": k, "start": 0.0, "end": t}
+                for r, t in enumerate(ends)]
+
+    # which rank is slow changes from step to step; the order statistics do not; step 0 is warm-up
+    events = step(0, [1.0, 0.0, 0.0, 0.0]) + step(1, [0.010, 0.013, 0.011, 0.014]) + step(2, [0.014, 0.010, 0.013, 0.011])
+    runs = [SimpleNamespace(timeline=SimpleNamespace(events=events))]
+    assert rank_spread(runs) == pytest.approx([-0.002, -0.001, 0.001, 0.002])
+    one = SimpleNamespace(timeline=SimpleNamespace(events=step(1, [0.01])))
+    assert rank_spread([one]) is None
+
+
+def test_the_ranks_spread_ends_the_step_with_the_slowest_and_idles_the_others():
+    """Each rank runs at its own measured pace: its end moves by its offset, its own fractions
+    stay, and the faster ranks idle until the slowest ends: more bubble, less exposed comm."""
+    from dataclasses import replace
+
+    import labkit
+
+    costs, batch = _costs(blocks=4, numel=100_000), 32
+    s = labkit.Strategy(dp=2, dp_mode="naive")
+    alike = plan.simulate(s, costs, batch=batch)
+    spread = plan.simulate(s, replace(costs, in_step={"rank_ends_s": [-0.003, 0.003]}), batch=batch)
+    end = lambda pred, r: max(e["end"] for e in pred.timeline.events if e["rank"] == r)
+    t = alike.metrics["step_time_s"]
+    assert end(alike, 0) == end(alike, 1) == pytest.approx(t)
+    assert sorted([end(spread, 0), end(spread, 1)]) == pytest.approx([t - 0.003, t + 0.003])
+    assert spread.metrics["step_time_s"] == pytest.approx(t + 0.003)
+    assert spread.metrics["bubble_fraction"] > alike.metrics["bubble_fraction"]
+    assert spread.metrics["exposed_comm_fraction"] == pytest.approx(alike.metrics["exposed_comm_fraction"] * t / (t + 0.003))
+    assert {e["step"] for e in spread.timeline.events} == {0}                 # one step drawn
+

@@ -18,6 +18,8 @@ predicts for the same calls:
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
 * ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, and the
   busy factor that makes the replayed step the measured one (``zero3_fit``);
+* the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
+  from the mean, smallest first: :func:`rank_spread`);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
   and backward spans of the naive run and of the pipeline run against the calibrated costs
@@ -31,7 +33,7 @@ the actions and calls a rank made. Factors are medians over steps after the firs
 """
 from __future__ import annotations
 
-from statistics import median
+from statistics import mean, median
 
 
 def _steps(run) -> dict[int, list[dict]]:
@@ -176,7 +178,8 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
 
 def zero3_fit(run, costs, strategy, batch: int) -> dict:
     """zero=3: ``zero3_bwd``, the measured backward spans over the replay's, then ``zero3_busy``,
-    the busy factor (on a grid) whose replayed step is nearest the measured one. Medians over
+    the busy factor (on a grid) whose replayed step is nearest the measured one (where the
+    ranks end on average: the replay is the typical rank, :func:`rank_spread`). Medians over
     steps; {} if the run recorded no backward.
 
     Without prefetch, each block's backward computes beside the reduce-scatter of the block
@@ -192,7 +195,7 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     bwd = _ratio([sum(e["end"] - e["start"] for e in evs if e["kind"] == "bwd" and e["rank"] == 0) for evs in steps])
     if bwd is None:
         return {}
-    step = median(max(e["end"] for e in evs) for evs in steps)
+    step = median(mean(_rank_ends(evs).values()) for evs in steps)     # the typical rank's: see rank_spread
 
     def replayed(**fit):
         events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
@@ -203,6 +206,39 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     grid = [0.5 + 0.125 * k for k in range(4)] + [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
     busy = min(grid, key=lambda f: abs(replayed(zero3_bwd=stretch, zero3_busy=f)[1] - step))
     return {"zero3_bwd": stretch, "zero3_busy": busy}
+
+
+def _rank_ends(events: list[dict]) -> dict[int, float]:
+    ends: dict[int, float] = {}
+    for e in events:
+        ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
+    return ends
+
+
+def rank_spread(runs) -> list[float] | None:
+    """How far the ranks' steps end from where they end on average: seconds, smallest first
+    (the median over steps of each order statistic, re-centred to mean 0); None with one rank.
+
+    The ranks of a step are alike, but on shared cores they do not keep one pace: in a naive
+    dp=4 step on the 2-core machine, rank 0 ended at 95.0 ms and the slowest at 108.6. The
+    replay computes one typical rank (its factors come from rank 0's spans, and rank 0 is now
+    fast, now slow); the measured step ends with the slowest, and the faster ranks idle till
+    then. Over the data-parallel runs of one calibration (37–97 ms steps) the slowest rank
+    ended 3–5 ms after the mean on 4 engines whatever the step's length, so the offsets are
+    kept in seconds. :func:`labkit.plan.simulation.paced` applies them."""
+    devs = []
+    for run in runs:
+        for evs in _steps(run).values():
+            ends = list(_rank_ends(evs).values())
+            if len(ends) > 1:
+                centre = mean(ends)
+                devs.append(sorted(t - centre for t in ends))
+    width = min((len(d) for d in devs), default=0)
+    if width < 2:
+        return None
+    order = [median(d[k] for d in devs if len(d) == width) for k in range(width)]
+    centre = mean(order)
+    return [o - centre for o in order]
 
 
 def gap_per_action(run, actions: int) -> float:
@@ -244,12 +280,17 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
+    dp_runs = [naive, zero]                     # the data-parallel runs, for the ranks' spread
     overlapped = Strategy(dp=n, dp_mode="overlap")
-    out.update(overlap_fit(run(overlapped), table, overlapped, batch))
+    dp_runs.append(run(overlapped))
+    out.update(overlap_fit(dp_runs[-1], table, overlapped, batch))
     ddp = Strategy(dp=n, dp_mode="ddp")         # torch's DDP: its buckets timed through a Python hook
-    out.update(overlap_fit(run(ddp), table, ddp, batch))
+    dp_runs.append(run(ddp))
+    out.update(overlap_fit(dp_runs[-1], table, ddp, batch))
     zero3 = Strategy(dp=n, zero=3)
-    out.update(zero3_fit(run(zero3), table, zero3, batch))
+    dp_runs.append(run(zero3))
+    out.update(zero3_fit(dp_runs[-1], table, zero3, batch))
+    out["rank_ends_s"] = rank_spread(dp_runs)
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:

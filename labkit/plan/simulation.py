@@ -31,6 +31,12 @@ Calibrated against a real step (:mod:`labkit.plan.in_step`): how much slower eac
 the optimizer and a pipeline's compute run inside the executor than alone, and the executor's
 untimed seconds per action.
 
+The ranks' spread: the replay computes one typical rank, but on shared cores the ranks do not
+keep one pace and a measured step ends with the slowest. The calibration measures how far
+apart the ranks of its data-parallel runs end (``in_step["rank_ends_s"]``); :func:`paced` lets
+each rank run at its own pace by those offsets, and the metrics average over the ways of
+assigning them.
+
 Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
 parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
 with a message), DDP's small first bucket, the busy slowdown of pipeline messages, and the
@@ -231,6 +237,30 @@ def check_simulable(strategy, costs: CostTable) -> None:
                          f"{len(costs.blocks)} blocks; use fewer stages")
 
 
+def paced(events: list[dict], offsets: list[float], world: int) -> list[list[dict]]:
+    """The replayed step once per assignment of the ranks' measured spread, rank r ending
+    ``offsets[(r + k) % n]`` seconds from where the replay has it (k = 0 … world−1).
+
+    The replay computes one typical rank and copies it; on shared cores the ranks keep their
+    own pace, and a measured step ends with the slowest (``rank_ends_s``,
+    :func:`labkit.plan.in_step.rank_spread`). Each rank's times are scaled by
+    1 + offset / its end: it runs at its own pace throughout, its fractions kept, its end moved
+    by the offset. The assignments are the steps of one prediction, so the metrics take the
+    median step and average the fractions over them, as over a run's steps. ``world`` ranks
+    other than the calibrated ones take ``world`` consecutive offsets, re-centred."""
+    n = len(offsets)
+    ends: dict[int, float] = {}
+    for e in events:
+        ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
+    out = []
+    for k in range(world):
+        window = [offsets[(r + k) % n] for r in range(world)]
+        centre = sum(window) / world
+        pace = {r: max(0.1, 1.0 + (window[r] - centre) / ends[r]) if ends.get(r) else 1.0 for r in range(world)}
+        out.append([dict(e, start=e["start"] * pace[e["rank"]], end=e["end"] * pace[e["rank"]]) for e in events])
+    return out
+
+
 def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulated:
     """Predict one step of ``strategy`` (a labkit.Strategy) from measured ``costs``.
 
@@ -249,7 +279,13 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         prog = build_program(strategy, costs, batch)
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
                         strategy.chunks, strategy.dp_mode)
-    return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
+    offsets = costs.in_step.get("rank_ends_s")
+    if not offsets or world < 2:
+        return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
+    steps = paced(events, offsets, world)
+    metrics = step_metrics([dict(e, step=k) for k, evs in enumerate(steps) for e in evs], world, batch)
+    drawn = min(steps, key=lambda evs: abs(max(e["end"] for e in evs) - metrics["step_time_s"]))
+    return Simulated(strategy, metrics, Timeline(drawn, world, title="predicted"), batch)
 
 
 def simulate_scale(prediction, max_microbatches: int | None = None) -> Timeline:
