@@ -443,11 +443,12 @@ def test_the_zero3_fit_recovers_the_backward_stretch_and_busy_factor_it_is_shown
 
     costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32      # 4 MB units: comm decides the step
     s = labkit.Strategy(dp=2, zero=3)
-    shown = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.5})
+    shown = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.5, "zero3_gap_s": 2e-4})
     events = [e for e in plan.simulate(s, shown, batch=batch).timeline.events if e["rank"] == 0]
     run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
     fit = zero3_fit(run, costs, s, batch)
     assert fit["zero3_bwd"] == pytest.approx(1.8)
+    assert fit["zero3_gap_s"] == pytest.approx(2e-4)        # untimed before each call, fitted first
     assert fit["zero3_busy"] == 1.5
     step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
     assert step(costs) != pytest.approx(step(shown))                  # the fit matters to the step

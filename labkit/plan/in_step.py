@@ -16,8 +16,9 @@ predicts for the same calls:
   and the busy factor that makes the replay's comm tail after backward the measured one
   (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
-* ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, and the
-  busy factor that makes the replayed step the measured one (``zero3_fit``);
+* ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, the
+  untimed seconds before each of its calls (its per-block bookkeeping), and the busy factor
+  that makes the replayed step the measured one (``zero3_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
   from the mean, smallest first: :func:`rank_spread`);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
@@ -185,7 +186,10 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     Without prefetch, each block's backward computes beside the reduce-scatter of the block
     behind it and, on gloo's two lanes, the gather of the next: on the 2-core machine its spans
     measured ×2.0–2.6 of the replay's, where the contention probe (one call beside small
-    matmuls) predicts ×1.4–1.5. And comm beside that slower compute gets more of the cores."""
+    matmuls) predicts ×1.4–1.5. And comm beside that slower compute gets more of the cores.
+    ``zero3_gap_s``, fitted before the busy factor, is the time before each call that no span
+    covers (the executor's bookkeeping per block: 0.08 of a 2-engine step measured in no
+    span against the replay's 0.02); without it the busy fit made up the step with comm."""
     from dataclasses import replace
 
     from .sharded import replay_sharded
@@ -203,9 +207,22 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
 
     spans = sum(e["end"] - e["start"] for e in replayed(zero3_bwd=1.0)[0] if e["kind"] == "bwd")
     stretch = bwd / spans
+    untimed = median(_untimed(evs) for evs in steps)
+    gaps = [2e-5 * k for k in range(51)]                      # 0 … 1 ms before each call
+    gap = min(gaps, key=lambda g: abs(_untimed(replayed(zero3_bwd=stretch, zero3_gap_s=g)[0]) - untimed))
     grid = [0.5 + 0.125 * k for k in range(4)] + [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
-    busy = min(grid, key=lambda f: abs(replayed(zero3_bwd=stretch, zero3_busy=f)[1] - step))
-    return {"zero3_bwd": stretch, "zero3_busy": busy}
+    fit = lambda f: replayed(zero3_bwd=stretch, zero3_gap_s=gap, zero3_busy=f)[1]
+    busy = min(grid, key=lambda f: abs(fit(f) - step))
+    return {"zero3_bwd": stretch, "zero3_gap_s": gap, "zero3_busy": busy}
+
+
+def _untimed(events: list[dict], rank: int = 0) -> float:
+    """Seconds of rank's step (to its own end) in no span: neither compute nor comm."""
+    from ..analysis.metrics import is_comm, total
+
+    mine = [e for e in events if e["rank"] == rank]
+    busy = total((e["start"], e["end"]) for e in mine if e["stream"] == "compute" or is_comm(e))
+    return max(e["end"] for e in mine) - busy
 
 
 def _rank_ends(events: list[dict]) -> dict[int, float]:

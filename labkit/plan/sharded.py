@@ -78,6 +78,7 @@ class ShardedProgram:
     gap: float = 0.0                # the executor's untimed seconds per action (labkit.plan.in_step)
     compute_factor: float = 1.0     # compute beside an in-flight transfer runs 1/compute_factor as fast
     lanes: int = 1                  # calls of the dp group that run at once (gloo: its threads; see Link)
+    call_gap: float = 0.0           # untimed seconds before each call (zero=3's bookkeeping: in_step.zero3_fit)
 
 
 @dataclass(eq=False)
@@ -159,9 +160,10 @@ class Link:
 class Rank:
     """One rank's clocks and events: the compute thread, the dp group's link."""
 
-    def __init__(self, busy_factor: float = 1.0, gap: float = 0.0, compute_factor: float = 1.0, lanes: int = 1):
+    def __init__(self, busy_factor: float = 1.0, gap: float = 0.0, compute_factor: float = 1.0, lanes: int = 1,
+                 call_gap: float = 0.0):
         self.clock = 0.0
-        self.busy_factor, self.gap, self.compute_factor = busy_factor, gap, compute_factor
+        self.busy_factor, self.gap, self.compute_factor, self.call_gap = busy_factor, gap, compute_factor, call_gap
         self.link = Link(lanes)
         self.in_flight: deque = deque()
         self.events: list[dict] = []
@@ -205,6 +207,7 @@ class Rank:
         """An async call issued now; it runs on the group's link (see :class:`Link`), at
         1/busy_factor of its speed while the next ``beside`` seconds of compute run, at full
         speed after (as the overlap mode's buckets). Returns it, to wait on."""
+        self.clock += self.call_gap
         self.event("comm", kind, name, self.clock, self.clock, microbatch, nbytes)
         return self.link.add(Transfer(self.clock, cost, self.clock + beside, self.busy_factor, self.events[-1]))
 
@@ -305,7 +308,7 @@ def _backward(rank: Rank, prog: ShardedProgram, mb: int) -> None:
 
 def replay_sharded(prog: ShardedProgram) -> list[dict]:
     """One rank's events of one step (rank 0, times from the step's start); dp ranks are alike."""
-    rank = Rank(prog.busy_factor, prog.gap, prog.compute_factor, prog.lanes)
+    rank = Rank(prog.busy_factor, prog.gap, prog.compute_factor, prog.lanes, prog.call_gap)
     for mb in range(prog.microbatches):
         rank.clock += prog.gap
         _forward(rank, prog, mb)

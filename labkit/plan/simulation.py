@@ -197,10 +197,11 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
     size = batch // (strategy.dp * strategy.microbatches)
     rows, loss = _held_blocks(costs, strategy)
     f_stretch, b_stretch = costs.compute_stretch("fwd"), costs.compute_stretch("bwd")
-    busy = costs.busy_factor
+    busy, call_gap = costs.busy_factor, 0.0
     if strategy.zero == 3:          # fitted to a measured zero=3 step (labkit.plan.in_step.zero3_fit)
         b_stretch *= costs.slowdown("zero3_bwd")
         busy = costs.in_step.get("zero3_busy", busy)
+        call_gap = costs.in_step.get("zero3_gap_s", 0.0)
     blocks = []
     for row in rows:
         fwd, bwd = costs.at(row["fwd"], size) * f_stretch, costs.at(row["bwd"], size) * b_stretch
@@ -211,7 +212,7 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
                           costs.at(loss["fwd"], size) * f_stretch,
                           costs.at(loss["bwd"], size) * b_stretch, busy, costs.gap_s(1), costs.compute_factor,
-                          costs.lanes)
+                          costs.lanes, call_gap)
 
 
 def check_simulable(strategy, costs: CostTable) -> None:
