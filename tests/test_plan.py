@@ -443,12 +443,13 @@ def test_the_zero3_fit_recovers_the_backward_stretch_and_busy_factor_it_is_shown
 
     costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32      # 4 MB units: comm decides the step
     s = labkit.Strategy(dp=2, zero=3)
-    shown = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.5, "zero3_gap_s": 2e-4})
+    shown = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.5, "zero3_gap_s": 2e-4, "zero3_gather": 0.6})
     events = [e for e in plan.simulate(s, shown, batch=batch).timeline.events if e["rank"] == 0]
     run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
     fit = zero3_fit(run, costs, s, batch)
     assert fit["zero3_bwd"] == pytest.approx(1.8)
-    assert fit["zero3_gap_s"] == pytest.approx(2e-4)        # untimed before each call, fitted first
+    assert fit["zero3_gather"] == pytest.approx(0.6)        # its forward's gathers, alone on the link
+    assert fit["zero3_gap_s"] == pytest.approx(2e-4)        # untimed before each call, fitted before busy
     assert fit["zero3_busy"] == 1.5
     step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
     assert step(costs) != pytest.approx(step(shown))                  # the fit matters to the step
@@ -543,3 +544,24 @@ def test_the_ranks_spread_ends_the_step_with_the_slowest_and_idles_the_others():
     assert spread.metrics["exposed_comm_fraction"] == pytest.approx(alike.metrics["exposed_comm_fraction"] * t / (t + 0.003))
     assert {e["step"] for e in spread.timeline.events} == {0}                 # one step drawn
 
+
+
+def test_the_zero1_fit_finds_the_untimed_seconds_before_each_call():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import zero1_fit
+
+    costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32
+    s = labkit.Strategy(dp=2, zero=1)
+    shown = replace(costs, in_step={"zero1_gap_s": 3e-4})
+    events = [e for e in plan.simulate(s, shown, batch=batch).timeline.events if e["rank"] == 0]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = zero1_fit(run, costs, s, batch)
+    assert fit["zero1_gap_s"] == pytest.approx(3e-4)
+    step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
+    assert step(replace(costs, in_step=fit)) == pytest.approx(step(shown))
+    assert step(shown) > step(costs)           # the gaps not hidden behind a transfer in flight
+    zero2 = labkit.Strategy(dp=2, zero=2)
+    assert step(replace(costs, in_step=fit), zero2) == pytest.approx(step(costs, zero2))     # zero=1's alone

@@ -10,7 +10,8 @@ predicts for the same calls:
 
 * ``dp`` naive — blocking all-reduces after backward, nothing beside them: all_reduce's factor;
 * ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
-  from the first issue to the last completion against the calls run one after another);
+  from the first issue to the last completion against the calls run one after another), and
+  the untimed seconds before each call (``zero1_fit``);
 * ``pp=2`` GPipe — point-to-point: the receive spans against α + S/β;
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
   and the busy factor that makes the replay's comm tail after backward the measured one
@@ -187,6 +188,8 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     behind it and, on gloo's two lanes, the gather of the next: on the 2-core machine its spans
     measured ×2.0–2.6 of the replay's, where the contention probe (one call beside small
     matmuls) predicts ×1.4–1.5. And comm beside that slower compute gets more of the cores.
+    First ``zero3_gather``: its forward's gathers (one at a time, nothing beside them) over the
+    replay's; the sweep-and-zero=1 price of a gather was ×2 of theirs on 2 engines.
     ``zero3_gap_s``, fitted before the busy factor, is the time before each call that no span
     covers (the executor's bookkeeping per block: 0.08 of a 2-engine step measured in no
     span against the replay's 0.02); without it the busy fit made up the step with comm."""
@@ -205,15 +208,52 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
         events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
         return events, max(e["end"] for e in events)
 
-    spans = sum(e["end"] - e["start"] for e in replayed(zero3_bwd=1.0)[0] if e["kind"] == "bwd")
+    gather = _ratio([_forward_gathers(evs) for evs in steps])
+    gather = gather / _forward_gathers(replayed(zero3_gather=1.0)[0]) if gather else 1.0
+    spans = sum(e["end"] - e["start"] for e in replayed(zero3_gather=gather, zero3_bwd=1.0)[0] if e["kind"] == "bwd")
     stretch = bwd / spans
-    untimed = median(_untimed(evs) for evs in steps)
-    gaps = [2e-5 * k for k in range(51)]                      # 0 … 1 ms before each call
-    gap = min(gaps, key=lambda g: abs(_untimed(replayed(zero3_bwd=stretch, zero3_gap_s=g)[0]) - untimed))
-    grid = [0.5 + 0.125 * k for k in range(4)] + [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
-    fit = lambda f: replayed(zero3_bwd=stretch, zero3_gap_s=gap, zero3_busy=f)[1]
+    gap = _call_gap(steps, lambda g: replayed(zero3_gather=gather, zero3_bwd=stretch, zero3_gap_s=g)[0])
+    # from 1: a transfer beside compute is never faster than alone (below 1 the fit bought the
+    # step back with comm that prefetch then hid: prefetch1 predicted ×0.77 of measured)
+    grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
+    fit = lambda f: replayed(zero3_gather=gather, zero3_bwd=stretch, zero3_gap_s=gap, zero3_busy=f)[1]
     busy = min(grid, key=lambda f: abs(fit(f) - step))
-    return {"zero3_bwd": stretch, "zero3_gap_s": gap, "zero3_busy": busy}
+    return {"zero3_gather": gather, "zero3_bwd": stretch, "zero3_gap_s": gap, "zero3_busy": busy}
+
+
+def _forward_gathers(events: list[dict], rank: int = 0) -> float:
+    """Seconds of rank's all-gathers before its first backward (one at a time, nothing beside)."""
+    mine = [e for e in events if e["rank"] == rank]
+    first = min((e["start"] for e in mine if e["kind"] == "bwd"), default=float("inf"))
+    return sum(e["end"] - e["start"] for e in mine if e["kind"] == "allgather" and e["end"] <= first)
+
+
+def _call_gap(steps: list[list[dict]], replayed) -> float:
+    """The seconds before each call (on a grid, 0 … 1 ms) whose ``replayed(gap)`` step leaves as
+    much of rank 0's step in no span as the measured ``steps`` did (median over steps)."""
+    untimed = median(_untimed(evs) for evs in steps)
+    return min([2e-5 * k for k in range(51)], key=lambda g: abs(_untimed(replayed(g)) - untimed))
+
+
+def zero1_fit(run, costs, strategy, batch: int) -> dict:
+    """zero=1: ``zero1_gap_s``, the untimed seconds before each of its calls (packing a bucket,
+    the shard's bookkeeping) that make the replayed step leave as much in no span as the
+    measured one: 0.07 of a 2-engine step against the replay's 0.02 without it. {} if the run
+    recorded nothing."""
+    from dataclasses import replace
+
+    from .replay import replay
+    from .simulation import build_program
+
+    steps = list(_steps(run).values())
+    if not steps:
+        return {}
+
+    def replayed(gap):
+        prog = build_program(strategy, replace(costs, in_step={**costs.in_step, "zero1_gap_s": gap}), batch)
+        return replay(prog, 1, strategy.dp, microbatches=strategy.microbatches, dp_mode=strategy.dp_mode, replicas=1)
+
+    return {"zero1_gap_s": _call_gap(steps, replayed)}
 
 
 def _untimed(events: list[dict], rank: int = 0) -> float:
@@ -297,6 +337,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
+    out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))
     dp_runs = [naive, zero]                     # the data-parallel runs, for the ranks' spread
     overlapped = Strategy(dp=n, dp_mode="overlap")
     dp_runs.append(run(overlapped))

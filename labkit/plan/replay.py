@@ -70,6 +70,8 @@ class StageProgram:
     (its compute shares the cores with the transfers; measured in the same step)."""
     lanes: int = 1
     """zero=1's calls of the dp group that run at once (labkit.plan.sharded.Link)."""
+    call_gap: float = 0.0
+    """zero=1's untimed seconds before each of its calls (measured: labkit.plan.in_step.zero1_fit)."""
 
 
 def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
@@ -193,7 +195,7 @@ class _Replay:
         """After the schedule: each chunk's gradient sync, then the optimizer step."""
         stages = [c * self.pp + r for c in range(self.chunks)]
         if self.prog.zero:
-            rank = Rank(gap=self.prog.gap, lanes=self.prog.lanes)
+            rank = Rank(gap=self.prog.gap, lanes=self.prog.lanes, call_gap=self.prog.call_gap)
             rank.clock, rank.comm_free = self.clock[r], self.comm_free[r]
             optimizer = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
             sharded_tail(rank, [u for g in stages for u in self.prog.units[g]], self.prog.zero, optimizer)

@@ -47,7 +47,7 @@ compute slowdown beside in-flight transfers other than overlap's buckets and ZeR
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..analysis.metrics import step_metrics
 from ..view.timeline import Timeline
@@ -159,7 +159,8 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     fit = "ddp" if strategy.dp_mode == "ddp" and "ddp_bwd" in costs.in_step else "overlap"    # labkit.plan.in_step
     prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
                         gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get(f"{fit}_busy"),
-                        overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes)
+                        overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes,
+                        call_gap=costs.in_step.get("zero1_gap_s", 0.0) if strategy.zero == 1 else 0.0)
     f_stretch, b_stretch = costs.compute_stretch("fwd", strategy.pp), costs.compute_stretch("bwd", strategy.pp)
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * f_stretch
     bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * b_stretch
@@ -208,6 +209,8 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
         blocks.append(Block(row["name"], fwd, bwd, _tp_calls(costs, strategy, row, size, "g", fwd),
                             _tp_calls(costs, strategy, row, size, "f", bwd)))
     units = build_units(costs, strategy, range(len(rows)), rows)
+    if strategy.zero == 3:          # its gathers one at a time, as measured in its forward
+        units = [replace(u, gather=u.gather * costs.slowdown("zero3_gather")) for u in units]
     return ShardedProgram(blocks, units, strategy.zero, strategy.microbatches, strategy.prefetch,
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
                           costs.at(loss["fwd"], size) * f_stretch,
