@@ -565,3 +565,29 @@ def test_the_zero1_fit_finds_the_untimed_seconds_before_each_call():
     assert step(shown) > step(costs)           # the gaps not hidden behind a transfer in flight
     zero2 = labkit.Strategy(dp=2, zero=2)
     assert step(replace(costs, in_step=fit), zero2) == pytest.approx(step(costs, zero2))     # zero=1's alone
+
+
+def test_the_in_step_all_reduce_gets_its_own_alpha_and_beta_from_calls_of_two_sizes():
+    """A naive step's weights and biases are two sizes: a line through their recorded spans is
+    the in-step α-β, which prices a bucket as the step did (one factor on the sweep's α-β
+    cannot price both)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import all_reduce_fit
+
+    costs, batch = _costs(blocks=4, numel=100_000), 32
+    costs.blocks = [dict(b, params=[100_000, 64]) for b in costs.blocks]        # a weight and a bias each
+    shown = replace(costs, in_step={"all_reduce_alpha_s": 3e-4, "all_reduce_beta_Bps": 5e8})
+    naive = labkit.Strategy(dp=2, dp_mode="naive")
+    events = [e for e in plan.simulate(naive, shown, batch=batch).timeline.events if e["rank"] == 0]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = all_reduce_fit(run, 2)
+    assert fit["all_reduce_alpha_s"] == pytest.approx(3e-4) and fit["all_reduce_beta_Bps"] == pytest.approx(5e8)
+    bucketed = labkit.Strategy(dp=2, dp_mode="bucketed")
+    step = lambda c: plan.simulate(bucketed, c, batch=batch).metrics["step_time_s"]
+    assert step(replace(costs, in_step=fit)) == pytest.approx(step(shown))
+    assert step(replace(costs, in_step=fit)) != pytest.approx(step(costs))
+    weights = SimpleNamespace(timeline=SimpleNamespace(events=[e for e in run.timeline.events if e["bytes"] != 64 * 4]))
+    assert all_reduce_fit(weights, 2) == {}                 # one size: no line

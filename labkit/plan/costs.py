@@ -102,9 +102,14 @@ class CostTable:
 
     def all_reduce_s(self, nbytes: float, n: int, busy: bool = False) -> float:
         """α + 2(n−1)/n·S/β, with the bus bandwidth β measured (ring scaling to other n);
-        ``busy``: while the rank computes (× the measured ``busy_factor``)."""
-        alpha, beta = self.alpha_beta("all_reduce")
-        return (alpha + 2 * (n - 1) / n * nbytes / beta) * (self.busy_factor if busy else 1.0) * self.slowdown("all_reduce")
+        ``busy``: while the rank computes (× the measured ``busy_factor``). α and β are those
+        fitted to the calls inside a step where measured (``in_step``), else the sweep's × the
+        in-step factor."""
+        if "all_reduce_alpha_s" in self.in_step and "all_reduce_beta_Bps" in self.in_step:
+            alpha, beta, slow = self.in_step["all_reduce_alpha_s"], self.in_step["all_reduce_beta_Bps"], 1.0
+        else:
+            (alpha, beta), slow = self.alpha_beta("all_reduce"), self.slowdown("all_reduce")
+        return (alpha + 2 * (n - 1) / n * nbytes / beta) * (self.busy_factor if busy else 1.0) * slow
 
     def slowdown(self, op: str) -> float:
         """How much slower ``op`` ran inside the measured step than the sweep predicts (1 if not measured)."""

@@ -8,7 +8,8 @@ actions (polling the pipeline link, hooks, bookkeeping) that no span covers: the
 of call, on the lab's engines, and comparing its recorded spans with what the cost table
 predicts for the same calls:
 
-* ``dp`` naive — blocking all-reduces after backward, nothing beside them: all_reduce's factor;
+* ``dp`` naive — blocking all-reduces after backward, nothing beside them: all_reduce's factor,
+  and its own α and β from the calls of each size (a weight and a bias: :func:`all_reduce_fit`);
 * ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
   from the first issue to the last completion against the calls run one after another), and
   the untimed seconds before each call (``zero1_fit``);
@@ -59,6 +60,34 @@ def all_reduce_factor(run, costs, n: int) -> float | None:
         predicted = sum(costs.all_reduce_s(e["bytes"] * n / (2 * (n - 1)), n, busy=False) for e in calls)
         per_step.append(sum(e["end"] - e["start"] for e in calls) / predicted if predicted else None)
     return _ratio(per_step)
+
+
+def all_reduce_fit(run, n: int) -> dict:
+    """``all_reduce_alpha_s`` and ``all_reduce_beta_Bps``: α and β of the all-reduces inside a
+    step, a line through rank 0's recorded calls of each size (per step the mean per size, then
+    the median over steps); {} with fewer than two sizes or a line that does not rise.
+
+    One factor on the sweep's α + S/β (:func:`all_reduce_factor`) cannot price a bias and a
+    bucket alike: inside a naive step a 2 KB bias paid about twice the sweep's α, and the
+    factor fitted to naive's mix of biases and 1 MB weights priced bucketed's and overlap's
+    1 MB buckets ×1.12–1.28 of what naive's prediction, in the same round, got right."""
+    per_size: dict[int, list[float]] = {}
+    for events in _steps(run).values():
+        spans: dict[int, list[float]] = {}
+        for e in events:
+            if e["kind"] == "allreduce" and e["rank"] == 0 and e["bytes"]:
+                spans.setdefault(int(round(e["bytes"] * n / (2 * (n - 1)))), []).append(e["end"] - e["start"])
+        for size, values in spans.items():
+            per_size.setdefault(size, []).append(mean(values))
+    points = sorted((size, median(values)) for size, values in per_size.items())
+    if len(points) < 2:
+        return {}
+    x0, y0 = mean(x for x, _ in points), mean(y for _, y in points)
+    slope = sum((x - x0) * (y - y0) for x, y in points) / sum((x - x0) ** 2 for x, _ in points)
+    alpha = y0 - slope * x0
+    if slope <= 0 or alpha <= 0:
+        return {}
+    return {"all_reduce_alpha_s": alpha, "all_reduce_beta_Bps": 2 * (n - 1) / n / slope}
 
 
 def window_factor(run, costs, kind: str, op: str, n: int) -> float | None:
@@ -326,7 +355,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     piped = n % 2 == 0 and batch % (n // 2 * 4) == 0 and len(costs.blocks) >= 2
     gpipe = Strategy(pp=2, dp=n // 2, schedule="gpipe", microbatches=4)
     pipe = run(gpipe) if piped else None
-    out = {"all_reduce": all_reduce_factor(naive, costs, n),
+    out = {"all_reduce": all_reduce_factor(naive, costs, n), **all_reduce_fit(naive, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
            **compute_factors(naive, costs, naive_s, batch, "dp_compute")}
