@@ -101,4 +101,7 @@ def test_split_backward_schedules_equal_1f1b_and_one_process(schedule, p, m, v):
     ref = make_model()
     nn.functional.mse_loss(ref(x), y).backward()      # the whole batch at once
     for k, prm in ref.named_parameters():
-        torch.testing.assert_close(mine[k], prm.grad, rtol=1e-5, atol=1e-6)
+        # float32's tolerance (assert_close's defaults: rtol 1.3e-6, atol 1e-5): m micro-batches
+        # sum in another order than one batch; 2.6e-6 apart at m=6 on some CPUs (the bitwise
+        # check against 1F1B above is the schedule's)
+        torch.testing.assert_close(mine[k], prm.grad)
