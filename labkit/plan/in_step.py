@@ -237,7 +237,7 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     bwd = _ratio([sum(e["end"] - e["start"] for e in evs if e["kind"] == "bwd" and e["rank"] == 0) for evs in steps])
     if bwd is None:
         return {}
-    step = median(mean(_rank_ends(evs).values()) for evs in steps)     # the typical rank's: see rank_spread
+    step = median(mean(rank_ends(evs).values()) for evs in steps)     # the typical rank's: see rank_spread
 
     def replayed(**fit):
         events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
@@ -300,7 +300,8 @@ def _untimed(events: list[dict], rank: int = 0) -> float:
     return max(e["end"] for e in mine) - busy
 
 
-def _rank_ends(events: list[dict]) -> dict[int, float]:
+def rank_ends(events: list[dict]) -> dict[int, float]:
+    """Each rank's last end in ``events`` (one step)."""
     ends: dict[int, float] = {}
     for e in events:
         ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
@@ -321,7 +322,7 @@ def rank_spread(runs) -> list[float] | None:
     devs = []
     for run in runs:
         for evs in _steps(run).values():
-            ends = list(_rank_ends(evs).values())
+            ends = list(rank_ends(evs).values())
             if len(ends) > 1:
                 centre = mean(ends)
                 devs.append(sorted(t - centre for t in ends))
@@ -373,17 +374,13 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))
-    dp_runs = [naive, zero]                     # the data-parallel runs, for the ranks' spread
-    overlapped = Strategy(dp=n, dp_mode="overlap")
-    dp_runs.append(run(overlapped))
-    out.update(overlap_fit(dp_runs[-1], table, overlapped, batch))
-    ddp = Strategy(dp=n, dp_mode="ddp")         # torch's DDP: its buckets timed through a Python hook
-    dp_runs.append(run(ddp))
-    out.update(overlap_fit(dp_runs[-1], table, ddp, batch))
-    zero3 = Strategy(dp=n, zero=3)
-    dp_runs.append(run(zero3))
-    out.update(zero3_fit(dp_runs[-1], table, zero3, batch))
-    out["rank_ends_s"] = rank_spread(dp_runs)
+    # ddp: torch's reducer, its buckets timed through a Python hook
+    overlapped, ddp, zero3 = Strategy(dp=n, dp_mode="overlap"), Strategy(dp=n, dp_mode="ddp"), Strategy(dp=n, zero=3)
+    overlap_run, ddp_run, zero3_run = run(overlapped), run(ddp), run(zero3)
+    out.update(overlap_fit(overlap_run, table, overlapped, batch))
+    out.update(overlap_fit(ddp_run, table, ddp, batch))
+    out.update(zero3_fit(zero3_run, table, zero3, batch))
+    out["rank_ends_s"] = rank_spread([naive, zero, overlap_run, ddp_run, zero3_run])     # the data-parallel runs
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:

@@ -252,10 +252,9 @@ def paced(events: list[dict], offsets: list[float], world: int) -> list[list[dic
     by the offset. The assignments are the steps of one prediction, so the metrics take the
     median step and average the fractions over them, as over a run's steps. ``world`` ranks
     other than the calibrated ones take ``world`` consecutive offsets, re-centred."""
-    n = len(offsets)
-    ends: dict[int, float] = {}
-    for e in events:
-        ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
+    from .in_step import rank_ends
+
+    n, ends = len(offsets), rank_ends(events)
     out = []
     for k in range(world):
         window = [offsets[(r + k) % n] for r in range(world)]
