@@ -208,7 +208,8 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
     assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
-            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy", "rank_ends_s"} <= set(costs.in_step)
+            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy", "rank_ends_s",
+            "sendrecv", "sendrecv_1f1b"} <= set(costs.in_step)
     assert len(costs.in_step["rank_ends_s"]) == 2 and sum(costs.in_step["rank_ends_s"]) == pytest.approx(0, abs=1e-12)
     assert 0.5 < costs.in_step["dp_compute"] < 3 and costs.in_step["ddp_bwd"] >= 1
     cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(dp=2, dp_mode="ddp"), None),
@@ -591,3 +592,62 @@ def test_the_in_step_all_reduce_gets_its_own_alpha_and_beta_from_calls_of_two_si
     assert step(replace(costs, in_step=fit)) != pytest.approx(step(costs))
     weights = SimpleNamespace(timeline=SimpleNamespace(events=[e for e in run.timeline.events if e["bytes"] != 64 * 4]))
     assert all_reduce_fit(weights, 2) == {}                 # one size: no line
+
+
+def test_receives_are_priced_by_the_kind_of_schedule_their_factor_was_measured_in():
+    """p2p_factor recovers how much longer a replayed "measurement"'s receives took than α + S/β;
+    1F1B takes the 1F1B run's factor, GPipe and interleaved the GPipe run's, and a table without
+    the 1F1B run prices every schedule with GPipe's. The zero-bubble schedules are refused."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import p2p_factor
+
+    costs, batch = _costs(blocks=4), 64
+    gpipe = labkit.Strategy(pp=2, schedule="gpipe", microbatches=4)
+    events = plan.simulate(gpipe, costs, batch=batch).timeline.events
+    slow = [dict(e, end=e["start"] + 2.5 * (e["end"] - e["start"])) if e["kind"] == "recv" else e for e in events]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
+    assert p2p_factor(run, costs) == pytest.approx(2.5)
+
+    def recv(strategy, table):
+        spans = [e["end"] - e["start"] for e in plan.simulate(strategy, table, batch=batch).timeline.events
+                 if e["kind"] == "recv"]
+        return max(spans)
+
+    alone = {name: recv(s, costs) for name, s in (
+        ("gpipe", gpipe), ("1f1b", replace(gpipe, schedule="1f1b")),
+        ("interleaved", replace(gpipe, schedule="interleaved", chunks=2)))}
+    both = replace(costs, in_step={"sendrecv": 2.5, "sendrecv_1f1b": 1.5})
+    old = replace(costs, in_step={"sendrecv": 2.5})
+    for name, s in (("gpipe", gpipe), ("1f1b", replace(gpipe, schedule="1f1b")),
+                    ("interleaved", replace(gpipe, schedule="interleaved", chunks=2))):
+        factor = 1.5 if name == "1f1b" else 2.5
+        assert recv(s, both) == pytest.approx(factor * alone[name])
+        assert recv(s, old) == pytest.approx(2.5 * alone[name])
+    with pytest.raises(ValueError, match="input and weight halves"):
+        plan.simulate(replace(gpipe, schedule="zb-h1"), both, batch=batch)
+
+
+def test_a_group_smaller_than_the_engines_gets_its_own_in_step_alpha_and_beta():
+    """On 4 engines the pipeline run's dp groups are 2 ranks: their line (``all_reduce_2_…``)
+    prices groups of 2, naive's over all 4 prices groups of 4."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import all_reduce_fit
+
+    costs, batch = _costs(blocks=4, numel=100_000), 64
+    costs.blocks = [dict(b, params=[100_000, 64]) for b in costs.blocks]
+    costs.world_size = 4
+    shown = replace(costs, in_step={"all_reduce_alpha_s": 9e-4, "all_reduce_beta_Bps": 2e8,
+                                    "all_reduce_2_alpha_s": 3e-4, "all_reduce_2_beta_Bps": 5e8})
+    assert shown.all_reduce_s(1e6, 2) == pytest.approx(3e-4 + 1e6 / 5e8)
+    assert shown.all_reduce_s(1e6, 4) == pytest.approx(9e-4 + 1.5 * 1e6 / 2e8)
+    pipe = labkit.Strategy(pp=2, dp=2, schedule="gpipe", microbatches=4, dp_mode="naive")
+    events = [e for e in plan.simulate(pipe, shown, batch=batch).timeline.events if e["rank"] == 0]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = all_reduce_fit(run, 2, "all_reduce_2")
+    assert fit == pytest.approx({"all_reduce_2_alpha_s": 3e-4, "all_reduce_2_beta_Bps": 5e8})

@@ -103,10 +103,13 @@ class CostTable:
     def all_reduce_s(self, nbytes: float, n: int, busy: bool = False) -> float:
         """α + 2(n−1)/n·S/β, with the bus bandwidth β measured (ring scaling to other n);
         ``busy``: while the rank computes (× the measured ``busy_factor``). α and β are those
-        fitted to the calls inside a step where measured (``in_step``), else the sweep's × the
-        in-step factor."""
-        if "all_reduce_alpha_s" in self.in_step and "all_reduce_beta_Bps" in self.in_step:
-            alpha, beta, slow = self.in_step["all_reduce_alpha_s"], self.in_step["all_reduce_beta_Bps"], 1.0
+        fitted to the calls inside a step where measured (``in_step``: over groups of ``n``
+        where those were measured, else over all the engines), else the sweep's × the in-step
+        factor. (α is not the same in groups of 2 and 4: a ring's latency grows with its hops.)"""
+        for key in (f"all_reduce_{n}", "all_reduce"):
+            if f"{key}_alpha_s" in self.in_step and f"{key}_beta_Bps" in self.in_step:
+                alpha, beta, slow = self.in_step[f"{key}_alpha_s"], self.in_step[f"{key}_beta_Bps"], 1.0
+                break
         else:
             (alpha, beta), slow = self.alpha_beta("all_reduce"), self.slowdown("all_reduce")
         return (alpha + 2 * (n - 1) / n * nbytes / beta) * (self.busy_factor if busy else 1.0) * slow
@@ -127,10 +130,16 @@ class CostTable:
         """The executor's untimed seconds per action (pipeline runs and data-parallel ones differ)."""
         return self.in_step.get("gap_s" if pp > 1 else "gap_dp_s", 0.0)
 
-    def p2p_s(self, nbytes: float, busy: bool = False) -> float:
-        """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout)."""
+    def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe") -> float:
+        """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout),
+        × how much longer a receive took inside a pipeline step of ``schedule``'s kind: the
+        1F1B run's factor for 1F1B, the GPipe run's for GPipe and interleaved (whose receives,
+        measured, ran nearer GPipe's: a chunk's warm-up forwards run back to back), and for
+        every schedule in tables calibrated before the 1F1B run."""
         alpha, beta = self.alpha_beta("sendrecv")
-        return (alpha + nbytes / beta) * (self.busy_factor if busy else 1.0) * self.slowdown("sendrecv")
+        factor = self.in_step.get("sendrecv_1f1b") if schedule == "1f1b" else None
+        return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
+                * (factor or self.slowdown("sendrecv")))
 
     def copy_s(self, nbytes: float, what: str) -> float:
         """Compute-thread seconds to "pack", "unpack" or "div" ``nbytes`` of gradients (0 if not measured)."""

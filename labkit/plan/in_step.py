@@ -10,10 +10,12 @@ predicts for the same calls:
 
 * ``dp`` naive — blocking all-reduces after backward, nothing beside them: all_reduce's factor,
   and its own α and β from the calls of each size (a weight and a bias: :func:`all_reduce_fit`);
+  the same fit over the pipeline run's dp groups (``all_reduce_<n/2>_…``, from 4 engines);
 * ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
   from the first issue to the last completion against the calls run one after another), and
   the untimed seconds before each call (``zero1_fit``);
-* ``pp=2`` GPipe — point-to-point: the receive spans against α + S/β;
+* ``pp=2`` GPipe and 1F1B, dp naive (nothing beside the schedule's receives) — point-to-point:
+  the receive spans against α + S/β, per kind of schedule (``sendrecv``, ``sendrecv_1f1b``);
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
   and the busy factor that makes the replay's comm tail after backward the measured one
   (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
@@ -62,10 +64,10 @@ def all_reduce_factor(run, costs, n: int) -> float | None:
     return _ratio(per_step)
 
 
-def all_reduce_fit(run, n: int) -> dict:
-    """``all_reduce_alpha_s`` and ``all_reduce_beta_Bps``: α and β of the all-reduces inside a
-    step, a line through rank 0's recorded calls of each size (per step the mean per size, then
-    the median over steps); {} with fewer than two sizes or a line that does not rise.
+def all_reduce_fit(run, n: int, key: str = "all_reduce") -> dict:
+    """``<key>_alpha_s`` and ``<key>_beta_Bps``: α and β of the all-reduces over ``n`` ranks
+    inside a step, a line through rank 0's recorded calls of each size (per step the mean per
+    size, then the median over steps); {} with fewer than two sizes or a line that does not rise.
 
     One factor on the sweep's α + S/β (:func:`all_reduce_factor`) cannot price a bias and a
     bucket alike: inside a naive step a 2 KB bias paid about twice the sweep's α, and the
@@ -87,7 +89,7 @@ def all_reduce_fit(run, n: int) -> dict:
     alpha = y0 - slope * x0
     if slope <= 0 or alpha <= 0:
         return {}
-    return {"all_reduce_alpha_s": alpha, "all_reduce_beta_Bps": 2 * (n - 1) / n / slope}
+    return {f"{key}_alpha_s": alpha, f"{key}_beta_Bps": 2 * (n - 1) / n / slope}
 
 
 def window_factor(run, costs, kind: str, op: str, n: int) -> float | None:
@@ -348,6 +350,8 @@ def replace_in_step(costs, in_step: dict):
 
 def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss="mse", tp_plan=None) -> dict:
     """Run the executor once per kind of call; the cost table's ``in_step`` entry."""
+    from dataclasses import replace
+
     from ..config import Strategy
 
     n = lab.world_size
@@ -360,17 +364,27 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     naive = run(naive_s)
     zero = run(Strategy(dp=n, zero=1))
     piped = n % 2 == 0 and batch % (n // 2 * 4) == 0 and len(costs.blocks) >= 2
-    gpipe = Strategy(pp=2, dp=n // 2, schedule="gpipe", microbatches=4)
+    # naive dp: the pipeline's receives and compute alone, the all-reduces after the schedule
+    # (overlap's buckets beside backward have their own fit below, applied on top)
+    gpipe = Strategy(pp=2, dp=n // 2, schedule="gpipe", microbatches=4, dp_mode="naive")
     pipe = run(gpipe) if piped else None
+    # 1F1B's receives: on 4 engines they took ×0.6–0.8 of GPipe's (same degrees, same
+    # micro-batches), where GPipe's fill runs every first stage's forwards back to back
+    pipe_1f1b = run(replace(gpipe, schedule="1f1b")) if piped else None
     out = {"all_reduce": all_reduce_factor(naive, costs, n), **all_reduce_fit(naive, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
            **compute_factors(naive, costs, naive_s, batch, "dp_compute")}
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
-        # gpipe, m = 4: F, B, a send and a receive per micro-batch, then the sync and the step
-        out["gap_s"] = gap_per_action(pipe, 4 * 4 + 2)
+        out["sendrecv_1f1b"] = p2p_factor(pipe_1f1b, costs)
+        # gpipe, m = 4: F, B, a send and a receive per micro-batch, one call per tensor of the
+        # stage's sync (dp > 1), then the step
+        syncs = sum(len(b["params"]) for b in costs.blocks) // 2 if n > 2 else 0
+        out["gap_s"] = gap_per_action(pipe, 4 * 4 + syncs + 1)
         out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
+        if n > 2:   # its dp groups' all-reduces: a smaller group than naive's, two groups at once
+            out.update(all_reduce_fit(pipe, n // 2, f"all_reduce_{n // 2}"))
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))

@@ -183,7 +183,7 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
         prog.bwd_calls.append(bwd_calls)
         out_bytes = 4 * rows[blocks[-1]]["out_numel"] * size
         prog.p2p_bytes.append(out_bytes)
-        prog.p2p.append(costs.p2p_s(out_bytes) if strategy.pp > 1 and g < last else 0.0)
+        prog.p2p.append(costs.p2p_s(out_bytes, schedule=strategy.schedule) if strategy.pp > 1 and g < last else 0.0)
         sync = strategy.dp > 1 and not strategy.zero
         prog.grads.append(_grad_messages(costs, strategy, blocks, rows, wall.__getitem__, loss_b) if sync else [])
         prog.units.append(build_units(costs, strategy, blocks, rows) if strategy.zero else [])
@@ -236,6 +236,10 @@ def check_simulable(strategy, costs: CostTable) -> None:
     if strategy.compression != "none":
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
                          "decode costs are not in the cost table); use compression='none'")
+    if strategy.pp > 1 and strategy.schedule in ("zb-h1", "zbv"):
+        raise ValueError(f"simulate: schedule={strategy.schedule!r} splits backward into its input and "
+                         "weight halves, which the cost table does not time apart; simulate "
+                         "schedule='1f1b' (the same stages, backward whole)")
     if strategy.pp * strategy.chunks > len(costs.blocks):
         raise ValueError(f"pp*chunks = {strategy.pp * strategy.chunks} stages but the model has "
                          f"{len(costs.blocks)} blocks; use fewer stages")
