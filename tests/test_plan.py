@@ -651,3 +651,30 @@ def test_a_group_smaller_than_the_engines_gets_its_own_in_step_alpha_and_beta():
     run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
     fit = all_reduce_fit(run, 2, "all_reduce_2")
     assert fit == pytest.approx({"all_reduce_2_alpha_s": 3e-4, "all_reduce_2_beta_Bps": 5e8})
+
+
+def test_tensor_parallel_compute_gets_the_tp_runs_own_stretch():
+    """The tp run's shards computed 1.3× their blocks timed alone (a replayed "measurement"):
+    compute_factors recovers it as ``tp_compute_*``, which stretches tp's compute and leaves
+    dp's and a pipeline's to their own runs' factors."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import compute_factors
+
+    costs, batch = _sharded_costs(blocks=4), 32
+    tp = labkit.Strategy(tp=2)
+    events = [e for e in plan.simulate(tp, costs, batch=batch).timeline.events if e["rank"] == 0]
+    slow = [dict(e, end=e["start"] + 1.3 * (e["end"] - e["start"])) if e["kind"] in ("fwd", "bwd") else e
+            for e in events]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
+    fit = compute_factors(run, costs, tp, batch, "tp_compute")
+    assert fit["tp_compute_fwd"] == pytest.approx(1.3) and fit["tp_compute_bwd"] == pytest.approx(1.3)
+    stretched = replace(costs, in_step={**fit, "dp_compute": 0.9, "pipeline_compute": 0.8})
+    compute = lambda s, c: sum(e["end"] - e["start"] for e in plan.simulate(s, c, batch=batch).timeline.events
+                               if e["kind"] in ("fwd", "bwd") and e["rank"] == 0)
+    assert compute(tp, stretched) == pytest.approx(1.3 * compute(tp, costs))
+    for s, factor in ((labkit.Strategy(dp=2, dp_mode="naive"), 0.9),
+                      (labkit.Strategy(pp=2, tp=2, microbatches=2), 0.8)):
+        assert compute(s, stretched) == pytest.approx(factor * compute(s, costs))

@@ -118,12 +118,16 @@ class CostTable:
         """How much slower ``op`` ran inside the measured step than the sweep predicts (1 if not measured)."""
         return self.in_step.get(op, 1.0)
 
-    def compute_stretch(self, kind: str, pp: int = 1) -> float:
+    def compute_stretch(self, kind: str, pp: int = 1, tp: int = 1) -> float:
         """How much longer a forward (``kind`` "fwd") or backward ("bwd") ran inside a measured
         step than its blocks timed alone (:mod:`labkit.plan.in_step`): the pipeline run's for
-        pp > 1, the data-parallel run's otherwise; per kind where measured, else both together
-        (tables calibrated before the split), else 1."""
+        pp > 1, the tensor-parallel run's for tp > 1 where measured (shards beside their f and
+        g: on 2 engines ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel
+        run's otherwise; per kind where measured, else both together (tables calibrated before
+        the split), else 1."""
         base = "pipeline_compute" if pp > 1 else "dp_compute"
+        if pp == 1 and tp > 1 and f"tp_compute_{kind}" in self.in_step:
+            base = "tp_compute"
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
 
     def gap_s(self, pp: int) -> float:

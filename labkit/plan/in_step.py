@@ -25,7 +25,8 @@ predicts for the same calls:
   that makes the replayed step the measured one (``zero3_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
   from the mean, smallest first: :func:`rank_spread`);
-* ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone;
+* ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone,
+  and its shards' forward and backward against the blocks timed alone (``tp_compute``);
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
   and backward spans of the naive run and of the pipeline run against the calibrated costs
   (``dp_compute``, ``pipeline_compute``, each also per kind, ``_fwd`` and ``_bwd``: compute
@@ -398,7 +399,10 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)
         if n % t == 0:
-            out["tp"] = tp_factor(run(Strategy(tp=t, dp=n // t, dp_mode="bucketed"), tp_plan), costs, t)
+            tp_s = Strategy(tp=t, dp=n // t, dp_mode="bucketed")
+            tp_run = run(tp_s, tp_plan)
+            out["tp"] = tp_factor(tp_run, costs, t)
+            out.update(compute_factors(tp_run, costs, tp_s, batch, "tp_compute"))
             break
     params = sum(len(b["params"]) for b in costs.blocks)
     out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1)      # F, B, one call per tensor, the step

@@ -161,7 +161,8 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
                         gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get(f"{fit}_busy"),
                         overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes,
                         call_gap=costs.in_step.get("zero1_gap_s", 0.0) if strategy.zero == 1 else 0.0)
-    f_stretch, b_stretch = costs.compute_stretch("fwd", strategy.pp), costs.compute_stretch("bwd", strategy.pp)
+    f_stretch, b_stretch = (costs.compute_stretch("fwd", strategy.pp, strategy.tp),
+                            costs.compute_stretch("bwd", strategy.pp, strategy.tp))
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * f_stretch
     bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * b_stretch
     for g, blocks in enumerate(ranges):
