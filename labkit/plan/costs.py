@@ -125,9 +125,8 @@ class CostTable:
         g: on 2 engines ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel
         run's otherwise; per kind where measured, else both together (tables calibrated before
         the split), else 1."""
-        base = "pipeline_compute" if pp > 1 else "dp_compute"
-        if pp == 1 and tp > 1 and f"tp_compute_{kind}" in self.in_step:
-            base = "tp_compute"
+        tp_run = tp > 1 and f"tp_compute_{kind}" in self.in_step
+        base = "pipeline_compute" if pp > 1 else "tp_compute" if tp_run else "dp_compute"
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
 
     def gap_s(self, pp: int) -> float:

@@ -364,6 +364,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     naive_s = Strategy(dp=n, dp_mode="naive")
     naive = run(naive_s)
     zero = run(Strategy(dp=n, zero=1))
+    params = sum(len(b["params"]) for b in costs.blocks)
     piped = n % 2 == 0 and batch % (n // 2 * 4) == 0 and len(costs.blocks) >= 2
     # naive dp: the pipeline's receives and compute alone, the all-reduces after the schedule
     # (overlap's buckets beside backward have their own fit below, applied on top)
@@ -381,8 +382,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         out["sendrecv_1f1b"] = p2p_factor(pipe_1f1b, costs)
         # gpipe, m = 4: F, B, a send and a receive per micro-batch, one call per tensor of the
         # stage's sync (dp > 1), then the step
-        syncs = sum(len(b["params"]) for b in costs.blocks) // 2 if n > 2 else 0
-        out["gap_s"] = gap_per_action(pipe, 4 * 4 + syncs + 1)
+        out["gap_s"] = gap_per_action(pipe, 4 * 4 + (params // 2 if n > 2 else 0) + 1)
         out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
         if n > 2:   # its dp groups' all-reduces: a smaller group than naive's, two groups at once
             out.update(all_reduce_fit(pipe, n // 2, f"all_reduce_{n // 2}"))
@@ -404,6 +404,5 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
             out["tp"] = tp_factor(tp_run, costs, t)
             out.update(compute_factors(tp_run, costs, tp_s, batch, "tp_compute"))
             break
-    params = sum(len(b["params"]) for b in costs.blocks)
     out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1)      # F, B, one call per tensor, the step
     return {k: v for k, v in out.items() if v is not None}

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..analysis.metrics import step_metrics
+from ..parallel.pipeline import SPLIT_BACKWARD
 from ..view.timeline import Timeline
 from .costs import CostTable
 from .replay import Message, StageProgram, replay
@@ -237,7 +238,7 @@ def check_simulable(strategy, costs: CostTable) -> None:
     if strategy.compression != "none":
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
                          "decode costs are not in the cost table); use compression='none'")
-    if strategy.pp > 1 and strategy.schedule in ("zb-h1", "zbv"):
+    if strategy.pp > 1 and strategy.schedule in SPLIT_BACKWARD:
         raise ValueError(f"simulate: schedule={strategy.schedule!r} splits backward into its input and "
                          "weight halves, which the cost table does not time apart; simulate "
                          "schedule='1f1b' (the same stages, backward whole)")
