@@ -48,6 +48,10 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
     out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} interleaved v2 m4",
                 labkit.Strategy(dp=dp, pp=pp, schedule="interleaved", chunks=2, microbatches=4,
                                 split_at=(4, 8, 12), dp_mode="overlap")))
+    for schedule, chunks in (("zb-h1", 1), ("zbv", 2)):     # backward split into I and W
+        out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} {schedule} m4",
+                    labkit.Strategy(dp=dp, pp=pp, schedule=schedule, chunks=chunks, microbatches=4, dp_mode="overlap",
+                                    split_at=(4, 8, 12) if chunks > 1 else ())))
     if engines >= 4:
         out.append(("pp4 1f1b m8", labkit.Strategy(pp=4, schedule="1f1b", microbatches=8)))
     return out

@@ -87,11 +87,15 @@ def test_published_table_within_the_bound_we_reach():
 
 
 # -- the replay ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                                             ("zbv", 2)])
 def test_replay_of_uniform_stages_has_the_ideal_bubble(schedule, chunks):
+    """The zero-bubble schedules: I and W each half of B, as the schedules' own model has them."""
     p, m = 4, 8
     prog = StageProgram([Fraction(1)] * p * chunks, [Fraction(2)] * p * chunks, [0] * p * chunks,
                         [0] * p * chunks, [[]] * p * chunks, [])
+    if schedule.startswith("zb"):
+        prog.bwd_input, prog.bwd_weight = [Fraction(1)] * p * chunks, [Fraction(1)] * p * chunks
     events = replay(prog, pp=p, dp=1, schedule=schedule, microbatches=m, chunks=chunks)
     ref = schedule_simulate(build_schedule(schedule, p, m, chunks), Fraction(1), Fraction(2))
     assert max(e["end"] for e in events) == max(e["end"] for e in ref)
@@ -209,18 +213,22 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert costs.lanes == 2                                   # gloo's two worker threads
     assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
             "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy", "rank_ends_s",
-            "sendrecv", "sendrecv_1f1b"} <= set(costs.in_step)
+            "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "chunked_compute_fwd",
+            "split_compute_bwd"} <= set(costs.in_step)
+    assert costs.blocks[0]["bwd_input"] == [0.0] * 4 and costs.blocks[0]["bwd_weight"] == costs.blocks[0]["bwd"]
+    assert all(min(b["bwd_input"]) > 0 for b in costs.blocks[1:])      # Linear and ReLU both pass a gradient
     assert len(costs.in_step["rank_ends_s"]) == 2 and sum(costs.in_step["rank_ends_s"]) == pytest.approx(0, abs=1e-12)
     assert 0.5 < costs.in_step["dp_compute"] < 3 and costs.in_step["ddp_bwd"] >= 1
     cases = [(labkit.Strategy(dp=2, dp_mode="overlap"), None), (labkit.Strategy(dp=2, dp_mode="ddp"), None),
              (labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), None),
+             (labkit.Strategy(pp=2, schedule="zb-h1", microbatches=4), None),
              (labkit.Strategy(tp=2), tp_plan), (labkit.Strategy(dp=2, zero=3, prefetch=1), None)]
     for s, split in cases:
         run = lab2.run(s, model=model, batch=256, steps=5, tp_plan=split)
         pred = plan.simulate(s, costs, batch=256, model=model)
-        assert {e["kind"] for e in pred.timeline.events} >= {"fwd", "bwd"}
-        measured_kinds = {e["kind"] for e in run.timeline.events if e["stream"] == "comm"}
-        assert {e["kind"] for e in pred.timeline.events if e["stream"] == "comm"} == measured_kinds, s
+        for stream in ("compute", "comm"):
+            measured_kinds = {e["kind"] for e in run.timeline.events if e["stream"] == stream}
+            assert {e["kind"] for e in pred.timeline.events if e["stream"] == stream} == measured_kinds, (s, stream)
         ratio = pred.metrics["step_time_s"] / run.metrics["step_time_s"]
         assert 0.4 <= ratio <= 2.5, (s, ratio)
 
@@ -234,7 +242,10 @@ def test_search_lab_ranks_every_runnable_strategy_by_prediction():
     assert {s.pp for s in strategies} == {1, 2} and {s.dp_mode for s in strategies if s.dp > 1} == {
         "naive", "bucketed", "overlap", "ddp"}
     assert any(s.schedule == "interleaved" for s in strategies)
+    assert not any(s.schedule.startswith("zb") for s in strategies)      # the table has no I/W halves
     assert "predicted ms" in result.table()
+    split = {s.schedule for s, _ in plan.search_lab(_split_halves(costs), batch=64, engines=2).ranked}
+    assert {"zb-h1", "zbv"} <= split
 
 
 def test_overlapped_buckets_share_the_cpu_with_backward():
@@ -594,10 +605,69 @@ def test_the_in_step_all_reduce_gets_its_own_alpha_and_beta_from_calls_of_two_si
     assert all_reduce_fit(weights, 2) == {}                 # one size: no line
 
 
+def test_block_times_add_up_to_the_chain_and_split_backward_by_the_chains_halves():
+    """Blocks 1… take the chain's I and W (its loss in I), split between them as measured;
+    block 0 reads the data, so its I is empty and W its whole backward."""
+    from labkit.plan.block_timing import scale_to_chain
+
+    blocks = [{"fwd": [1.0], "bwd": [2.0], "bwd_input": [0.0], "bwd_weight": [2.0]},
+              {"fwd": [1.0], "bwd": [2.0], "bwd_input": [1.0], "bwd_weight": [1.0]},
+              {"fwd": [2.0], "bwd": [4.0], "bwd_input": [1.0], "bwd_weight": [3.0]}]
+    loss = {"fwd": [0.0], "bwd": [1.0]}
+    scale_to_chain(blocks, loss, {"fwd": [8.0], "bwd": [18.0], "bwd_input": [5.0], "bwd_weight": [8.0]})
+    assert [b["fwd"][0] for b in blocks] == [2.0, 2.0, 4.0]
+    assert sum(b["bwd"][0] for b in blocks) + loss["bwd"][0] == pytest.approx(18.0)
+    assert [b["bwd_input"][0] for b in blocks] == [0.0, 2.0, 2.0]         # 5 − the loss's 1, split 1:1
+    assert [b["bwd_weight"][0] for b in blocks[1:]] == [2.0, 6.0]        # 8, split 1:3
+    assert blocks[0]["bwd_weight"] == blocks[0]["bwd"]
+
+
+def _split_halves(costs, share=0.25):
+    """Give a synthetic table's blocks a split backward: I ``share`` of B, W the rest."""
+    for b in costs.blocks:
+        b["bwd_input"], b["bwd_weight"] = [share * t for t in b["bwd"]], [(1 - share) * t for t in b["bwd"]]
+    return costs
+
+
+def test_zero_bubble_schedules_replay_backward_as_input_and_weight_halves():
+    """A first stage's W is its whole backward (its input needs no gradient), a later stage's
+    I and W are its blocks' halves with the loss in I; overlap's buckets leave from a chunk's
+    last W; zbv's V puts stages 0 and 3 on rank 0, whose gradients it all-reduces; a table
+    calibrated before the halves were timed is refused with the fix."""
+    from dataclasses import replace
+
+    import labkit
+    from labkit.plan.simulation import build_program
+
+    costs, batch = _costs(blocks=4), 64
+    with pytest.raises(ValueError, match="did not time them apart"):
+        plan.simulate(labkit.Strategy(pp=2, schedule="zb-h1", microbatches=4), costs, batch=batch)
+    _split_halves(costs)
+    costs.loss = {"fwd": [0.0, 0.0], "bwd": [1e-3, 2e-3]}
+    zb = labkit.Strategy(pp=2, dp=2, schedule="zb-h1", microbatches=4, dp_mode="overlap", bucket_mb=0.001)
+    prog = build_program(zb, costs, batch)
+    assert prog.bwd_input[0] == 0 and prog.bwd_weight[0] == pytest.approx(prog.bwd[0])
+    loss_b = costs.at(costs.loss["bwd"], 8)                # 8 rows a micro-batch
+    assert prog.bwd_input[1] == pytest.approx(0.25 * (prog.bwd[1] - loss_b) + loss_b)
+    assert prog.bwd_weight[1] == pytest.approx(0.75 * (prog.bwd[1] - loss_b))
+    events = plan.simulate(zb, costs, batch=batch).timeline.events
+    assert {e["kind"] for e in events if e["stream"] == "compute"} == {"fwd", "bwd_input", "bwd_weight", "optimizer"}
+    for r in (0, 1):
+        last_w = max(e["start"] for e in events if e["rank"] == r and e["kind"] == "bwd_weight")
+        buckets = [e for e in events if e["rank"] == r and e["kind"] == "allreduce"]
+        assert buckets and min(e["start"] for e in buckets) >= last_w
+    fused = plan.simulate(replace(zb, schedule="1f1b"), costs, batch=batch).metrics
+    assert plan.simulate(zb, costs, batch=batch).metrics["bubble_fraction"] < fused["bubble_fraction"]
+    zbv = labkit.Strategy(pp=2, dp=2, schedule="zbv", chunks=2, microbatches=4, dp_mode="naive")
+    names = {e["name"] for e in plan.simulate(zbv, costs, batch=batch).timeline.events
+             if e["rank"] == 0 and e["kind"] == "allreduce"}
+    assert names == {"0.0", "3.0"}        # blocks 0 and 3: stages 0 and 3, one block each
+
+
 def test_receives_are_priced_by_the_kind_of_schedule_their_factor_was_measured_in():
     """p2p_factor recovers how much longer a replayed "measurement"'s receives took than α + S/β;
-    1F1B takes the 1F1B run's factor, GPipe and interleaved the GPipe run's, and a table without
-    the 1F1B run prices every schedule with GPipe's. The zero-bubble schedules are refused."""
+    1F1B takes the 1F1B run's factor, interleaved and zbv the two-chunk run's, zb-h1 the split
+    run's, and a table without those runs prices every schedule with GPipe's."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -616,14 +686,16 @@ def test_receives_are_priced_by_the_kind_of_schedule_their_factor_was_measured_i
                  if e["kind"] == "recv"]
         return max(spans)
 
-    both = replace(costs, in_step={"sendrecv": 2.5, "sendrecv_1f1b": 1.5})
+    _split_halves(costs)
+    runs = {"1f1b": 1.5, "interleaved": 3.0, "zbv": 3.0, "zb-h1": 4.0, "gpipe": 2.5}
+    every = replace(costs, in_step={"sendrecv": 2.5, "sendrecv_1f1b": 1.5, "sendrecv_chunked": 3.0,
+                                    "sendrecv_split": 4.0})
     old = replace(costs, in_step={"sendrecv": 2.5})
-    for s in (gpipe, replace(gpipe, schedule="1f1b"), replace(gpipe, schedule="interleaved", chunks=2)):
+    for schedule, factor in runs.items():
+        s = replace(gpipe, schedule=schedule, chunks=2 if schedule in ("interleaved", "zbv") else 1)
         alone = recv(s, costs)
-        assert recv(s, both) == pytest.approx((1.5 if s.schedule == "1f1b" else 2.5) * alone)
-        assert recv(s, old) == pytest.approx(2.5 * alone)
-    with pytest.raises(ValueError, match="input and weight halves"):
-        plan.simulate(replace(gpipe, schedule="zb-h1"), both, batch=batch)
+        assert recv(s, every) == pytest.approx(factor * alone), schedule
+        assert recv(s, old) == pytest.approx(2.5 * alone), schedule
 
 
 def test_a_group_smaller_than_the_engines_gets_its_own_in_step_alpha_and_beta():

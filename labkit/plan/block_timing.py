@@ -27,6 +27,20 @@ def _timed(fn, repeats: int) -> float:
     return median(times[1:])
 
 
+def _split_once(forward, block, inp, grad) -> tuple[float, float]:
+    """Seconds of one backward split as a zero-bubble schedule runs it: I (the input gradient,
+    :func:`~labkit.parallel.pipeline.split_backward.backward_input`), then W (the weights')."""
+    from ..parallel.pipeline.split_backward import backward_input, backward_weight
+
+    out = forward(block, inp)
+    t0 = time.perf_counter()
+    _, kept = backward_input(out, grad, inp, block)
+    t1 = time.perf_counter()
+    del out
+    backward_weight(kept)
+    return t1 - t0, time.perf_counter() - t1
+
+
 def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, loss="mse", tp: int = 1,
                 tp_plan=None) -> dict:
     """This rank's seconds per block forward / backward / optimizer step for each size.
@@ -35,6 +49,9 @@ def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, los
     recorder on, forward under the activation meter (their Python cost is part of a step).
     ``tp`` > 1: the blocks as one tensor-parallel rank holds them (the plan's modules at
     their shard's shape, no collectives), and per block the f/g calls a step makes.
+    Each block's backward is also timed split in two, as the zero-bubble schedules run it:
+    ``bwd_input`` (I) and ``bwd_weight`` (W); block 0 reads the data, so its I is empty and W
+    is its whole backward, as on a pipeline's first stage.
     """
     import torch
 
@@ -84,7 +101,7 @@ def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, los
             b["calls"] = calls.get(i, [])[:len(calls.get(i, [])) // len(sizes)]
         # Rounds over every (block, size) rather than repeats back to back: on a loaded machine
         # the median then spans the load's ups and downs instead of one moment of it.
-        fwd, both = {}, {}
+        fwd, both, split = {}, {}, {}
         for _ in range(repeats + 1):
             for size in sizes:
                 for i, block in enumerate(net):
@@ -92,6 +109,7 @@ def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, los
                     fwd.setdefault((i, size), []).append(_once(lambda: forward(block, inp)))
                     if grad is not None:
                         both.setdefault((i, size), []).append(_once(lambda: forward(block, inp).backward(grad)))
+                        split.setdefault((i, size), []).append(_split_once(forward, block, inp, grad))
                 pred, target = inputs["loss", size]
                 fwd.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).item()))
                 both.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).backward()))
@@ -100,6 +118,9 @@ def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, los
             b["fwd"] = [robust(fwd[i, size]) for size in sizes]
             b["bwd"] = [max(0.0, robust(both[i, size]) - f) if (i, size) in both else 0.0
                         for size, f in zip(sizes, b["fwd"])]
+            halves = [[robust([s[k] for s in split[i, size]]) if (i, size) in split else 0.0 for size in sizes]
+                      for k in (0, 1)]
+            b["bwd_input"], b["bwd_weight"] = halves
         out_loss = {"fwd": [robust(fwd["loss", size]) for size in sizes]}
         out_loss["bwd"] = [max(0.0, robust(both["loss", size]) - f) for size, f in zip(sizes, out_loss["fwd"])]
         chain = time_chain(net, forward, loss_fn, x, y, sizes, repeats)
@@ -125,10 +146,16 @@ def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, los
 
 def time_chain(net, forward, loss_fn, x, y, sizes: list[int], repeats: int) -> dict:
     """Seconds of the whole model's forward (blocks and loss) and backward (one ``backward()``
-    from the loss) per size, medians over ``repeats``: what the executor runs as one action."""
-    out = {"fwd": [], "bwd": []}
+    from the loss) per size, medians over ``repeats``: what the executor runs as one action.
+
+    Also the backward split (``bwd_input``, ``bwd_weight``) of the chain from block 1 on, its
+    input needing a gradient as a later pipeline stage's does: one I and one W, as a stage runs
+    them (block 0 reads the data: it only ever runs in a first stage, whose W is all of it)."""
+    from ..parallel.pipeline.split_backward import backward_input, backward_weight
+
+    out = {"fwd": [], "bwd": [], "bwd_input": [], "bwd_weight": []}
     for size in sizes:
-        f, b = [], []
+        f, b, i, w = [], [], [], []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             h = x[:size]
@@ -139,8 +166,21 @@ def time_chain(net, forward, loss_fn, x, y, sizes: list[int], repeats: int) -> d
             loss.backward()
             f.append(t1 - t0)
             b.append(time.perf_counter() - t1)
-        out["fwd"].append(median(f[1:]))
-        out["bwd"].append(median(b[1:]))
+            if len(net) > 1:
+                h = forward(net[0], x[:size]).detach()
+                inp = h.requires_grad_(h.is_floating_point())
+                for block in list(net)[1:]:
+                    h = forward(block, h)
+                loss = loss_fn(h, y[:size])
+                t0 = time.perf_counter()
+                _, kept = backward_input(loss, None, inp, net)
+                t1 = time.perf_counter()
+                del loss, h
+                backward_weight(kept)
+                i.append(t1 - t0)
+                w.append(time.perf_counter() - t1)
+        for key, samples in (("fwd", f), ("bwd", b), ("bwd_input", i), ("bwd_weight", w)):
+            out[key].append(median(samples[1:]) if samples else 0.0)
     return out
 
 
@@ -149,10 +189,21 @@ def scale_to_chain(blocks: list[dict], loss: dict, chain: dict) -> None:
 
     A block timed alone runs with its weights and activations hot in cache; in a step the
     whole model streams through, and backward runs as one graph (measured ×1.3–1.7 for the
-    backward of an MLP of 512-wide layers). The split between blocks stays as measured."""
-    for key in ("fwd", "bwd"):
-        for j in range(len(chain[key])):
+    backward of an MLP of 512-wide layers). The split between blocks stays as measured.
+    Blocks 1… take their I and W (``bwd_input``, ``bwd_weight``) from the chain's split (the
+    loss's backward is part of its I); block 0's I is empty and its W its whole backward."""
+    later = blocks[1:]
+    for j in range(len(chain["fwd"])):
+        if later and chain.get("bwd_input"):
+            for key, whole in (("bwd_input", chain["bwd_input"][j] - loss["bwd"][j]), ("bwd_weight", chain["bwd_weight"][j])):
+                parts = sum(b[key][j] for b in later)
+                factor = max(0.0, whole) / parts if parts > 0 else 1.0
+                for b in later:
+                    b[key][j] *= factor
+        for key in ("fwd", "bwd"):
             parts = sum(b[key][j] for b in blocks) + loss[key][j]
             factor = chain[key][j] / parts if parts > 0 else 1.0
             for row in (*blocks, loss):
                 row[key][j] *= factor
+        if blocks and "bwd_weight" in blocks[0]:
+            blocks[0]["bwd_input"][j], blocks[0]["bwd_weight"][j] = 0.0, blocks[0]["bwd"][j]

@@ -118,15 +118,19 @@ class CostTable:
         """How much slower ``op`` ran inside the measured step than the sweep predicts (1 if not measured)."""
         return self.in_step.get(op, 1.0)
 
-    def compute_stretch(self, kind: str, pp: int = 1, tp: int = 1) -> float:
+    def compute_stretch(self, kind: str, pp: int = 1, tp: int = 1, schedule: str = "gpipe") -> float:
         """How much longer a forward (``kind`` "fwd") or backward ("bwd") ran inside a measured
-        step than its blocks timed alone (:mod:`labkit.plan.in_step`): the pipeline run's for
-        pp > 1, the tensor-parallel run's for tp > 1 where measured (shards beside their f and
-        g: on 2 engines ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel
-        run's otherwise; per kind where measured, else both together (tables calibrated before
-        the split), else 1."""
+        step than its blocks timed alone (:mod:`labkit.plan.in_step`): for pp > 1 the pipeline
+        run of ``schedule``'s kind (:func:`pipeline_run`: two chunks and a split backward run
+        more actions for the same compute, each with its own fixed cost), for tp > 1 the
+        tensor-parallel run's where measured (shards beside their f and g: on 2 engines
+        ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel run's otherwise;
+        per kind where measured, else both together (tables calibrated before the split), else 1."""
         tp_run = tp > 1 and f"tp_compute_{kind}" in self.in_step
         base = "pipeline_compute" if pp > 1 else "tp_compute" if tp_run else "dp_compute"
+        run = pipeline_run(schedule)
+        if pp > 1 and run in ("chunked", "split") and f"{run}_compute_{kind}" in self.in_step:
+            base = f"{run}_compute"
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
 
     def gap_s(self, pp: int) -> float:
@@ -135,12 +139,11 @@ class CostTable:
 
     def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe") -> float:
         """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout),
-        × how much longer a receive took inside a pipeline step of ``schedule``'s kind: the
-        1F1B run's factor for 1F1B, the GPipe run's for GPipe and interleaved (whose receives,
-        measured, ran nearer GPipe's: a chunk's warm-up forwards run back to back), and for
-        every schedule in tables calibrated before the 1F1B run."""
+        × how much longer a receive took inside the calibration's pipeline run of ``schedule``'s
+        kind (:func:`pipeline_run`), else the GPipe run's (tables calibrated before that run)."""
         alpha, beta = self.alpha_beta("sendrecv")
-        factor = self.in_step.get("sendrecv_1f1b") if schedule == "1f1b" else None
+        run = pipeline_run(schedule)
+        factor = self.in_step.get(f"sendrecv_{run}") if run != "gpipe" else None
         return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
                 * (factor or self.slowdown("sendrecv")))
 
@@ -197,6 +200,15 @@ class CostTable:
         return table
 
 
+def pipeline_run(schedule: str) -> str:
+    """Which of the calibration's pipeline runs prices ``schedule``'s receives and compute
+    (:func:`labkit.plan.in_step.time_in_step`): "gpipe", "1f1b" (1F1B's receives: GPipe's fill
+    runs a first stage's forwards back to back, and its receivers wait for a core), "chunked"
+    (interleaved and zbv: two chunks a rank, twice the actions and messages) or "split"
+    (zb-h1: backward as I and W)."""
+    return {"1f1b": "1f1b", "interleaved": "chunked", "zbv": "chunked", "zb-h1": "split"}.get(schedule, "gpipe")
+
+
 # -- in the notebook --------------------------------------------------------------------------
 def default_sizes(batch: int) -> list[int]:
     """Micro-batch sizes worth measuring for ``batch``: batch, batch/2, … down to 1."""
@@ -212,7 +224,7 @@ def _mean_over_ranks(per_rank: list[dict]) -> tuple[list[dict], dict]:
     for i, b in enumerate(per_rank[0]["blocks"]):
         rows = [r["blocks"][i] for r in per_rank]
         blocks.append(dict(b, **{k: [sum(r[k][j] for r in rows) / len(rows) for j in range(len(b[k]))]
-                                 for k in ("fwd", "bwd")},
+                                 for k in ("fwd", "bwd", "bwd_input", "bwd_weight") if k in b},
                            optimizer=sum(r["optimizer"] for r in rows) / len(rows)))
     loss = {k: [sum(r["loss"][k][j] for r in per_rank) / len(per_rank) for j in range(len(per_rank[0]["loss"][k]))]
             for k in ("fwd", "bwd")}

@@ -14,8 +14,11 @@ predicts for the same calls:
 * ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
   from the first issue to the last completion against the calls run one after another), and
   the untimed seconds before each call (``zero1_fit``);
-* ``pp=2`` GPipe and 1F1B, dp naive (nothing beside the schedule's receives) — point-to-point:
-  the receive spans against α + S/β, per kind of schedule (``sendrecv``, ``sendrecv_1f1b``);
+* ``pp=2`` GPipe, 1F1B, interleaved (two chunks) and zb-h1 (split backward), dp naive
+  (nothing beside the schedule's receives) — point-to-point: the receive spans against
+  α + S/β, per kind of schedule (``sendrecv``, ``sendrecv_1f1b``, ``sendrecv_chunked``,
+  ``sendrecv_split``), and forward and backward against the blocks (``pipeline_compute``,
+  ``chunked_compute``, ``split_compute``: more actions for the same compute cost more);
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
   and the busy factor that makes the replay's comm tail after backward the measured one
   (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
@@ -139,8 +142,10 @@ def _compute_seconds(run, costs, strategy, batch: int) -> tuple[dict, list[dict]
     from .simulation import build_program
 
     prog = build_program(strategy, costs, batch)
-    predicted = {"fwd": strategy.microbatches * sum(prog.fwd), "bwd": strategy.microbatches * sum(prog.bwd)}
-    measured = [{k: sum(e["end"] - e["start"] for e in evs if e["kind"] == k and e["rank"] < strategy.pp)
+    bwd = sum(prog.bwd_input) + sum(prog.bwd_weight) if prog.bwd_input else sum(prog.bwd)   # split: I and W
+    predicted = {"fwd": strategy.microbatches * sum(prog.fwd), "bwd": strategy.microbatches * bwd}
+    kinds = {"fwd": ("fwd",), "bwd": ("bwd", "bwd_input", "bwd_weight")}
+    measured = [{k: sum(e["end"] - e["start"] for e in evs if e["kind"] in kinds[k] and e["rank"] < strategy.pp)
                  for k in predicted} for evs in _steps(run).values()]
     return predicted, measured
 
@@ -373,6 +378,13 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     # 1F1B's receives: on 4 engines they took ×0.6–0.8 of GPipe's (same degrees, same
     # micro-batches), where GPipe's fill runs every first stage's forwards back to back
     pipe_1f1b = run(replace(gpipe, schedule="1f1b")) if piped else None
+    # the same compute in more actions and messages: two chunks a rank (interleaved; zbv's V
+    # takes its factors too), and backward split into I and W (zb-h1)
+    blocks = len(costs.blocks)
+    chunked = replace(gpipe, schedule="interleaved", chunks=2, split_at=tuple(round(k * blocks / 4) for k in (1, 2, 3)))
+    pipe_chunked = run(chunked) if piped and blocks >= 4 else None
+    split = replace(gpipe, schedule="zb-h1")
+    pipe_split = run(split) if piped and all("bwd_input" in b for b in costs.blocks) else None
     out = {"all_reduce": all_reduce_factor(naive, costs, n), **all_reduce_fit(naive, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
@@ -380,6 +392,10 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
         out["sendrecv_1f1b"] = p2p_factor(pipe_1f1b, costs)
+        for name, strategy, measured in (("chunked", chunked, pipe_chunked), ("split", split, pipe_split)):
+            if measured is not None:
+                out[f"sendrecv_{name}"] = p2p_factor(measured, costs)
+                out.update(compute_factors(measured, costs, strategy, batch, f"{name}_compute"))
         # gpipe, m = 4: F, B, a send and a receive per micro-batch, one call per tensor of the
         # stage's sync (dp > 1), then the step
         out["gap_s"] = gap_per_action(pipe, 4 * 4 + (params // 2 if n > 2 else 0) + 1)

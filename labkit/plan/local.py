@@ -17,8 +17,9 @@ from ..config import DP_MODES, Strategy
 from .simulation import simulate
 
 
-def lab_candidates(engines: int, batch: int, blocks: int, microbatches=(1, 2, 4, 8)):
-    """Every Strategy with dp·pp = engines the executor accepts for a model of ``blocks`` blocks."""
+def lab_candidates(engines: int, batch: int, blocks: int, microbatches=(1, 2, 4, 8), split: bool = True):
+    """Every Strategy with dp·pp = engines the executor accepts for a model of ``blocks`` blocks
+    (``split``: the zero-bubble schedules too, which need a table that timed backward's halves)."""
     for pp in [p for p in range(1, engines + 1) if engines % p == 0 and p <= blocks]:
         dp = engines // pp
         modes = DP_MODES if dp > 1 else ("overlap",)
@@ -28,8 +29,12 @@ def lab_candidates(engines: int, batch: int, blocks: int, microbatches=(1, 2, 4,
             plans = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)]
             if pp > 1 and m % pp == 0 and blocks % (2 * pp) == 0:
                 plans.append(("interleaved", 2))
+            if pp > 1 and split:
+                plans += [("zb-h1", 1)] + ([("zbv", 2)] if blocks >= 2 * pp else [])
             for schedule, chunks in plans:
                 for mode in modes:
+                    if mode == "ddp" and schedule.startswith("zb"):
+                        continue            # DDP's reducer wants one fused backward (Strategy refuses it)
                     yield Strategy(dp=dp, pp=pp, schedule=schedule, chunks=chunks, microbatches=m, dp_mode=mode)
 
 
@@ -56,7 +61,8 @@ def search_lab(costs, batch: int, engines: int, verify=None, model=None, top: in
     if model is not None:
         costs.check(model)
     result = LabSearch()
-    for s in lab_candidates(engines, batch, len(costs.blocks)):
+    split = all("bwd_input" in b for b in costs.blocks)
+    for s in lab_candidates(engines, batch, len(costs.blocks), split=split):
         result.ranked.append((s, simulate(s, costs, batch=batch)))
     result.ranked.sort(key=lambda row: row[1].metrics["step_time_s"])
     if verify is not None:

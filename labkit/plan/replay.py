@@ -9,6 +9,11 @@ with pp = 1 the data-parallel job's F0 B0 F1 B1 …), and the same gradient call
 * ``ddp`` — the same launches, but backward itself returns only once every bucket is done;
 * tensor parallelism's f and g — blocking all-reduces inside a forward or backward
   (``fwd_calls``/``bwd_calls``), the compute span cut around each, as the recorder cuts it;
+* the zero-bubble schedules (zb-h1, zbv) — backward split into I (``bwd_input``: the input
+  gradient, sent upstream at once) and W (``bwd_weight``: the weight gradients, later); the
+  gradients exist in W, so overlap's buckets launch from a chunk's last W; tp's f calls lie
+  on the input path, so I makes them (a first stage has no input gradient: its W is its whole
+  backward, calls included); zbv's stages sit in a V (rank r holds stages r and 2p−1−r);
 * zero=1 — after the schedule, each stage's buckets reduce-scattered, the shards stepped and
   all-gathered back (:func:`labkit.plan.sharded.sharded_tail`; zero 2 and 3 need pp = 1 and
   are replayed block by block there).
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..parallel.pipeline.schedules import Action, build_schedule
+from ..parallel.pipeline.schedules import Action, build_schedule, global_stage, placement_of
 from .sharded import Call, Rank, Unit, sharded_tail
 
 
@@ -72,6 +77,8 @@ class StageProgram:
     """zero=1's calls of the dp group that run at once (labkit.plan.sharded.Link)."""
     call_gap: float = 0.0
     """zero=1's untimed seconds before each of its calls (measured: labkit.plan.in_step.zero1_fit)."""
+    bwd_input: list[float] = field(default_factory=list)    # per stage: I of a split backward
+    bwd_weight: list[float] = field(default_factory=list)   # … and W (zero-bubble schedules)
 
 
 def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
@@ -86,7 +93,9 @@ class _Replay:
         self.prog, self.pp, self.dp, self.chunks, self.dp_mode = prog, pp, dp, chunks, dp_mode
         self.replicas = replicas
         self.actions = _actions(pp, schedule, m, chunks)
-        self.last_b = [{a.chunk: a.microbatch for a in acts if a.op == "B"} for acts in self.actions]
+        self.placement = placement_of(schedule)
+        # the gradients of a chunk are complete after its last B, or its last W when split
+        self.last_b = [{a.chunk: a.microbatch for a in acts if a.op in ("B", "W")} for acts in self.actions]
         self.clock = [0.0] * pp
         self.comm_free = [0.0] * pp
         self.inflight = [dict() for _ in range(pp)]      # chunk → end of its launched buckets
@@ -136,11 +145,17 @@ class _Replay:
         if a.op == "F":
             self.compute(r, "fwd", self.label("F", a), prog.fwd[a.stage], self.calls(prog.fwd_calls, a.stage),
                          a.microbatch)
-        elif a.op == "B":
+        elif a.op == "I":
+            self.compute(r, "bwd_input", self.label("I", a), prog.bwd_input[a.stage],
+                         self.calls(prog.bwd_calls, a.stage) if a.stage > 0 else [], a.microbatch)
+        elif a.op in ("B", "W"):
             launches = self.dp > 1 and self.dp_mode in ("overlap", "ddp") and self.last_b[r][a.chunk] == a.microbatch
             stretch = prog.overlap_stretch if launches and prog.grads[a.stage] else 1.0
-            self.compute(r, "bwd", self.label("B", a), prog.bwd[a.stage] * stretch,
-                         self.calls(prog.bwd_calls, a.stage), a.microbatch)
+            seconds, calls = prog.bwd[a.stage], self.calls(prog.bwd_calls, a.stage)
+            if a.op == "W":
+                seconds, calls = prog.bwd_weight[a.stage], calls if a.stage == 0 else []
+            self.compute(r, "bwd" if a.op == "B" else "bwd_weight", self.label(a.op, a), seconds * stretch,
+                         calls, a.microbatch)
             if launches:
                 self.launch(r, a.chunk, a.stage, t, stretch)
         elif a.op.startswith("SEND"):
@@ -193,7 +208,7 @@ class _Replay:
 
     def finish(self, r: int) -> None:
         """After the schedule: each chunk's gradient sync, then the optimizer step."""
-        stages = [c * self.pp + r for c in range(self.chunks)]
+        stages = [global_stage(r, c, self.pp, self.placement) for c in range(self.chunks)]
         if self.prog.zero:
             rank = Rank(gap=self.prog.gap, lanes=self.prog.lanes, call_gap=self.prog.call_gap)
             rank.clock, rank.comm_free = self.clock[r], self.comm_free[r]
@@ -235,4 +250,7 @@ def replay(prog: StageProgram, pp: int, dp: int, schedule: str = "1f1b", microba
     ``replicas`` dp replicas (default all dp; 1 draws one pipeline)."""
     if len(prog.fwd) != pp * chunks:
         raise ValueError(f"the program has {len(prog.fwd)} stages but pp*chunks = {pp * chunks}")
+    if pp > 1 and any(a.op in ("I", "W") for a in build_schedule(schedule, pp, microbatches, chunks)[0]) and \
+            len(prog.bwd_input) != pp * chunks:
+        raise ValueError(f"schedule {schedule!r} splits backward: the program needs bwd_input and bwd_weight per stage")
     return _Replay(prog, pp, dp, schedule, microbatches, chunks, dp_mode, dp if replicas is None else replicas).run()

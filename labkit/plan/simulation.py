@@ -162,10 +162,13 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
                         gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get(f"{fit}_busy"),
                         overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes,
                         call_gap=costs.in_step.get("zero1_gap_s", 0.0) if strategy.zero == 1 else 0.0)
-    f_stretch, b_stretch = (costs.compute_stretch("fwd", strategy.pp, strategy.tp),
-                            costs.compute_stretch("bwd", strategy.pp, strategy.tp))
+    f_stretch, b_stretch = (costs.compute_stretch("fwd", strategy.pp, strategy.tp, strategy.schedule),
+                            costs.compute_stretch("bwd", strategy.pp, strategy.tp, strategy.schedule))
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * f_stretch
     bwd_of = lambda i: costs.at(rows[i]["bwd"], size) * b_stretch
+    split = strategy.pp > 1 and strategy.schedule in SPLIT_BACKWARD       # zero-bubble: I and W
+    in_of = lambda i: costs.at(rows[i]["bwd_input"], size) * b_stretch
+    w_of = lambda i: costs.at(rows[i]["bwd_weight"], size) * b_stretch
     for g, blocks in enumerate(ranges):
         loss_f = costs.at(loss["fwd"], size) * f_stretch if g == last else 0.0
         loss_b = costs.at(loss["bwd"], size) * b_stretch if g == last else 0.0
@@ -173,21 +176,28 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
         for i in blocks:
             at += fwd_of(i)
             fwd_calls += _tp_calls(costs, strategy, rows[i], size, "g", at)
+        # Split, a stage's f calls lie on I's path, and its gradients appear in W; the first
+        # stage's input needs no gradient, so its W is its whole backward (split_backward.py).
+        halves = split and g > 0
         bwd_calls, at, wall = [], loss_b, {}
         for i in reversed(blocks):
-            at += bwd_of(i)
+            at += in_of(i) if halves else bwd_of(i)
             calls = _tp_calls(costs, strategy, rows[i], size, "f", at)
             bwd_calls += calls
-            wall[i] = bwd_of(i) + sum(c.cost for c in calls)      # what the gradients wait for
+            wall[i] = w_of(i) if halves else bwd_of(i) + sum(c.cost for c in calls)   # what the gradients wait for
         prog.fwd.append(sum(fwd_of(i) for i in blocks) + loss_f)
         prog.bwd.append(sum(bwd_of(i) for i in blocks) + loss_b)
+        if split:
+            prog.bwd_input.append(sum(in_of(i) for i in blocks) + loss_b if halves else 0.0)
+            prog.bwd_weight.append(sum(w_of(i) for i in blocks) if halves else prog.bwd[-1])
         prog.fwd_calls.append(fwd_calls)
         prog.bwd_calls.append(bwd_calls)
         out_bytes = 4 * rows[blocks[-1]]["out_numel"] * size
         prog.p2p_bytes.append(out_bytes)
         prog.p2p.append(costs.p2p_s(out_bytes, schedule=strategy.schedule) if strategy.pp > 1 and g < last else 0.0)
         sync = strategy.dp > 1 and not strategy.zero
-        prog.grads.append(_grad_messages(costs, strategy, blocks, rows, wall.__getitem__, loss_b) if sync else [])
+        prog.grads.append(_grad_messages(costs, strategy, blocks, rows, wall.__getitem__, 0.0 if halves else loss_b)
+                          if sync else [])
         prog.units.append(build_units(costs, strategy, blocks, rows) if strategy.zero else [])
         step = sum(rows[i]["optimizer"] for i in blocks) * costs.slowdown("optimizer")
         prog.optimizer.append(step / strategy.dp if strategy.zero else step)
@@ -239,9 +249,12 @@ def check_simulable(strategy, costs: CostTable) -> None:
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
                          "decode costs are not in the cost table); use compression='none'")
     if strategy.pp > 1 and strategy.schedule in SPLIT_BACKWARD:
-        raise ValueError(f"simulate: schedule={strategy.schedule!r} splits backward into its input and "
-                         "weight halves, which the cost table does not time apart; simulate "
-                         "schedule='1f1b' (the same stages, backward whole)")
+        rows, loss = _held_blocks(costs, strategy)
+        if not all("bwd_input" in b and "bwd_weight" in b for b in rows):
+            raise ValueError(f"simulate: schedule={strategy.schedule!r} splits backward into its input and "
+                             "weight halves, and this cost table did not time them apart (calibrated before "
+                             "they were); calibrate again with labkit.plan.calibrate(lab, model=...), or "
+                             "simulate schedule='1f1b' (the same stages, backward whole)")
     if strategy.pp * strategy.chunks > len(costs.blocks):
         raise ValueError(f"pp*chunks = {strategy.pp * strategy.chunks} stages but the model has "
                          f"{len(costs.blocks)} blocks; use fewer stages")
