@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from .hardware import GPT, Cluster
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 
 

@@ -16,7 +16,8 @@ s sequence, b micro-batch size, h hidden, a heads, t tensor-parallel degree:
     full recompute            2·s·b·h   (the layer's input; / t with sequence parallel)
 
 A pipeline rank holds its L/p layers for every micro-batch in flight: p on the first stage
-for 1F1B (Megatron's warm-up), ×(1 + (p−1)/(p·v)) for the interleaved schedule (§4.2.3), all
+for 1F1B (Megatron's warm-up) and zb-h1 (its first stage's W follow its I closely enough that
+p are held until W, as labkit's schedule counts them), ×(1 + (p−1)/(p·v)) for the interleaved schedule (§4.2.3), all
 m for GPipe. Full recomputation re-materialises one layer at a time in backward, so one
 layer's full activations come on top.
 """

@@ -4,8 +4,8 @@
     >>> print(result.table(top=10)); result.plot()
 
 Candidates: every (dp, pp, tp) with dp·pp·tp = GPUs, tp a power of two within a node, pp
-dividing the layers; every ZeRO stage, micro-batch size, schedule (interleaved with 2 or 4
-chunks where they divide the layers) and recomputation. Each is predicted by
+dividing the layers; every ZeRO stage, micro-batch size, schedule (GPipe, 1F1B, zb-h1, and
+interleaved with 2 or 4 chunks where they divide the layers) and recomputation. Each is predicted by
 :func:`labkit.plan.step.predict`; those that do not fit in memory are counted and left out
 of the ranking; a model that fits no strategy gives a result whose table says so.
 """
@@ -30,6 +30,7 @@ def _schedules(pp: int, layers: int, m: int):
         return
     yield "1f1b", 1
     yield "gpipe", 1
+    yield "zb-h1", 1
     for v in (2, 4):
         if layers % (pp * v) == 0 and m % pp == 0:
             yield "interleaved", v

@@ -322,9 +322,13 @@ def simulate_scale(prediction, max_microbatches: int | None = None) -> Timeline:
     c = stage_costs(prediction.model, prediction.cluster, s)
     stages = s.pp * s.chunks
     act = 2 * s.microbatch_size * prediction.model.seq * prediction.model.hidden
-    grads = [[Message("gradients", 0, c.dp_sync, c.bwd[g])] if s.dp > 1 else [] for g in range(stages)]
+    split = s.schedule in SPLIT_BACKWARD            # the gradients appear in W
+    ready = c.bwd_weight if split else c.bwd
+    grads = [[Message("gradients", 0, c.dp_sync, ready[g])] if s.dp > 1 else [] for g in range(stages)]
     prog = StageProgram(c.fwd, c.bwd, [c.p2p] * stages, [act // s.tp] * stages, grads,
                         [c.optimizer / s.chunks] * stages)
+    if split:
+        prog.bwd_input, prog.bwd_weight = c.bwd_input, c.bwd_weight
     events = replay(prog, s.pp, s.dp, s.schedule, m, s.chunks, "overlap" if s.dp_overlap else "bucketed",
                     replicas=1)
     if s.dp > 1:        # one replica drawn, but its collectives span dp of them

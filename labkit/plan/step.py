@@ -15,7 +15,11 @@ ranks and all-gathered over NVLink (Megatron's scatter/gather optimisation, §4.
 
 Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
 Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
-(p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). Then the dp gradient all-reduce (exposed unless
+(p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). zb-h1 splits backward into I (input gradients:
+the attention core's backward and half of the GEMMs', the memory-bound work, tp's f calls,
+recomputation) and W (the weight-gradient GEMMs, 24·b·s·h²/t a layer, and the logits' half),
+and fills the 1F1B bubble with W: 2·(p−1)·W less (Qi et al. 2023, arXiv 2401.10241, §3.1: a
+bubble of (p−1)(F+I−W) against 1F1B's (p−1)(F+I+W)), at 1F1B's peak activation memory. Then the dp gradient all-reduce (exposed unless
 ``dp_overlap``), ZeRO-3's parameter all-gathers, and the optimizer step at HBM bandwidth.
 
     >>> p = predict(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), 1536,
@@ -72,6 +76,12 @@ class StageCosts:
     dp_sync: float               # gradient all-reduce (or ZeRO's reduce-scatter + all-gather)
     optimizer: float
     tp_comm: float = 0.0         # of fwd + bwd, the part that is tp all-reduces (one micro-batch, one stage)
+    bwd_weight: list[float] = field(default_factory=list)   # of bwd, the weight-gradient GEMMs (W)
+
+    @property
+    def bwd_input(self) -> list[float]:
+        """Of bwd, what the input gradient needs (I): the rest of it."""
+        return [b - w for b, w in zip(self.bwd, self.bwd_weight)]
 
 
 def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
@@ -94,6 +104,8 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     logit_f = model.logit_forward_flops(tokens) / s.tp / flops_rate
     fwd = [layers * layer_f + (logit_f if g == stages - 1 else 0.0) for g in range(stages)]
     bwd = [layers * layer_b + (2 * logit_f if g == stages - 1 else 0.0) for g in range(stages)]
+    layer_w = 24 * tokens * model.hidden ** 2 / s.tp / flops_rate       # one GEMM per forward GEMM
+    bwd_weight = [layers * layer_w + (logit_f if g == stages - 1 else 0.0) for g in range(stages)]
     pp_link = cluster.link(s.pp * s.tp)
     p2p = 0.0
     if s.pp > 1:
@@ -105,7 +117,7 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     dp_sync = all_reduce_time(grads, s.dp, dp_link) * (1.5 if s.zero >= 3 else 1.0)
     params_local = (model.layers / s.pp * model.layer_params + model.embedding_params) / s.tp
     optimizer = ADAM_BYTES_PER_PARAM * params_local / (s.dp if s.zero >= 1 else 1) / hw.hbm_bandwidth
-    return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar)
+    return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar, bwd_weight=bwd_weight)
 
 
 def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
@@ -115,6 +127,8 @@ def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
                 for r in range(p)]
     if s.schedule == "interleaved":
         return (m + (p - 1) / v) * max(per_rank)
+    if s.schedule == "zb-h1":       # the cool-down's W fill what 1F1B leaves idle
+        return sum(per_rank) + (m - 1) * max(per_rank) - 2 * (p - 1) * min(c.bwd_weight[:p])
     return sum(per_rank) + (m - 1) * max(per_rank)
 
 
@@ -167,7 +181,8 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
     m = strategy.microbatches(global_batch)
     c = stage_costs(model, cluster, strategy)
     pipe = pipeline_time(c, strategy, m)
-    tail_bwd = sum(c.bwd[k * strategy.pp] for k in range(strategy.chunks))
+    last = c.bwd_weight if strategy.schedule == "zb-h1" else c.bwd        # the gradients appear in W
+    tail_bwd = sum(last[k * strategy.pp] for k in range(strategy.chunks))
     dp_exposed = max(0.0, c.dp_sync - tail_bwd) if strategy.dp_overlap else c.dp_sync
     step = pipe + dp_exposed + c.optimizer
     tokens = global_batch * model.seq
