@@ -232,8 +232,8 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert costs.lanes == 2                                   # gloo's two worker threads
     assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
             "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy", "rank_ends_s",
-            "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "chunked_compute_fwd",
-            "split_compute_bwd"} <= set(costs.in_step)
+            "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
+            "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd"} <= set(costs.in_step)
     assert costs.blocks[0]["bwd_input"] == [0.0] * 4 and costs.blocks[0]["bwd_weight"] == costs.blocks[0]["bwd"]
     assert all(min(b["bwd_input"]) > 0 for b in costs.blocks[1:])      # Linear and ReLU both pass a gradient
     assert len(costs.in_step["rank_ends_s"]) == 2 and sum(costs.in_step["rank_ends_s"]) == pytest.approx(0, abs=1e-12)
@@ -685,8 +685,9 @@ def test_zero_bubble_schedules_replay_backward_as_input_and_weight_halves():
 
 def test_receives_are_priced_by_the_kind_of_schedule_their_factor_was_measured_in():
     """p2p_factor recovers how much longer a replayed "measurement"'s receives took than α + S/β;
-    1F1B takes the 1F1B run's factor, interleaved and zbv the two-chunk run's, zb-h1 the split
-    run's, and a table without those runs prices every schedule with GPipe's."""
+    1F1B takes the 1F1B run's factor, interleaved the two-chunk run's, zb-h1 the split run's,
+    zbv its own (the two-chunk run's in a table without it), and a table without those runs
+    prices every schedule with GPipe's."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -706,9 +707,12 @@ def test_receives_are_priced_by_the_kind_of_schedule_their_factor_was_measured_i
         return max(spans)
 
     _split_halves(costs)
-    runs = {"1f1b": 1.5, "interleaved": 3.0, "zbv": 3.0, "zb-h1": 4.0, "gpipe": 2.5}
+    runs = {"1f1b": 1.5, "interleaved": 3.0, "zbv": 5.0, "zb-h1": 4.0, "gpipe": 2.5}
     every = replace(costs, in_step={"sendrecv": 2.5, "sendrecv_1f1b": 1.5, "sendrecv_chunked": 3.0,
-                                    "sendrecv_split": 4.0})
+                                    "sendrecv_split": 4.0, "sendrecv_zbv": 5.0})
+    no_v = replace(costs, in_step={k: v for k, v in every.in_step.items() if k != "sendrecv_zbv"})
+    v = replace(gpipe, schedule="zbv", chunks=2)
+    assert recv(v, no_v) == pytest.approx(3.0 * recv(v, costs))       # before its run: interleaved's
     old = replace(costs, in_step={"sendrecv": 2.5})
     for schedule, factor in runs.items():
         s = replace(gpipe, schedule=schedule, chunks=2 if schedule in ("interleaved", "zbv") else 1)

@@ -129,7 +129,9 @@ class CostTable:
         tp_run = tp > 1 and f"tp_compute_{kind}" in self.in_step
         base = "pipeline_compute" if pp > 1 else "tp_compute" if tp_run else "dp_compute"
         run = pipeline_run(schedule)
-        if pp > 1 and run in ("chunked", "split") and f"{run}_compute_{kind}" in self.in_step:
+        if run == "zbv" and f"zbv_compute_{kind}" not in self.in_step:
+            run = "chunked"
+        if pp > 1 and run in ("chunked", "split", "zbv") and f"{run}_compute_{kind}" in self.in_step:
             base = f"{run}_compute"
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
 
@@ -144,6 +146,8 @@ class CostTable:
         alpha, beta = self.alpha_beta("sendrecv")
         run = pipeline_run(schedule)
         factor = self.in_step.get(f"sendrecv_{run}") if run != "gpipe" else None
+        if run == "zbv" and factor is None:
+            factor = self.in_step.get("sendrecv_chunked")
         return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
                 * (factor or self.slowdown("sendrecv")))
 
@@ -204,9 +208,9 @@ def pipeline_run(schedule: str) -> str:
     """Which of the calibration's pipeline runs prices ``schedule``'s receives and compute
     (:func:`labkit.plan.in_step.time_in_step`): "gpipe", "1f1b" (1F1B's receives: GPipe's fill
     runs a first stage's forwards back to back, and its receivers wait for a core), "chunked"
-    (interleaved and zbv: two chunks a rank, twice the actions and messages) or "split"
-    (zb-h1: backward as I and W)."""
-    return {"1f1b": "1f1b", "interleaved": "chunked", "zbv": "chunked", "zb-h1": "split"}.get(schedule, "gpipe")
+    (interleaved: two chunks a rank, twice the actions and messages), "split" (zb-h1: backward
+    as I and W) or "zbv" (both, in a V; with a table calibrated before its run, interleaved's)."""
+    return {"1f1b": "1f1b", "interleaved": "chunked", "zbv": "zbv", "zb-h1": "split"}.get(schedule, "gpipe")
 
 
 # -- in the notebook --------------------------------------------------------------------------

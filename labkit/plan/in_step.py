@@ -14,11 +14,12 @@ predicts for the same calls:
 * ``zero=1`` — reduce-scatters, then all-gathers, after backward: their factors (the window
   from the first issue to the last completion against the calls run one after another), and
   the untimed seconds before each call (``zero1_fit``);
-* ``pp=2`` GPipe, 1F1B, interleaved (two chunks) and zb-h1 (split backward), dp naive
+* ``pp=2`` GPipe, 1F1B, interleaved (two chunks), zb-h1 (split backward) and zbv, dp naive
   (nothing beside the schedule's receives) — point-to-point: the receive spans against
   α + S/β, per kind of schedule (``sendrecv``, ``sendrecv_1f1b``, ``sendrecv_chunked``,
-  ``sendrecv_split``), and forward and backward against the blocks (``pipeline_compute``,
-  ``chunked_compute``, ``split_compute``: more actions for the same compute cost more);
+  ``sendrecv_split``, ``sendrecv_zbv``), and forward and backward against the blocks
+  (``pipeline_compute``, ``chunked_compute``, ``split_compute``, ``zbv_compute``: more actions
+  for the same compute cost more);
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
   and the busy factor that makes the replay's comm tail after backward the measured one
   (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
@@ -378,13 +379,16 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     # 1F1B's receives: on 4 engines they took ×0.6–0.8 of GPipe's (same degrees, same
     # micro-batches), where GPipe's fill runs every first stage's forwards back to back
     pipe_1f1b = run(replace(gpipe, schedule="1f1b")) if piped else None
-    # the same compute in more actions and messages: two chunks a rank (interleaved; zbv's V
-    # takes its factors too), and backward split into I and W (zb-h1)
+    # the same compute in more actions and messages: two chunks a rank (interleaved), backward
+    # split into I and W (zb-h1), and both in a V (zbv: its receives took ×1.5–2 of interleaved's)
     blocks = len(costs.blocks)
     chunked = replace(gpipe, schedule="interleaved", chunks=2, split_at=tuple(round(k * blocks / 4) for k in (1, 2, 3)))
     pipe_chunked = run(chunked) if piped and blocks >= 4 else None
     split = replace(gpipe, schedule="zb-h1")
-    pipe_split = run(split) if piped and all("bwd_input" in b for b in costs.blocks) else None
+    halves = all("bwd_input" in b for b in costs.blocks)
+    pipe_split = run(split) if piped and halves else None
+    v_shape = replace(chunked, schedule="zbv")
+    pipe_v = run(v_shape) if piped and halves and blocks >= 4 else None
     out = {"all_reduce": all_reduce_factor(naive, costs, n), **all_reduce_fit(naive, n),
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
@@ -392,7 +396,8 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
         out["sendrecv_1f1b"] = p2p_factor(pipe_1f1b, costs)
-        for name, strategy, measured in (("chunked", chunked, pipe_chunked), ("split", split, pipe_split)):
+        for name, strategy, measured in (("chunked", chunked, pipe_chunked), ("split", split, pipe_split),
+                                         ("zbv", v_shape, pipe_v)):
             if measured is not None:
                 out[f"sendrecv_{name}"] = p2p_factor(measured, costs)
                 out.update(compute_factors(measured, costs, strategy, batch, f"{name}_compute"))
