@@ -109,7 +109,8 @@ def time_blocks(model, seed: int, sizes: list[int], repeats: int, data=None, los
                     fwd.setdefault((i, size), []).append(_once(lambda: forward(block, inp)))
                     if grad is not None:
                         both.setdefault((i, size), []).append(_once(lambda: forward(block, inp).backward(grad)))
-                        split.setdefault((i, size), []).append(_split_once(forward, block, inp, grad))
+                        if i > 0:       # block 0's W is its whole backward (scale_to_chain)
+                            split.setdefault((i, size), []).append(_split_once(forward, block, inp, grad))
                 pred, target = inputs["loss", size]
                 fwd.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).item()))
                 both.setdefault(("loss", size), []).append(_once(lambda: loss_fn(pred, target).backward()))

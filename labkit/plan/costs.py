@@ -121,19 +121,23 @@ class CostTable:
     def compute_stretch(self, kind: str, pp: int = 1, tp: int = 1, schedule: str = "gpipe") -> float:
         """How much longer a forward (``kind`` "fwd") or backward ("bwd") ran inside a measured
         step than its blocks timed alone (:mod:`labkit.plan.in_step`): for pp > 1 the pipeline
-        run of ``schedule``'s kind (:func:`pipeline_run`: two chunks and a split backward run
+        run of ``schedule``'s kind (:func:`pipeline_runs`: two chunks and a split backward run
         more actions for the same compute, each with its own fixed cost), for tp > 1 the
         tensor-parallel run's where measured (shards beside their f and g: on 2 engines
         ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel run's otherwise;
         per kind where measured, else both together (tables calibrated before the split), else 1."""
         tp_run = tp > 1 and f"tp_compute_{kind}" in self.in_step
         base = "pipeline_compute" if pp > 1 else "tp_compute" if tp_run else "dp_compute"
-        run = pipeline_run(schedule)
-        if run == "zbv" and f"zbv_compute_{kind}" not in self.in_step:
-            run = "chunked"
-        if pp > 1 and run in ("chunked", "split", "zbv") and f"{run}_compute_{kind}" in self.in_step:
-            base = f"{run}_compute"
+        if pp > 1:
+            base = next((f"{run}_compute" for run in pipeline_runs(schedule)
+                         if f"{run}_compute_{kind}" in self.in_step), base)
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
+
+    def times_halves(self, tp: int = 1) -> bool:
+        """Whether backward was timed as its input and weight halves (the zero-bubble schedules
+        need them), for the blocks as ``tp`` ranks hold them."""
+        rows = self.sharded(tp)["blocks"] if tp > 1 else self.blocks
+        return all("bwd_input" in b and "bwd_weight" in b for b in rows)
 
     def gap_s(self, pp: int) -> float:
         """The executor's untimed seconds per action (pipeline runs and data-parallel ones differ)."""
@@ -142,12 +146,10 @@ class CostTable:
     def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe") -> float:
         """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout),
         × how much longer a receive took inside the calibration's pipeline run of ``schedule``'s
-        kind (:func:`pipeline_run`), else the GPipe run's (tables calibrated before that run)."""
+        kind (:func:`pipeline_runs`), else the GPipe run's (tables calibrated before that run)."""
         alpha, beta = self.alpha_beta("sendrecv")
-        run = pipeline_run(schedule)
-        factor = self.in_step.get(f"sendrecv_{run}") if run != "gpipe" else None
-        if run == "zbv" and factor is None:
-            factor = self.in_step.get("sendrecv_chunked")
+        factor = next((self.in_step[f"sendrecv_{run}"] for run in pipeline_runs(schedule)
+                       if f"sendrecv_{run}" in self.in_step), None)
         return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
                 * (factor or self.slowdown("sendrecv")))
 
@@ -204,13 +206,17 @@ class CostTable:
         return table
 
 
-def pipeline_run(schedule: str) -> str:
-    """Which of the calibration's pipeline runs prices ``schedule``'s receives and compute
-    (:func:`labkit.plan.in_step.time_in_step`): "gpipe", "1f1b" (1F1B's receives: GPipe's fill
-    runs a first stage's forwards back to back, and its receivers wait for a core), "chunked"
-    (interleaved: two chunks a rank, twice the actions and messages), "split" (zb-h1: backward
-    as I and W) or "zbv" (both, in a V; with a table calibrated before its run, interleaved's)."""
-    return {"1f1b": "1f1b", "interleaved": "chunked", "zbv": "zbv", "zb-h1": "split"}.get(schedule, "gpipe")
+PIPELINE_RUNS = {"1f1b": ("1f1b",), "interleaved": ("chunked",), "zb-h1": ("split",), "zbv": ("zbv", "chunked")}
+
+
+def pipeline_runs(schedule: str) -> tuple[str, ...]:
+    """Which of the calibration's pipeline runs price ``schedule``'s receives and compute, the
+    first measured one taken (:func:`labkit.plan.in_step.time_in_step`); none: GPipe's run.
+    "1f1b" (1F1B's receives: GPipe's fill runs a first stage's forwards back to back, and its
+    receivers wait for a core), "chunked" (interleaved: two chunks a rank, twice the actions
+    and messages), "split" (zb-h1: backward as I and W), "zbv" (both, in a V; a table
+    calibrated before its run takes interleaved's). 1F1B's compute is GPipe's run's."""
+    return PIPELINE_RUNS.get(schedule, ())
 
 
 # -- in the notebook --------------------------------------------------------------------------

@@ -385,7 +385,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     chunked = replace(gpipe, schedule="interleaved", chunks=2, split_at=tuple(round(k * blocks / 4) for k in (1, 2, 3)))
     pipe_chunked = run(chunked) if piped and blocks >= 4 else None
     split = replace(gpipe, schedule="zb-h1")
-    halves = all("bwd_input" in b for b in costs.blocks)
+    halves = costs.times_halves()
     pipe_split = run(split) if piped and halves else None
     v_shape = replace(chunked, schedule="zbv")
     pipe_v = run(v_shape) if piped and halves and blocks >= 4 else None

@@ -61,8 +61,7 @@ def search_lab(costs, batch: int, engines: int, verify=None, model=None, top: in
     if model is not None:
         costs.check(model)
     result = LabSearch()
-    split = all("bwd_input" in b for b in costs.blocks)
-    for s in lab_candidates(engines, batch, len(costs.blocks), split=split):
+    for s in lab_candidates(engines, batch, len(costs.blocks), split=costs.times_halves()):
         result.ranked.append((s, simulate(s, costs, batch=batch)))
     result.ranked.sort(key=lambda row: row[1].metrics["step_time_s"])
     if verify is not None:

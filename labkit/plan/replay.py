@@ -93,6 +93,8 @@ class _Replay:
         self.prog, self.pp, self.dp, self.chunks, self.dp_mode = prog, pp, dp, chunks, dp_mode
         self.replicas = replicas
         self.actions = _actions(pp, schedule, m, chunks)
+        if any(a.op in ("I", "W") for a in self.actions[0]) and len(prog.bwd_input) != pp * chunks:
+            raise ValueError(f"schedule {schedule!r} splits backward: the program needs bwd_input and bwd_weight per stage")
         self.placement = placement_of(schedule)
         # the gradients of a chunk are complete after its last B, or its last W when split
         self.last_b = [{a.chunk: a.microbatch for a in acts if a.op in ("B", "W")} for acts in self.actions]
@@ -250,7 +252,4 @@ def replay(prog: StageProgram, pp: int, dp: int, schedule: str = "1f1b", microba
     ``replicas`` dp replicas (default all dp; 1 draws one pipeline)."""
     if len(prog.fwd) != pp * chunks:
         raise ValueError(f"the program has {len(prog.fwd)} stages but pp*chunks = {pp * chunks}")
-    if pp > 1 and any(a.op in ("I", "W") for a in build_schedule(schedule, pp, microbatches, chunks)[0]) and \
-            len(prog.bwd_input) != pp * chunks:
-        raise ValueError(f"schedule {schedule!r} splits backward: the program needs bwd_input and bwd_weight per stage")
     return _Replay(prog, pp, dp, schedule, microbatches, chunks, dp_mode, dp if replicas is None else replicas).run()

@@ -249,8 +249,7 @@ def check_simulable(strategy, costs: CostTable) -> None:
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled (its encode and "
                          "decode costs are not in the cost table); use compression='none'")
     if strategy.pp > 1 and strategy.schedule in SPLIT_BACKWARD:
-        rows, loss = _held_blocks(costs, strategy)
-        if not all("bwd_input" in b and "bwd_weight" in b for b in rows):
+        if not costs.times_halves(strategy.tp):
             raise ValueError(f"simulate: schedule={strategy.schedule!r} splits backward into its input and "
                              "weight halves, and this cost table did not time them apart (calibrated before "
                              "they were); calibrate again with labkit.plan.calibrate(lab, model=...), or "

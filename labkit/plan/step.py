@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import GPT, Cluster, Link
 from .layout import ClusterStrategy
 from .memory import fits, gb, memory_breakdown
@@ -127,7 +128,7 @@ def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
                 for r in range(p)]
     if s.schedule == "interleaved":
         return (m + (p - 1) / v) * max(per_rank)
-    if s.schedule == "zb-h1":       # the cool-down's W fill what 1F1B leaves idle
+    if s.schedule in SPLIT_BACKWARD:       # the cool-down's W fill what 1F1B leaves idle
         return sum(per_rank) + (m - 1) * max(per_rank) - 2 * (p - 1) * min(c.bwd_weight[:p])
     return sum(per_rank) + (m - 1) * max(per_rank)
 
@@ -181,7 +182,7 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
     m = strategy.microbatches(global_batch)
     c = stage_costs(model, cluster, strategy)
     pipe = pipeline_time(c, strategy, m)
-    last = c.bwd_weight if strategy.schedule == "zb-h1" else c.bwd        # the gradients appear in W
+    last = c.bwd_weight if strategy.schedule in SPLIT_BACKWARD else c.bwd        # the gradients appear in W
     tail_bwd = sum(last[k * strategy.pp] for k in range(strategy.chunks))
     dp_exposed = max(0.0, c.dp_sync - tail_bwd) if strategy.dp_overlap else c.dp_sync
     step = pipe + dp_exposed + c.optimizer
