@@ -7,7 +7,9 @@ For each round: calibrate (per-block costs and α-β on these engines), then run
 for a few steps and simulate it from the cost table just measured; calibration and runs
 alternate so that a change of machine load moves both. Prints, per case, the medians over
 rounds of measured and predicted step time, their ratio, and the bubble and exposed-comm
-fractions measured/predicted. The figures are noisy on a shared 2-core machine (one round's
+fractions measured/predicted; with ``--repeat`` each case is measured twice, and the
+second measurement over the first (its median and range over rounds) shows how closely one
+measurement predicts another of the same code: the floor under the ratio. The figures are noisy on a shared 2-core machine (one round's
 ratio swings by ±30 %): a round takes ~15 s on 2 engines, so the default is 15 rounds; read
 the median with the ratio's spread over rounds (``--json`` keeps every round).
 """
@@ -57,16 +59,19 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
     return out
 
 
-def one_round(lab, model, batch: int, steps: int, plan_tp: dict, only: str = "") -> list[dict]:
+def one_round(lab, model, batch: int, steps: int, plan_tp: dict, only: str = "", repeat: bool = False) -> list[dict]:
     costs = plan.calibrate(lab, model=model, batch=batch, tp=(2,), tp_plan=plan_tp)
     rows = []
     for name, s in cases(lab.world_size):
         if only not in name:
             continue
-        run = lab.run(s, model=model, batch=batch, steps=steps, tp_plan=plan_tp if s.tp > 1 else None)
+        measure = lambda: lab.run(s, model=model, batch=batch, steps=steps, tp_plan=plan_tp if s.tp > 1 else None)
+        run = measure()
         pred = plan.simulate(s, costs, batch=batch, model=model)
         rows.append({"case": name, **{f"measured_{k}": run.metrics[k] for k in KEYS},
                      **{f"predicted_{k}": pred.metrics[k] for k in KEYS}})
+        if repeat:      # the same case measured again at once: how far a measurement predicts itself
+            rows[-1]["remeasured_step_time_s"] = measure().metrics["step_time_s"]
     return rows
 
 
@@ -74,18 +79,23 @@ KEYS = ("step_time_s", "bubble_fraction", "exposed_comm_fraction")
 
 
 def summarise(rounds: list[list[dict]]) -> str:
+    repeat = "remeasured_step_time_s" in rounds[0][0]
     lines = [f"{'case':>26} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'ratio range':>12} "
-             f"{'bubble m/p':>11} {'exposed m/p':>11}"]
+             f"{'bubble m/p':>11} {'exposed m/p':>11}" + (f" {'repeat':>6} {'repeat range':>12}" if repeat else "")]
     for i, row in enumerate(rounds[0]):
         per = [r[i] for r in rounds]
         med = {k: median(r[k] for r in per) for k in per[0] if k != "case"}
         ratios = [r["predicted_step_time_s"] / r["measured_step_time_s"] for r in per]
         lines.append(f"{row['case']:>26} {1e3 * med['measured_step_time_s']:>11.2f} "
-                     f"{1e3 * med['predicted_step_time_s']:>12.2f} {median(ratios):>6.2f} "
-                     f"{min(ratios):>5.2f}–{max(ratios):<5.2f} "
+                     f"{1e3 * med['predicted_step_time_s']:>12.2f}{_spread(ratios)} "
                      f"{med['measured_bubble_fraction']:>5.2f}/{med['predicted_bubble_fraction']:<5.2f} "
-                     f"{med['measured_exposed_comm_fraction']:>5.2f}/{med['predicted_exposed_comm_fraction']:<5.2f}")
+                     f"{med['measured_exposed_comm_fraction']:>5.2f}/{med['predicted_exposed_comm_fraction']:<5.2f}"
+                     + (_spread([r["remeasured_step_time_s"] / r["measured_step_time_s"] for r in per]) if repeat else ""))
     return "\n".join(lines)
+
+
+def _spread(ratios: list[float]) -> str:
+    return f" {median(ratios):>6.2f} {min(ratios):>5.2f}–{max(ratios):<5.2f}"
 
 
 def main() -> None:
@@ -96,11 +106,15 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cases", default="", help="only the cases whose name contains this, e.g. 'dp2'")
+    p.add_argument("--repeat", action="store_true",
+                   help="measure each case twice per round: the repeat column (second ÷ first) is the noise "
+                        "floor the ratio is read against")
     p.add_argument("--json")
     args = p.parse_args()
     model = labkit.models.mlp(width=args.width, depth=8)
     with labkit.Lab.start(engines=args.engines, timeout=120, progress=False) as lab:
-        rounds = [one_round(lab, model, args.batch, args.steps, mlp_tp_plan(8), args.cases) for _ in range(args.rounds)]
+        rounds = [one_round(lab, model, args.batch, args.steps, mlp_tp_plan(8), args.cases, args.repeat)
+                  for _ in range(args.rounds)]
     print(f"{args.engines} engines, mlp(width={args.width}, depth=8), batch {args.batch}, "
           f"{args.rounds} rounds, medians over rounds")
     print(summarise(rounds))

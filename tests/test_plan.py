@@ -769,3 +769,52 @@ def test_tensor_parallel_compute_gets_the_tp_runs_own_stretch():
     for s, factor in ((labkit.Strategy(dp=2, dp_mode="naive"), 0.9),
                       (labkit.Strategy(pp=2, tp=2, microbatches=2), 0.8)):
         assert compute(s, stretched) == pytest.approx(factor * compute(s, costs))
+
+
+def test_a_pipelines_replicas_at_their_own_pace_sync_each_all_reduce_on_the_slowest():
+    """pp × dp: each dp replica runs its pipeline at its measured pace, and a gradient
+    all-reduce starts only once every replica has issued it; paces of 1 are the copied pipeline."""
+    from labkit.plan.replay import Message
+
+    p, m = 2, 4
+    grads = [[Message(f"bucket {g}", 4000, 0.5, ready=1.0)] for g in range(p)]
+    prog = StageProgram([1.0] * p, [2.0] * p, [0.1] * p, [40] * p, grads, [0.25] * p)
+    for mode in ("naive", "overlap"):
+        copied = replay(prog, pp=p, dp=2, schedule="1f1b", microbatches=m, dp_mode=mode)
+        even = replay(prog, pp=p, dp=2, schedule="1f1b", microbatches=m, dp_mode=mode, paces=[1.0, 1.0])
+        key = lambda e: (e["rank"], round(e["start"], 9), round(e["end"], 9), e["kind"], e["name"])
+        assert sorted(map(key, even)) == sorted(map(key, copied))
+        events = replay(prog, pp=p, dp=2, schedule="1f1b", microbatches=m, dp_mode=mode, paces=[0.8, 1.2])
+        for stage in range(p):          # ranks stage (replica 0) and p + stage (replica 1) sync their grads
+            fast, slow = ([e for e in events if e["rank"] == r] for r in (stage, p + stage))
+            last = lambda evs: max(e["end"] for e in evs if e["kind"] == "bwd")
+            assert last(fast) < last(slow)
+            calls = [[e for e in evs if e["kind"] == "allreduce"] for evs in (fast, slow)]
+            assert [(e["start"], e["end"]) for e in calls[0]] == [(e["start"], e["end"]) for e in calls[1]]
+            issued = last(slow) - (2.0 - 1.0) * 1.2 if mode == "overlap" else last(slow)     # ready at 1.0 of 2.0
+            assert min(e["start"] for e in calls[0]) >= issued - 1e-9
+        end = lambda evs: max(e["end"] for e in evs)
+        assert end(events) > end(copied)
+    with pytest.raises(ValueError, match="one per dp replica"):
+        replay(prog, pp=p, dp=2, schedule="1f1b", microbatches=m, paces=[1.0, 1.0, 1.0])
+
+
+def test_replica_paces_are_the_order_statistics_of_where_each_pipeline_ends():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import replica_paces
+    from labkit.plan.simulation import replica_paces as spread_over
+
+    def step(k, ends):      # pp = 2: ranks 0, 1 are replica 0, ranks 2, 3 replica 1
+        return [{"rank": r, "stream": "compute", "kind": "bwd", "step": k, "start": 0.0, "end": t}
+                for r, t in enumerate(ends)]
+
+    # which replica is slow changes from step to step; step 0 is warm-up
+    events = step(0, [9.0, 9.0, 1.0, 1.0]) + step(1, [0.9, 0.9, 1.1, 1.1]) + step(2, [1.2, 1.0, 0.8, 1.0])
+    assert replica_paces([SimpleNamespace(timeline=SimpleNamespace(events=events))], 2) == pytest.approx([0.9, 1.1])
+    costs = replace(_costs(blocks=4), in_step={"replica_pace": [0.9, 1.1]})
+    assert spread_over(labkit.Strategy(dp=4, pp=2), costs) == pytest.approx([0.9, 1 - 0.1 / 3, 1 + 0.1 / 3, 1.1])
+    assert spread_over(labkit.Strategy(dp=2, pp=2, dp_mode="ddp"), costs) is None       # DDP's backward blocks
+    assert spread_over(labkit.Strategy(dp=4), costs) is None                            # pp = 1: rank_ends_s

@@ -29,6 +29,9 @@ predicts for the same calls:
   that makes the replayed step the measured one (``zero3_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
   from the mean, smallest first: :func:`rank_spread`);
+* the pipeline runs together (pp × dp, from 4 engines) — how far apart their dp replicas reach
+  the end of the schedule (``replica_pace``, a pace per replica, slowest last:
+  :func:`replica_paces`);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone,
   and its shards' forward and backward against the blocks timed alone (``tp_compute``);
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
@@ -343,6 +346,38 @@ def rank_spread(runs) -> list[float] | None:
     return [o - centre for o in order]
 
 
+def replica_paces(runs, pp: int) -> list[float] | None:
+    """How far apart a pipeline's dp replicas reach the end of their schedule: per step, each
+    replica's time to its last forward or backward (the mean over its ranks) over the replicas'
+    mean; the median over steps of each order statistic (slowest last), re-centred to mean 1.
+    None with one replica.
+
+    The replay's replicas were one pipeline copied, so a gradient all-reduce started as soon as
+    one rank issued it. Measured, the replicas drift apart within a step and each all-reduce
+    waits for the slowest replica to issue it: on 4 engines (pp2 × dp2, interleaved, overlap)
+    rank 0 issued its first bucket at 34.7 ms and its dp peer at 39.3 and 44.5; the bucket
+    ended at 45.2, where the replay, one pipeline for both, had it end 3 ms after rank 0's
+    issue. :func:`labkit.plan.replay.replay` runs each replica at its pace (``paces``)."""
+    order = []
+    for run in runs:
+        for evs in _steps(run).values():
+            ends: dict[int, float] = {}
+            for e in evs:
+                if e["kind"] in ("fwd", "bwd", "bwd_input", "bwd_weight"):
+                    ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
+            replicas: dict[int, list[float]] = {}
+            for rank, t in ends.items():          # the calibration's pipelines: tp = 1, rank = d·pp + stage
+                replicas.setdefault(rank // pp, []).append(t)
+            times = [mean(v) for v in replicas.values()]
+            if len(times) > 1:
+                order.append(sorted(t / mean(times) for t in times))
+    width = min((len(o) for o in order), default=0)
+    if width < 2:
+        return None
+    paces = [median(o[k] for o in order if len(o) == width) for k in range(width)]
+    return [p / mean(paces) for p in paces]
+
+
 def gap_per_action(run, actions: int) -> float:
     """Untimed seconds per action: lab_overhead_fraction·T per rank over its ``actions``."""
     m = run.metrics
@@ -407,6 +442,8 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
         if n > 2:   # its dp groups' all-reduces: a smaller group than naive's, two groups at once
             out.update(all_reduce_fit(pipe, n // 2, f"all_reduce_{n // 2}"))
+            out["replica_pace"] = replica_paces([r for r in (pipe, pipe_1f1b, pipe_chunked, pipe_split, pipe_v)
+                                                 if r is not None], 2)
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))

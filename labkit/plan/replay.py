@@ -19,16 +19,17 @@ with pp = 1 the data-parallel job's F0 B0 F1 B1 …), and the same gradient call
   are replayed block by block there).
 
 Each rank has one compute stream and one comm stream. A collective starts once the comm
-stream is free and every peer issued it; dp replicas are alike, so one pipeline is replayed
-and copied. A point-to-point transfer starts when both ends are posted (gloo and NCCL
-rendezvous): the receiver's blocked time before the sender posted is ``wait`` (bubble), the
+stream is free and every peer issued it. dp replicas are alike, so one pipeline is replayed
+and copied; or, given ``paces``, each replica runs its pipeline at its own pace and each
+gradient all-reduce starts once the slowest replica has issued it (:func:`finish`). A
+point-to-point transfer starts when both ends are posted (gloo and NCCL rendezvous): the receiver's blocked time before the sender posted is ``wait`` (bubble), the
 transfer ``recv``/``send`` (comm), as :mod:`labkit.waits` splits a measured run.
 
     >>> events = replay(program, pp=2, dp=1, schedule="1f1b", microbatches=4)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..parallel.pipeline.schedules import Action, build_schedule, global_stage, placement_of
 from .sharded import Call, Rank, Unit, sharded_tail
@@ -101,6 +102,7 @@ class _Replay:
         self.clock = [0.0] * pp
         self.comm_free = [0.0] * pp
         self.inflight = [dict() for _ in range(pp)]      # chunk → end of its launched buckets
+        self.launched = [[] for _ in range(pp)]          # chunks whose buckets are issued, not yet timed
         self.posted: dict[tuple, list] = {}
         self.taken: dict[tuple, int] = {}
         self.events: list[dict] = []
@@ -113,6 +115,13 @@ class _Replay:
         return f"{op}{a.microbatch}" + (f" c{a.chunk}" if self.chunks > 1 else "")
 
     def run(self) -> list[dict]:
+        self.schedule()
+        for r in range(self.pp):
+            finish([self], r)
+        return self.replicate()
+
+    def schedule(self) -> None:
+        """Every rank's actions, in the order their receives allow."""
         pos, progress = [0] * self.pp, True
         while progress:
             progress = False
@@ -125,9 +134,6 @@ class _Replay:
         stuck = [f"rank {r} at {acts[pos[r]]}" for r, acts in enumerate(self.actions) if pos[r] < len(acts)]
         if stuck:
             raise RuntimeError("replay deadlocked: " + ", ".join(stuck))
-        for r in range(self.pp):
-            self.finish(r)
-        return self.replicate()
 
     def calls(self, which: list, stage: int) -> list:
         return which[stage] if which else []
@@ -167,23 +173,28 @@ class _Replay:
         return True
 
     def launch(self, r: int, chunk: int, stage: int, bwd_start: float, stretch: float = 1.0) -> None:
-        """Buckets of the chunk's last backward, each issued once its gradients exist."""
-        f, packed = self.prog.overlap_busy or self.prog.busy_factor, 0.0
-        for msg in self.prog.grads[stage]:     # packing runs in the hooks, holding backward up
-            packed += msg.pack
-        self.clock[r] += packed
-        bwd_end, packed = self.clock[r], 0.0
-        for msg in self.prog.grads[stage]:
-            packed += msg.pack
-            start = max(bwd_start + msg.ready * stretch + packed, self.comm_free[r])
-            # processor sharing: at rate 1/f while backward still computes, at full rate after
-            shared = max(0.0, bwd_end - start)
-            end = start + msg.cost * f if msg.cost * f <= shared else max(start, bwd_end) + msg.cost - shared / f
-            self.comm_free[r] = end
-            self.event(r, "comm", "allreduce", msg.name, start, end, nbytes=msg.bytes)
-            self.inflight[r].setdefault(chunk, []).append((end, msg.unpack))
+        """Buckets of the chunk's last backward, each issued once its gradients exist; timed
+        by :func:`settle` once every replica has issued them."""
+        self.clock[r] += sum(msg.pack for msg in self.prog.grads[stage])   # packing runs in the hooks
+        self.launched[r].append((chunk, stage, bwd_start, self.clock[r], stretch))
         if self.dp_mode == "ddp":      # DDP's backward() returns after its buckets, copied back
+            settle([self], r)
             self.wait_and_unpack(r, chunk)
+
+    def issues(self, r: int) -> list[tuple]:
+        """(chunk, message, issue time, busy spans) of rank r's launched buckets, in issue order.
+        The busy spans are the backward that launched the bucket and every compute span of the
+        rank after it: with two chunks a rank the schedule goes on beside the transfer."""
+        out = []
+        for chunk, stage, bwd_start, bwd_end, stretch in self.launched[r]:
+            busy = [(bwd_start, bwd_end)] + sorted((e["start"], e["end"]) for e in self.events if e["rank"] == r
+                                                   and e["stream"] == "compute" and e["start"] >= bwd_end)
+            packed = 0.0
+            for msg in self.prog.grads[stage]:
+                packed += msg.pack
+                out.append((chunk, msg, bwd_start + msg.ready * stretch + packed, busy))
+        self.launched[r] = []
+        return out
 
     def wait_and_unpack(self, r: int, chunk: int) -> None:
         for end, unpack in self.inflight[r].pop(chunk, []):
@@ -208,28 +219,20 @@ class _Replay:
         self.clock[r] = start + cost
         return True
 
-    def finish(self, r: int) -> None:
-        """After the schedule: each chunk's gradient sync, then the optimizer step."""
+    def finish_sharded(self, r: int) -> None:
+        """zero=1 after the schedule: each chunk's buckets reduce-scattered, the shards stepped
+        and gathered back (every replica alike)."""
         stages = [global_stage(r, c, self.pp, self.placement) for c in range(self.chunks)]
-        if self.prog.zero:
-            rank = Rank(gap=self.prog.gap, lanes=self.prog.lanes, call_gap=self.prog.call_gap)
-            rank.clock, rank.comm_free = self.clock[r], self.comm_free[r]
-            optimizer = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
-            sharded_tail(rank, [u for g in stages for u in self.prog.units[g]], self.prog.zero, optimizer)
-            self.events += [dict(e, rank=r) for e in rank.events]
-            self.clock[r] = rank.clock
-            return
-        if self.dp > 1:
-            for chunk, stage in enumerate(stages):
-                if self.dp_mode in ("naive", "bucketed"):
-                    for msg in self.prog.grads[stage]:
-                        self.clock[r] += self.prog.gap
-                        start = max(self.clock[r] + msg.pack, self.comm_free[r])
-                        self.comm_free[r] = start + msg.cost
-                        self.event(r, "comm", "allreduce", msg.name, start, self.comm_free[r], nbytes=msg.bytes)
-                        self.clock[r] = self.comm_free[r] + msg.unpack
-                elif self.dp_mode == "overlap":
-                    self.wait_and_unpack(r, chunk)
+        rank = Rank(gap=self.prog.gap, lanes=self.prog.lanes, call_gap=self.prog.call_gap)
+        rank.clock, rank.comm_free = self.clock[r], self.comm_free[r]
+        optimizer = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
+        sharded_tail(rank, [u for g in stages for u in self.prog.units[g]], self.prog.zero, optimizer)
+        self.events += [dict(e, rank=r) for e in rank.events]
+        self.clock[r] = rank.clock
+
+    def step(self, r: int) -> None:
+        """The optimizer step of rank r's stages."""
+        stages = [global_stage(r, c, self.pp, self.placement) for c in range(self.chunks)]
         cost = sum(self.prog.optimizer[g] for g in stages) if self.prog.optimizer else 0.0
         if cost > 0:
             self.clock[r] += self.prog.gap
@@ -237,19 +240,109 @@ class _Replay:
             self.event(r, "compute", "optimizer", "SGD step", t, t + cost)
             self.clock[r] = t + cost
 
-    def replicate(self) -> list[dict]:
+    def replicate(self, first: int = 0) -> list[dict]:
         """The pipeline's events for every dp replica and tp rank (rank = (dp_index·pp + stage)·tp
-        + tp_index, labkit's grid, tp innermost)."""
+        + tp_index, labkit's grid, tp innermost), dp indices from ``first``."""
         tp = self.prog.tp
         return [dict(e, rank=(d * self.pp + e["rank"]) * tp + t,
                      peer=None if e["peer"] is None else (d * self.pp + e["peer"]) * tp + t)
-                for d in range(self.replicas) for t in range(tp) for e in self.events]
+                for d in range(first, first + self.replicas) for t in range(tp) for e in self.events]
+
+
+def settle(group: list[_Replay], r: int) -> None:
+    """Time the buckets rank r launched in each replica of ``group`` (rank r's dp group), in
+    issue order on the comm stream: an all-reduce starts once every replica has issued it and
+    the one before it has ended, progresses at 1/f of its speed (f: ``overlap_busy``) inside a
+    replica's busy spans, and ends when the slowest replica's share does."""
+    f = group[0].prog.overlap_busy or group[0].prog.busy_factor
+    plans = [rep.issues(r) for rep in group]
+    for calls in zip(*plans):
+        start = max([issue for _, _, issue, _ in calls] + [rep.comm_free[r] for rep in group])
+        end = max(shared_end(start, msg.cost, busy, f) for _, msg, _, busy in calls)
+        for rep, (chunk, msg, _, _) in zip(group, calls):
+            rep.comm_free[r] = end
+            rep.event(r, "comm", "allreduce", msg.name, start, end, nbytes=msg.bytes)
+            rep.inflight[r].setdefault(chunk, []).append((end, msg.unpack))
+
+
+def finish(group: list[_Replay], r: int) -> None:
+    """After the schedule, rank r in every replica of ``group``: each chunk's gradient sync
+    (an all-reduce starts once every replica has issued it), then the optimizer step."""
+    first = group[0]
+    if first.prog.zero:
+        for rep in group:
+            rep.finish_sharded(r)
+        return
+    if first.dp > 1:
+        for chunk in range(first.chunks):
+            stage = global_stage(r, chunk, first.pp, first.placement)
+            if first.dp_mode in ("naive", "bucketed"):
+                for msgs in zip(*(rep.prog.grads[stage] for rep in group)):
+                    for rep in group:
+                        rep.clock[r] += rep.prog.gap
+                    start = max([rep.clock[r] + msg.pack for rep, msg in zip(group, msgs)] +
+                                [rep.comm_free[r] for rep in group])
+                    for rep, msg in zip(group, msgs):
+                        rep.comm_free[r] = start + msg.cost
+                        rep.event(r, "comm", "allreduce", msg.name, start, start + msg.cost, nbytes=msg.bytes)
+                        rep.clock[r] = start + msg.cost + msg.unpack
+            elif first.dp_mode == "overlap":
+                settle(group, r)
+                for rep in group:
+                    rep.wait_and_unpack(r, chunk)
+    for rep in group:
+        rep.step(r)
+
+
+def shared_end(start: float, work: float, busy: list[tuple[float, float]], f: float) -> float:
+    """When ``work`` seconds of transfer issued at ``start`` end, at 1/``f`` of full speed inside
+    the ``busy`` spans (sorted by start) and at full speed outside them: processor sharing with
+    the rank's compute."""
+    t, left = start, work
+    for b0, b1 in busy:
+        if b1 <= t:
+            continue
+        if b0 > t:                          # free until the next busy span
+            if left <= b0 - t:
+                return t + left
+            left, t = left - (b0 - t), b0
+        if left * f <= b1 - t:
+            return t + left * f
+        left, t = left - (b1 - t) / f, b1
+    return t + left
+
+
+def at_pace(prog: StageProgram, pace: float) -> StageProgram:
+    """``prog`` on a rank that runs ``pace`` times as long: its compute, messages and gaps (not
+    its collectives, which run at the group's speed)."""
+    scale = lambda xs: [pace * x for x in xs]
+    return replace(prog, fwd=scale(prog.fwd), bwd=scale(prog.bwd), p2p=scale(prog.p2p),
+                   bwd_input=scale(prog.bwd_input), bwd_weight=scale(prog.bwd_weight),
+                   optimizer=scale(prog.optimizer), gap=pace * prog.gap,
+                   fwd_calls=[[replace(c, at=pace * c.at) for c in calls] for calls in prog.fwd_calls],
+                   bwd_calls=[[replace(c, at=pace * c.at) for c in calls] for calls in prog.bwd_calls],
+                   grads=[[replace(m, ready=pace * m.ready, pack=pace * m.pack, unpack=pace * m.unpack)
+                           for m in msgs] for msgs in prog.grads])
 
 
 def replay(prog: StageProgram, pp: int, dp: int, schedule: str = "1f1b", microbatches: int = 1,
-           chunks: int = 1, dp_mode: str = "overlap", replicas: int | None = None) -> list[dict]:
+           chunks: int = 1, dp_mode: str = "overlap", replicas: int | None = None,
+           paces: list[float] | None = None) -> list[dict]:
     """Events of one step (step 0, times from its start) in labkit's event schema, for
-    ``replicas`` dp replicas (default all dp; 1 draws one pipeline)."""
+    ``replicas`` dp replicas (default all dp; 1 draws one pipeline).
+
+    ``paces`` (one per dp replica): each replica's pipeline runs at its own pace (× its compute,
+    messages and gaps), and each gradient all-reduce starts once the slowest replica has issued
+    it. Without them every replica is the same pipeline, copied."""
     if len(prog.fwd) != pp * chunks:
         raise ValueError(f"the program has {len(prog.fwd)} stages but pp*chunks = {pp * chunks}")
-    return _Replay(prog, pp, dp, schedule, microbatches, chunks, dp_mode, dp if replicas is None else replicas).run()
+    if not paces:
+        return _Replay(prog, pp, dp, schedule, microbatches, chunks, dp_mode, dp if replicas is None else replicas).run()
+    if len(paces) != dp or prog.zero or dp_mode == "ddp":
+        raise ValueError(f"paces: one per dp replica ({dp}), for naive, bucketed or overlap dp without zero")
+    group = [_Replay(at_pace(prog, pace), pp, dp, schedule, microbatches, chunks, dp_mode, 1) for pace in paces]
+    for rep in group:
+        rep.schedule()
+    for r in range(pp):
+        finish(group, r)
+    return [e for d, rep in enumerate(group) for e in rep.replicate(first=d)]

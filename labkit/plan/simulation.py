@@ -35,7 +35,12 @@ The ranks' spread: the replay computes one typical rank, but on shared cores the
 keep one pace and a measured step ends with the slowest. The calibration measures how far
 apart the ranks of its data-parallel runs end (``in_step["rank_ends_s"]``); :func:`paced` lets
 each rank run at its own pace by those offsets, and the metrics average over the ways of
-assigning them.
+assigning them. A pipeline's dp replicas (pp > 1, dp > 1) drift apart within a step, and each
+gradient all-reduce waits for the slowest replica to issue it: there the replay runs every
+replica at its own measured pace (``in_step["replica_pace"]``, from the calibration's pipeline
+runs) and syncs the all-reduces across them; the offsets then spread where each rank ends
+after that sync. (The two differ: the paces are how far apart the pipelines reach their sync,
+the offsets how far apart ranks end after the last one.)
 
 Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
 parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
@@ -259,6 +264,20 @@ def check_simulable(strategy, costs: CostTable) -> None:
                          f"{len(costs.blocks)} blocks; use fewer stages")
 
 
+def replica_paces(strategy, costs: CostTable) -> list[float] | None:
+    """One pace per dp replica of a pipeline (pp > 1, dp > 1; naive, bucketed or overlap dp,
+    no zero): the calibration's measured ``replica_pace`` (slowest last), spread over ``dp``
+    replicas by linear interpolation between its order statistics where dp differs, re-centred
+    to mean 1; None otherwise (the replicas are one pipeline, copied)."""
+    measured = costs.in_step.get("replica_pace")
+    if not measured or strategy.pp < 2 or strategy.dp < 2 or strategy.zero or strategy.dp_mode == "ddp":
+        return None
+    import numpy as np
+
+    paces = np.interp(np.linspace(0, len(measured) - 1, strategy.dp), range(len(measured)), measured)
+    return [float(p / paces.mean()) for p in paces]
+
+
 def paced(events: list[dict], offsets: list[float], world: int) -> list[list[dict]]:
     """The replayed step once per assignment of the ranks' measured spread, rank r ending
     ``offsets[(r + k) % n]`` seconds from where the replay has it (k = 0 … world−1).
@@ -298,8 +317,10 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         events = [dict(e, rank=r) for r in range(world) for e in one]       # every rank alike (pp = 1)
     else:
         prog = build_program(strategy, costs, batch)
+        # pp × dp: the replicas drift apart before their gradient sync (replica_pace); the
+        # offsets below then spread where each rank ends after it, as in data parallelism
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
-                        strategy.chunks, strategy.dp_mode)
+                        strategy.chunks, strategy.dp_mode, paces=replica_paces(strategy, costs))
     offsets = costs.in_step.get("rank_ends_s")
     if not offsets or world < 2:
         return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
