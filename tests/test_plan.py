@@ -818,3 +818,37 @@ def test_replica_paces_are_the_order_statistics_of_where_each_pipeline_ends():
     assert spread_over(labkit.Strategy(dp=4, pp=2), costs) == pytest.approx([0.9, 1 - 0.1 / 3, 1 + 0.1 / 3, 1.1])
     assert spread_over(labkit.Strategy(dp=2, pp=2, dp_mode="ddp"), costs) is None       # DDP's backward blocks
     assert spread_over(labkit.Strategy(dp=4), costs) is None                            # pp = 1: rank_ends_s
+
+
+def test_a_pipeline_of_tp_pairs_gets_its_own_runs_factors():
+    """pp × tp: compute_factors sums one tp rank a stage (stage 1 computed 1.6×, stage 0 1×:
+    1.3× in all), and the pp × tp run's factors price its compute, receives and f/g, where the
+    pipeline alone and tp alone keep their own runs'."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import compute_factors
+
+    costs, batch = _sharded_costs(blocks=4), 32
+    s = labkit.Strategy(pp=2, tp=2, microbatches=2)
+    events = plan.simulate(s, costs, batch=batch).timeline.events
+    slow = [dict(e, end=e["start"] + 1.6 * (e["end"] - e["start"])) if e["kind"] in ("fwd", "bwd") and e["rank"] >= 2
+            else e for e in events]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
+    fit = compute_factors(run, costs, s, batch, "pipeline_tp_compute")
+    assert fit["pipeline_tp_compute_fwd"] == pytest.approx(1.3) and fit["pipeline_tp_compute_bwd"] == pytest.approx(1.3)
+    table = replace(costs, in_step={**fit, "pipeline_compute": 0.8, "sendrecv_1f1b": 1.5, "sendrecv_pipeline_tp": 0.2,
+                                    "tp": 2.0, "tp_in_pipeline": 0.5})
+    spans = lambda st, c, kinds: sum(e["end"] - e["start"] for e in plan.simulate(st, c, batch=batch).timeline.events
+                                     if e["kind"] in kinds and e["rank"] == 0)
+    tp_calls = lambda st, c: sum(e["end"] - e["start"] for e in plan.simulate(st, c, batch=batch).timeline.events
+                                 if e["name"].startswith("tp ") and e["rank"] == 0)
+    assert spans(s, table, ("fwd", "bwd")) == pytest.approx(1.3 * spans(s, costs, ("fwd", "bwd")))
+    assert spans(s, table, ("recv",)) == pytest.approx(0.2 * spans(s, costs, ("recv",)))
+    assert tp_calls(s, table) == pytest.approx(0.5 * tp_calls(s, costs))
+    alone = labkit.Strategy(tp=2)
+    assert tp_calls(alone, table) == pytest.approx(2.0 * tp_calls(alone, costs))
+    piped = labkit.Strategy(pp=2, microbatches=2)
+    assert spans(piped, table, ("recv",)) == pytest.approx(1.5 * spans(piped, costs, ("recv",)))
+    assert spans(piped, table, ("fwd", "bwd")) == pytest.approx(0.8 * spans(piped, costs, ("fwd", "bwd")))

@@ -93,12 +93,15 @@ class CostTable:
                              f"with labkit.plan.calibrate(lab, model=..., tp=({tp},))")
         return entry
 
-    def tp_call_s(self, direction: str, nbytes: float, n: int) -> float:
+    def tp_call_s(self, direction: str, nbytes: float, n: int, pp: int = 1) -> float:
         """Seconds of one f ("f": backward) or g ("g": forward) all-reduce of ``nbytes`` over ``n``
-        tp ranks, as measured through labkit's own f and g."""
+        tp ranks, as measured through labkit's own f and g, × how much slower they ran inside the
+        calibration's tp run (``tp``), or inside its pipeline of tp pairs for pp > 1
+        (``tp_in_pipeline``, where measured)."""
         calls = next(iter(self.tensor.values()))["calls"]
         c = calls[direction]
-        return (c["alpha_s"] + 2 * (n - 1) / n * nbytes / c["beta_Bps"]) * self.slowdown("tp")
+        factor = self.in_step.get("tp_in_pipeline", self.slowdown("tp")) if pp > 1 else self.slowdown("tp")
+        return (c["alpha_s"] + 2 * (n - 1) / n * nbytes / c["beta_Bps"]) * factor
 
     def all_reduce_s(self, nbytes: float, n: int, busy: bool = False) -> float:
         """α + 2(n−1)/n·S/β, with the bus bandwidth β measured (ring scaling to other n);
@@ -125,12 +128,14 @@ class CostTable:
         more actions for the same compute, each with its own fixed cost), for tp > 1 the
         tensor-parallel run's where measured (shards beside their f and g: on 2 engines
         ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel run's otherwise;
-        per kind where measured, else both together (tables calibrated before the split), else 1."""
+        per kind where measured, else both together (tables calibrated before the split), else 1.
+        pp × tp takes the calibration's pipeline of tp pairs (``pipeline_tp_compute``) where
+        measured (from 4 engines)."""
         tp_run = tp > 1 and f"tp_compute_{kind}" in self.in_step
         base = "pipeline_compute" if pp > 1 else "tp_compute" if tp_run else "dp_compute"
         if pp > 1:
-            base = next((f"{run}_compute" for run in pipeline_runs(schedule)
-                         if f"{run}_compute_{kind}" in self.in_step), base)
+            runs = ("pipeline_tp",) if tp > 1 else pipeline_runs(schedule)
+            base = next((f"{run}_compute" for run in runs if f"{run}_compute_{kind}" in self.in_step), base)
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
 
     def times_halves(self, tp: int = 1) -> bool:
@@ -143,13 +148,14 @@ class CostTable:
         """The executor's untimed seconds per action (pipeline runs and data-parallel ones differ)."""
         return self.in_step.get("gap_s" if pp > 1 else "gap_dp_s", 0.0)
 
-    def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe") -> float:
+    def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe", tp: int = 1) -> float:
         """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout),
         × how much longer a receive took inside the calibration's pipeline run of ``schedule``'s
-        kind (:func:`pipeline_runs`), else the GPipe run's (tables calibrated before that run)."""
+        kind (:func:`pipeline_runs`; for tp > 1 its pipeline of tp pairs, where measured), else
+        the GPipe run's (tables calibrated before that run)."""
         alpha, beta = self.alpha_beta("sendrecv")
-        factor = next((self.in_step[f"sendrecv_{run}"] for run in pipeline_runs(schedule)
-                       if f"sendrecv_{run}" in self.in_step), None)
+        runs = ("pipeline_tp",) + pipeline_runs(schedule) if tp > 1 else pipeline_runs(schedule)
+        factor = next((self.in_step[f"sendrecv_{run}"] for run in runs if f"sendrecv_{run}" in self.in_step), None)
         return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
                 * (factor or self.slowdown("sendrecv")))
 

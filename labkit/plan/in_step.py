@@ -33,7 +33,9 @@ predicts for the same calls:
   the end of the schedule (``replica_pace``, a pace per replica, slowest last:
   :func:`replica_paces`);
 * ``tp`` (when calibrated) — tensor parallelism's f and g against the same calls timed alone,
-  and its shards' forward and backward against the blocks timed alone (``tp_compute``);
+  and its shards' forward and backward against the blocks timed alone (``tp_compute``); from
+  4 engines the same, and the receives, of a pipeline of tp pairs (pp2 × tp2, 1F1B:
+  ``tp_in_pipeline``, ``sendrecv_pipeline_tp``, ``pipeline_tp_compute``);
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
   and backward spans of the naive run and of the pipeline run against the calibrated costs
   (``dp_compute``, ``pipeline_compute``, each also per kind, ``_fwd`` and ``_bwd``: compute
@@ -122,11 +124,12 @@ def p2p_factor(run, costs) -> float | None:
     return _ratio(per_step)
 
 
-def tp_factor(run, costs, tp: int) -> float | None:
-    """Recorded f/g seconds over the prediction from the calls timed alone (tensor_costs)."""
+def tp_factor(run, costs, tp: int, ranks=(0,)) -> float | None:
+    """Recorded f/g seconds of ``ranks`` over the prediction from the calls timed alone
+    (tensor_costs), per step."""
     per_step = []
     for events in _steps(run).values():
-        calls = [e for e in events if e["kind"] == "allreduce" and e["rank"] == 0 and e["name"][:5] in ("tp f ", "tp g ")]
+        calls = [e for e in events if e["kind"] == "allreduce" and e["rank"] in ranks and e["name"][:5] in ("tp f ", "tp g ")]
         predicted = sum(costs.tp_call_s(e["name"][3], e["bytes"] * tp / (2 * (tp - 1)), tp) for e in calls)
         per_step.append(sum(e["end"] - e["start"] for e in calls) / predicted if predicted else None)
     return _ratio(per_step)
@@ -142,14 +145,16 @@ def optimizer_factor(run, costs, share: float = 1.0) -> float | None:
 
 def _compute_seconds(run, costs, strategy, batch: int) -> tuple[dict, list[dict]]:
     """Calibrated forward and backward seconds of one step of ``strategy``, and the recorded
-    ones per step, summed over one pipeline's ranks (one rank for pp = 1; dp replicas are alike)."""
+    ones per step, summed over one pipeline's ranks (one rank for pp = 1, one tp rank a stage;
+    dp replicas are alike)."""
     from .simulation import build_program
 
     prog = build_program(strategy, costs, batch)
     bwd = sum(prog.bwd_input) + sum(prog.bwd_weight) if prog.bwd_input else sum(prog.bwd)   # split: I and W
     predicted = {"fwd": strategy.microbatches * sum(prog.fwd), "bwd": strategy.microbatches * bwd}
     kinds = {"fwd": ("fwd",), "bwd": ("bwd", "bwd_input", "bwd_weight")}
-    measured = [{k: sum(e["end"] - e["start"] for e in evs if e["kind"] in kinds[k] and e["rank"] < strategy.pp)
+    mine = lambda rank: rank < strategy.pp * strategy.tp and rank % strategy.tp == 0   # one tp rank a stage
+    measured = [{k: sum(e["end"] - e["start"] for e in evs if e["kind"] in kinds[k] and mine(e["rank"]))
                  for k in predicted} for evs in _steps(run).values()]
     return predicted, measured
 
@@ -462,5 +467,16 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
             out["tp"] = tp_factor(tp_run, costs, t)
             out.update(compute_factors(tp_run, costs, tp_s, batch, "tp_compute"))
             break
+    if piped and "2" in costs.tensor and n % 4 == 0:
+        # pp × tp: a pipeline of tp pairs, whose receives, f and g and shards' compute ran unlike
+        # either run alone (4 calibrations on 4 engines: receives ×0.75–1.06 of α + S/β against
+        # the pp × dp 1F1B run's ×1.13–1.98; pp2 × tp2 was predicted ×1.07–1.52 of measured
+        # with the pipeline's and the tp run's factors, ×1.01–1.26 with its own)
+        pipe_tp = Strategy(pp=2, tp=2, dp=n // 4, schedule="1f1b", microbatches=4, dp_mode="naive")
+        pipe_tp_run = run(pipe_tp, tp_plan)
+        out["sendrecv_pipeline_tp"] = p2p_factor(pipe_tp_run, costs)
+        # both stages' calls: a last stage's f calls took 1.4–1.5 ms, a first stage's 2.4–2.8
+        out["tp_in_pipeline"] = tp_factor(pipe_tp_run, costs, 2, ranks=(0, 2))
+        out.update(compute_factors(pipe_tp_run, costs, pipe_tp, batch, "pipeline_tp_compute"))
     out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1)      # F, B, one call per tensor, the step
     return {k: v for k, v in out.items() if v is not None}
