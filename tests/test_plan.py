@@ -231,7 +231,7 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
     assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
-            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_busy", "rank_ends_s",
+            "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_scatter", "zero3_busy", "rank_ends_s",
             "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
             "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd"} <= set(costs.in_step)
     assert costs.blocks[0]["bwd_input"] == [0.0] * 4 and costs.blocks[0]["bwd_weight"] == costs.blocks[0]["bwd"]
@@ -465,7 +465,7 @@ def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_s
         assert spans(stretched) == pytest.approx(1.25 * spans(costs))
 
 
-def test_the_zero3_fit_recovers_the_backward_stretch_and_busy_factor_it_is_shown():
+def test_the_zero3_fit_recovers_the_backward_stretch_and_reduce_scatter_factor_it_is_shown():
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -474,17 +474,28 @@ def test_the_zero3_fit_recovers_the_backward_stretch_and_busy_factor_it_is_shown
 
     costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32      # 4 MB units: comm decides the step
     s = labkit.Strategy(dp=2, zero=3)
-    shown = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.5, "zero3_gap_s": 2e-4, "zero3_gather": 0.6})
-    events = [e for e in plan.simulate(s, shown, batch=batch).timeline.events if e["rank"] == 0]
-    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
-    fit = zero3_fit(run, costs, s, batch)
+    step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
+
+    def fitted(in_step):
+        shown = replace(costs, in_step=in_step)
+        events = [e for e in plan.simulate(s, shown, batch=batch).timeline.events if e["rank"] == 0]
+        run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+        return shown, zero3_fit(run, costs, s, batch)
+
+    shown, fit = fitted({"zero3_bwd": 1.8, "zero3_busy": 1.0, "zero3_scatter": 0.6, "zero3_gap_s": 2e-4,
+                         "zero3_gather": 0.6})
     assert fit["zero3_bwd"] == pytest.approx(1.8)
     assert fit["zero3_gather"] == pytest.approx(0.6)        # its forward's gathers, alone on the link
+    assert fit["zero3_scatter"] == pytest.approx(0.6)       # its reduce-scatters, as they ran
     assert fit["zero3_gap_s"] == pytest.approx(2e-4)        # untimed before each call, fitted before busy
-    assert fit["zero3_busy"] == 1.5
-    step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
+    assert fit["zero3_busy"] == 1.0
     assert step(costs) != pytest.approx(step(shown))                  # the fit matters to the step
     assert step(replace(costs, in_step=fit)) == pytest.approx(step(shown))
+    # a busy factor slows the reduce-scatters too: their factor takes that part, the busy fit the
+    # rest, and the step is the shown one's
+    shown, fit = fitted({"zero3_bwd": 1.8, "zero3_busy": 1.5, "zero3_gap_s": 2e-4, "zero3_gather": 0.6})
+    assert fit["zero3_scatter"] > 1
+    assert step(replace(costs, in_step=fit)) == pytest.approx(step(shown), rel=0.02)
     zero2 = labkit.Strategy(dp=2, zero=2)
     assert step(replace(costs, in_step=fit), zero2) == pytest.approx(step(costs, zero2))     # zero=3's alone
 

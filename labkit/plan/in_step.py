@@ -244,7 +244,12 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     replay's; the sweep-and-zero=1 price of a gather was ×2 of theirs on 2 engines.
     ``zero3_gap_s``, fitted before the busy factor, is the time before each call that no span
     covers (the executor's bookkeeping per block: 0.08 of a 2-engine step measured in no
-    span against the replay's 0.02); without it the busy fit made up the step with comm."""
+    span against the replay's 0.02); without it the busy fit made up the step with comm.
+    ``zero3_scatter``, before the gap: its reduce-scatters (beside backward) as they ran, over
+    the replay's at full speed; the sweep's and zero=1's price of them was ×1.2–2.9 of theirs
+    on 2 engines, and with the busy factor at its floor of 1 the step came out ×1.1–1.45 of
+    measured. (Their slowdown beside compute is in this factor, so the busy factor fitted after
+    it is what the step needs beyond it: a busy factor shown to the fit is not recovered.)"""
     from dataclasses import replace
 
     from .sharded import replay_sharded
@@ -264,13 +269,18 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     gather = gather / _forward_gathers(replayed(zero3_gather=1.0)[0]) if gather else 1.0
     spans = sum(e["end"] - e["start"] for e in replayed(zero3_gather=gather, zero3_bwd=1.0)[0] if e["kind"] == "bwd")
     stretch = bwd / spans
-    gap = _call_gap(steps, lambda g: replayed(zero3_gather=gather, zero3_bwd=stretch, zero3_gap_s=g)[0])
+    scatters = lambda evs: sum(e["end"] - e["start"] for e in evs if e["kind"] == "reduce_scatter" and e["rank"] == 0)
+    scatter = _ratio([scatters(evs) for evs in steps])
+    alone = scatters(replayed(zero3_gather=gather, zero3_bwd=stretch, zero3_busy=1.0)[0])
+    scatter = scatter / alone if scatter and alone else 1.0
+    fixed = {"zero3_gather": gather, "zero3_bwd": stretch, "zero3_scatter": scatter}
+    gap = _call_gap(steps, lambda g: replayed(**fixed, zero3_gap_s=g)[0])
     # from 1: a transfer beside compute is never faster than alone (below 1 the fit bought the
     # step back with comm that prefetch then hid: prefetch1 predicted ×0.77 of measured)
     grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
-    fit = lambda f: replayed(zero3_gather=gather, zero3_bwd=stretch, zero3_gap_s=gap, zero3_busy=f)[1]
+    fit = lambda f: replayed(**fixed, zero3_gap_s=gap, zero3_busy=f)[1]
     busy = min(grid, key=lambda f: abs(fit(f) - step))
-    return {"zero3_gather": gather, "zero3_bwd": stretch, "zero3_gap_s": gap, "zero3_busy": busy}
+    return {**fixed, "zero3_gap_s": gap, "zero3_busy": busy}
 
 
 def _forward_gathers(events: list[dict], rank: int = 0) -> float:

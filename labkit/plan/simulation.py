@@ -227,8 +227,9 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
         blocks.append(Block(row["name"], fwd, bwd, _tp_calls(costs, strategy, row, size, "g", fwd),
                             _tp_calls(costs, strategy, row, size, "f", bwd)))
     units = build_units(costs, strategy, range(len(rows)), rows)
-    if strategy.zero == 3:          # its gathers one at a time, as measured in its forward
-        units = [replace(u, gather=u.gather * costs.slowdown("zero3_gather")) for u in units]
+    if strategy.zero == 3:          # its gathers one at a time, as measured in its forward; its reduce-scatters
+        units = [replace(u, gather=u.gather * costs.slowdown("zero3_gather"),
+                         scatter=u.scatter * costs.slowdown("zero3_scatter")) for u in units]
     return ShardedProgram(blocks, units, strategy.zero, strategy.microbatches, strategy.prefetch,
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
                           costs.at(loss["fwd"], size) * f_stretch,
