@@ -863,3 +863,23 @@ def test_a_pipeline_of_tp_pairs_gets_its_own_runs_factors():
     piped = labkit.Strategy(pp=2, microbatches=2)
     assert spans(piped, table, ("recv",)) == pytest.approx(1.5 * spans(piped, costs, ("recv",)))
     assert spans(piped, table, ("fwd", "bwd")) == pytest.approx(0.8 * spans(piped, costs, ("fwd", "bwd")))
+
+
+def test_a_pipeline_deeper_than_two_stages_gets_the_deep_runs_factors():
+    """The calibration's pipeline over every engine prices pipelines of more than 2 stages;
+    2 stages keep their schedule's run."""
+    from dataclasses import replace
+
+    import labkit
+
+    costs, batch = _costs(blocks=4), 64
+    table = replace(costs, in_step={"sendrecv_1f1b": 1.5, "sendrecv_deep": 0.7, "pipeline_compute": 0.8,
+                                    "deep_compute_fwd": 1.2, "deep_compute_bwd": 1.1})
+    spans = lambda s, c, kinds: sum(e["end"] - e["start"] for e in plan.simulate(s, c, batch=batch).timeline.events
+                                    if e["kind"] in kinds and e["rank"] == 0)
+    deep, two = labkit.Strategy(pp=4, microbatches=8), labkit.Strategy(pp=2, microbatches=8)
+    assert spans(deep, table, ("recv",)) == pytest.approx(0.7 * spans(deep, costs, ("recv",)))
+    assert spans(deep, table, ("fwd",)) == pytest.approx(1.2 * spans(deep, costs, ("fwd",)))
+    assert spans(deep, table, ("bwd",)) == pytest.approx(1.1 * spans(deep, costs, ("bwd",)))
+    assert spans(two, table, ("recv",)) == pytest.approx(1.5 * spans(two, costs, ("recv",)))
+    assert spans(two, table, ("fwd", "bwd")) == pytest.approx(0.8 * spans(two, costs, ("fwd", "bwd")))

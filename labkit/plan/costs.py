@@ -129,13 +129,14 @@ class CostTable:
         tensor-parallel run's where measured (shards beside their f and g: on 2 engines
         ×1.2–1.4, against the data-parallel run's ×0.8–1.1), the data-parallel run's otherwise;
         per kind where measured, else both together (tables calibrated before the split), else 1.
-        pp × tp takes the calibration's pipeline of tp pairs (``pipeline_tp_compute``) where
-        measured (from 4 engines)."""
+        pp × tp takes the calibration's pipeline of tp pairs (``pipeline_tp_compute``), and a
+        pipeline deeper than 2 stages its one pipeline over every engine (``deep_compute``),
+        where measured (from 4 engines)."""
         tp_run = tp > 1 and f"tp_compute_{kind}" in self.in_step
         base = "pipeline_compute" if pp > 1 else "tp_compute" if tp_run else "dp_compute"
         if pp > 1:
-            runs = ("pipeline_tp",) if tp > 1 else pipeline_runs(schedule)
-            base = next((f"{run}_compute" for run in runs if f"{run}_compute_{kind}" in self.in_step), base)
+            base = next((f"{run}_compute" for run in self.pipeline_runs(schedule, pp, tp)
+                         if f"{run}_compute_{kind}" in self.in_step), base)
         return self.in_step.get(f"{base}_{kind}", self.in_step.get(base, 1.0))
 
     def times_halves(self, tp: int = 1) -> bool:
@@ -148,14 +149,19 @@ class CostTable:
         """The executor's untimed seconds per action (pipeline runs and data-parallel ones differ)."""
         return self.in_step.get("gap_s" if pp > 1 else "gap_dp_s", 0.0)
 
-    def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe", tp: int = 1) -> float:
+    def pipeline_runs(self, schedule: str, pp: int = 2, tp: int = 1) -> tuple[str, ...]:
+        """The calibration's pipeline runs that price a pipeline, nearest first: for tp > 1 its
+        pipeline of tp pairs ("pipeline_tp"), for pp > 2 its one pipeline over every engine
+        ("deep"), then the run of ``schedule``'s kind (:func:`pipeline_runs`)."""
+        return ("pipeline_tp",) * (tp > 1) + ("deep",) * (pp > 2) + pipeline_runs(schedule)
+
+    def p2p_s(self, nbytes: float, busy: bool = False, schedule: str = "gpipe", tp: int = 1, pp: int = 2) -> float:
         """α + S/β of one message (``busy``: × ``busy_factor``, as if its rank computed throughout),
-        × how much longer a receive took inside the calibration's pipeline run of ``schedule``'s
-        kind (:func:`pipeline_runs`; for tp > 1 its pipeline of tp pairs, where measured), else
-        the GPipe run's (tables calibrated before that run)."""
+        × how much longer a receive took inside the calibration's pipeline run nearest this one
+        (:meth:`pipeline_runs`), else the GPipe run's (tables calibrated before those runs)."""
         alpha, beta = self.alpha_beta("sendrecv")
-        runs = ("pipeline_tp",) + pipeline_runs(schedule) if tp > 1 else pipeline_runs(schedule)
-        factor = next((self.in_step[f"sendrecv_{run}"] for run in runs if f"sendrecv_{run}" in self.in_step), None)
+        factor = next((self.in_step[f"sendrecv_{run}"] for run in self.pipeline_runs(schedule, pp, tp)
+                       if f"sendrecv_{run}" in self.in_step), None)
         return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
                 * (factor or self.slowdown("sendrecv")))
 

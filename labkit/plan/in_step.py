@@ -36,6 +36,8 @@ predicts for the same calls:
   and its shards' forward and backward against the blocks timed alone (``tp_compute``); from
   4 engines the same, and the receives, of a pipeline of tp pairs (pp2 × tp2, 1F1B:
   ``tp_in_pipeline``, ``sendrecv_pipeline_tp``, ``pipeline_tp_compute``);
+* ``pp`` = the engines (from 4), 1F1B — one pipeline deeper than 2 stages, alone: its receives
+  and compute (``sendrecv_deep``, ``deep_compute``), which price pipelines of more than 2 stages;
 * the optimizer span of the naive run against the blocks' steps timed alone, and the forward
   and backward spans of the naive run and of the pipeline run against the calibrated costs
   (``dp_compute``, ``pipeline_compute``, each also per kind, ``_fwd`` and ``_bwd``: compute
@@ -459,6 +461,14 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
             out.update(all_reduce_fit(pipe, n // 2, f"all_reduce_{n // 2}"))
             out["replica_pace"] = replica_paces([r for r in (pipe, pipe_1f1b, pipe_chunked, pipe_split, pipe_v)
                                                  if r is not None], 2)
+    if piped and n > 2 and len(costs.blocks) >= n and batch % (2 * n) == 0:
+        # one pipeline over every engine: deeper than the pp = 2 runs, and alone (on 4 engines a
+        # pp4 receive took a mean of 0.8 ms where the pp2 × dp2 1F1B run's factor priced 1.1–1.25,
+        # and pp4's exposed comm came out 0.07–0.11 above measured in seven benchmark runs)
+        deep = Strategy(pp=n, schedule="1f1b", microbatches=2 * n)
+        deep_run = run(deep)
+        out["sendrecv_deep"] = p2p_factor(deep_run, costs)
+        out.update(compute_factors(deep_run, costs, deep, batch, "deep_compute"))
     out["optimizer"] = optimizer_factor(naive, costs)
     table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
     out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))

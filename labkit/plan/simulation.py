@@ -199,7 +199,7 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
         prog.bwd_calls.append(bwd_calls)
         out_bytes = 4 * rows[blocks[-1]]["out_numel"] * size
         prog.p2p_bytes.append(out_bytes)
-        prog.p2p.append(costs.p2p_s(out_bytes, schedule=strategy.schedule, tp=strategy.tp)
+        prog.p2p.append(costs.p2p_s(out_bytes, schedule=strategy.schedule, tp=strategy.tp, pp=strategy.pp)
                         if strategy.pp > 1 and g < last else 0.0)
         sync = strategy.dp > 1 and not strategy.zero
         prog.grads.append(_grad_messages(costs, strategy, blocks, rows, wall.__getitem__, 0.0 if halves else loss_b)
