@@ -84,6 +84,8 @@ def test_published_table_within_the_bound_we_reach():
     rows = published.compare()
     assert len(rows) == 10
     assert max(abs(r["error"]) for r in rows) <= 0.10, published.table(rows)
+    # at the schedules Megatron-LM ran then: zb-h1 (2023) would be a faster run than the one published
+    assert {r["prediction"].strategy.schedule for r in rows} <= {"1f1b", "interleaved"}
 
 
 # -- the replay ---------------------------------------------------------------------------------

@@ -41,14 +41,16 @@ def rows() -> list[dict]:
 
 def compare(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
     """Predict each row at its published degrees: the best micro-batch size and schedule
-    that fit (the published runs were tuned the same way), full recomputation, gradients
-    reduced after backward as Megatron-LM did then."""
+    that fit (the published runs were tuned the same way) among the schedules Megatron-LM had
+    then (1F1B and interleaved: zb-h1 came in 2023), full recomputation, gradients reduced
+    after backward as Megatron-LM did then."""
     from .search import best_at
 
     result = []
     for row in rows():
         p = best_at(row["model"], row["cluster"], row["batch"], dp=row["dp"], pp=row["pp"], tp=row["tp"],
-                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_overlap=False)
+                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_overlap=False,
+                    schedules=("1f1b", "interleaved"))
         err = (p.tflops_per_gpu - row["published_tflops"]) / row["published_tflops"] if p else float("nan")
         result.append({**row, "prediction": p, "predicted_tflops": p.tflops_per_gpu if p else float("nan"),
                        "error": err})

@@ -38,8 +38,8 @@ def _schedules(pp: int, layers: int, m: int):
 
 def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
-               dp_overlap: bool = True):
-    """Every placeable ClusterStrategy (degrees fixed where given)."""
+               dp_overlap: bool = True, schedules=None):
+    """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these)."""
     n = cluster.gpus
     tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
            and model.heads % t == 0 and model.hidden % t == 0]
@@ -53,6 +53,8 @@ def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3
                     continue
                 m = global_batch // (d * mbs)
                 for schedule, v in _schedules(p, model.layers, m):
+                    if schedules is not None and schedule not in schedules:
+                        continue
                     for z in (zero if d > 1 else (0,)):
                         for rc in recompute:
                             yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,
@@ -122,7 +124,7 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
            steps: int = 4, **limits) -> SearchResult:
     """Rank every placeable strategy that fits by predicted step time (fastest first).
 
-    ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=).
+    ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=, schedules=).
     ``verify=lab``: then run the ``top`` fastest (default 3) on the lab for ``steps`` steps each,
     the GPT built by ``labkit.models.gpt`` on seeded random tokens, and keep the measured step
     time beside the predicted one (``.verified``, and a column of ``.table()``). The lab must
