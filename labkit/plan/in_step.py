@@ -464,7 +464,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
     if piped and n > 2 and len(costs.blocks) >= n and batch % (2 * n) == 0:
         # one pipeline over every engine: deeper than the pp = 2 runs, and alone (on 4 engines a
         # pp4 receive took a mean of 0.8 ms where the pp2 × dp2 1F1B run's factor priced 1.1–1.25,
-        # and pp4's exposed comm came out 0.07–0.11 above measured in seven benchmark runs)
+        # and pp4's exposed comm came out 0.05–0.11 above measured in seven benchmark runs)
         deep = Strategy(pp=n, schedule="1f1b", microbatches=2 * n)
         deep_run = run(deep)
         out["sendrecv_deep"] = p2p_factor(deep_run, costs)
