@@ -818,7 +818,7 @@ def test_replica_paces_are_the_order_statistics_of_where_each_pipeline_ends():
 
     import labkit
     from labkit.plan.in_step import replica_paces
-    from labkit.plan.simulation import replica_paces as spread_over
+    from labkit.plan.simulation import paces_of as spread_over
 
     def step(k, ends):      # pp = 2: ranks 0, 1 are replica 0, ranks 2, 3 replica 1
         return [{"rank": r, "stream": "compute", "kind": "bwd", "step": k, "start": 0.0, "end": t}

@@ -355,12 +355,17 @@ def rank_spread(runs) -> list[float] | None:
             if len(ends) > 1:
                 centre = mean(ends)
                 devs.append(sorted(t - centre for t in ends))
-    width = min((len(d) for d in devs), default=0)
+    order = _order_statistics(devs)
+    return None if order is None else [o - mean(order) for o in order]
+
+
+def _order_statistics(samples: list[list[float]]) -> list[float] | None:
+    """The median over ``samples`` (each sorted, one per step) of each order statistic, over
+    the samples of the narrowest width; None below two."""
+    width = min((len(d) for d in samples), default=0)
     if width < 2:
         return None
-    order = [median(d[k] for d in devs if len(d) == width) for k in range(width)]
-    centre = mean(order)
-    return [o - centre for o in order]
+    return [median(d[k] for d in samples if len(d) == width) for k in range(width)]
 
 
 def replica_paces(runs, pp: int) -> list[float] | None:
@@ -388,11 +393,8 @@ def replica_paces(runs, pp: int) -> list[float] | None:
             times = [mean(v) for v in replicas.values()]
             if len(times) > 1:
                 order.append(sorted(t / mean(times) for t in times))
-    width = min((len(o) for o in order), default=0)
-    if width < 2:
-        return None
-    paces = [median(o[k] for o in order if len(o) == width) for k in range(width)]
-    return [p / mean(paces) for p in paces]
+    paces = _order_statistics(order)
+    return None if paces is None else [p / mean(paces) for p in paces]
 
 
 def gap_per_action(run, actions: int) -> float:
@@ -496,7 +498,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         pipe_tp_run = run(pipe_tp, tp_plan)
         out["sendrecv_pipeline_tp"] = p2p_factor(pipe_tp_run, costs)
         # both stages' calls: a last stage's f calls took 1.4–1.5 ms, a first stage's 2.4–2.8
-        out["tp_in_pipeline"] = tp_factor(pipe_tp_run, costs, 2, ranks=(0, 2))
+        out["tp_in_pipeline"] = tp_factor(pipe_tp_run, costs, 2, ranks=range(0, pipe_tp.pp * pipe_tp.tp, pipe_tp.tp))
         out.update(compute_factors(pipe_tp_run, costs, pipe_tp, batch, "pipeline_tp_compute"))
     out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1)      # F, B, one call per tensor, the step
     return {k: v for k, v in out.items() if v is not None}

@@ -266,7 +266,7 @@ def check_simulable(strategy, costs: CostTable) -> None:
                          f"{len(costs.blocks)} blocks; use fewer stages")
 
 
-def replica_paces(strategy, costs: CostTable) -> list[float] | None:
+def paces_of(strategy, costs: CostTable) -> list[float] | None:
     """One pace per dp replica of a pipeline (pp > 1, dp > 1; naive, bucketed or overlap dp,
     no zero): the calibration's measured ``replica_pace`` (slowest last), spread over ``dp``
     replicas by linear interpolation between its order statistics where dp differs, re-centred
@@ -322,7 +322,7 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         # pp × dp: the replicas drift apart before their gradient sync (replica_pace); the
         # offsets below then spread where each rank ends after it, as in data parallelism
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
-                        strategy.chunks, strategy.dp_mode, paces=replica_paces(strategy, costs))
+                        strategy.chunks, strategy.dp_mode, paces=paces_of(strategy, costs))
     offsets = costs.in_step.get("rank_ends_s")
     if not offsets or world < 2:
         return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
