@@ -1,6 +1,8 @@
 """split_waits: receives matched with sends in order per (src, dst) pair, no processes."""
 from __future__ import annotations
 
+import pytest
+
 from labkit.metrics import per_rank_metrics
 from labkit.schedules import build_schedule, simulate
 from labkit.waits import split_waits
@@ -80,3 +82,24 @@ def test_simulated_pipeline_waits_come_back_where_the_simulator_put_them():
         sorted((e["start"], e["end"]) for e in sim if e["kind"] == "wait")
     for rank in (0, 1):       # free comm: bubble is exactly GPipe's (p-1)/(m+p-1) = 1/4
         assert per_rank_metrics(out, rank, 0)["bubble_fraction"] == 0.25
+
+
+def test_ranks_of_one_host_are_put_on_its_clock_before_the_split():
+    from labkit.analysis.clocks import aligned, offsets
+
+    # rank 1 left the step's barrier 2 ms after rank 0: by its own clock its receive ended at
+    # 0.5 ms, before rank 0 had posted the send (at 1 ms by rank 0's clock)
+    results = [{"rank": 0, "clock": {"host": "a", "origin_s": 100.000}, "events": [ev(0, "send", 1e-3, 4e-3, peer=1)]},
+               {"rank": 1, "clock": {"host": "a", "origin_s": 100.002}, "events": [ev(1, "recv", 0.0, 0.5e-3, peer=0)]},
+               {"rank": 2, "clock": {"host": "b", "origin_s": 7.0}, "events": [ev(2, "fwd", 0.0, 1e-3)]}]
+    assert offsets({r["rank"]: r["clock"] for r in results}) == pytest.approx({0: 0.0, 1: 2e-3, 2: 0.0})
+    out = aligned(results)
+    assert spans(out, 1, "recv")[0] == pytest.approx((2e-3, 2.5e-3))     # on rank 0's clock: after the send
+    assert spans(out, 2, "fwd") == [(0.0, 1e-3)]                          # another host: the barrier's zero
+    split = split_waits(out)
+    assert spans(split, 1, "wait") == [] and spans(split, 0, "send")[0] == pytest.approx((2e-3, 2.5e-3))
+    # read on each rank's own clock, the same step showed a wait that did not happen
+    own = split_waits([e for r in results for e in r["events"]])
+    assert spans(own, 1, "wait")[0] == pytest.approx((0.0, 0.5e-3)) and spans(own, 1, "recv")[0] == pytest.approx((0.5e-3, 0.5e-3))
+    # a rank that reports no clock keeps its times
+    assert aligned([{"rank": 0, "events": [ev(0, "fwd", 0.0, 1.0)]}]) == [ev(0, "fwd", 0.0, 1.0)]

@@ -205,6 +205,7 @@ def run_step(step: int, run_id: str | None = None) -> dict:
     result["memory"] = s.job.memory()
     result["events"] = s.recorder.drain()
     result["rank"] = s.rank
+    result["clock"] = {"host": s.host, "origin_s": s.recorder.origin}    # labkit.analysis.clocks
     if s.snapshots is not None:
         result["snapshot"] = s.snapshots.pop()
     result["warnings"] = caught
@@ -240,7 +241,8 @@ def traced(fn, args: tuple, kwargs: dict):
     dist.barrier()
     s.recorder.start_step(0)
     result = fn(*args, **kwargs)
-    return {"result": result, "events": s.recorder.drain()}
+    return {"result": result, "events": s.recorder.drain(), "rank": s.rank,
+            "clock": {"host": s.host, "origin_s": s.recorder.origin}}
 
 
 def flight_log() -> dict:

@@ -53,6 +53,12 @@ class Recorder:
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
 
+    @property
+    def origin(self) -> float:
+        """The step's time zero on this host's clock (``time.perf_counter``, which is
+        system-wide: every process of one machine reads the same clock)."""
+        return self._t0
+
     def now(self) -> float:
         """Host seconds since the step started."""
         return time.perf_counter() - self._t0

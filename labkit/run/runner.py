@@ -25,6 +25,7 @@ from ..view.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_loss
 from .checks import check_model, check_number
 from .relay import relay_warnings
+from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
 from ..parallel.zero import check_model as check_zero_model
@@ -148,11 +149,9 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
     run.step_cpu_times.append(max(r["cpu_s"] for r in results))
     if "snapshot" in results[0]:
         run.snapshots.append({r["rank"]: r.pop("snapshot") for r in results})
-    step_events = []
     for r in results:
-        step_events.extend(r["events"])
         peak[r["rank"]] = max(peak[r["rank"]], r.get("peak_activation_bytes", 0))
-    step_events = split_waits(step_events)
+    step_events = split_waits(aligned(results))
     run.timeline.extend(step_events)
     for s in sorted({e["step"] for e in step_events}):
         # an event tagged with an earlier step (none today) refreshes that step from all of its events

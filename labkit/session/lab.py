@@ -209,11 +209,12 @@ class Lab:
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
         from ..view.timeline import Timeline
+        from ..analysis.clocks import aligned
         from ..analysis.waits import split_waits
 
         self._check_open()
         out = self.apply(engine.traced, fn, args, kwargs)
-        events = split_waits([e for r in out for e in r["events"]])
+        events = split_waits(aligned(out))
         return [r["result"] for r in out], Timeline(events, self.world_size)
 
     def _on_rank(self, rank: int, fn: Callable, *args):
