@@ -885,3 +885,38 @@ def test_a_pipeline_deeper_than_two_stages_gets_the_deep_runs_factors():
     assert spans(deep, table, ("bwd",)) == pytest.approx(1.1 * spans(deep, costs, ("bwd",)))
     assert spans(two, table, ("recv",)) == pytest.approx(1.5 * spans(two, costs, ("recv",)))
     assert spans(two, table, ("fwd", "bwd")) == pytest.approx(0.8 * spans(two, costs, ("fwd", "bwd")))
+
+
+def test_the_typical_ranks_late_start_is_measured_and_starts_the_replay_of_a_single_stage():
+    """On shared cores not every rank starts the step when the first one does: the mean time to
+    the ranks' first span (median over steps) starts the replay of pp = 1 there, and is taken
+    out of the executor's gap per action; a pipeline's ranks wait from 0 and keep it."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import gap_per_action, start_lag
+
+    def step(k, firsts):
+        return [{"rank": r, "stream": "compute", "kind": "fwd", "step": k, "start": t, "end": t + 0.01}
+                for r, t in enumerate(firsts)]
+
+    # step 0 is warm-up; per step the ranks' mean first start: 0.002, 0.004, 0.001 → median 0.002
+    events = step(0, [0.5, 0.5]) + step(1, [0.0, 0.004]) + step(2, [0.0, 0.008]) + step(3, [0.001, 0.001])
+    assert start_lag([SimpleNamespace(timeline=SimpleNamespace(events=events))]) == pytest.approx(0.002)
+    assert start_lag([SimpleNamespace(timeline=SimpleNamespace(events=step(0, [0.1])))]) is None
+    run = SimpleNamespace(metrics={"lab_overhead_fraction": 0.1, "step_time_s": 0.05})
+    assert gap_per_action(run, 10) == pytest.approx(5e-4)
+    assert gap_per_action(run, 10, lag=0.002) == pytest.approx(3e-4)
+    assert gap_per_action(run, 10, lag=1.0) == 0.0
+
+    costs = _costs()
+    late = replace(costs, in_step={"rank_start_s": 0.004})
+    for s, table in ((labkit.Strategy(dp=2, dp_mode="naive"), costs), (labkit.Strategy(dp=2, zero=2), _sharded_costs())):
+        on_time = plan.simulate(s, table, batch=64)
+        started_late = plan.simulate(s, replace(table, in_step={"rank_start_s": 0.004}), batch=64)
+        assert started_late.metrics["step_time_s"] == pytest.approx(on_time.metrics["step_time_s"] + 0.004)
+        assert min(e["start"] for e in started_late.timeline.events) >= 0.004
+        assert started_late.metrics["bubble_fraction"] > on_time.metrics["bubble_fraction"]
+    pipe = labkit.Strategy(pp=2, schedule="1f1b", microbatches=2)
+    assert plan.simulate(pipe, late, batch=64).metrics["step_time_s"] == plan.simulate(pipe, costs, batch=64).metrics["step_time_s"]

@@ -28,7 +28,8 @@ predicts for the same calls:
   untimed seconds before each of its calls (its per-block bookkeeping), and the busy factor
   that makes the replayed step the measured one (``zero3_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
-  from the mean, smallest first: :func:`rank_spread`);
+  from the mean, smallest first: :func:`rank_spread`), and how late the typical rank makes its
+  first span (``rank_start_s``: :func:`start_lag`);
 * the pipeline runs together (pp × dp, from 4 engines) — how far apart their dp replicas reach
   the end of the schedule (``replica_pace``, a pace per replica, slowest last:
   :func:`replica_paces`);
@@ -43,8 +44,8 @@ predicts for the same calls:
   (``dp_compute``, ``pipeline_compute``, each also per kind, ``_fwd`` and ``_bwd``: compute
   inside a step does not run at the speed of the blocks timed alone);
 
-and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits) over
-the actions and calls a rank made. Factors are medians over steps after the first (warm-up).
+and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits; for the
+data-parallel run less its late start) over the actions and calls a rank made. Factors are medians over steps after the first (warm-up).
 
     >>> in_step = time_in_step(lab, model, batch, costs)     # {"all_reduce": 1.6, ..., "gap_s": 1e-4}
 """
@@ -261,7 +262,8 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     bwd = _ratio([sum(e["end"] - e["start"] for e in evs if e["kind"] == "bwd" and e["rank"] == 0) for evs in steps])
     if bwd is None:
         return {}
-    step = median(mean(rank_ends(evs).values()) for evs in steps)     # the typical rank's: see rank_spread
+    # the typical rank's (see rank_spread), from its first span: the replay starts it late (start_lag)
+    step = median(mean(rank_ends(evs).values()) - mean(_first_spans(evs).values()) for evs in steps)
 
     def replayed(**fit):
         events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
@@ -321,12 +323,35 @@ def zero1_fit(run, costs, strategy, batch: int) -> dict:
 
 
 def _untimed(events: list[dict], rank: int = 0) -> float:
-    """Seconds of rank's step (to its own end) in no span: neither compute nor comm."""
+    """Seconds of rank's step, from its first span to its last, in no span: neither compute
+    nor comm (before its first span is the rank's late start: :func:`start_lag`)."""
     from ..analysis.metrics import is_comm, total
 
     mine = [e for e in events if e["rank"] == rank]
     busy = total((e["start"], e["end"]) for e in mine if e["stream"] == "compute" or is_comm(e))
-    return max(e["end"] for e in mine) - busy
+    return max(e["end"] for e in mine) - min(e["start"] for e in mine) - busy
+
+
+def _first_spans(events: list[dict]) -> dict[int, float]:
+    """Each rank's first start in ``events`` (one step)."""
+    firsts: dict[int, float] = {}
+    for e in events:
+        firsts[e["rank"]] = min(firsts.get(e["rank"], e["start"]), e["start"])
+    return firsts
+
+
+def start_lag(runs) -> float | None:
+    """Where the typical rank's step starts: per step the ranks' mean time to their first span,
+    the median over the steps of ``runs``; None without steps.
+
+    Time zero is the first rank's exit from the step's barrier (labkit.analysis.clocks), and
+    the others do not all start at once: on 4 engines over 2 cores, two ranks take the cores
+    and the others wait for one. In three calibrations the data-parallel runs' ranks made their
+    first span at a median of 0.1, 0.2, 2–9 and 4–13 ms, the mean 2.1–3.6 ms; on 2 engines at
+    0.1–0.5 ms. The replay starts its typical rank there (:func:`labkit.plan.simulation.simulate`,
+    pp = 1), so the executor's gap per action (``gap_dp_s``) is fitted without it."""
+    lags = [mean(_first_spans(evs).values()) for run in runs for evs in _steps(run).values()]
+    return median(lags) if lags else None
 
 
 def rank_ends(events: list[dict]) -> dict[int, float]:
@@ -397,10 +422,11 @@ def replica_paces(runs, pp: int) -> list[float] | None:
     return None if paces is None else [p / mean(paces) for p in paces]
 
 
-def gap_per_action(run, actions: int) -> float:
-    """Untimed seconds per action: lab_overhead_fraction·T per rank over its ``actions``."""
+def gap_per_action(run, actions: int, lag: float = 0.0) -> float:
+    """Untimed seconds per action: lab_overhead_fraction·T per rank, less its late start
+    (``lag``, priced on its own), over its ``actions``."""
     m = run.metrics
-    return max(0.0, m["lab_overhead_fraction"] * m["step_time_s"] / max(1, actions))
+    return max(0.0, (m["lab_overhead_fraction"] * m["step_time_s"] - lag) / max(1, actions))
 
 
 def replace_in_step(costs, in_step: dict):
@@ -472,7 +498,9 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         out["sendrecv_deep"] = p2p_factor(deep_run, costs)
         out.update(compute_factors(deep_run, costs, deep, batch, "deep_compute"))
     out["optimizer"] = optimizer_factor(naive, costs)
-    table = replace_in_step(costs, out)         # the overlap fit replays with the factors above
+    # F, B, one call per tensor, the step; less naive's own late start (rank_start_s, below)
+    out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1, start_lag([naive]) or 0.0)
+    table = replace_in_step(costs, out)         # the fits below replay with the factors above
     out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))
     # ddp: torch's reducer, its buckets timed through a Python hook
     overlapped, ddp, zero3 = Strategy(dp=n, dp_mode="overlap"), Strategy(dp=n, dp_mode="ddp"), Strategy(dp=n, zero=3)
@@ -500,5 +528,5 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss=
         # both stages' calls: a last stage's f calls took 1.4–1.5 ms, a first stage's 2.4–2.8
         out["tp_in_pipeline"] = tp_factor(pipe_tp_run, costs, 2, ranks=range(0, pipe_tp.pp * pipe_tp.tp, pipe_tp.tp))
         out.update(compute_factors(pipe_tp_run, costs, pipe_tp, batch, "pipeline_tp_compute"))
-    out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1)      # F, B, one call per tensor, the step
+    out["rank_start_s"] = start_lag([naive, zero, overlap_run, ddp_run, zero3_run])
     return {k: v for k, v in out.items() if v is not None}

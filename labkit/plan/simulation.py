@@ -35,7 +35,10 @@ The ranks' spread: the replay computes one typical rank, but on shared cores the
 keep one pace and a measured step ends with the slowest. The calibration measures how far
 apart the ranks of its data-parallel runs end (``in_step["rank_ends_s"]``); :func:`paced` lets
 each rank run at its own pace by those offsets, and the metrics average over the ways of
-assigning them. A pipeline's dp replicas (pp > 1, dp > 1) drift apart within a step, and each
+assigning them. Nor do they all start when the first one does (4 engines on 2 cores: two take
+the cores, the others wait for one): a replay of one stage (pp = 1) starts its typical rank
+where the calibration's data-parallel ranks made their first span, on average
+(``in_step["rank_start_s"]``). A pipeline's dp replicas (pp > 1, dp > 1) drift apart within a step, and each
 gradient all-reduce waits for the slowest replica to issue it: there the replay runs every
 replica at its own measured pace (``in_step["replica_pace"]``, from the calibration's pipeline
 runs) and syncs the all-reduces across them; the offsets then spread where each rank ends
@@ -323,6 +326,9 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         # offsets below then spread where each rank ends after it, as in data parallelism
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
                         strategy.chunks, strategy.dp_mode, paces=paces_of(strategy, costs))
+    lag = costs.in_step.get("rank_start_s", 0.0) if strategy.pp == 1 else 0.0
+    if lag:             # the typical rank's late start (in_step.start_lag); a pipeline's ranks wait at 0
+        events = [dict(e, start=e["start"] + lag, end=e["end"] + lag) for e in events]
     offsets = costs.in_step.get("rank_ends_s")
     if not offsets or world < 2:
         return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
