@@ -204,11 +204,17 @@ def test_ddp_wait_is_not_counted_as_backward_compute(lab4, mlp_ref):
     run = lab4.run(labkit.Strategy(dp=2, pp=2, microbatches=2, schedule="gpipe", dp_mode="ddp",
                                    bucket_mb=0.001), model=MLP, batch=16, steps=STEPS, seed=4)
     _check(run, mlp_ref)
+
+    def reduce_ends_after_backward(rank, k):
+        step = [e for e in run.timeline.events if e["step"] == k and e["rank"] == rank]
+        last_bwd = max(e["end"] for e in step if e["kind"] == "bwd")
+        return max(e["end"] for e in step if e["kind"] == "allreduce") > last_bwd
+
+    # counted inside backward, every all-reduce would end before it, in every step; the last
+    # (tiny) bucket, launched as the last gradient appears, can end before the hook that closes
+    # the span runs when its peer launched it first, so one step of them may show it
     for rank in range(4):
-        step = [e for e in run.timeline.events if e["step"] == STEPS - 1 and e["rank"] == rank]
-        last_bwd = max((e for e in step if e["kind"] == "bwd"), key=lambda e: e["end"])
-        last_reduce = max(e["end"] for e in step if e["kind"] == "allreduce")
-        assert last_reduce > last_bwd["end"], rank
+        assert any(reduce_ends_after_backward(rank, k) for k in range(1, STEPS)), rank
 
 
 @pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1), ("zbv", 2)])

@@ -346,10 +346,12 @@ def start_lag(runs) -> float | None:
 
     Time zero is the first rank's exit from the step's barrier (labkit.analysis.clocks), and
     the others do not all start at once: on 4 engines over 2 cores, two ranks take the cores
-    and the others wait for one. In three calibrations the data-parallel runs' ranks made their
-    first span at a median of 0.1, 0.2, 2–9 and 4–13 ms, the mean 2.1–3.6 ms; on 2 engines at
-    0.1–0.5 ms. The replay starts its typical rank there (:func:`labkit.plan.simulation.simulate`,
-    pp = 1), so the executor's gap per action (``gap_dp_s``) is fitted without it."""
+    and the others leave the barrier when they get one. In three calibrations on 4 engines the
+    ranks of the data-parallel runs made their first span (per run, the median over steps of
+    each order statistic) 0.1–0.3, 0.1–1.4, 0.8–9 and 1.2–13 ms into the step: 2.1–3.6 ms on
+    average (read on each rank's own clock, 0.1 ms); on 2 engines 0.17–0.30 ms. The replay
+    starts its typical rank there (:func:`labkit.plan.simulation.simulate`, pp = 1), so the
+    executor's gap per action (``gap_dp_s``) is fitted without it."""
     lags = [mean(_first_spans(evs).values()) for run in runs for evs in _steps(run).values()]
     return median(lags) if lags else None
 
