@@ -45,7 +45,8 @@ predicts for the same calls:
   inside a step does not run at the speed of the blocks timed alone);
 
 and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits; for the
-data-parallel run less its late start) over the actions and calls a rank made. Factors are medians over steps after the first (warm-up).
+data-parallel run less its late start) over the actions and calls a rank made. Factors are
+medians over steps after the first (warm-up).
 
     >>> in_step = time_in_step(lab, model, batch, costs)     # {"all_reduce": 1.6, ..., "gap_s": 1e-4}
 """

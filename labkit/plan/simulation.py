@@ -36,13 +36,13 @@ keep one pace and a measured step ends with the slowest. The calibration measure
 apart the ranks of its data-parallel runs end (``in_step["rank_ends_s"]``); :func:`paced` lets
 each rank run at its own pace by those offsets, and the metrics average over the ways of
 assigning them. Nor do they all start when the first one does (4 engines on 2 cores: two take
-the cores, the others wait for one): a replay of one stage (pp = 1) starts its typical rank
-where the calibration's data-parallel ranks made their first span, on average
-(``in_step["rank_start_s"]``). A pipeline's dp replicas (pp > 1, dp > 1) drift apart within a step, and each
-gradient all-reduce waits for the slowest replica to issue it: there the replay runs every
-replica at its own measured pace (``in_step["replica_pace"]``, from the calibration's pipeline
-runs) and syncs the all-reduces across them; the offsets then spread where each rank ends
-after that sync. (The two differ: the paces are how far apart the pipelines reach their sync,
+the cores, the others leave the step's barrier when they get one): a replay of one stage
+(pp = 1) starts its typical rank where the calibration's data-parallel ranks made their first
+span, on average (``in_step["rank_start_s"]``). A pipeline's dp replicas (pp > 1, dp > 1)
+drift apart within a step, and each gradient all-reduce waits for the slowest replica to issue
+it: there the replay runs every replica at its own measured pace (``in_step["replica_pace"]``,
+from the calibration's pipeline runs) and syncs the all-reduces across them; the offsets then
+spread where each rank ends after that sync. (The two differ: the paces are how far apart the pipelines reach their sync,
 the offsets how far apart ranks end after the last one.)
 
 Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
