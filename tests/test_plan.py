@@ -920,3 +920,23 @@ def test_the_typical_ranks_late_start_is_measured_and_starts_the_replay_of_a_sin
         assert started_late.metrics["bubble_fraction"] > on_time.metrics["bubble_fraction"]
     pipe = labkit.Strategy(pp=2, schedule="1f1b", microbatches=2)
     assert plan.simulate(pipe, late, batch=64).metrics["step_time_s"] == plan.simulate(pipe, costs, batch=64).metrics["step_time_s"]
+
+
+def test_packing_a_bucket_runs_inside_the_backward_span_as_the_recorder_draws_it():
+    """Backward's hooks pack each bucket before launching it: the recorder draws that time as
+    backward, so the replay does too, and a bucket in flight beside it is not exposed comm."""
+    from labkit.analysis.metrics import step_metrics
+    from labkit.plan.replay import Message
+
+    def step(pack):
+        prog = StageProgram([1.0], [10.0], [0.0], [0], [[Message("bucket 0", 8, 4.0, 5.0, pack=pack)]], [0.0])
+        return replay(prog, pp=1, dp=2, dp_mode="overlap")
+
+    events = step(pack=2.0)
+    bwd = next(e for e in events if e["rank"] == 0 and e["kind"] == "bwd")
+    comm = next(e for e in events if e["rank"] == 0 and e["kind"] == "allreduce")
+    assert (bwd["start"], bwd["end"]) == pytest.approx((1.0, 13.0))        # 10 of compute, 2 of packing
+    assert (comm["start"], comm["end"]) == pytest.approx((8.0, 12.0))      # issued at 1 + 5 + 2, beside it
+    assert step_metrics(events, 2, 64)["exposed_comm_fraction"] == 0.0
+    unpacked = step(pack=0.0)
+    assert max(e["end"] for e in events) == pytest.approx(max(e["end"] for e in unpacked) + 2.0)

@@ -220,12 +220,11 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     bwd, tail = median(b for b, _ in measured), median(t for _, t in measured)
 
     base = build_program(strategy, costs, batch)
-    pack = sum(m.pack for m in base.grads[0])
+    pack = sum(m.pack for m in base.grads[0])       # inside the backward span, not stretched
 
-    def shape(**fields):        # the replay packs buckets after its backward span; the lab, inside it
-        b, t = _overlap_shape(replay(replace(base, **fields), 1, strategy.dp, microbatches=1,
-                                     dp_mode=strategy.dp_mode, replicas=1))
-        return b + pack, max(0.0, t - pack)
+    def shape(**fields):
+        return _overlap_shape(replay(replace(base, **fields), 1, strategy.dp, microbatches=1,
+                                    dp_mode=strategy.dp_mode, replicas=1))
 
     span = shape(overlap_busy=1.0, overlap_stretch=1.0)[0]
     stretch = max(1.0, (bwd - pack) / (span - pack))

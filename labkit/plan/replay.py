@@ -174,8 +174,13 @@ class _Replay:
 
     def launch(self, r: int, chunk: int, stage: int, bwd_start: float, stretch: float = 1.0) -> None:
         """Buckets of the chunk's last backward, each issued once its gradients exist; timed
-        by :func:`settle` once every replica has issued them."""
-        self.clock[r] += sum(msg.pack for msg in self.prog.grads[stage])   # packing runs in the hooks
+        by :func:`settle` once every replica has issued them. Packing them runs in backward's
+        hooks, inside the backward span as the recorder draws it."""
+        pack = sum(msg.pack for msg in self.prog.grads[stage])
+        if pack:
+            last = next(e for e in reversed(self.events) if e["rank"] == r and e["stream"] == "compute")
+            last["end"] += pack
+            self.clock[r] += pack
         self.launched[r].append((chunk, stage, bwd_start, self.clock[r], stretch))
         if self.dp_mode == "ddp":      # DDP's backward() returns after its buckets, copied back
             settle([self], r)
