@@ -940,3 +940,13 @@ def test_packing_a_bucket_runs_inside_the_backward_span_as_the_recorder_draws_it
     assert step_metrics(events, 2, 64)["exposed_comm_fraction"] == 0.0
     unpacked = step(pack=0.0)
     assert max(e["end"] for e in events) == pytest.approx(max(e["end"] for e in unpacked) + 2.0)
+
+
+@pytest.mark.parametrize("bad, message", [({"sizes": [0]}, "sizes="), ({"repeats": 0}, "repeats="),
+                                          ({"steps": 1}, "steps="), ({"steps": 8.5}, "steps="),
+                                          ({"tp": (1,)}, "tp=")])
+def test_calibrate_refuses_bad_arguments_before_touching_the_engines(bad, message):
+    import labkit
+
+    with pytest.raises(ValueError, match=message):
+        plan.calibrate(None, model=labkit.models.mlp(width=8, depth=2), **bad)

@@ -258,11 +258,16 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 
 def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=None, loss="mse", seed: int = 0,
               comm: bool = True, seconds_per_point: float = 0.03, tp=(), tp_plan: dict | None = None,
-              in_step: bool = True) -> CostTable:
+              in_step: bool = True, steps: int = 24) -> CostTable:
     """Measure ``model``'s per-block costs and the lab's α-β into a :class:`CostTable`.
 
-    ``in_step``: also run the executor once per kind of call (a few steps each) to measure how
-    much slower collectives run inside a step and its gaps between actions (:mod:`.in_step`).
+    ``in_step``: also run the executor once per kind of call (``steps`` steps each) to measure
+    how much slower collectives run inside a step and its gaps between actions (:mod:`.in_step`).
+    Its fits take medians over steps, and on shared cores one step of a run can take 1.7× the
+    next: at 8 steps a run the predicted step of zero=3 on 2 engines ranged ×0.9–1.2 of the
+    same measured run over four calibrations, and 10 of 16 cases on 4 engines came within 10 %
+    of measured; at 24, 14 of 16 (``benchmarks/bench_plan.py``; in-step part 9 → 16 s on 2
+    engines, 22 → 42 s on 4).
     ``tp``: tensor-parallel degrees to time the blocks at as well (e.g. ``(2,)``), cut by
     ``tp_plan`` (default: the model's own); the f/g calls are timed on the lab's engines.
     """
@@ -275,6 +280,8 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
         raise ValueError(f"sizes={sizes!r} must be whole numbers ≥ 1 (rows per micro-batch)")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a whole number ≥ 1")
+    if not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps={steps!r} must be a whole number ≥ 2 (executor steps per in-step run)")
     tp = (tp,) if isinstance(tp, int) else tuple(tp)
     if any(not isinstance(t, int) or t < 2 for t in tp):
         raise ValueError(f"tp={tp!r} must list tensor-parallel degrees ≥ 2, e.g. tp=(2,)")
@@ -309,7 +316,8 @@ def calibrate(lab, model, batch: int = 64, sizes=None, repeats: int = 5, data=No
                       loss=loss_costs, comm=fits, world_size=lab.world_size, tensor=tensor)
     if in_step and fits:
         from .in_step import time_in_step
-        table.in_step = time_in_step(lab, model, batch, table, data=data, loss=loss, tp_plan=tp_plan)
+        table.in_step = time_in_step(lab, model, batch, table, steps=steps, data=data, loss=loss,
+                                     tp_plan=tp_plan)
     return table
 
 

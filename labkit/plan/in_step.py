@@ -437,7 +437,7 @@ def replace_in_step(costs, in_step: dict):
     return replace(costs, in_step={k: v for k, v in in_step.items() if v is not None})
 
 
-def time_in_step(lab, model, batch: int, costs, steps: int = 8, data=None, loss="mse", tp_plan=None) -> dict:
+def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss="mse", tp_plan=None) -> dict:
     """Run the executor once per kind of call; the cost table's ``in_step`` entry."""
     from dataclasses import replace
 
