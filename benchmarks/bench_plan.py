@@ -10,7 +10,8 @@ rounds of measured and predicted step time, their ratio, and the bubble and expo
 fractions measured/predicted; with ``--repeat`` each case is measured twice, and the
 second measurement over the first (its median and range over rounds) shows how closely one
 measurement predicts another of the same code: the floor under the ratio. The figures are noisy on a shared 2-core machine (one round's
-ratio swings by ±30 %): a round takes ~15 s on 2 engines, so the default is 15 rounds; read
+ratio swings by ±30 %, and one step of a run can take 1.7× the next): each case runs 20 steps
+(the calibration's own runs take 24), a round takes ~1 minute on 2 engines, ~2.5 on 4; read
 the median with the ratio's spread over rounds (``--json`` keeps every round).
 """
 from __future__ import annotations
@@ -102,7 +103,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--cases", default="", help="only the cases whose name contains this, e.g. 'dp2'")
