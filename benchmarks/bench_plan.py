@@ -1,18 +1,19 @@
 """Predicted against measured step time on local CPU engines: the planner's accuracy here.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2          # ~4 minutes
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2          # ~8 minutes
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --rounds 8 --cases pp
 
 For each round: calibrate (per-block costs and α-β on these engines), then run every case
-for a few steps and simulate it from the cost table just measured; calibration and runs
+for 20 steps and simulate it from the cost table just measured; calibration and runs
 alternate so that a change of machine load moves both. Prints, per case, the medians over
 rounds of measured and predicted step time, their ratio, and the bubble and exposed-comm
 fractions measured/predicted; with ``--repeat`` each case is measured twice, and the
 second measurement over the first (its median and range over rounds) shows how closely one
-measurement predicts another of the same code: the floor under the ratio. The figures are noisy on a shared 2-core machine (one round's
-ratio swings by ±30 %, and one step of a run can take 1.7× the next): each case runs 20 steps
-(the calibration's own runs take 24), a round takes ~1 minute on 2 engines, ~2.5 on 4; read
-the median with the ratio's spread over rounds (``--json`` keeps every round).
+measurement predicts another of the same code: the floor under the ratio. The figures are
+noisy on a shared 2-core machine (one round's ratio swings by ±30 %, and one step of a run can
+take 1.7× the next): each case runs 20 steps (the calibration's own runs take 24), a round
+takes ~40 s on 2 engines with ``--repeat``, ~65 s on 4; read the median with the ratio's spread
+over rounds (``--json`` keeps every round).
 """
 from __future__ import annotations
 
