@@ -950,3 +950,29 @@ def test_calibrate_refuses_bad_arguments_before_touching_the_engines(bad, messag
 
     with pytest.raises(ValueError, match=message):
         plan.calibrate(None, model=labkit.models.mlp(width=8, depth=2), **bad)
+
+
+def test_a_bucket_waits_for_the_slowest_peer_and_shares_the_cores_with_its_backward():
+    """One replayed rank stands for the dp group: its all-reduce starts only when the slowest
+    peer issues it (sync_lag later), and runs at 1/busy of its speed while that peer still
+    computes; drawn from when this rank issued it, as the recorder draws the call it waits on."""
+    from dataclasses import replace as with_
+
+    from labkit.plan.in_step import sync_lag
+    from labkit.plan.replay import Message
+
+    prog = StageProgram([1.0], [10.0], [0.0], [0], [[Message("bucket 0", 8, 4.0, 5.0)]], [0.0], overlap_busy=2.0)
+
+    def bucket(p, dp=2):
+        return next(e for e in replay(p, pp=1, dp=dp, dp_mode="overlap") if e["rank"] == 0 and e["kind"] == "allreduce")
+
+    on_time = bucket(prog)      # issued at 6, half speed till backward ends at 11: 2.5 done, 1.5 after
+    assert (on_time["start"], on_time["end"]) == pytest.approx((6.0, 12.5))
+    late = bucket(with_(prog, sync_lag=3.0))    # starts at 9, half speed till the peer's backward ends at 14
+    assert (late["start"], late["end"]) == pytest.approx((6.0, 15.5))
+
+    class Run:      # two ranks, one step after the first: backward ends at 10 and 14, their mean at 12
+        timeline = type("T", (), {"events": [
+            {"rank": r, "stream": "compute", "kind": "bwd", "name": "B0", "step": 1, "microbatch": 0,
+             "start": 1.0, "end": end, "bytes": 0, "peer": None} for r, end in ((0, 10.0), (1, 14.0))]})()
+    assert sync_lag(Run()) == pytest.approx(2.0)

@@ -21,8 +21,10 @@ predicts for the same calls:
   (``pipeline_compute``, ``chunked_compute``, ``split_compute``, ``zbv_compute``: more actions
   for the same compute cost more);
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
-  and the busy factor that makes the replay's comm tail after backward the measured one
-  (the busy-probe's factor, small matmuls polling a transfer, overstates a real backward's);
+  how much later than the typical rank the last one ends it (``overlap_sync_lag``: a bucket
+  waits for its slowest peer, :func:`sync_lag`), and the busy factor that makes the replay's
+  comm tail after backward the measured one (the busy-probe's factor, small matmuls polling
+  a transfer, overstates a real backward's);
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
 * ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, the
   untimed seconds before each of its calls (its per-block bookkeeping), and the busy factor
@@ -200,8 +202,9 @@ def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | N
 
 def overlap_fit(run, costs, strategy, batch: int) -> dict:
     """``<mode>_bwd`` (mode: the run's dp_mode, overlap or ddp): the measured backward that
-    launches buckets over the replay's; then ``<mode>_busy``: the busy factor (on a grid) whose
-    replayed comm tail after backward is nearest the measured one. The ranks' mean per step,
+    launches buckets over the replay's; ``<mode>_sync_lag``: how late the slowest rank ends
+    that backward (:func:`sync_lag`, replayed with it); then ``<mode>_busy``: the busy factor
+    (on a grid) whose replayed comm tail after backward is nearest the measured one. The ranks' mean per step,
     then the median over steps; {} if the run recorded no overlap. (Rank 0 alone is not the
     typical rank here: its tail after backward was the longest of 2 engines more often than
     not, and fitting it put overlap's exposed comm at 0.59 against 0.46 measured.)"""
@@ -218,8 +221,9 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     if not measured:
         return {}
     bwd, tail = median(b for b, _ in measured), median(t for _, t in measured)
+    lag = sync_lag(run)
 
-    base = build_program(strategy, costs, batch)
+    base = replace(build_program(strategy, costs, batch), sync_lag=lag)
     pack = sum(m.pack for m in base.grads[0])       # inside the backward span, not stretched
 
     def shape(**fields):
@@ -230,7 +234,26 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     stretch = max(1.0, (bwd - pack) / (span - pack))
     grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(12)]    # 1 … ~35
     busy = min(grid, key=lambda f: abs(shape(overlap_busy=f, overlap_stretch=stretch)[1] - tail))
-    return {f"{strategy.dp_mode}_bwd": stretch, f"{strategy.dp_mode}_busy": busy}
+    return {f"{strategy.dp_mode}_bwd": stretch, f"{strategy.dp_mode}_busy": busy,
+            f"{strategy.dp_mode}_sync_lag": lag}
+
+
+def sync_lag(run) -> float:
+    """How much later than the ranks' mean the last rank ends its backward: the median over
+    steps. A bucket's all-reduce starts once the last rank has issued it, and on shared cores
+    the ranks drift apart: on 4 engines over 2 cores the last backward of a ddp step ended
+    9–10 ms after the mean (overlap 7–8, naive 4–5; on 2 engines 1.3–2.3 ms). Without it the
+    fitted busy factor could not reach ddp's measured tail after backward (42–44 ms at the
+    grid's top against 44–48 measured in two of three calibrations on 4 engines)."""
+    spreads = []
+    for evs in _steps(run).values():
+        ends = {}
+        for e in evs:
+            if e["kind"] == "bwd":
+                ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
+        if len(ends) > 1:
+            spreads.append(max(ends.values()) - mean(ends.values()))
+    return median(spreads) if spreads else 0.0
 
 
 def zero3_fit(run, costs, strategy, batch: int) -> dict:

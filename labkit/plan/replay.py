@@ -74,6 +74,10 @@ class StageProgram:
     overlap_stretch: float = 1.0
     """How much longer the backward that launches buckets takes than the same backward alone
     (its compute shares the cores with the transfers; measured in the same step)."""
+    sync_lag: float = 0.0
+    """How much later than the typical rank the slowest of its dp peers issues a bucket (pp = 1,
+    one replica copied: an all-reduce cannot start before the last rank issues it; measured,
+    labkit.plan.in_step.overlap_fit)."""
     lanes: int = 1
     """zero=1's calls of the dp group that run at once (labkit.plan.sharded.Link)."""
     call_gap: float = 0.0
@@ -258,15 +262,20 @@ def settle(group: list[_Replay], r: int) -> None:
     """Time the buckets rank r launched in each replica of ``group`` (rank r's dp group), in
     issue order on the comm stream: an all-reduce starts once every replica has issued it and
     the one before it has ended, progresses at 1/f of its speed (f: ``overlap_busy``) inside a
-    replica's busy spans, and ends when the slowest replica's share does."""
+    replica's busy spans, and ends when the slowest replica's share does. One replica standing
+    for all (pp = 1) issues each bucket ``sync_lag`` before its slowest peer does."""
     f = group[0].prog.overlap_busy or group[0].prog.busy_factor
+    lag = group[0].prog.sync_lag if len(group) == 1 and group[0].dp > 1 else 0.0
     plans = [rep.issues(r) for rep in group]
     for calls in zip(*plans):
-        start = max([issue for _, _, issue, _ in calls] + [rep.comm_free[r] for rep in group])
-        end = max(shared_end(start, msg.cost, busy, f) for _, msg, _, busy in calls)
+        issued = max([issue for _, _, issue, _ in calls] + [rep.comm_free[r] for rep in group])
+        start = max(issued, max(issue for _, _, issue, _ in calls) + lag)
+        # … and its peer computes ``lag`` later too: the transfer shares the cores that long
+        end = max(shared_end(start, msg.cost, [(a + lag, b + lag) for a, b in busy], f) for _, msg, _, busy in calls)
         for rep, (chunk, msg, _, _) in zip(group, calls):
             rep.comm_free[r] = end
-            rep.event(r, "comm", "allreduce", msg.name, start, end, nbytes=msg.bytes)
+            # drawn from when this rank could start it, as the recorder draws a call it waits on
+            rep.event(r, "comm", "allreduce", msg.name, issued, end, nbytes=msg.bytes)
             rep.inflight[r].setdefault(chunk, []).append((end, msg.unpack))
 
 

@@ -169,6 +169,7 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
     prog = StageProgram([], [], [], [], [], [], busy_factor=costs.busy_factor, zero=strategy.zero, tp=strategy.tp,
                         gap=costs.gap_s(strategy.pp), overlap_busy=costs.in_step.get(f"{fit}_busy"),
                         overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes,
+                        sync_lag=costs.in_step.get(f"{fit}_sync_lag", 0.0) if strategy.pp == 1 else 0.0,
                         call_gap=costs.in_step.get("zero1_gap_s", 0.0) if strategy.zero == 1 else 0.0)
     f_stretch, b_stretch = (costs.compute_stretch("fwd", strategy.pp, strategy.tp, strategy.schedule),
                             costs.compute_stretch("bwd", strategy.pp, strategy.tp, strategy.schedule))
