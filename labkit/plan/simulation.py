@@ -11,7 +11,9 @@ A bucket launched during backward progresses at 1/``busy_factor`` of its speed w
 rank still computes (on CPU the comm and compute threads share the cores), at full speed
 after; and that backward takes longer beside its buckets. Both come from one overlapped step
 of the calibration (``in_step["overlap_busy"]``, ``["overlap_bwd"]``), fitted so the replay's
-comm tail after backward is the measured one.
+comm tail after backward is the measured one. With one stage the typical rank stands for its
+dp group, and a bucket starts only when the slowest peer issues it, beside that peer's backward
+(``["overlap_sync_lag"]``: how late the last rank ends its backward).
 
 Tensor parallelism (``tp_mode="megatron"``): the blocks cost what they measured at one rank's
 shard width (:mod:`labkit.plan.tensor_costs`: the plan's modules replaced by plain modules of
