@@ -247,12 +247,9 @@ def sync_lag(run) -> float:
     grid's top against 44–48 measured in two of three calibrations on 4 engines)."""
     spreads = []
     for evs in _steps(run).values():
-        ends = {}
-        for e in evs:
-            if e["kind"] == "bwd":
-                ends[e["rank"]] = max(ends.get(e["rank"], 0.0), e["end"])
+        ends = list(rank_ends([e for e in evs if e["kind"] == "bwd"]).values())
         if len(ends) > 1:
-            spreads.append(max(ends.values()) - mean(ends.values()))
+            spreads.append(max(ends) - mean(ends))
     return median(spreads) if spreads else 0.0
 
 

@@ -268,10 +268,12 @@ def settle(group: list[_Replay], r: int) -> None:
     lag = group[0].prog.sync_lag if len(group) == 1 and group[0].dp > 1 else 0.0
     plans = [rep.issues(r) for rep in group]
     for calls in zip(*plans):
-        issued = max([issue for _, _, issue, _ in calls] + [rep.comm_free[r] for rep in group])
-        start = max(issued, max(issue for _, _, issue, _ in calls) + lag)
+        last_issue = max(issue for _, _, issue, _ in calls)
+        issued = max([last_issue] + [rep.comm_free[r] for rep in group])
+        start = max(issued, last_issue + lag)
         # … and its peer computes ``lag`` later too: the transfer shares the cores that long
-        end = max(shared_end(start, msg.cost, [(a + lag, b + lag) for a, b in busy], f) for _, msg, _, busy in calls)
+        end = max(shared_end(start, msg.cost, [(a + lag, b + lag) for a, b in busy], f)
+                  for _, msg, _, busy in calls)
         for rep, (chunk, msg, _, _) in zip(group, calls):
             rep.comm_free[r] = end
             # drawn from when this rank could start it, as the recorder draws a call it waits on
