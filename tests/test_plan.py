@@ -976,3 +976,34 @@ def test_a_bucket_waits_for_the_slowest_peer_and_shares_the_cores_with_its_backw
             {"rank": r, "stream": "compute", "kind": "bwd", "name": "B0", "step": 1, "microbatch": 0,
              "start": 1.0, "end": end, "bytes": 0, "peer": None} for r, end in ((0, 10.0), (1, 14.0))]})()
     assert sync_lag(Run()) == pytest.approx(2.0)
+
+
+def test_the_schedule_slows_where_its_buckets_are_in_flight():
+    """Interleaved pp2 × dp2, overlap: the first chunk done launches its buckets while the other
+    chunk's backwards and receives go on, and they share the cores: that work runs at
+    1/overlap_stretch of its speed inside the buckets' flight, and the replay settles on it."""
+    from labkit.plan.replay import Message, _union, shared_end
+
+    p, chunks = 2, 2
+
+    def step(stretch):
+        n = p * chunks
+        grads = [[Message(f"bucket {g}", 8, 3.0, 2.0)] for g in range(n)]
+        prog = StageProgram([1.0] * n, [2.0] * n, [0.1] * n, [8] * n, grads, [0.5] * n, overlap_stretch=stretch)
+        return replay(prog, pp=p, dp=2, schedule="interleaved", microbatches=4, chunks=chunks, dp_mode="overlap")
+
+    alone, shared = step(1.0), step(2.0)
+    assert max(e["end"] for e in shared) > max(e["end"] for e in alone)
+    slowed = 0
+    for r in range(p):
+        mine = [e for e in shared if e["rank"] == r]
+        flight = _union([(e["start"], e["end"]) for e in mine if e["kind"] == "allreduce"])
+        launch_ends = {e["end"] for e in mine if e["kind"] == "bwd"} & {
+            max(b["end"] for b in mine if b["kind"] == "bwd" and b["name"].endswith(f"c{c}")) for c in range(chunks)}
+        for e in mine:
+            if e["kind"] == "fwd" or (e["kind"] == "bwd" and e["end"] not in launch_ends):
+                base = 1.0 if e["kind"] == "fwd" else 2.0
+                assert e["end"] == pytest.approx(shared_end(e["start"], base, flight, 2.0)), e
+                slowed += e["end"] - e["start"] > base + 1e-9
+    assert slowed        # at least one action ran beside a bucket
+

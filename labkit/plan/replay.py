@@ -21,7 +21,9 @@ with pp = 1 the data-parallel job's F0 B0 F1 B1 …), and the same gradient call
 Each rank has one compute stream and one comm stream. A collective starts once the comm
 stream is free and every peer issued it. dp replicas are alike, so one pipeline is replayed
 and copied; or, given ``paces``, each replica runs its pipeline at its own pace and each
-gradient all-reduce starts once the slowest replica has issued it (:func:`finish`). A
+gradient all-reduce starts once the slowest replica has issued it (:func:`finish`). Overlap's
+buckets share the cores with what the schedule runs beside them: a rank's actions and receives
+run at 1/``overlap_stretch`` of their speed while its buckets fly (:meth:`_Replay.shared`). A
 point-to-point transfer starts when both ends are posted (gloo and NCCL rendezvous): the receiver's blocked time before the sender posted is ``wait`` (bubble), the
 transfer ``recv``/``send`` (comm), as :mod:`labkit.waits` splits a measured run.
 
@@ -94,9 +96,10 @@ def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
 
 class _Replay:
     def __init__(self, prog: StageProgram, pp: int, dp: int, schedule: str, m: int, chunks: int, dp_mode: str,
-                 replicas: int):
+                 replicas: int, beside: list[list[tuple[float, float]]] | None = None):
         self.prog, self.pp, self.dp, self.chunks, self.dp_mode = prog, pp, dp, chunks, dp_mode
         self.replicas = replicas
+        self.beside = beside or [[] for _ in range(pp)]     # per rank: its buckets in flight (a previous pass)
         self.actions = _actions(pp, schedule, m, chunks)
         if any(a.op in ("I", "W") for a in self.actions[0]) and len(prog.bwd_input) != pp * chunks:
             raise ValueError(f"schedule {schedule!r} splits backward: the program needs bwd_input and bwd_weight per stage")
@@ -142,13 +145,37 @@ class _Replay:
     def calls(self, which: list, stage: int) -> list:
         return which[stage] if which else []
 
-    def compute(self, r: int, kind: str, name: str, seconds: float, calls: list, microbatch) -> None:
-        """``seconds`` of compute on rank r with blocking ``calls`` inside (the span cut around them)."""
+    def compute(self, r: int, kind: str, name: str, seconds: float, calls: list, microbatch,
+                shared: bool = True) -> None:
+        """``seconds`` of compute on rank r with blocking ``calls`` inside (the span cut around
+        them); ``shared``: slower while the rank's buckets are in flight (:meth:`shared`)."""
+        if shared and seconds > 0:
+            wall = self.shared(r, self.clock[r], seconds)
+            calls = [replace(c, at=c.at * wall / seconds) for c in calls]
+            seconds = wall
         rank = Rank()
         rank.clock = self.clock[r]
         rank.compute(kind, name, seconds, calls, microbatch)
         self.events += [dict(e, rank=r) for e in rank.events]
         self.clock[r] = rank.clock
+
+    def shared(self, r: int, start: float, seconds: float, peer: int | None = None) -> float:
+        """Wall seconds of ``seconds`` of work on rank r (and ``peer``) from ``start``, at
+        1/``overlap_stretch`` of its speed while a bucket of either is in flight: the backward
+        that launches buckets is measured that much longer beside them, and what the schedule
+        runs after it (the other chunk's actions, the receives) shares the same cores."""
+        spans = _union(self.beside[r] + (self.beside[peer] if peer is not None else []))
+        if not spans or self.prog.overlap_stretch <= 1.0:
+            return seconds
+        return shared_end(start, seconds, spans, self.prog.overlap_stretch) - start
+
+    def flight_spans(self) -> list[list[tuple[float, float]]]:
+        """Per rank, when its launched buckets were in flight (issue to end), for the next pass."""
+        out = [[] for _ in range(self.pp)]
+        for e in self.events:
+            if e["kind"] == "allreduce" and self.dp_mode == "overlap":
+                out[e["rank"]].append((e["start"], e["end"]))
+        return [_union(spans) for spans in out]
 
     def act(self, r: int, a: Action) -> bool:
         if not a.op.startswith("RECV"):
@@ -167,7 +194,7 @@ class _Replay:
             if a.op == "W":
                 seconds, calls = prog.bwd_weight[a.stage], calls if a.stage == 0 else []
             self.compute(r, "bwd" if a.op == "B" else "bwd_weight", self.label(a.op, a), seconds * stretch,
-                         calls, a.microbatch)
+                         calls, a.microbatch, shared=not launches)
             if launches:
                 self.launch(r, a.chunk, a.stage, t, stretch)
         elif a.op.startswith("SEND"):
@@ -221,6 +248,7 @@ class _Replay:
         cost, nbytes = self.prog.p2p[min(sender_stage, a.stage)], self.prog.p2p_bytes[min(sender_stage, a.stage)]
         posted_at = self.clock[r]
         start = max(posted_at, sent_at)
+        cost = self.shared(r, start, cost, a.peer)
         if sent_at > posted_at:
             self.event(r, "comm", "wait", str(a), posted_at, sent_at, a.microbatch, peer=a.peer)
         self.event(r, "comm", "recv", str(a), start, start + cost, a.microbatch, peer=a.peer)
@@ -341,6 +369,21 @@ def at_pace(prog: StageProgram, pace: float) -> StageProgram:
                            for m in msgs] for msgs in prog.grads])
 
 
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+PASSES = 4
+"""Replays of a step whose buckets fly beside the schedule (overlap, pp > 1): each pass slows
+the schedule where the previous one had buckets in flight; the times settle within a few."""
+
+
 def replay(prog: StageProgram, pp: int, dp: int, schedule: str = "1f1b", microbatches: int = 1,
            chunks: int = 1, dp_mode: str = "overlap", replicas: int | None = None,
            paces: list[float] | None = None) -> list[dict]:
@@ -349,16 +392,32 @@ def replay(prog: StageProgram, pp: int, dp: int, schedule: str = "1f1b", microba
 
     ``paces`` (one per dp replica): each replica's pipeline runs at its own pace (× its compute,
     messages and gaps), and each gradient all-reduce starts once the slowest replica has issued
-    it. Without them every replica is the same pipeline, copied."""
+    it. Without them every replica is the same pipeline, copied.
+
+    With overlap's buckets launched while a pipeline's schedule goes on (pp > 1: the other
+    chunk's actions, the receives that follow), the step is replayed again with that work
+    slowed where the buckets were in flight (:meth:`_Replay.shared`), until it settles."""
     if len(prog.fwd) != pp * chunks:
         raise ValueError(f"the program has {len(prog.fwd)} stages but pp*chunks = {pp * chunks}")
-    if not paces:
-        return _Replay(prog, pp, dp, schedule, microbatches, chunks, dp_mode, dp if replicas is None else replicas).run()
-    if len(paces) != dp or prog.zero or dp_mode == "ddp":
+    if paces and (len(paces) != dp or prog.zero or dp_mode == "ddp"):
         raise ValueError(f"paces: one per dp replica ({dp}), for naive, bucketed or overlap dp without zero")
-    group = [_Replay(at_pace(prog, pace), pp, dp, schedule, microbatches, chunks, dp_mode, 1) for pace in paces]
-    for rep in group:
-        rep.schedule()
-    for r in range(pp):
-        finish(group, r)
-    return [e for d, rep in enumerate(group) for e in rep.replicate(first=d)]
+    passes = PASSES if pp > 1 and dp > 1 and dp_mode == "overlap" and prog.overlap_stretch > 1 else 1
+    beside = [None] * (len(paces) if paces else 1)
+    for _ in range(passes):
+        if not paces:
+            group = [_Replay(prog, pp, dp, schedule, microbatches, chunks, dp_mode,
+                             dp if replicas is None else replicas, beside[0])]
+            events = group[0].run()
+        else:
+            group = [_Replay(at_pace(prog, pace), pp, dp, schedule, microbatches, chunks, dp_mode, 1, spans)
+                     for pace, spans in zip(paces, beside)]
+            for rep in group:
+                rep.schedule()
+            for r in range(pp):
+                finish(group, r)
+            events = [e for d, rep in enumerate(group) for e in rep.replicate(first=d)]
+        flights = [rep.flight_spans() for rep in group]
+        if flights == beside:
+            break
+        beside = flights
+    return events

@@ -13,7 +13,9 @@ after; and that backward takes longer beside its buckets. Both come from one ove
 of the calibration (``in_step["overlap_busy"]``, ``["overlap_bwd"]``), fitted so the replay's
 comm tail after backward is the measured one. With one stage the typical rank stands for its
 dp group, and a bucket starts only when the slowest peer issues it, beside that peer's backward
-(``["overlap_sync_lag"]``: how late the last rank ends its backward).
+(``["overlap_sync_lag"]``: how late the last rank ends its backward). In a pipeline the schedule
+goes on beside the buckets (the other chunk's actions, the receives), at 1/``overlap_bwd`` of its
+speed while they fly (:func:`labkit.plan.replay.replay`).
 
 Tensor parallelism (``tp_mode="megatron"``): the blocks cost what they measured at one rank's
 shard width (:mod:`labkit.plan.tensor_costs`: the plan's modules replaced by plain modules of
@@ -49,8 +51,10 @@ the offsets how far apart ranks end after the last one.)
 
 Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
 parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
-with a message), DDP's small first bucket, the busy slowdown of pipeline messages, and the
-compute slowdown beside in-flight transfers other than overlap's buckets and ZeRO's calls.
+with a message), DDP's small first bucket, the busy slowdown of pipeline messages other than beside overlap's
+buckets, the compute slowdown beside in-flight transfers other than overlap's buckets and ZeRO's
+calls, and the cores one rank takes from another (on 2 cores, a rank spinning in a receive's
+wait leaves its peers one core between them).
 
     >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
     >>> overlay(pred, run)                   # predicted outlines over the measured spans
