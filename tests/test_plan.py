@@ -232,7 +232,7 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
-    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "ddp_bwd", "ddp_busy",
+    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "overlap_bwd_Bps", "ddp_bwd", "ddp_busy",
             "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_scatter", "zero3_busy", "rank_ends_s",
             "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
             "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd"} <= set(costs.in_step)
@@ -431,7 +431,7 @@ def test_the_overlap_fit_recovers_the_stretch_and_busy_factor_it_is_shown():
 
     import labkit
     from labkit.plan.in_step import overlap_fit
-    from labkit.plan.simulation import build_program
+    from labkit.plan.simulation import bucket_density, build_program
 
     costs, batch = _costs(blocks=4, numel=400_000), 32
     s = labkit.Strategy(dp=2, dp_mode="overlap", bucket_mb=1.0)
@@ -442,6 +442,7 @@ def test_the_overlap_fit_recovers_the_stretch_and_busy_factor_it_is_shown():
     fit = overlap_fit(run, costs, s, batch)
     assert fit["overlap_bwd"] == pytest.approx(1.3)
     assert fit["overlap_busy"] == pytest.approx(3.75)
+    assert fit["overlap_bwd_Bps"] == pytest.approx(bucket_density(prog))
     plain = replay(build_program(s, costs, batch), pp=1, dp=2, dp_mode="overlap", replicas=1)
     assert max(e["end"] for e in plain) < max(e["end"] for e in events)     # the fit changes the step
 
@@ -1007,3 +1008,27 @@ def test_the_schedule_slows_where_its_buckets_are_in_flight():
                 slowed += e["end"] - e["start"] > base + 1e-9
     assert slowed        # at least one action ran beside a bucket
 
+
+
+def test_the_backward_beside_its_buckets_stretches_with_their_bytes_per_second():
+    """One stage (pp = 1): the calibrated stretch of the backward that launches buckets, scaled
+    by how many bytes fly per second of that backward against the calibrated run's: tp's shards
+    send less beside the same backward, more micro-batches send the same beside a shorter one.
+    A pipeline keeps the calibrated stretch (its ranks share the cores with the other stage)."""
+    from dataclasses import replace
+
+    import labkit
+    from labkit.plan.simulation import bucket_density, build_program
+
+    costs = _costs(blocks=4, numel=400_000)
+    calibrated = labkit.Strategy(dp=2, dp_mode="overlap")
+    density = bucket_density(build_program(calibrated, costs, 32))
+    table = replace(costs, in_step={"overlap_bwd": 2.0, "overlap_bwd_Bps": density})
+    assert build_program(calibrated, table, 32).overlap_stretch == pytest.approx(2.0)
+    more = labkit.Strategy(dp=2, dp_mode="overlap", microbatches=2)
+    ratio = bucket_density(build_program(more, costs, 32)) / density
+    assert ratio > 1.5
+    assert build_program(more, table, 32).overlap_stretch == pytest.approx(1 + ratio)
+    pipe = labkit.Strategy(dp=2, pp=2, microbatches=2, dp_mode="overlap")
+    assert build_program(pipe, table, 64).overlap_stretch == 2.0
+    assert build_program(more, replace(costs, in_step={"overlap_bwd": 2.0}), 32).overlap_stretch == 2.0   # older tables

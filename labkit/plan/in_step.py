@@ -20,8 +20,9 @@ predicts for the same calls:
   ``sendrecv_split``, ``sendrecv_zbv``), and forward and backward against the blocks
   (``pipeline_compute``, ``chunked_compute``, ``split_compute``, ``zbv_compute``: more actions
   for the same compute cost more);
-* ``dp`` overlap — buckets launched inside backward: how much longer that backward takes,
-  how much later than the typical rank the last one ends it (``overlap_sync_lag``: a bucket
+* ``dp`` overlap — buckets launched inside backward: how much longer that backward takes
+  (and beside how many bytes a second: ``overlap_bwd_Bps``, the replay scales the stretch by
+  a strategy's own), how much later than the typical rank the last one ends it (``overlap_sync_lag``: a bucket
   waits for its slowest peer, :func:`sync_lag`), and the busy factor that makes the replay's
   comm tail after backward the measured one (the busy-probe's factor, small matmuls polling
   a transfer, overstates a real backward's);
@@ -211,7 +212,7 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     from dataclasses import replace
 
     from .replay import replay
-    from .simulation import build_program
+    from .simulation import bucket_density, build_program
 
     measured = []               # per step, the ranks' mean: the replay is the typical rank
     for evs in _steps(run).values():
@@ -223,7 +224,8 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     bwd, tail = median(b for b, _ in measured), median(t for _, t in measured)
     lag = sync_lag(run)
 
-    base = replace(build_program(strategy, costs, batch), sync_lag=lag)
+    plain = replace(costs, in_step={k: v for k, v in costs.in_step.items() if not k.endswith("_bwd_Bps")})
+    base = replace(build_program(strategy, plain, batch), sync_lag=lag)
     pack = sum(m.pack for m in base.grads[0])       # inside the backward span, not stretched
 
     def shape(**fields):
@@ -235,7 +237,7 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(12)]    # 1 … ~35
     busy = min(grid, key=lambda f: abs(shape(overlap_busy=f, overlap_stretch=stretch)[1] - tail))
     return {f"{strategy.dp_mode}_bwd": stretch, f"{strategy.dp_mode}_busy": busy,
-            f"{strategy.dp_mode}_sync_lag": lag}
+            f"{strategy.dp_mode}_sync_lag": lag, f"{strategy.dp_mode}_bwd_Bps": bucket_density(base)}
 
 
 def sync_lag(run) -> float:

@@ -13,7 +13,10 @@ after; and that backward takes longer beside its buckets. Both come from one ove
 of the calibration (``in_step["overlap_busy"]``, ``["overlap_bwd"]``), fitted so the replay's
 comm tail after backward is the measured one. With one stage the typical rank stands for its
 dp group, and a bucket starts only when the slowest peer issues it, beside that peer's backward
-(``["overlap_sync_lag"]``: how late the last rank ends its backward). In a pipeline the schedule
+(``["overlap_sync_lag"]``: how late the last rank ends its backward); and its backward's
+stretch goes with the bytes its buckets put on the wire per second of it, against the calibrated
+run's (``["overlap_bwd_Bps"]``: dp × tp's shards send a third of dp's beside a backward as long,
+and took the calibrated stretch ×1.1–1.2 too slow). In a pipeline the schedule
 goes on beside the buckets (the other chunk's actions, the receives), at 1/``overlap_bwd`` of its
 speed while they fly (:func:`labkit.plan.replay.replay`).
 
@@ -217,7 +220,18 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
         prog.units.append(build_units(costs, strategy, blocks, rows) if strategy.zero else [])
         step = sum(rows[i]["optimizer"] for i in blocks) * costs.slowdown("optimizer")
         prog.optimizer.append(step / strategy.dp if strategy.zero else step)
+    calibrated = costs.in_step.get(f"{fit}_bwd_Bps")
+    if calibrated and strategy.pp == 1 and prog.overlap_stretch > 1 and bucket_density(prog):
+        # one stage: the cores its buckets take from backward go with their bytes (in_step.overlap_fit)
+        prog.overlap_stretch = 1 + (prog.overlap_stretch - 1) * bucket_density(prog) / calibrated
     return prog
+
+
+def bucket_density(prog: StageProgram) -> float:
+    """Bytes a rank puts on the wire for its gradients per second of its backward (the stages'
+    sums): how much transfer runs beside a backward that launches buckets."""
+    seconds = sum(prog.bwd)
+    return sum(m.bytes for msgs in prog.grads for m in msgs) / seconds if seconds > 0 else 0.0
 
 
 def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProgram:
