@@ -232,7 +232,7 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
-    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "overlap_bwd_Bps", "ddp_bwd", "ddp_busy",
+    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "overlap_bwd_Bps", "overlap_start_s", "overlap_ends_s", "ddp_bwd", "ddp_busy",
             "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_scatter", "zero3_busy", "rank_ends_s",
             "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
             "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd"} <= set(costs.in_step)
@@ -1032,3 +1032,26 @@ def test_the_backward_beside_its_buckets_stretches_with_their_bytes_per_second()
     pipe = labkit.Strategy(dp=2, pp=2, microbatches=2, dp_mode="overlap")
     assert build_program(pipe, table, 64).overlap_stretch == 2.0
     assert build_program(more, replace(costs, in_step={"overlap_bwd": 2.0}), 32).overlap_stretch == 2.0   # older tables
+
+
+def test_overlap_and_ddp_take_their_own_runs_start_and_spread():
+    """The pool of data-parallel runs prices naive, bucketed and ZeRO; overlap and ddp (pp = tp = 1)
+    their own run's start lag and rank spread, where the calibration measured them."""
+    from dataclasses import replace
+
+    import labkit
+
+    costs = _costs()
+    pooled = {"rank_start_s": 0.002, "rank_ends_s": [-0.001, 0.001]}
+    own = {"overlap_start_s": 0.005, "overlap_ends_s": [-0.003, 0.003]}
+    both = replace(costs, in_step={**pooled, **own})
+    step = lambda s, in_step: plan.simulate(s, replace(costs, in_step=in_step), batch=64).metrics["step_time_s"]
+    overlap, naive = labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(dp=2, dp_mode="naive")
+    assert plan.simulate(overlap, both, batch=64).metrics["step_time_s"] == pytest.approx(
+        step(overlap, {"rank_start_s": 0.005, "rank_ends_s": [-0.003, 0.003]}))
+    assert step(overlap, {**pooled, **own}) > step(overlap, pooled)
+    assert step(naive, {**pooled, **own}) == step(naive, pooled)
+    zero = labkit.Strategy(dp=2, zero=1)           # dp_mode "overlap" by default, but ZeRO's own calls
+    sharded = lambda in_step: plan.simulate(zero, replace(_sharded_costs(), in_step=in_step), batch=64)
+    assert sharded({**pooled, **own}).metrics["step_time_s"] == sharded(pooled).metrics["step_time_s"]
+    assert step(labkit.Strategy(dp=2, dp_mode="ddp"), {**pooled, **own}) == step(labkit.Strategy(dp=2, dp_mode="ddp"), pooled)

@@ -32,7 +32,10 @@ predicts for the same calls:
   that makes the replayed step the measured one (``zero3_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
   from the mean, smallest first: :func:`rank_spread`), and how late the typical rank makes its
-  first span (``rank_start_s``: :func:`start_lag`);
+  first span (``rank_start_s``: :func:`start_lag`); and the overlap and ddp runs each on their
+  own (``overlap_ends_s``, ``overlap_start_s``, ``ddp_…``: on 4 engines their ranks started
+  3.8–5.6 ms into the step where the pool's typical rank started at 2.8–3.5, and ddp's last rank
+  ended 3.9–6.9 ms after the mean against the pool's 3.3–3.6);
 * the pipeline runs together (pp × dp, from 4 engines) — how far apart their dp replicas reach
   the end of the schedule (``replica_pace``, a pace per replica, slowest last:
   :func:`replica_paces`);
@@ -553,4 +556,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss
         out["tp_in_pipeline"] = tp_factor(pipe_tp_run, costs, 2, ranks=range(0, pipe_tp.pp * pipe_tp.tp, pipe_tp.tp))
         out.update(compute_factors(pipe_tp_run, costs, pipe_tp, batch, "pipeline_tp_compute"))
     out["rank_start_s"] = start_lag([naive, zero, overlap_run, ddp_run, zero3_run])
+    for mode, measured in (("overlap", overlap_run), ("ddp", ddp_run)):
+        # buckets beside backward: their ranks start later and end further apart than the pool's
+        out[f"{mode}_start_s"], out[f"{mode}_ends_s"] = start_lag([measured]), rank_spread([measured])
     return {k: v for k, v in out.items() if v is not None}

@@ -45,7 +45,9 @@ each rank run at its own pace by those offsets, and the metrics average over the
 assigning them. Nor do they all start when the first one does (4 engines on 2 cores: two take
 the cores, the others leave the step's barrier when they get one): a replay of one stage
 (pp = 1) starts its typical rank where the calibration's data-parallel ranks made their first
-span, on average (``in_step["rank_start_s"]``). A pipeline's dp replicas (pp > 1, dp > 1)
+span, on average (``in_step["rank_start_s"]``); overlap and ddp (pp = tp = 1, no ZeRO: the runs
+they were measured in) take their own run's start and spread (``["overlap_start_s"]``,
+``["overlap_ends_s"]``, ``ddp_…``), later and wider than the pool's. A pipeline's dp replicas (pp > 1, dp > 1)
 drift apart within a step, and each gradient all-reduce waits for the slowest replica to issue
 it: there the replay runs every replica at its own measured pace (``in_step["replica_pace"]``,
 from the calibration's pipeline runs) and syncs the all-reduces across them; the offsets then
@@ -347,10 +349,12 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         # offsets below then spread where each rank ends after it, as in data parallelism
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
                         strategy.chunks, strategy.dp_mode, paces=paces_of(strategy, costs))
-    lag = costs.in_step.get("rank_start_s", 0.0) if strategy.pp == 1 else 0.0
+    # one stage whose buckets fly beside backward: its own run's start and spread where calibrated
+    own = strategy.dp_mode if strategy.pp == strategy.tp == 1 and not strategy.zero and strategy.dp > 1 else "pooled"
+    lag = costs.in_step.get(f"{own}_start_s", costs.in_step.get("rank_start_s", 0.0)) if strategy.pp == 1 else 0.0
     if lag:             # the typical rank's late start (in_step.start_lag); a pipeline's ranks wait at 0
         events = [dict(e, start=e["start"] + lag, end=e["end"] + lag) for e in events]
-    offsets = costs.in_step.get("rank_ends_s")
+    offsets = costs.in_step.get(f"{own}_ends_s") or costs.in_step.get("rank_ends_s")
     if not offsets or world < 2:
         return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
     steps = paced(events, offsets, world)
