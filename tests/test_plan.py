@@ -983,7 +983,8 @@ def test_the_schedule_slows_where_its_buckets_are_in_flight():
     """Interleaved pp2 × dp2, overlap: the first chunk done launches its buckets while the other
     chunk's backwards and receives go on, and they share the cores: that work runs at
     1/overlap_stretch of its speed inside the buckets' flight, and the replay settles on it."""
-    from labkit.plan.replay import Message, _union, shared_end
+    from labkit.analysis.metrics import union
+    from labkit.plan.replay import Message, shared_end
 
     p, chunks = 2, 2
 
@@ -998,7 +999,7 @@ def test_the_schedule_slows_where_its_buckets_are_in_flight():
     slowed = 0
     for r in range(p):
         mine = [e for e in shared if e["rank"] == r]
-        flight = _union([(e["start"], e["end"]) for e in mine if e["kind"] == "allreduce"])
+        flight = union([(e["start"], e["end"]) for e in mine if e["kind"] == "allreduce"])
         launch_ends = {e["end"] for e in mine if e["kind"] == "bwd"} & {
             max(b["end"] for b in mine if b["kind"] == "bwd" and b["name"].endswith(f"c{c}")) for c in range(chunks)}
         for e in mine:

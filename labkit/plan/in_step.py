@@ -227,8 +227,7 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     bwd, tail = median(b for b, _ in measured), median(t for _, t in measured)
     lag = sync_lag(run)
 
-    plain = replace(costs, in_step={k: v for k, v in costs.in_step.items() if not k.endswith("_bwd_Bps")})
-    base = replace(build_program(strategy, plain, batch), sync_lag=lag)
+    base = replace(build_program(strategy, costs, batch), sync_lag=lag)    # shape() sets its stretch
     pack = sum(m.pack for m in base.grads[0])       # inside the backward span, not stretched
 
     def shape(**fields):

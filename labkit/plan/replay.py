@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..analysis.metrics import union
 from ..parallel.pipeline.schedules import Action, build_schedule, global_stage, placement_of
 from .sharded import Call, Rank, Unit, sharded_tail
 
@@ -164,7 +165,7 @@ class _Replay:
         1/``overlap_stretch`` of its speed while a bucket of either is in flight: the backward
         that launches buckets is measured that much longer beside them, and what the schedule
         runs after it (the other chunk's actions, the receives) shares the same cores."""
-        spans = _union(self.beside[r] + (self.beside[peer] if peer is not None else []))
+        spans = self.beside[r] if peer is None or not self.beside[peer] else union(self.beside[r] + self.beside[peer])
         if not spans or self.prog.overlap_stretch <= 1.0:
             return seconds
         return shared_end(start, seconds, spans, self.prog.overlap_stretch) - start
@@ -172,10 +173,10 @@ class _Replay:
     def flight_spans(self) -> list[list[tuple[float, float]]]:
         """Per rank, when its launched buckets were in flight (issue to end), for the next pass."""
         out = [[] for _ in range(self.pp)]
-        for e in self.events:
-            if e["kind"] == "allreduce" and self.dp_mode == "overlap":
+        for e in self.events if self.dp_mode == "overlap" else []:
+            if e["kind"] == "allreduce":
                 out[e["rank"]].append((e["start"], e["end"]))
-        return [_union(spans) for spans in out]
+        return [union(spans) for spans in out]
 
     def act(self, r: int, a: Action) -> bool:
         if not a.op.startswith("RECV"):
@@ -367,16 +368,6 @@ def at_pace(prog: StageProgram, pace: float) -> StageProgram:
                    bwd_calls=[[replace(c, at=pace * c.at) for c in calls] for calls in prog.bwd_calls],
                    grads=[[replace(m, ready=pace * m.ready, pack=pace * m.pack, unpack=pace * m.unpack)
                            for m in msgs] for msgs in prog.grads])
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 PASSES = 4

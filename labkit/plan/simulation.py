@@ -222,10 +222,10 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
         prog.units.append(build_units(costs, strategy, blocks, rows) if strategy.zero else [])
         step = sum(rows[i]["optimizer"] for i in blocks) * costs.slowdown("optimizer")
         prog.optimizer.append(step / strategy.dp if strategy.zero else step)
-    calibrated = costs.in_step.get(f"{fit}_bwd_Bps")
-    if calibrated and strategy.pp == 1 and prog.overlap_stretch > 1 and bucket_density(prog):
+    calibrated, density = costs.in_step.get(f"{fit}_bwd_Bps"), bucket_density(prog)
+    if calibrated and strategy.pp == 1 and prog.overlap_stretch > 1 and density:
         # one stage: the cores its buckets take from backward go with their bytes (in_step.overlap_fit)
-        prog.overlap_stretch = 1 + (prog.overlap_stretch - 1) * bucket_density(prog) / calibrated
+        prog.overlap_stretch = 1 + (prog.overlap_stretch - 1) * density / calibrated
     return prog
 
 
@@ -350,11 +350,12 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
                         strategy.chunks, strategy.dp_mode, paces=paces_of(strategy, costs))
     # one stage whose buckets fly beside backward: its own run's start and spread where calibrated
-    own = strategy.dp_mode if strategy.pp == strategy.tp == 1 and not strategy.zero and strategy.dp > 1 else "pooled"
-    lag = costs.in_step.get(f"{own}_start_s", costs.in_step.get("rank_start_s", 0.0)) if strategy.pp == 1 else 0.0
+    own = strategy.pp == strategy.tp == 1 and not strategy.zero and strategy.dp > 1
+    start, ends = (f"{strategy.dp_mode}_start_s", f"{strategy.dp_mode}_ends_s") if own else ("rank_start_s", "rank_ends_s")
+    lag = costs.in_step.get(start, costs.in_step.get("rank_start_s", 0.0)) if strategy.pp == 1 else 0.0
     if lag:             # the typical rank's late start (in_step.start_lag); a pipeline's ranks wait at 0
         events = [dict(e, start=e["start"] + lag, end=e["end"] + lag) for e in events]
-    offsets = costs.in_step.get(f"{own}_ends_s") or costs.in_step.get("rank_ends_s")
+    offsets = costs.in_step.get(ends) or costs.in_step.get("rank_ends_s")
     if not offsets or world < 2:
         return Simulated(strategy, step_metrics(events, world, batch), Timeline(events, world, title="predicted"), batch)
     steps = paced(events, offsets, world)
