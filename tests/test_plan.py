@@ -235,7 +235,10 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "overlap_bwd_Bps", "overlap_start_s", "overlap_ends_s", "ddp_bwd", "ddp_busy",
             "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_scatter", "zero3_busy", "rank_ends_s",
             "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
-            "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd"} <= set(costs.in_step)
+            "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd", "1f1b_compute_fwd", "gap_s",
+            "pipeline_start_s", "p2p_delay_s", "p2p_delay_1f1b_s", "p2p_delay_chunked_s", "p2p_delay_split_s",
+            "p2p_delay_zbv_s"} <= set(costs.in_step)
+    assert "tail_gap_s" not in costs.in_step            # 2 engines: a pipeline has no dp replicas to sync
     assert costs.blocks[0]["bwd_input"] == [0.0] * 4 and costs.blocks[0]["bwd_weight"] == costs.blocks[0]["bwd"]
     assert all(min(b["bwd_input"]) > 0 for b in costs.blocks[1:])      # Linear and ReLU both pass a gradient
     assert len(costs.in_step["rank_ends_s"]) == 2 and sum(costs.in_step["rank_ends_s"]) == pytest.approx(0, abs=1e-12)
@@ -804,9 +807,13 @@ def test_a_pipelines_replicas_at_their_own_pace_sync_each_all_reduce_on_the_slow
             last = lambda evs: max(e["end"] for e in evs if e["kind"] == "bwd")
             assert last(fast) < last(slow)
             calls = [[e for e in evs if e["kind"] == "allreduce"] for evs in (fast, slow)]
-            assert [(e["start"], e["end"]) for e in calls[0]] == [(e["start"], e["end"]) for e in calls[1]]
+            assert [e["end"] for e in calls[0]] == [e["end"] for e in calls[1]]
             issued = last(slow) - (2.0 - 1.0) * 1.2 if mode == "overlap" else last(slow)     # ready at 1.0 of 2.0
-            assert min(e["start"] for e in calls[0]) >= issued - 1e-9
+            assert min(e["start"] for e in calls[1]) >= issued - 1e-9
+            if mode == "naive":     # a blocking call is drawn from the rank's own call, as recorded
+                assert calls[0][0]["start"] == pytest.approx(last(fast)) and last(fast) < issued
+            else:
+                assert [e["start"] for e in calls[0]] == [e["start"] for e in calls[1]]
         end = lambda evs: max(e["end"] for e in evs)
         assert end(events) > end(copied)
     with pytest.raises(ValueError, match="one per dp replica"):
@@ -891,7 +898,7 @@ def test_a_pipeline_deeper_than_two_stages_gets_the_deep_runs_factors():
 def test_the_typical_ranks_late_start_is_measured_and_starts_the_replay_of_a_single_stage():
     """On shared cores not every rank starts the step when the first one does: the mean time to
     the ranks' first span (median over steps) starts the replay of pp = 1 there, and is taken
-    out of the executor's gap per action; a pipeline's ranks wait from 0 and keep it."""
+    out of the executor's gap per action; a pipeline takes its own runs' (``pipeline_start_s``)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -1056,3 +1063,32 @@ def test_overlap_and_ddp_take_their_own_runs_start_and_spread():
     sharded = lambda in_step: plan.simulate(zero, replace(_sharded_costs(), in_step=in_step), batch=64)
     assert sharded({**pooled, **own}).metrics["step_time_s"] == sharded(pooled).metrics["step_time_s"]
     assert step(labkit.Strategy(dp=2, dp_mode="ddp"), {**pooled, **own}) == step(labkit.Strategy(dp=2, dp_mode="ddp"), pooled)
+
+
+def test_a_pipelines_late_start_gaps_and_late_messages_are_recovered_from_its_runs():
+    """pipeline_fit, shown pipeline runs replayed with a late start, untimed seconds per action
+    inside the schedule and per call after it, and messages that reach a waiting receiver late,
+    recovers each (on its grid), and the runs' own schedules take their own delay."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import pipeline_fit
+
+    costs, batch = _costs(blocks=4), 64
+    gpipe = labkit.Strategy(pp=2, dp=2, schedule="gpipe", microbatches=4, dp_mode="naive")
+    one_f_one_b = replace(gpipe, schedule="1f1b")
+    keys = {"pipeline_start_s": 0.002, "gap_s": 2e-4, "tail_gap_s": 1e-4, "p2p_delay_s": 5e-4,
+            "p2p_delay_1f1b_s": 1e-3}
+    shown = replace(costs, in_step=keys)
+    as_run = lambda s: SimpleNamespace(timeline=SimpleNamespace(events=[
+        dict(e, step=k) for k in (1, 2) for e in plan.simulate(s, shown, batch=batch).timeline.events]))
+    fit = pipeline_fit({"": (as_run(gpipe), gpipe), "1f1b": (as_run(one_f_one_b), one_f_one_b)}, costs, batch)
+    assert fit == pytest.approx(keys, abs=1e-6)
+    step = lambda s, table: plan.simulate(s, table, batch=batch).metrics["step_time_s"]
+    assert step(one_f_one_b, shown) > step(one_f_one_b, replace(costs, in_step={**keys, "p2p_delay_1f1b_s": 0.0}))
+    for s in (gpipe, one_f_one_b, replace(gpipe, dp_mode="overlap")):
+        assert step(s, replace(costs, in_step=fit)) == pytest.approx(step(s, shown), rel=1e-3)
+    waits = lambda table: sum(e["end"] - e["start"] for e in plan.simulate(gpipe, table, batch=batch).timeline.events
+                              if e["kind"] == "wait")
+    assert waits(shown) > waits(replace(shown, in_step={**keys, "p2p_delay_s": 0.0}))     # late messages: waits

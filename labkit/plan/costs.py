@@ -165,6 +165,13 @@ class CostTable:
         return ((alpha + nbytes / beta) * (self.busy_factor if busy else 1.0)
                 * (factor or self.slowdown("sendrecv")))
 
+    def p2p_delay_s(self, schedule: str = "gpipe", tp: int = 1, pp: int = 2) -> float:
+        """How much later than its sender posts it a message reaches a waiting receiver, in the
+        calibration's pipeline run nearest this one (:meth:`pipeline_runs`), else GPipe's; 0 in
+        tables calibrated before it was measured (:func:`labkit.plan.in_step.pipeline_fit`)."""
+        return next((self.in_step[f"p2p_delay_{run}_s"] for run in self.pipeline_runs(schedule, pp, tp)
+                     if f"p2p_delay_{run}_s" in self.in_step), self.in_step.get("p2p_delay_s", 0.0))
+
     def copy_s(self, nbytes: float, what: str) -> float:
         """Compute-thread seconds to "pack", "unpack" or "div" ``nbytes`` of gradients (0 if not measured)."""
         rate = self.comm.get("copy", {}).get(f"{what}_Bps")
@@ -227,7 +234,8 @@ def pipeline_runs(schedule: str) -> tuple[str, ...]:
     "1f1b" (1F1B's receives: GPipe's fill runs a first stage's forwards back to back, and its
     receivers wait for a core), "chunked" (interleaved: two chunks a rank, twice the actions
     and messages), "split" (zb-h1: backward as I and W), "zbv" (both, in a V; a table
-    calibrated before its run takes interleaved's). 1F1B's compute is GPipe's run's."""
+    calibrated before its run takes interleaved's). 1F1B's compute is its own run's (in a table
+    calibrated before it was, GPipe's run's)."""
     return PIPELINE_RUNS.get(schedule, ())
 
 

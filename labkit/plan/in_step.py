@@ -18,8 +18,12 @@ predicts for the same calls:
   (nothing beside the schedule's receives) — point-to-point: the receive spans against
   α + S/β, per kind of schedule (``sendrecv``, ``sendrecv_1f1b``, ``sendrecv_chunked``,
   ``sendrecv_split``, ``sendrecv_zbv``), and forward and backward against the blocks
-  (``pipeline_compute``, ``chunked_compute``, ``split_compute``, ``zbv_compute``: more actions
-  for the same compute cost more);
+  (``pipeline_compute``, ``1f1b_compute``, ``chunked_compute``, ``split_compute``,
+  ``zbv_compute``: more actions for the same compute cost more);
+* every pipeline run together (these, and from 4 engines the two below) — where their ranks
+  start, the untimed seconds per action inside the schedule and per call after it, and per run
+  how late a message reaches a receiver that waits for it (``pipeline_start_s``, ``gap_s``,
+  ``tail_gap_s``, ``p2p_delay_<run>_s``: :func:`pipeline_fit`);
 * ``dp`` overlap — buckets launched inside backward: how much longer that backward takes
   (and beside how many bytes a second: ``overlap_bwd_Bps``, the replay scales the stretch by
   a strategy's own), how much later than the typical rank the last one ends it (``overlap_sync_lag``: a bucket
@@ -50,11 +54,11 @@ predicts for the same calls:
   (``dp_compute``, ``pipeline_compute``, each also per kind, ``_fwd`` and ``_bwd``: compute
   inside a step does not run at the speed of the blocks timed alone);
 
-and the gap per action: each run's untimed time (T − |C ∪ X| − the schedule's waits; for the
-data-parallel run less its late start) over the actions and calls a rank made. Factors are
-medians over steps after the first (warm-up).
+and the data-parallel run's gap per action (``gap_dp_s``): its untimed time (T − |C ∪ X|, less
+its late start) over the actions and calls a rank made. Factors are medians over steps after
+the first (warm-up).
 
-    >>> in_step = time_in_step(lab, model, batch, costs)     # {"all_reduce": 1.6, ..., "gap_s": 1e-4}
+    >>> in_step = time_in_step(lab, model, batch, costs)     # {"all_reduce": 1.6, ..., "gap_dp_s": 2e-4}
 """
 from __future__ import annotations
 
@@ -448,6 +452,83 @@ def replica_paces(runs, pp: int) -> list[float] | None:
     return None if paces is None else [p / mean(paces) for p in paces]
 
 
+_COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+def _pipeline_shape(events: list[dict]) -> tuple[float, float, float]:
+    """(schedule, untimed in it, untimed after it) of one step, each the mean over its ranks:
+    the schedule from the step's start to the rank's last forward or backward; untimed, the
+    seconds from the rank's first span on that no span covers (before it, its late start).
+    Sends do not count: recorded, they lie inside the sender's other spans (all of them, in
+    every pipeline run of a calibration on 4 engines), and the replay draws them at the
+    receive, beside whatever the sender does then."""
+    from ..analysis.metrics import total
+
+    rows = []
+    for r in sorted({e["rank"] for e in events}):
+        mine = [e for e in events if e["rank"] == r and e["kind"] != "send"]
+        first = min(e["start"] for e in mine)
+        end = max((e["end"] for e in mine if e["kind"] in _COMPUTE), default=first)
+        last = max(e["end"] for e in mine)
+        inside = total((max(e["start"], first), min(e["end"], end)) for e in mine)
+        after = total((max(e["start"], end), e["end"]) for e in mine)
+        rows.append((end, end - first - inside, last - end - after))
+    return tuple(mean(row[k] for row in rows) for k in range(3))
+
+
+def pipeline_fit(runs: dict, costs, batch: int) -> dict:
+    """A pipeline's ranks off the typical pace: ``pipeline_start_s``, ``gap_s``, ``tail_gap_s``
+    and a ``p2p_delay_<run>_s`` per run (``p2p_delay_s`` for GPipe's), from the calibration's
+    pipeline runs (``runs``: name → (run, strategy), GPipe's named "").
+
+    The replay is one typical rank per stage; measured, the ranks of a pp2 × dp2 step on 4
+    engines over 2 cores take turns at the cores, and each message waits for a sender that is
+    as often behind as ahead. A receive's wait measured 6–11 ms a rank in an interleaved step
+    where the replay, every sender on time, had 1–4; the executor's untimed seconds inside the
+    schedule were fewer than its untimed seconds per action, pooled over the schedule and its
+    naive tail, priced there (2–8 ms against 3–10), and after it more. The two errors cancelled
+    in a naive step and not beside overlap's buckets, whose tail is hidden: pp2 × dp2 with
+    overlap came out ×0.85–0.93 of measured. So, in order: where the ranks start (their late
+    start, :func:`start_lag`); the untimed seconds per action inside the schedule and per call
+    after it, each on a grid so the replay leaves as much untimed as the runs did; then, per
+    run, the delay (on a grid) that makes the replayed schedule end where the measured one
+    does, on average over the ranks."""
+    from dataclasses import replace
+
+    from .replay import replay
+    from .simulation import build_program, paces_of
+
+    measured = {name: [_pipeline_shape(evs) for evs in _steps(run).values()] for name, (run, _) in runs.items()}
+    fit = {}
+
+    def replayed(name, **keys):
+        strategy = runs[name][1]
+        table = replace(costs, in_step={**costs.in_step, **fit, **keys})
+        events = replay(build_program(strategy, table, batch), strategy.pp, strategy.dp, strategy.schedule,
+                        strategy.microbatches, strategy.chunks, strategy.dp_mode, paces=paces_of(strategy, table))
+        end, inside, after = _pipeline_shape(events)
+        return end + table.in_step.get("pipeline_start_s", 0.0), inside, after
+
+    def nearest(grid, target, of):
+        return min(grid, key=lambda x: abs(of(x) - target))
+
+    inside = sum(median(m[1] for m in steps) for steps in measured.values())
+    fit["gap_s"] = nearest([2e-5 * k for k in range(31)], inside,
+                           lambda g: sum(replayed(name, gap_s=g)[1] for name in runs))
+    # the replay's first action pays its gap too
+    fit["pipeline_start_s"] = max(0.0, (start_lag([run for run, _ in runs.values()]) or 0.0) - fit["gap_s"])
+    tails = [name for name, (_, s) in runs.items() if s.dp > 1 and s.dp_mode == "naive"]
+    if tails:
+        after = sum(median(m[2] for m in measured[name]) for name in tails)
+        fit["tail_gap_s"] = nearest([2e-5 * k for k in range(31)], after,
+                                    lambda g: sum(replayed(name, tail_gap_s=g)[2] for name in tails))
+    for name in runs:
+        key = f"p2p_delay_{name}_s" if name else "p2p_delay_s"
+        end = median(m[0] for m in measured[name])
+        fit[key] = nearest([5e-5 * k for k in range(61)], end, lambda d: replayed(name, **{key: d})[0])
+    return fit
+
+
 def gap_per_action(run, actions: int, lag: float = 0.0) -> float:
     """Untimed seconds per action: lab_overhead_fraction·T per rank, less its late start
     (``lag``, priced on its own), over its ``actions``."""
@@ -499,17 +580,18 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss
            "reduce_scatter": window_factor(zero, costs, "reduce_scatter", "reduce_scatter", n),
            "all_gather": window_factor(zero, costs, "allgather", "all_gather", n),
            **compute_factors(naive, costs, naive_s, batch, "dp_compute")}
+    pipelines = {}          # name → (run, strategy): the pipeline runs, for pipeline_fit
     if pipe is not None:
         out["sendrecv"] = p2p_factor(pipe, costs)
-        out["sendrecv_1f1b"] = p2p_factor(pipe_1f1b, costs)
-        for name, strategy, measured in (("chunked", chunked, pipe_chunked), ("split", split, pipe_split),
+        # 1F1B's compute, forwards and backwards alternating, ran ×1.05–1.2 of GPipe's (4 engines)
+        for name, strategy, measured in (("1f1b", replace(gpipe, schedule="1f1b"), pipe_1f1b),
+                                         ("chunked", chunked, pipe_chunked), ("split", split, pipe_split),
                                          ("zbv", v_shape, pipe_v)):
             if measured is not None:
                 out[f"sendrecv_{name}"] = p2p_factor(measured, costs)
                 out.update(compute_factors(measured, costs, strategy, batch, f"{name}_compute"))
-        # gpipe, m = 4: F, B, a send and a receive per micro-batch, one call per tensor of the
-        # stage's sync (dp > 1), then the step
-        out["gap_s"] = gap_per_action(pipe, 4 * 4 + (params // 2 if n > 2 else 0) + 1)
+                pipelines[name] = (measured, strategy)
+        pipelines[""] = (pipe, gpipe)
         out.update(compute_factors(pipe, costs, gpipe, batch, "pipeline_compute"))
         if n > 2:   # its dp groups' all-reduces: a smaller group than naive's, two groups at once
             out.update(all_reduce_fit(pipe, n // 2, f"all_reduce_{n // 2}"))
@@ -523,6 +605,7 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss
         deep_run = run(deep)
         out["sendrecv_deep"] = p2p_factor(deep_run, costs)
         out.update(compute_factors(deep_run, costs, deep, batch, "deep_compute"))
+        pipelines["deep"] = (deep_run, deep)
     out["optimizer"] = optimizer_factor(naive, costs)
     # F, B, one call per tensor, the step; less naive's own late start (rank_start_s, below)
     out["gap_dp_s"] = gap_per_action(naive, 2 + params + 1, start_lag([naive]) or 0.0)
@@ -554,6 +637,9 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss
         # both stages' calls: a last stage's f calls took 1.4–1.5 ms, a first stage's 2.4–2.8
         out["tp_in_pipeline"] = tp_factor(pipe_tp_run, costs, 2, ranks=range(0, pipe_tp.pp * pipe_tp.tp, pipe_tp.tp))
         out.update(compute_factors(pipe_tp_run, costs, pipe_tp, batch, "pipeline_tp_compute"))
+        pipelines["pipeline_tp"] = (pipe_tp_run, pipe_tp)
+    if pipelines:       # their late start, untimed seconds and messages' delay, on the factors above
+        out.update(pipeline_fit(pipelines, replace_in_step(costs, out), batch))
     out["rank_start_s"] = start_lag([naive, zero, overlap_run, ddp_run, zero3_run])
     for mode, measured in (("overlap", overlap_run), ("ddp", ddp_run)):
         # buckets beside backward: their ranks start later and end further apart than the pool's

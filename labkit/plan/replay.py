@@ -69,8 +69,9 @@ class StageProgram:
     zero: int = 0
     tp: int = 1
     gap: float = 0.0
-    """The executor's untimed seconds before each action and each call after the schedule
-    (Python between actions: link polling, hooks, bookkeeping; measured, labkit.plan.in_step)."""
+    """The executor's untimed seconds before each action and each call after the schedule (there
+    ``tail_gap`` where set) (Python between actions: link polling, hooks, bookkeeping; measured,
+    labkit.plan.in_step)."""
     overlap_busy: float | None = None
     """``busy_factor`` for the buckets launched inside backward (overlap, ddp), where measured
     in a real overlapped step; None: ``busy_factor``."""
@@ -87,6 +88,12 @@ class StageProgram:
     """zero=1's untimed seconds before each of its calls (measured: labkit.plan.in_step.zero1_fit)."""
     bwd_input: list[float] = field(default_factory=list)    # per stage: I of a split backward
     bwd_weight: list[float] = field(default_factory=list)   # … and W (zero-bubble schedules)
+    tail_gap: float | None = None
+    """Untimed seconds before each blocking gradient call after the schedule, where it differs
+    from ``gap`` (a pipeline's naive tail: measured, labkit.plan.in_step.pipeline_fit)."""
+    p2p_delay: float = 0.0
+    """How much later than its sender posts it a message reaches a receiver that waits for it
+    (a pipeline's ranks do not keep one pace on shared cores: measured, in_step.pipeline_fit)."""
 
 
 def _actions(pp: int, schedule: str, m: int, chunks: int) -> list[list[Action]]:
@@ -248,6 +255,7 @@ class _Replay:
         sender_stage = send.stage
         cost, nbytes = self.prog.p2p[min(sender_stage, a.stage)], self.prog.p2p_bytes[min(sender_stage, a.stage)]
         posted_at = self.clock[r]
+        sent_at += self.prog.p2p_delay
         start = max(posted_at, sent_at)
         cost = self.shared(r, start, cost, a.peer)
         if sent_at > posted_at:
@@ -324,12 +332,14 @@ def finish(group: list[_Replay], r: int) -> None:
             if first.dp_mode in ("naive", "bucketed"):
                 for msgs in zip(*(rep.prog.grads[stage] for rep in group)):
                     for rep in group:
-                        rep.clock[r] += rep.prog.gap
+                        rep.clock[r] += rep.prog.gap if rep.prog.tail_gap is None else rep.prog.tail_gap
                     start = max([rep.clock[r] + msg.pack for rep, msg in zip(group, msgs)] +
                                 [rep.comm_free[r] for rep in group])
                     for rep, msg in zip(group, msgs):
                         rep.comm_free[r] = start + msg.cost
-                        rep.event(r, "comm", "allreduce", msg.name, start, start + msg.cost, nbytes=msg.bytes)
+                        # drawn from its own call, as the recorder draws a call it waits in
+                        rep.event(r, "comm", "allreduce", msg.name, min(start, rep.clock[r] + msg.pack),
+                                  start + msg.cost, nbytes=msg.bytes)
                         rep.clock[r] = start + msg.cost + msg.unpack
             elif first.dp_mode == "overlap":
                 settle(group, r)
@@ -363,7 +373,8 @@ def at_pace(prog: StageProgram, pace: float) -> StageProgram:
     scale = lambda xs: [pace * x for x in xs]
     return replace(prog, fwd=scale(prog.fwd), bwd=scale(prog.bwd), p2p=scale(prog.p2p),
                    bwd_input=scale(prog.bwd_input), bwd_weight=scale(prog.bwd_weight),
-                   optimizer=scale(prog.optimizer), gap=pace * prog.gap,
+                   optimizer=scale(prog.optimizer), gap=pace * prog.gap, p2p_delay=pace * prog.p2p_delay,
+                   tail_gap=None if prog.tail_gap is None else pace * prog.tail_gap,
                    fwd_calls=[[replace(c, at=pace * c.at) for c in calls] for calls in prog.fwd_calls],
                    bwd_calls=[[replace(c, at=pace * c.at) for c in calls] for calls in prog.bwd_calls],
                    grads=[[replace(m, ready=pace * m.ready, pack=pace * m.pack, unpack=pace * m.unpack)

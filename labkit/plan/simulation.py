@@ -52,14 +52,20 @@ drift apart within a step, and each gradient all-reduce waits for the slowest re
 it: there the replay runs every replica at its own measured pace (``in_step["replica_pace"]``,
 from the calibration's pipeline runs) and syncs the all-reduces across them; the offsets then
 spread where each rank ends after that sync. (The two differ: the paces are how far apart the pipelines reach their sync,
-the offsets how far apart ranks end after the last one.)
+the offsets how far apart ranks end after the last one.) Within a pipeline the stages are not
+on one pace either: a rank that waits for a message waits, on average, for a sender behind the
+typical one; the replay delivers each message that much later to a receiver that waits for it,
+as measured in the calibration's pipeline run of the same kind, and starts a pipeline's ranks
+where those runs' ranks started (``in_step["p2p_delay_<run>_s"]``, ``["pipeline_start_s"]``:
+:func:`labkit.plan.in_step.pipeline_fit`).
 
 Not modelled: gradient compression (its encode/decode cost is not in the table), sequence
 parallelism, tp_mode="dtensor" and zero_mode="fsdp2" (torch's own calls, not labkit's: refused
 with a message), DDP's small first bucket, the busy slowdown of pipeline messages other than beside overlap's
 buckets, the compute slowdown beside in-flight transfers other than overlap's buckets and ZeRO's
-calls, and the cores one rank takes from another (on 2 cores, a rank spinning in a receive's
-wait leaves its peers one core between them).
+calls, and the cores one rank takes from another other than through the measured delays and
+spreads above (on 2 cores, a rank spinning in a receive's wait leaves its peers one core
+between them).
 
     >>> pred = simulate(labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), costs, batch=64)
     >>> overlay(pred, run)                   # predicted outlines over the measured spans
@@ -182,6 +188,9 @@ def build_program(strategy, costs: CostTable, batch: int) -> StageProgram:
                         overlap_stretch=costs.slowdown(f"{fit}_bwd"), lanes=costs.lanes,
                         sync_lag=costs.in_step.get(f"{fit}_sync_lag", 0.0) if strategy.pp == 1 else 0.0,
                         call_gap=costs.in_step.get("zero1_gap_s", 0.0) if strategy.zero == 1 else 0.0)
+    if strategy.pp > 1:     # labkit.plan.in_step.pipeline_fit
+        prog.tail_gap = costs.in_step.get("tail_gap_s")
+        prog.p2p_delay = costs.p2p_delay_s(strategy.schedule, strategy.tp, strategy.pp)
     f_stretch, b_stretch = (costs.compute_stretch("fwd", strategy.pp, strategy.tp, strategy.schedule),
                             costs.compute_stretch("bwd", strategy.pp, strategy.tp, strategy.schedule))
     fwd_of = lambda i: costs.at(rows[i]["fwd"], size) * f_stretch
@@ -352,8 +361,9 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
     # one stage whose buckets fly beside backward: its own run's start and spread where calibrated
     own = strategy.pp == strategy.tp == 1 and not strategy.zero and strategy.dp > 1
     start, ends = (f"{strategy.dp_mode}_start_s", f"{strategy.dp_mode}_ends_s") if own else ("rank_start_s", "rank_ends_s")
-    lag = costs.in_step.get(start, costs.in_step.get("rank_start_s", 0.0)) if strategy.pp == 1 else 0.0
-    if lag:             # the typical rank's late start (in_step.start_lag); a pipeline's ranks wait at 0
+    lag = (costs.in_step.get(start, costs.in_step.get("rank_start_s", 0.0)) if strategy.pp == 1
+           else costs.in_step.get("pipeline_start_s", 0.0))
+    if lag:             # the typical rank's late start (in_step.start_lag); a pipeline's: in_step.pipeline_fit
         events = [dict(e, start=e["start"] + lag, end=e["end"] + lag) for e in events]
     offsets = costs.in_step.get(ends) or costs.in_step.get("rank_ends_s")
     if not offsets or world < 2:
