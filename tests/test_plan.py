@@ -455,7 +455,7 @@ def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_s
     from types import SimpleNamespace
 
     import labkit
-    from labkit.plan.in_step import compute_factor
+    from labkit.plan.in_step import compute_factor, optimizer_factor
 
     costs, batch = _sharded_costs(blocks=4), 32
     s = labkit.Strategy(dp=2, dp_mode="naive")
@@ -464,6 +464,11 @@ def test_the_dp_compute_factor_is_the_recorded_compute_over_the_calibrated_and_s
     run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in slow]))
     factor = compute_factor(run, costs, s, batch)
     assert factor == pytest.approx(1.25)
+    # the typical rank is the ranks' mean, not rank 0: a peer at 1.75× makes it 1.5×
+    peer = [dict(e, rank=1, start=1.75 * e["start"], end=1.75 * e["end"]) for e in events]
+    both = SimpleNamespace(timeline=SimpleNamespace(events=run.timeline.events + [dict(e, step=k) for k in (1, 2) for e in peer]))
+    assert compute_factor(both, costs, s, batch) == pytest.approx(1.5)
+    assert optimizer_factor(both, costs) == pytest.approx(1.5)        # the optimizer step's too
     stretched = replace(costs, in_step={"dp_compute": factor})
     for strategy in (s, labkit.Strategy(dp=2, zero=2)):
         spans = lambda c: sum(e["end"] - e["start"] for e in plan.simulate(strategy, c, batch=batch).timeline.events
