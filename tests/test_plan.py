@@ -237,7 +237,7 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
             "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
             "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd", "1f1b_compute_fwd", "gap_s",
             "pipeline_start_s", "p2p_delay_s", "p2p_delay_1f1b_s", "p2p_delay_chunked_s", "p2p_delay_split_s",
-            "p2p_delay_zbv_s"} <= set(costs.in_step)
+            "p2p_delay_zbv_s", "zero3_prefetch_busy"} <= set(costs.in_step)
     assert "tail_gap_s" not in costs.in_step            # 2 engines: a pipeline has no dp replicas to sync
     assert costs.blocks[0]["bwd_input"] == [0.0] * 4 and costs.blocks[0]["bwd_weight"] == costs.blocks[0]["bwd"]
     assert all(min(b["bwd_input"]) > 0 for b in costs.blocks[1:])      # Linear and ReLU both pass a gradient
@@ -509,6 +509,31 @@ def test_the_zero3_fit_recovers_the_backward_stretch_and_reduce_scatter_factor_i
     assert step(replace(costs, in_step=fit)) == pytest.approx(step(shown), rel=0.02)
     zero2 = labkit.Strategy(dp=2, zero=2)
     assert step(replace(costs, in_step=fit), zero2) == pytest.approx(step(costs, zero2))     # zero=3's alone
+
+
+def test_zero3_with_prefetch_gets_its_own_busy_factor_for_gathers_beside_compute():
+    """Prefetch puts the next block's gather beside this block's compute: a prefetch run shown
+    with a busy factor gives it back, and it prices zero=3 with prefetch only."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import zero3_prefetch_fit
+
+    costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32
+    costs = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.0})
+    s = labkit.Strategy(dp=2, zero=3, prefetch=1)
+    shown = replace(costs, in_step={**costs.in_step, "zero3_prefetch_busy": 2.5})
+    events = plan.simulate(s, shown, batch=batch).timeline.events
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = zero3_prefetch_fit(run, costs, s, batch)
+    assert fit == {"zero3_prefetch_busy": 2.5}
+    step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
+    assert step(shown) > step(costs)                    # the gathers beside compute take longer
+    fitted = replace(costs, in_step={**costs.in_step, **fit})
+    assert step(fitted) == pytest.approx(step(shown))
+    plain = labkit.Strategy(dp=2, zero=3)
+    assert step(fitted, plain) == step(costs, plain)     # without prefetch: zero3_busy's
 
 
 def test_forward_and_backward_get_their_own_compute_factors():

@@ -33,7 +33,8 @@ predicts for the same calls:
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
 * ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, the
   untimed seconds before each of its calls (its per-block bookkeeping), and the busy factor
-  that makes the replayed step the measured one (``zero3_fit``);
+  that makes the replayed step the measured one (``zero3_fit``); and with ``prefetch=1``, its
+  gathers beside compute: their own busy factor (``zero3_prefetch_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
   from the mean, smallest first: :func:`rank_spread`), and how late the typical rank makes its
   first span (``rank_start_s``: :func:`start_lag`); and the overlap and ddp runs each on their
@@ -321,6 +322,35 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     return {**fixed, "zero3_gap_s": gap, "zero3_busy": busy}
 
 
+def zero3_prefetch_fit(run, costs, strategy, batch: int) -> dict:
+    """zero=3 with prefetch: ``zero3_prefetch_busy``, the busy factor (on the zero=3 grid) whose
+    replayed step is nearest the measured one, the other zero=3 factors as :func:`zero3_fit`
+    found them without prefetch; {} if the run recorded nothing.
+
+    Without prefetch a block's gathers wait for nothing beside them in forward, and the busy
+    factor fitted there sat at its floor of 1 in three calibrations on 2 engines (the backward's
+    stretch, ×2.3–2.8, carries that run's contention). Prefetch issues the next block's gather
+    beside this block's compute, and there the transfer is slower: priced at 1, dp2 zero=3
+    prefetch=1 came out ×0.83–0.88 of measured, its forward 15–17 ms against 18.5–20 measured;
+    at 1.5–2 it came out ×0.93–1.02."""
+    from dataclasses import replace
+
+    from .sharded import replay_sharded
+    from .simulation import build_sharded_program
+
+    steps = list(_steps(run).values())
+    if not steps:
+        return {}
+    step = median(mean(rank_ends(evs).values()) - mean(_first_spans(evs).values()) for evs in steps)
+
+    def replayed(f):
+        table = replace(costs, in_step={**costs.in_step, "zero3_prefetch_busy": f})
+        return max(e["end"] for e in replay_sharded(build_sharded_program(strategy, table, batch)))
+
+    grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
+    return {"zero3_prefetch_busy": min(grid, key=lambda f: abs(replayed(f) - step))}
+
+
 def _forward_gathers(events: list[dict], rank: int = 0) -> float:
     """Seconds of rank's all-gathers before its first backward (one at a time, nothing beside)."""
     mine = [e for e in events if e["rank"] == rank]
@@ -489,16 +519,17 @@ def pipeline_fit(runs: dict, costs, batch: int) -> dict:
 
     The replay is one typical rank per stage; measured, the ranks of a pp2 × dp2 step on 4
     engines over 2 cores take turns at the cores, and each message waits for a sender that is
-    as often behind as ahead. A receive's wait measured 6–11 ms a rank in an interleaved step
-    where the replay, every sender on time, had 1–4; the executor's untimed seconds inside the
+    as often behind as ahead. A receive's wait measured 7–11 ms a rank in an interleaved step
+    where the replay, every sender on time, had 3–4; the executor's untimed seconds inside the
     schedule were fewer than its untimed seconds per action, pooled over the schedule and its
-    naive tail, priced there (2–8 ms against 3–10), and after it more. The two errors cancelled
+    naive tail, priced there (2–8 ms against 3–11), and after it more. The two errors cancelled
     in a naive step and not beside overlap's buckets, whose tail is hidden: pp2 × dp2 with
-    overlap came out ×0.85–0.93 of measured. So, in order: where the ranks start (their late
-    start, :func:`start_lag`); the untimed seconds per action inside the schedule and per call
-    after it, each on a grid so the replay leaves as much untimed as the runs did; then, per
-    run, the delay (on a grid) that makes the replayed schedule end where the measured one
-    does, on average over the ranks."""
+    overlap came out ×0.85–0.93 of measured. So, in order: the untimed seconds per action
+    inside the schedule, on a grid so the replay leaves as much untimed as the runs did; where
+    the ranks start (their late start, :func:`start_lag`, less that gap, which the replay's
+    first action pays too); the untimed seconds per call after the schedule (dp naive, as
+    the first); then, per run, the delay (on a grid) that makes the replayed schedule end where
+    the measured one does, on average over the ranks."""
     from dataclasses import replace
 
     from .replay import replay
@@ -521,7 +552,6 @@ def pipeline_fit(runs: dict, costs, batch: int) -> dict:
     inside = sum(median(m[1] for m in steps) for steps in measured.values())
     fit["gap_s"] = nearest([2e-5 * k for k in range(31)], inside,
                            lambda g: sum(replayed(name, gap_s=g)[1] for name in runs))
-    # the replay's first action pays its gap too
     fit["pipeline_start_s"] = max(0.0, (start_lag([run for run, _ in runs.values()]) or 0.0) - fit["gap_s"])
     tails = [name for name, (_, s) in runs.items() if s.dp > 1 and s.dp_mode == "naive"]
     if tails:
@@ -619,10 +649,12 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss
     out.update(zero1_fit(zero, table, Strategy(dp=n, zero=1), batch))
     # ddp: torch's reducer, its buckets timed through a Python hook
     overlapped, ddp, zero3 = Strategy(dp=n, dp_mode="overlap"), Strategy(dp=n, dp_mode="ddp"), Strategy(dp=n, zero=3)
-    overlap_run, ddp_run, zero3_run = run(overlapped), run(ddp), run(zero3)
+    prefetched = replace(zero3, prefetch=1)
+    overlap_run, ddp_run, zero3_run, prefetch_run = run(overlapped), run(ddp), run(zero3), run(prefetched)
     out.update(overlap_fit(overlap_run, table, overlapped, batch))
     out.update(overlap_fit(ddp_run, table, ddp, batch))
     out.update(zero3_fit(zero3_run, table, zero3, batch))
+    out.update(zero3_prefetch_fit(prefetch_run, replace_in_step(costs, out), prefetched, batch))
     out["rank_ends_s"] = rank_spread([naive, zero, overlap_run, ddp_run, zero3_run])     # the data-parallel runs
     for key in sorted(costs.tensor, key=int):    # the smallest calibrated tp degree that divides the engines
         t = int(key)

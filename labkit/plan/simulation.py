@@ -255,6 +255,8 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
     if strategy.zero == 3:          # fitted to a measured zero=3 step (labkit.plan.in_step.zero3_fit)
         b_stretch *= costs.slowdown("zero3_bwd")
         busy = costs.in_step.get("zero3_busy", busy)
+        if strategy.prefetch:       # gathers beside compute: their own fit (in_step.zero3_prefetch_fit)
+            busy = costs.in_step.get("zero3_prefetch_busy", busy)
         call_gap = costs.in_step.get("zero3_gap_s", 0.0)
     blocks = []
     for row in rows:
