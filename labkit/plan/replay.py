@@ -69,8 +69,8 @@ class StageProgram:
     zero: int = 0
     tp: int = 1
     gap: float = 0.0
-    """The executor's untimed seconds before each action and each call after the schedule (there
-    ``tail_gap`` where set) (Python between actions: link polling, hooks, bookkeeping; measured,
+    """The executor's untimed seconds before each action, and each call after the schedule where
+    ``tail_gap`` is not set: Python between actions (link polling, hooks, bookkeeping; measured,
     labkit.plan.in_step)."""
     overlap_busy: float | None = None
     """``busy_factor`` for the buckets launched inside backward (overlap, ddp), where measured
