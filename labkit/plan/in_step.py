@@ -550,13 +550,13 @@ def pipeline_fit(runs: dict, costs, batch: int) -> dict:
         return min(grid, key=lambda x: abs(of(x) - target))
 
     inside = sum(median(m[1] for m in steps) for steps in measured.values())
-    fit["gap_s"] = nearest([2e-5 * k for k in range(31)], inside,
+    fit["gap_s"] = nearest([2e-5 * k for k in range(51)], inside,
                            lambda g: sum(replayed(name, gap_s=g)[1] for name in runs))
     fit["pipeline_start_s"] = max(0.0, (start_lag([run for run, _ in runs.values()]) or 0.0) - fit["gap_s"])
     tails = [name for name, (_, s) in runs.items() if s.dp > 1 and s.dp_mode == "naive"]
     if tails:
         after = sum(median(m[2] for m in measured[name]) for name in tails)
-        fit["tail_gap_s"] = nearest([2e-5 * k for k in range(31)], after,
+        fit["tail_gap_s"] = nearest([2e-5 * k for k in range(51)], after,
                                     lambda g: sum(replayed(name, tail_gap_s=g)[2] for name in tails))
     for name in runs:
         key = f"p2p_delay_{name}_s" if name else "p2p_delay_s"
