@@ -232,7 +232,7 @@ def test_calibrated_simulation_is_near_the_measured_run(lab2):
     assert costs.world_size == 2 and {"all_reduce", "all_gather", "reduce_scatter", "sendrecv"} <= set(costs.comm)
     assert [c for b in costs.sharded(2)["blocks"] for c, _ in b["calls"]] == ["g", "f", "g"]   # block 0 reads data
     assert costs.lanes == 2                                   # gloo's two worker threads
-    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "overlap_bwd_Bps", "overlap_start_s", "overlap_ends_s", "ddp_bwd", "ddp_busy",
+    assert {"dp_compute", "pipeline_compute", "overlap_bwd", "overlap_busy", "overlap_bwd_Bps", "overlap_start_s", "overlap_ends_s", "zero3_start_s", "zero3_ends_s", "ddp_bwd", "ddp_busy",
             "dp_compute_fwd", "pipeline_compute_bwd", "zero3_bwd", "zero3_scatter", "zero3_busy", "rank_ends_s",
             "sendrecv", "sendrecv_1f1b", "sendrecv_chunked", "sendrecv_split", "sendrecv_zbv",
             "chunked_compute_fwd", "split_compute_bwd", "zbv_compute_bwd", "1f1b_compute_fwd", "gap_s",
@@ -1073,8 +1073,9 @@ def test_the_backward_beside_its_buckets_stretches_with_their_bytes_per_second()
 
 
 def test_overlap_and_ddp_take_their_own_runs_start_and_spread():
-    """The pool of data-parallel runs prices naive, bucketed and ZeRO; overlap and ddp (pp = tp = 1)
-    their own run's start lag and rank spread, where the calibration measured them."""
+    """The pool of data-parallel runs prices naive, bucketed, zero=1 and zero=2; overlap, ddp and
+    zero=3 (pp = tp = 1) their own runs' start lag and rank spread, where the calibration
+    measured them."""
     from dataclasses import replace
 
     import labkit
@@ -1093,6 +1094,13 @@ def test_overlap_and_ddp_take_their_own_runs_start_and_spread():
     sharded = lambda in_step: plan.simulate(zero, replace(_sharded_costs(), in_step=in_step), batch=64)
     assert sharded({**pooled, **own}).metrics["step_time_s"] == sharded(pooled).metrics["step_time_s"]
     assert step(labkit.Strategy(dp=2, dp_mode="ddp"), {**pooled, **own}) == step(labkit.Strategy(dp=2, dp_mode="ddp"), pooled)
+    # zero=3 (its gathers first) starts where its own runs started, earlier than the pool
+    zero3 = labkit.Strategy(dp=2, zero=3)
+    early = {**pooled, "zero3_start_s": 0.0005, "zero3_ends_s": [-0.001, 0.001]}
+    sharded3 = lambda in_step: plan.simulate(zero3, replace(_sharded_costs(), in_step=in_step), batch=64)
+    assert sharded3(early).metrics["step_time_s"] == pytest.approx(sharded3(pooled).metrics["step_time_s"] - 0.0015)
+    first = lambda in_step: min(e["start"] for e in sharded3(in_step).timeline.events)
+    assert first(early) < first(pooled)
 
 
 def test_a_pipelines_late_start_gaps_and_late_messages_are_recovered_from_its_runs():

@@ -40,7 +40,8 @@ predicts for the same calls:
   first span (``rank_start_s``: :func:`start_lag`); and the overlap and ddp runs each on their
   own (``overlap_ends_s``, ``overlap_start_s``, ``ddp_…``: on 4 engines their ranks started
   3.8–5.6 ms into the step where the pool's typical rank started at 2.8–3.5, and ddp's last rank
-  ended 3.9–6.9 ms after the mean against the pool's 3.3–3.6);
+  ended 3.9–6.9 ms after the mean against the pool's 3.3–3.6); and the zero=3 runs, with and
+  without prefetch, together (``zero3_start_s``, ``zero3_ends_s``: 0.7–1.0 ms, its gathers first);
 * the pipeline runs together (pp × dp, from 4 engines) — how far apart their dp replicas reach
   the end of the schedule (``replica_pace``, a pace per replica, slowest last:
   :func:`replica_paces`);
@@ -679,7 +680,8 @@ def time_in_step(lab, model, batch: int, costs, steps: int = 24, data=None, loss
     if pipelines:       # their late start, untimed seconds and messages' delay, on the factors above
         out.update(pipeline_fit(pipelines, replace_in_step(costs, out), batch))
     out["rank_start_s"] = start_lag([naive, zero, overlap_run, ddp_run, zero3_run])
-    for mode, measured in (("overlap", overlap_run), ("ddp", ddp_run)):
-        # buckets beside backward: their ranks start later and end further apart than the pool's
-        out[f"{mode}_start_s"], out[f"{mode}_ends_s"] = start_lag([measured]), rank_spread([measured])
+    for mode, measured in (("overlap", [overlap_run]), ("ddp", [ddp_run]), ("zero3", [zero3_run, prefetch_run])):
+        # buckets beside backward: their ranks start later and end further apart than the pool's;
+        # zero=3's start earlier (4 engines: 0.7–1.0 ms into the step against the pool's 3.7)
+        out[f"{mode}_start_s"], out[f"{mode}_ends_s"] = start_lag(measured), rank_spread(measured)
     return {k: v for k, v in out.items() if v is not None}

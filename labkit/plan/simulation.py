@@ -47,7 +47,8 @@ the cores, the others leave the step's barrier when they get one): a replay of o
 (pp = 1) starts its typical rank where the calibration's data-parallel ranks made their first
 span, on average (``in_step["rank_start_s"]``); overlap and ddp (pp = tp = 1, no ZeRO: the runs
 they were measured in) take their own run's start and spread (``["overlap_start_s"]``,
-``["overlap_ends_s"]``, ``ddp_…``), later and wider than the pool's. A pipeline's dp replicas (pp > 1, dp > 1)
+``["overlap_ends_s"]``, ``ddp_…``), later and wider than the pool's, and zero=3 its own runs'
+(``zero3_…``: its gathers come first, and it starts earlier). A pipeline's dp replicas (pp > 1, dp > 1)
 drift apart within a step, and each gradient all-reduce waits for the slowest replica to issue
 it: there the replay runs every replica at its own measured pace (``in_step["replica_pace"]``,
 from the calibration's pipeline runs) and syncs the all-reduces across them; the offsets then
@@ -361,8 +362,9 @@ def simulate(strategy, costs: CostTable, batch: int = 64, model=None) -> Simulat
         events = replay(prog, strategy.pp, strategy.dp, strategy.schedule, strategy.microbatches,
                         strategy.chunks, strategy.dp_mode, paces=paces_of(strategy, costs))
     # one stage whose buckets fly beside backward: its own run's start and spread where calibrated
-    own = strategy.pp == strategy.tp == 1 and not strategy.zero and strategy.dp > 1
-    start, ends = (f"{strategy.dp_mode}_start_s", f"{strategy.dp_mode}_ends_s") if own else ("rank_start_s", "rank_ends_s")
+    own = strategy.pp == strategy.tp == 1 and strategy.zero in (0, 3) and strategy.dp > 1
+    mode = "zero3" if strategy.zero == 3 else strategy.dp_mode      # zero=3: its gathers come first
+    start, ends = (f"{mode}_start_s", f"{mode}_ends_s") if own else ("rank_start_s", "rank_ends_s")
     lag = (costs.in_step.get(start, costs.in_step.get("rank_start_s", 0.0)) if strategy.pp == 1
            else costs.in_step.get("pipeline_start_s", 0.0))
     if lag:             # the typical rank's late start (in_step.start_lag); a pipeline's: in_step.pipeline_fit
