@@ -206,6 +206,24 @@ def compute_factors(run, costs, strategy, batch: int, name: str) -> dict:
             f"{name}_bwd": _stretch(predicted, measured, ("bwd",))}
 
 
+GAP_GRID = [2e-5 * k for k in range(51)]
+"""Untimed seconds per action or call the fits try: 0 … 1 ms."""
+ZERO3_BUSY_GRID = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
+"""Busy factors zero=3's fits try: 1 … ~13 (from 1: a transfer beside compute is never faster
+than alone)."""
+
+
+def _nearest(grid, target: float, of) -> float:
+    """The value of ``grid`` whose ``of(value)`` is nearest ``target``."""
+    return min(grid, key=lambda x: abs(of(x) - target))
+
+
+def _typical_step(steps: list[list[dict]]) -> float:
+    """The typical rank's step (see :func:`rank_spread`), from its first span (the replay starts
+    it late: :func:`start_lag`): the median over steps."""
+    return median(mean(rank_ends(evs).values()) - mean(_first_spans(evs).values()) for evs in steps)
+
+
 def _overlap_shape(events: list[dict], rank: int = 0) -> tuple[float, float] | None:
     """(backward seconds, comm seconds after backward ends) of one step on ``rank``."""
     bwd = [e for e in events if e["kind"] == "bwd" and e["rank"] == rank]
@@ -249,7 +267,7 @@ def overlap_fit(run, costs, strategy, batch: int) -> dict:
     span = shape(overlap_busy=1.0, overlap_stretch=1.0)[0]
     stretch = max(1.0, (bwd - pack) / (span - pack))
     grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(12)]    # 1 … ~35
-    busy = min(grid, key=lambda f: abs(shape(overlap_busy=f, overlap_stretch=stretch)[1] - tail))
+    busy = _nearest(grid, tail, lambda f: shape(overlap_busy=f, overlap_stretch=stretch)[1])
     return {f"{strategy.dp_mode}_bwd": stretch, f"{strategy.dp_mode}_busy": busy,
             f"{strategy.dp_mode}_sync_lag": lag, f"{strategy.dp_mode}_bwd_Bps": bucket_density(base)}
 
@@ -298,8 +316,7 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     bwd = _ratio([sum(e["end"] - e["start"] for e in evs if e["kind"] == "bwd" and e["rank"] == 0) for evs in steps])
     if bwd is None:
         return {}
-    # the typical rank's (see rank_spread), from its first span: the replay starts it late (start_lag)
-    step = median(mean(rank_ends(evs).values()) - mean(_first_spans(evs).values()) for evs in steps)
+    step = _typical_step(steps)
 
     def replayed(**fit):
         events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
@@ -317,9 +334,7 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     gap = _call_gap(steps, lambda g: replayed(**fixed, zero3_gap_s=g)[0])
     # from 1: a transfer beside compute is never faster than alone (below 1 the fit bought the
     # step back with comm that prefetch then hid: prefetch1 predicted ×0.77 of measured)
-    grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
-    fit = lambda f: replayed(**fixed, zero3_gap_s=gap, zero3_busy=f)[1]
-    busy = min(grid, key=lambda f: abs(fit(f) - step))
+    busy = _nearest(ZERO3_BUSY_GRID, step, lambda f: replayed(**fixed, zero3_gap_s=gap, zero3_busy=f)[1])
     return {**fixed, "zero3_gap_s": gap, "zero3_busy": busy}
 
 
@@ -342,14 +357,12 @@ def zero3_prefetch_fit(run, costs, strategy, batch: int) -> dict:
     steps = list(_steps(run).values())
     if not steps:
         return {}
-    step = median(mean(rank_ends(evs).values()) - mean(_first_spans(evs).values()) for evs in steps)
 
     def replayed(f):
         table = replace(costs, in_step={**costs.in_step, "zero3_prefetch_busy": f})
         return max(e["end"] for e in replay_sharded(build_sharded_program(strategy, table, batch)))
 
-    grid = [1.0 + 0.25 * k for k in range(8)] + [3.0 * 1.25 ** k for k in range(8)]
-    return {"zero3_prefetch_busy": min(grid, key=lambda f: abs(replayed(f) - step))}
+    return {"zero3_prefetch_busy": _nearest(ZERO3_BUSY_GRID, _typical_step(steps), replayed)}
 
 
 def _forward_gathers(events: list[dict], rank: int = 0) -> float:
@@ -363,7 +376,7 @@ def _call_gap(steps: list[list[dict]], replayed) -> float:
     """The seconds before each call (on a grid, 0 … 1 ms) whose ``replayed(gap)`` step leaves as
     much of rank 0's step in no span as the measured ``steps`` did (median over steps)."""
     untimed = median(_untimed(evs) for evs in steps)
-    return min([2e-5 * k for k in range(51)], key=lambda g: abs(_untimed(replayed(g)) - untimed))
+    return _nearest(GAP_GRID, untimed, lambda g: _untimed(replayed(g)))
 
 
 def zero1_fit(run, costs, strategy, batch: int) -> dict:
@@ -547,22 +560,17 @@ def pipeline_fit(runs: dict, costs, batch: int) -> dict:
         end, inside, after = _pipeline_shape(events)
         return end + table.in_step.get("pipeline_start_s", 0.0), inside, after
 
-    def nearest(grid, target, of):
-        return min(grid, key=lambda x: abs(of(x) - target))
-
     inside = sum(median(m[1] for m in steps) for steps in measured.values())
-    fit["gap_s"] = nearest([2e-5 * k for k in range(51)], inside,
-                           lambda g: sum(replayed(name, gap_s=g)[1] for name in runs))
+    fit["gap_s"] = _nearest(GAP_GRID, inside, lambda g: sum(replayed(name, gap_s=g)[1] for name in runs))
     fit["pipeline_start_s"] = max(0.0, (start_lag([run for run, _ in runs.values()]) or 0.0) - fit["gap_s"])
     tails = [name for name, (_, s) in runs.items() if s.dp > 1 and s.dp_mode == "naive"]
     if tails:
         after = sum(median(m[2] for m in measured[name]) for name in tails)
-        fit["tail_gap_s"] = nearest([2e-5 * k for k in range(51)], after,
-                                    lambda g: sum(replayed(name, tail_gap_s=g)[2] for name in tails))
+        fit["tail_gap_s"] = _nearest(GAP_GRID, after, lambda g: sum(replayed(name, tail_gap_s=g)[2] for name in tails))
     for name in runs:
         key = f"p2p_delay_{name}_s" if name else "p2p_delay_s"
         end = median(m[0] for m in measured[name])
-        fit[key] = nearest([5e-5 * k for k in range(61)], end, lambda d: replayed(name, **{key: d})[0])
+        fit[key] = _nearest([5e-5 * k for k in range(61)], end, lambda d: replayed(name, **{key: d})[0])
     return fit
 
 
