@@ -527,13 +527,71 @@ def test_zero3_with_prefetch_gets_its_own_busy_factor_for_gathers_beside_compute
     events = plan.simulate(s, shown, batch=batch).timeline.events
     run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
     fit = zero3_prefetch_fit(run, costs, s, batch)
-    assert fit == {"zero3_prefetch_busy": 2.5}
+    assert fit["zero3_prefetch_busy"] == 2.5
+    assert fit["zero3_prefetch_bwd"] == pytest.approx(1.8)     # its backward spans, as shown
     step = lambda c, strategy=s: plan.simulate(strategy, c, batch=batch).metrics["step_time_s"]
     assert step(shown) > step(costs)                    # the gathers beside compute take longer
     fitted = replace(costs, in_step={**costs.in_step, **fit})
     assert step(fitted) == pytest.approx(step(shown))
     plain = labkit.Strategy(dp=2, zero=3)
     assert step(fitted, plain) == step(costs, plain)     # without prefetch: zero3_busy's
+
+
+def test_zero3_with_prefetch_gets_its_own_backward_stretch():
+    """With gathers issued a block ahead, the backward waits beside less: a prefetch run shown
+    with a shorter backward gives it back, and zero=3 without prefetch keeps its own."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import zero3_prefetch_fit
+
+    costs, batch = _sharded_costs(blocks=4, numel=1_000_000), 32
+    costs = replace(costs, in_step={"zero3_bwd": 1.8, "zero3_busy": 1.0})
+    s = labkit.Strategy(dp=2, zero=3, prefetch=1)
+    shown = replace(costs, in_step={**costs.in_step, "zero3_prefetch_bwd": 1.2, "zero3_prefetch_busy": 2.5})
+    events = plan.simulate(s, shown, batch=batch).timeline.events
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[dict(e, step=k) for k in (1, 2) for e in events]))
+    fit = zero3_prefetch_fit(run, costs, s, batch)
+    assert fit["zero3_prefetch_bwd"] == pytest.approx(1.2) and fit["zero3_prefetch_busy"] == 2.5
+    bwd = lambda c, strategy: sum(e["end"] - e["start"] for e in plan.simulate(strategy, c, batch=batch).timeline.events
+                                  if e["kind"] == "bwd" and e["rank"] == 0)
+    fitted = replace(costs, in_step={**costs.in_step, **fit})
+    assert bwd(fitted, s) < bwd(costs, s)
+    plain = labkit.Strategy(dp=2, zero=3)
+    assert bwd(fitted, plain) == pytest.approx(bwd(costs, plain))
+
+
+def test_zero3_issues_a_blocks_reduce_scatter_inside_its_backward_span():
+    """The parameters' gradient hooks run before the one that closes the block's span: the call
+    starts ``zero3_scatter_at`` of the way in, the rest of the span beside it (one span, as the
+    recorder draws it), and the fit reads that fraction back off the events."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import labkit
+    from labkit.plan.in_step import scatter_at, zero3_fit
+
+    costs, batch = _sharded_costs(blocks=4, numel=200_000), 32
+    s = labkit.Strategy(dp=2, zero=3)
+    after = _spans(plan.simulate(s, costs, batch=batch))
+    inside = _spans(plan.simulate(s, replace(costs, in_step={"zero3_scatter_at": 0.4}), batch=batch))
+    for events, within in ((after, False), (inside, True)):
+        spans = {e["name"].split()[-1]: e for e in events if e["kind"] == "bwd"}
+        assert len([e for e in events if e["kind"] == "bwd"]) == 4          # a span per block, not cut
+        for rs in (e for e in events if e["kind"] == "reduce_scatter"):
+            span = spans[rs["name"].split()[-1]]
+            first = rs["name"].endswith(" 0")       # no input gradient: its span closes first
+            assert (span["start"] < rs["start"] < span["end"]) == (within and not first)
+            if within and not first:
+                assert (rs["start"] - span["start"]) / (span["end"] - span["start"]) == pytest.approx(0.4, abs=0.1)
+    steps = [[dict(e, step=k) for e in inside] for k in (1, 2)]
+    assert scatter_at(steps) == pytest.approx(0.4, abs=0.1)
+    assert scatter_at([[dict(e, step=k) for e in after] for k in (1, 2)]) == 1.0
+    run = SimpleNamespace(timeline=SimpleNamespace(events=[e for evs in steps for e in evs]))
+    assert zero3_fit(run, costs, s, batch)["zero3_scatter_at"] == pytest.approx(scatter_at(steps))
+    assert (plan.simulate(s, replace(costs, in_step={"zero3_scatter_at": 0.4}), batch=batch).metrics["exposed_comm_fraction"]
+            < plan.simulate(s, costs, batch=batch).metrics["exposed_comm_fraction"])
 
 
 def test_forward_and_backward_get_their_own_compute_factors():

@@ -31,7 +31,8 @@ predicts for the same calls:
   comm tail after backward the measured one (the busy-probe's factor, small matmuls polling
   a transfer, overstates a real backward's);
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
-* ``zero=3`` — its backward beside reduce-scatters and gathers against the replay's, the
+* ``zero=3`` — where in a block's backward span its reduce-scatter is issued
+  (``zero3_scatter_at``: :func:`scatter_at`), its backward beside reduce-scatters and gathers against the replay's, the
   untimed seconds before each of its calls (its per-block bookkeeping), and the busy factor
   that makes the replayed step the measured one (``zero3_fit``); and with ``prefetch=1``, its
   gathers beside compute: their own busy factor (``zero3_prefetch_fit``);
@@ -317,9 +318,11 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     if bwd is None:
         return {}
     step = _typical_step(steps)
+    at = {"zero3_scatter_at": scatter_at(steps)}
 
     def replayed(**fit):
-        events = replay_sharded(build_sharded_program(strategy, replace(costs, in_step={**costs.in_step, **fit}), batch))
+        table = replace(costs, in_step={**costs.in_step, **at, **fit})
+        events = replay_sharded(build_sharded_program(strategy, table, batch))
         return events, max(e["end"] for e in events)
 
     gather = _ratio([_forward_gathers(evs) for evs in steps])
@@ -335,7 +338,29 @@ def zero3_fit(run, costs, strategy, batch: int) -> dict:
     # from 1: a transfer beside compute is never faster than alone (below 1 the fit bought the
     # step back with comm that prefetch then hid: prefetch1 predicted ×0.77 of measured)
     busy = _nearest(ZERO3_BUSY_GRID, step, lambda f: replayed(**fixed, zero3_gap_s=gap, zero3_busy=f)[1])
-    return {**fixed, "zero3_gap_s": gap, "zero3_busy": busy}
+    return {**at, **fixed, "zero3_gap_s": gap, "zero3_busy": busy}
+
+
+def scatter_at(steps: list[list[dict]]) -> float:
+    """Where in a block's backward span (0 its start, 1 its end) zero=3 issues the block's
+    reduce-scatter: the median over the blocks whose call starts inside their span, every rank
+    and step; 1.0 if none does.
+
+    The executor's span closes on the hook of the block's input gradient, and the parameters'
+    gradient hooks, which pack and issue the call, run before it: the call started 0.45–0.52 of
+    the way into the span (7 of 8 blocks of the MLP, 2 and 4 engines, with and without
+    prefetch), and the rest of the span ran beside it. Issued after the span, as the replay
+    had it, 24–26 ms of a 2-engine step's reduce-scatters were exposed where 16–18 of 26–30
+    measured were (19–21 issued inside), and dp2 zero=3's exposed comm came out 0.01–0.05 above
+    measured (−0.01 to +0.03 inside; three calibrations re-fitted offline)."""
+    fractions = []
+    for evs in steps:
+        spans = {(e["rank"], e["name"].split()[-1]): e for e in evs if e["kind"] == "bwd"}
+        for e in evs:
+            span = spans.get((e["rank"], e["name"].split()[-1])) if e["kind"] == "reduce_scatter" else None
+            if span is not None and span["start"] <= e["start"] <= span["end"] > span["start"]:
+                fractions.append((e["start"] - span["start"]) / (span["end"] - span["start"]))
+    return median(fractions) if fractions else 1.0
 
 
 def zero3_prefetch_fit(run, costs, strategy, batch: int) -> dict:
@@ -348,7 +373,13 @@ def zero3_prefetch_fit(run, costs, strategy, batch: int) -> dict:
     stretch, ×2.3–2.8, carries that run's contention). Prefetch issues the next block's gather
     beside this block's compute, and there the transfer is slower: priced at 1, dp2 zero=3
     prefetch=1 came out ×0.83–0.88 of measured, its forward 15–17 ms against 18.5–20 measured;
-    at 1.5–2 it came out ×0.93–1.02."""
+    at 1.5–2 it came out ×0.93–1.02.
+
+    Its backward has its own stretch, ``zero3_prefetch_bwd`` (fitted first, as
+    :func:`zero3_fit`'s): with the gathers issued a block ahead, its spans wait beside less. On 4
+    engines, with the stretch of the run without prefetch, a rank's compute came out 27–34 ms a
+    step against 22–26 measured, and the busy factor that made up the step left its gathers at
+    78–84 ms against 101–105: exposed comm 0.04–0.09 below measured."""
     from dataclasses import replace
 
     from .sharded import replay_sharded
@@ -358,11 +389,16 @@ def zero3_prefetch_fit(run, costs, strategy, batch: int) -> dict:
     if not steps:
         return {}
 
-    def replayed(f):
-        table = replace(costs, in_step={**costs.in_step, "zero3_prefetch_busy": f})
-        return max(e["end"] for e in replay_sharded(build_sharded_program(strategy, table, batch)))
+    def replayed(**fit):
+        table = replace(costs, in_step={**costs.in_step, **fit})
+        return replay_sharded(build_sharded_program(strategy, table, batch))
 
-    return {"zero3_prefetch_busy": _nearest(ZERO3_BUSY_GRID, _typical_step(steps), replayed)}
+    spans = lambda evs: sum(e["end"] - e["start"] for e in evs if e["kind"] == "bwd" and e["rank"] == 0)
+    bwd = _ratio([spans(evs) for evs in steps])
+    stretch = {"zero3_prefetch_bwd": bwd / spans(replayed(zero3_prefetch_bwd=1.0))} if bwd else {}
+    step = _typical_step(steps)
+    busy = _nearest(ZERO3_BUSY_GRID, step, lambda f: max(e["end"] for e in replayed(**stretch, zero3_prefetch_busy=f)))
+    return {**stretch, "zero3_prefetch_busy": busy}
 
 
 def _forward_gathers(events: list[dict], rank: int = 0) -> float:

@@ -13,7 +13,9 @@ the compute thread:
   micro-batch's backward (so while backward still computes); the same tail.
 * zero=3 — one unit per block: gathered before its forward (waited; ``prefetch`` = k issues the
   next k as well), freed after; gathered again before its backward (the previous k prefetched),
-  reduce-scattered when its backward is done; no gather after the step (the next forward does it).
+  reduce-scattered once its parameters' gradients exist, which is inside its backward span (their
+  hooks run before the one on its input's gradient that closes the span: ``scatter_at``); no
+  gather after the step (the next forward does it).
 
 A wait inside a block's backward is part of that block's span, as the recorder draws it (the
 hook that waits runs inside ``backward()``); a gather waited before a block is not.
@@ -79,6 +81,7 @@ class ShardedProgram:
     compute_factor: float = 1.0     # compute beside an in-flight transfer runs 1/compute_factor as fast
     lanes: int = 1                  # calls of the dp group that run at once (gloo: its threads; see Link)
     call_gap: float = 0.0           # untimed seconds before each call (zero=3's bookkeeping: in_step.zero3_fit)
+    scatter_at: float = 1.0         # zero=3: where in a block's backward span its reduce-scatter is issued
 
 
 @dataclass(eq=False)
@@ -181,15 +184,25 @@ class Rank:
         self.events.append({"rank": 0, "stream": stream, "kind": kind, "name": name, "step": 0,
                             "microbatch": microbatch, "start": start, "end": end, "bytes": nbytes, "peer": peer})
 
-    def compute(self, kind: str, name: str, seconds: float, calls: list[Call], microbatch=None) -> None:
-        """``seconds`` of compute with the blocking ``calls`` made inside it (spans cut around them)."""
-        done = 0.0
-        for c in sorted(calls, key=lambda c: c.at):
-            self._span(kind, name, c.at - done, microbatch)
-            self.event("comm", c.kind, c.name, self.clock, self.clock + c.cost, microbatch, c.bytes)
-            self.clock += c.cost
-            done = c.at
+    def compute(self, kind: str, name: str, seconds: float, calls: list[Call], microbatch=None,
+                midway: tuple | None = None) -> None:
+        """``seconds`` of compute with the blocking ``calls`` made inside it (spans cut around them);
+        ``midway`` = (seconds in, hook): the hook runs there on the compute thread, inside the span."""
+        before, done = len(self.events), 0.0
+        marks = [(c.at, c) for c in calls] + ([midway] if midway else [])
+        for at, c in sorted(marks, key=lambda m: m[0]):
+            self._span(kind, name, at - done, microbatch)
+            if isinstance(c, Call):
+                self.event("comm", c.kind, c.name, self.clock, self.clock + c.cost, microbatch, c.bytes)
+                self.clock += c.cost
+            else:
+                c()
+            done = at
         self._span(kind, name, seconds - done, microbatch)
+        if midway and not calls:        # one span, as the recorder draws it, the hook inside
+            spans = [e for e in self.events[before:] if e["stream"] == "compute"]
+            spans[0]["end"] = self.clock
+            self.events = [e for e in self.events if not any(e is x for x in spans[1:])]
 
     def _span(self, kind, name, seconds, microbatch):
         """``seconds`` of compute; while a transfer is still in flight it runs 1/compute_factor
@@ -216,12 +229,14 @@ class Rank:
         end = until.ended if isinstance(until, Transfer) else until
         self.clock = max(self.clock, end)
 
-    def scatter(self, unit: Unit, beside: float = 0.0, microbatch=None) -> None:
-        """Pack, reduce-scatter (async); beyond MAX_IN_FLIGHT the oldest is waited for."""
+    def scatter(self, unit: Unit, beside: float = 0.0, microbatch=None, collect: bool = True) -> None:
+        """Pack, reduce-scatter (async); beyond MAX_IN_FLIGHT the oldest is waited for (zero=3:
+        ``collect`` False, before the next block's backward instead)."""
         self.clock += unit.pack
         end = self.issue("reduce_scatter", f"reduce-scatter {unit.name}", unit.scatter, unit.wire, beside, microbatch)
         self.in_flight.append((end, unit))
-        self.collect(MAX_IN_FLIGHT)
+        if collect:
+            self.collect(MAX_IN_FLIGHT)
 
     def collect(self, limit: int = 0) -> None:
         """Wait for the oldest reduce-scatters until at most ``limit`` are in flight; each received
@@ -295,13 +310,21 @@ def _backward(rank: Rank, prog: ShardedProgram, mb: int) -> None:
                     _gather(rank, prog, j, gathered, mb, b.bwd)
         loss = prog.loss_bwd if i == last else 0.0
         before = len(rank.events)
-        rank.compute("bwd", b.name, loss + b.bwd, [Call(c.name, c.bytes, c.cost, loss + c.at, c.kind)
-                                                   for c in b.bwd_calls], mb)
+        calls = [Call(c.name, c.bytes, c.cost, loss + c.at, c.kind) for c in b.bwd_calls]
+        # zero=3: issued from its parameters' hooks, inside the span; the first block's span (no
+        # input gradient to wait for) closes with those gradients, before the call
+        at = prog.scatter_at if i > 0 else 1.0
+        if prog.zero == 3 and mine and at < 1.0:
+            ahead = sum(x.bwd for x in prog.blocks[:i]) + (1.0 - at) * (loss + b.bwd)
+            hook = lambda: [rank.scatter(prog.units[k], ahead, microbatch=mb, collect=False) for k in mine]
+            rank.compute("bwd", b.name, loss + b.bwd, calls, mb, midway=(at * (loss + b.bwd), hook))
+            continue
+        rank.compute("bwd", b.name, loss + b.bwd, calls, mb)
         if prog.zero >= 2 and mine:
             spans = [e for e in rank.events[before:] if e["stream"] == "compute"]
             ahead = sum(x.bwd for x in prog.blocks[:i])       # the backward still to run beside it
             for k in mine:
-                rank.scatter(prog.units[k], ahead, microbatch=mb)
+                rank.scatter(prog.units[k], ahead, microbatch=mb, collect=prog.zero == 2)
             if spans and prog.zero == 2:      # the hook's pack and any wait sit inside the block's span
                 spans[-1]["end"] = rank.clock
 

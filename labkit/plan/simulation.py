@@ -254,11 +254,15 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
     f_stretch, b_stretch = costs.compute_stretch("fwd"), costs.compute_stretch("bwd")
     busy, call_gap = costs.busy_factor, 0.0
     if strategy.zero == 3:          # fitted to a measured zero=3 step (labkit.plan.in_step.zero3_fit)
-        b_stretch *= costs.slowdown("zero3_bwd")
         busy = costs.in_step.get("zero3_busy", busy)
-        if strategy.prefetch:       # gathers beside compute: their own fit (in_step.zero3_prefetch_fit)
+        if strategy.prefetch and "zero3_prefetch_bwd" in costs.in_step:     # its own fit (in_step.zero3_prefetch_fit)
+            b_stretch *= costs.slowdown("zero3_prefetch_bwd")
+        else:
+            b_stretch *= costs.slowdown("zero3_bwd")
+        if strategy.prefetch:       # gathers beside compute: their own busy factor
             busy = costs.in_step.get("zero3_prefetch_busy", busy)
         call_gap = costs.in_step.get("zero3_gap_s", 0.0)
+    scatter_at = costs.in_step.get("zero3_scatter_at", 1.0) if strategy.zero == 3 else 1.0
     blocks = []
     for row in rows:
         fwd, bwd = costs.at(row["fwd"], size) * f_stretch, costs.at(row["bwd"], size) * b_stretch
@@ -272,7 +276,7 @@ def build_sharded_program(strategy, costs: CostTable, batch: int) -> ShardedProg
                           sum(r["optimizer"] for r in rows) * costs.slowdown("optimizer") / strategy.dp,
                           costs.at(loss["fwd"], size) * f_stretch,
                           costs.at(loss["bwd"], size) * b_stretch, busy, costs.gap_s(1), costs.compute_factor,
-                          costs.lanes, call_gap)
+                          costs.lanes, call_gap, scatter_at)
 
 
 def check_simulable(strategy, costs: CostTable) -> None:
