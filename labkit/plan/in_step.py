@@ -32,10 +32,11 @@ predicts for the same calls:
   a transfer, overstates a real backward's);
   the same fit for ``ddp`` (torch's reducer, and recorded, a Python hook per bucket);
 * ``zero=3`` — where in a block's backward span its reduce-scatter is issued
-  (``zero3_scatter_at``: :func:`scatter_at`), its backward beside reduce-scatters and gathers against the replay's, the
-  untimed seconds before each of its calls (its per-block bookkeeping), and the busy factor
-  that makes the replayed step the measured one (``zero3_fit``); and with ``prefetch=1``, its
-  gathers beside compute: their own busy factor (``zero3_prefetch_fit``);
+  (``zero3_scatter_at``: :func:`scatter_at`), its backward beside reduce-scatters and gathers
+  against the replay's, the untimed seconds before each of its calls (its per-block
+  bookkeeping), and the busy factor that makes the replayed step the measured one
+  (``zero3_fit``); and with ``prefetch=1`` its own backward stretch and, for its gathers beside
+  compute, its own busy factor (``zero3_prefetch_fit``);
 * the data-parallel runs together — how far apart their ranks end (``rank_ends_s``, seconds
   from the mean, smallest first: :func:`rank_spread`), and how late the typical rank makes its
   first span (``rank_start_s``: :func:`start_lag`); and the overlap and ddp runs each on their
