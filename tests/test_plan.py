@@ -878,7 +878,8 @@ def test_tensor_parallel_compute_gets_the_tp_runs_own_stretch():
 
 def test_a_pipelines_replicas_at_their_own_pace_sync_each_all_reduce_on_the_slowest():
     """pp × dp: each dp replica runs its pipeline at its measured pace, and a gradient
-    all-reduce starts only once every replica has issued it; paces of 1 are the copied pipeline."""
+    all-reduce starts only once every replica has issued it (each rank's call drawn from where
+    it reached it); paces of 1 are the copied pipeline."""
     from labkit.plan.replay import Message
 
     p, m = 2, 4
@@ -898,10 +899,13 @@ def test_a_pipelines_replicas_at_their_own_pace_sync_each_all_reduce_on_the_slow
             assert [e["end"] for e in calls[0]] == [e["end"] for e in calls[1]]
             issued = last(slow) - (2.0 - 1.0) * 1.2 if mode == "overlap" else last(slow)     # ready at 1.0 of 2.0
             assert min(e["start"] for e in calls[1]) >= issued - 1e-9
-            if mode == "naive":     # a blocking call is drawn from the rank's own call, as recorded
+            # a call is drawn from where the rank itself reached it, as recorded: the replica
+            # ahead waits for its peer inside the call (comm), not idle beside it
+            if mode == "naive":
                 assert calls[0][0]["start"] == pytest.approx(last(fast)) and last(fast) < issued
             else:
-                assert [e["start"] for e in calls[0]] == [e["start"] for e in calls[1]]
+                assert calls[0][0]["start"] == pytest.approx(last(fast) - (2.0 - 1.0) * 0.8)
+                assert calls[0][0]["start"] < calls[1][0]["start"]
         end = lambda evs: max(e["end"] for e in evs)
         assert end(events) > end(copied)
     with pytest.raises(ValueError, match="one per dp replica"):

@@ -306,15 +306,17 @@ def settle(group: list[_Replay], r: int) -> None:
     plans = [rep.issues(r) for rep in group]
     for calls in zip(*plans):
         last_issue = max(issue for _, _, issue, _ in calls)
-        issued = max([last_issue] + [rep.comm_free[r] for rep in group])
-        start = max(issued, last_issue + lag)
+        # each replica's comm stream reaches the call once it issued it and its previous call ended
+        reached = [max(issue, rep.comm_free[r]) for rep, (_, _, issue, _) in zip(group, calls)]
+        start = max(max(reached), last_issue + lag)
         # … and its peer computes ``lag`` later too: the transfer shares the cores that long
         end = max(shared_end(start, msg.cost, [(a + lag, b + lag) for a, b in busy], f)
                   for _, msg, _, busy in calls)
-        for rep, (chunk, msg, _, _) in zip(group, calls):
+        for rep, (chunk, msg, _, _), own in zip(group, calls, reached):
             rep.comm_free[r] = end
-            # drawn from when this rank could start it, as the recorder draws a call it waits on
-            rep.event(r, "comm", "allreduce", msg.name, issued, end, nbytes=msg.bytes)
+            # drawn from when this rank's stream reached it, as the recorder draws a call it
+            # waits in: a replica ahead of its peer waits inside the call (comm, not idle)
+            rep.event(r, "comm", "allreduce", msg.name, own, end, nbytes=msg.bytes)
             rep.inflight[r].setdefault(chunk, []).append((end, msg.unpack))
 
 
