@@ -49,28 +49,33 @@ def notebook(stem: str):
 
 
 def test_02_bubble_falls_with_m_and_follows_the_formula():
-    """02's text: the bubble falls with m and stays within −0.05 / +0.10 of (p−1)/(m+p−1).
+    """02's text: the bubble falls with m, and its schedule part stays within −0.05 / +0.10 of
+    (p−1)/(m+p−1).
 
     The formula holds for stages that cost the same; 02 sweeps a model whose two stages do
     (a thin input layer: with 8 equal layers split by parameters, stage 0's backward is ~0.77
-    of stage 1's, since its first layer computes no input gradient). Idle time outside the
-    schedule only adds to the bubble: the lab's per-action overhead (grows with m) and, on a
-    busy machine, one stage's stalls showing up as its neighbour's wait. Hence the asymmetric
-    band: on a shared 2-core machine under load the sweep measured −0.02 … +0.13 (quiet: less).
-    "Falls" is checked over each quadrupling of m (and from 1 to 2), where the formula drops by
-    at least 0.14, so a stall cannot flip it; a schedule that serialises the stages (0.5 at every
-    m) or idles far more than the formula fails.
+    of stage 1's, since its first layer computes no input gradient). The formula describes the
+    schedule's idle time, so the band is checked on ``schedule_bubble_fraction``; the lab's
+    per-action overhead is idle time outside the schedule and only adds to ``bubble_fraction``
+    (on a loaded CI machine it reached 0.09 at m = 16 while the schedule part read 0.08 against
+    0.06). Stalls of one stage that show up as its neighbour's wait land in the schedule part,
+    hence the asymmetric band. "Falls" is checked on both over each quadrupling of m (and from
+    1 to 2), where the formula drops by at least 0.14, so a stall cannot flip it; a schedule
+    that serialises the stages (0.5 at every m) or idles far more than the formula fails.
     """
     _, v = notebook("02_pipeline")
-    sweep, measured, formula = v["sweep"], v["measured"], v["formula"]
-    assert len(measured) == len(sweep) >= 5 and sweep[:3] == [1, 2, 4] and sweep[-1] >= 16
+    sweep, measured, scheduled, formula = v["sweep"], v["measured"], v["scheduled"], v["formula"]
+    assert len(measured) == len(scheduled) == len(sweep) >= 5 and sweep[:3] == [1, 2, 4] and sweep[-1] >= 16
     split = {m: {k: round(r[k], 3) for k in ("schedule_bubble_fraction", "lab_overhead_fraction",
                                              "exposed_comm_fraction")}
              for m, r in v.get("swept.metrics", {}).items()}
-    for m, got, want in zip(sweep, measured, formula):
-        assert want - 0.05 <= got <= want + 0.10, f"m={m}: bubble_fraction {got:.3f}, formula {want:.3f}; {split}"
-    assert measured[1] < measured[0] and all(b < a for a, b in zip(measured, measured[2:])), \
-        f"not falling with m: {measured}"
+    for m, got, total, want in zip(sweep, scheduled, measured, formula):
+        assert want - 0.05 <= got <= want + 0.10, \
+            f"m={m}: schedule_bubble_fraction {got:.3f}, formula {want:.3f}; {split}"
+        assert total >= got - 1e-9, f"m={m}: bubble_fraction {total:.3f} < its schedule part {got:.3f}"
+    for name, series in (("bubble_fraction", measured), ("schedule_bubble_fraction", scheduled)):
+        assert series[1] < series[0] and all(b < a for a, b in zip(series, series[2:])), \
+            f"{name} not falling with m: {series}"
 
 
 def test_01_overlap_hides_comm_that_bucketed_exposes():
