@@ -9,7 +9,10 @@ alternate so that a change of machine load moves both. Prints, per case, the med
 rounds of measured and predicted step time, their ratio, and the bubble and exposed-comm
 fractions measured/predicted; with ``--repeat`` each case is measured twice, and the
 second measurement over the first (its median and range over rounds) shows how closely one
-measurement predicts another of the same code: the floor under the ratio. The figures are
+measurement predicts another of the same code: the floor under the ratio. The last lines count
+the cases within the targets (step time ±10 %, bubble and exposed comm ±0.05, medians over
+rounds), for the prediction and, with ``--repeat``, for the second measurement against the
+first, taken straight after it (so a floor on the noise, not its whole). The figures are
 noisy on a shared 2-core machine (one round's ratio swings by ±30 %, and one step of a run can
 take 1.7× the next): each case runs 20 steps (the calibration's own runs take 24), a round
 takes ~40 s on 2 engines with ``--repeat``, ~65 s on 4; read the median with the ratio's spread
@@ -73,7 +76,8 @@ def one_round(lab, model, batch: int, steps: int, plan_tp: dict, only: str = "",
         rows.append({"case": name, **{f"measured_{k}": run.metrics[k] for k in KEYS},
                      **{f"predicted_{k}": pred.metrics[k] for k in KEYS}})
         if repeat:      # the same case measured again at once: how far a measurement predicts itself
-            rows[-1]["remeasured_step_time_s"] = measure().metrics["step_time_s"]
+            again = measure().metrics
+            rows[-1].update({f"remeasured_{k}": again[k] for k in KEYS})
     return rows
 
 
@@ -81,9 +85,14 @@ KEYS = ("step_time_s", "bubble_fraction", "exposed_comm_fraction")
 
 
 def summarise(rounds: list[list[dict]]) -> str:
+    """The table, then how many cases meet each target: the prediction against the measurement
+    and, with ``--repeat``, the second measurement against the first (the same medians over
+    rounds, the same bounds), which is how often the measurement misses itself."""
     repeat = "remeasured_step_time_s" in rounds[0][0]
     lines = [f"{'case':>26} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'ratio range':>12} "
-             f"{'bubble m/p':>11} {'exposed m/p':>11}" + (f" {'repeat':>6} {'repeat range':>12}" if repeat else "")]
+             f"{'bubble m/p':>11} {'exposed m/p':>11}"
+             + (f" {'repeat':>6} {'repeat range':>12} {'bubble r':>8} {'exposed r':>9}" if repeat else "")]
+    hits = {"predicted": [0, 0, 0], "remeasured": [0, 0, 0]}
     for i, row in enumerate(rounds[0]):
         per = [r[i] for r in rounds]
         med = {k: median(r[k] for r in per) for k in per[0] if k != "case"}
@@ -92,8 +101,23 @@ def summarise(rounds: list[list[dict]]) -> str:
                      f"{1e3 * med['predicted_step_time_s']:>12.2f}{_spread(ratios)} "
                      f"{med['measured_bubble_fraction']:>5.2f}/{med['predicted_bubble_fraction']:<5.2f} "
                      f"{med['measured_exposed_comm_fraction']:>5.2f}/{med['predicted_exposed_comm_fraction']:<5.2f}"
-                     + (_spread([r["remeasured_step_time_s"] / r["measured_step_time_s"] for r in per]) if repeat else ""))
+                     + (_spread([r["remeasured_step_time_s"] / r["measured_step_time_s"] for r in per])
+                        + f" {med['remeasured_bubble_fraction']:>8.2f} {med['remeasured_exposed_comm_fraction']:>9.2f}"
+                        if repeat else ""))
+        for who in hits if repeat else ("predicted",):
+            step = median(r[f"{who}_step_time_s"] / r["measured_step_time_s"] for r in per)
+            hits[who][0] += abs(step - 1) <= TARGET["step_time_s"]
+            for j, k in ((1, "bubble_fraction"), (2, "exposed_comm_fraction")):
+                hits[who][j] += abs(med[f"{who}_{k}"] - med[f"measured_{k}"]) <= TARGET[k]
+    n = len(rounds[0])
+    for who in hits if repeat else ("predicted",):
+        step, bubble, exposed = hits[who]
+        lines.append(f"{who} within target, of {n} cases: step time (±10 %) {step}, bubble (±0.05) {bubble}, "
+                     f"exposed comm (±0.05) {exposed}")
     return "\n".join(lines)
+
+
+TARGET = {"step_time_s": 0.10, "bubble_fraction": 0.05, "exposed_comm_fraction": 0.05}
 
 
 def _spread(ratios: list[float]) -> str:
