@@ -82,6 +82,7 @@ def one_round(lab, model, batch: int, steps: int, plan_tp: dict, only: str = "",
 
 
 KEYS = ("step_time_s", "bubble_fraction", "exposed_comm_fraction")
+TARGET = {"step_time_s": 0.10, "bubble_fraction": 0.05, "exposed_comm_fraction": 0.05}
 
 
 def summarise(rounds: list[list[dict]]) -> str:
@@ -89,35 +90,31 @@ def summarise(rounds: list[list[dict]]) -> str:
     and, with ``--repeat``, the second measurement against the first (the same medians over
     rounds, the same bounds), which is how often the measurement misses itself."""
     repeat = "remeasured_step_time_s" in rounds[0][0]
+    whos = ("predicted", "remeasured") if repeat else ("predicted",)
     lines = [f"{'case':>26} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'ratio range':>12} "
              f"{'bubble m/p':>11} {'exposed m/p':>11}"
              + (f" {'repeat':>6} {'repeat range':>12} {'bubble r':>8} {'exposed r':>9}" if repeat else "")]
-    hits = {"predicted": [0, 0, 0], "remeasured": [0, 0, 0]}
+    hits = {who: dict.fromkeys(KEYS, 0) for who in whos}
     for i, row in enumerate(rounds[0]):
         per = [r[i] for r in rounds]
         med = {k: median(r[k] for r in per) for k in per[0] if k != "case"}
-        ratios = [r["predicted_step_time_s"] / r["measured_step_time_s"] for r in per]
+        ratios = {who: [r[f"{who}_step_time_s"] / r["measured_step_time_s"] for r in per] for who in whos}
         lines.append(f"{row['case']:>26} {1e3 * med['measured_step_time_s']:>11.2f} "
-                     f"{1e3 * med['predicted_step_time_s']:>12.2f}{_spread(ratios)} "
+                     f"{1e3 * med['predicted_step_time_s']:>12.2f}{_spread(ratios['predicted'])} "
                      f"{med['measured_bubble_fraction']:>5.2f}/{med['predicted_bubble_fraction']:<5.2f} "
                      f"{med['measured_exposed_comm_fraction']:>5.2f}/{med['predicted_exposed_comm_fraction']:<5.2f}"
-                     + (_spread([r["remeasured_step_time_s"] / r["measured_step_time_s"] for r in per])
+                     + (_spread(ratios["remeasured"])
                         + f" {med['remeasured_bubble_fraction']:>8.2f} {med['remeasured_exposed_comm_fraction']:>9.2f}"
                         if repeat else ""))
-        for who in hits if repeat else ("predicted",):
-            step = median(r[f"{who}_step_time_s"] / r["measured_step_time_s"] for r in per)
-            hits[who][0] += abs(step - 1) <= TARGET["step_time_s"]
-            for j, k in ((1, "bubble_fraction"), (2, "exposed_comm_fraction")):
-                hits[who][j] += abs(med[f"{who}_{k}"] - med[f"measured_{k}"]) <= TARGET[k]
-    n = len(rounds[0])
-    for who in hits if repeat else ("predicted",):
-        step, bubble, exposed = hits[who]
-        lines.append(f"{who} within target, of {n} cases: step time (±10 %) {step}, bubble (±0.05) {bubble}, "
-                     f"exposed comm (±0.05) {exposed}")
+        for who in whos:
+            hits[who]["step_time_s"] += abs(median(ratios[who]) - 1) <= TARGET["step_time_s"]
+            for k in KEYS[1:]:
+                hits[who][k] += abs(med[f"{who}_{k}"] - med[f"measured_{k}"]) <= TARGET[k]
+    for who in whos:
+        h = hits[who]
+        lines.append(f"{who} within target, of {len(rounds[0])} cases: step time (±10 %) {h['step_time_s']}, "
+                     f"bubble (±0.05) {h['bubble_fraction']}, exposed comm (±0.05) {h['exposed_comm_fraction']}")
     return "\n".join(lines)
-
-
-TARGET = {"step_time_s": 0.10, "bubble_fraction": 0.05, "exposed_comm_fraction": 0.05}
 
 
 def _spread(ratios: list[float]) -> str:
