@@ -28,6 +28,7 @@ updates all of them, and tp splits each expert's matrices as it splits the dense
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 # HF ``model_type`` values whose attention is grouped-query (or full multi-head) attention with
@@ -238,9 +239,10 @@ def from_hf_config(config, seq: int | None = None, name: str = "") -> Decoder:
     ``seq``: the training sequence length (default: the config's max_position_embeddings).
     """
     if not isinstance(config, dict):
-        with open(config) as f:
+        path = config
+        with open(path) as f:
             config = json.load(f)
-        name = name or str(config.get("_name_or_path", ""))
+        name = name or str(config.get("_name_or_path") or os.path.splitext(os.path.basename(path))[0])
     kind = config.get("model_type")
     if kind in REFUSED:
         raise ValueError(f"model_type={kind!r} uses {REFUSED[kind]}, which the planner does not count; "
