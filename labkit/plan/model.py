@@ -13,14 +13,16 @@ kinds: "dense" (attention + a SwiGLU MLP of ``ffn_hidden``) or "moe" (attention 
 shared expert of ``shared_ffn``). Layers before ``dense_layers`` are dense, and after that every
 ``moe_every``-th one is MoE (DeepSeek's ``first_k_dense_replace``, Qwen-MoE's ``decoder_sparse_step``).
 
-FLOPs (a multiply-add counted as 2; Narayanan et al. 2021, appendix, eq. 3's derivation): per
+FLOPs (a multiply-add counted as 2; Narayanan et al. 2021, the derivation of their eq. 3): per
 token, each weight matrix of shape (m, n) costs 2·m·n in forward, backward twice that; attention
 scores and their weighted sum cost 4·s·(a·d) forward (the full s×s square, as Megatron-LM and
 torchtitan count it, not the causal half). Model FLOPs per token are therefore
-6·N_active + 12·L·(a·d)·s (PaLM appendix B; torchtitan's ``get_num_flop_per_token``; DeepSeek-V3
-§3 counts an MoE model's training compute with its activated parameters the same way), with
-N_active the parameters one token passes through: every expert a token is not routed to is
-left out, and so is the input embedding table (a lookup, not a matmul).
+6·N_active + 12·L·(a·d)·s: the model FLOPs of MFU (Chowdhery et al. 2022, PaLM, appendix B, the
+definition the Llama 3 paper's Table 4 reports its BF16 MFU in; torchtitan's
+``get_num_flop_per_token`` counts the same), with N_active the parameters one token passes
+through: the top_k routed experts, not all of them (DeepSeek-V3, arXiv 2412.19437: "671B total
+parameters with 37B activated for each token"), and without the input embedding table (a
+lookup, not a matmul).
 
 Experts are replicated over dp here (no expert parallelism yet): every dp replica keeps and
 updates all of them, and tp splits each expert's matrices as it splits the dense MLP.
