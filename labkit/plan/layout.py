@@ -74,8 +74,9 @@ class ClusterStrategy:
         if model.heads % self.tp or model.hidden % self.tp:
             raise ValueError(f"tp={self.tp} must divide heads={model.heads} and hidden={model.hidden}")
         if not model.can_split(self.pp * self.chunks):
-            raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} "
-                             "equal stages; choose pp (and chunks) dividing the layer count")
+            how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, GPT)
+                   else "stages of at least one layer; choose pp*chunks ≤ the layer count")
+            raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} {how}")
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch={global_batch!r} must be a whole number ≥ 1")
         if global_batch % (self.dp * self.microbatch_size):
