@@ -141,6 +141,9 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
         raise ValueError(f"search(verify=lab): the lab has {verify.world_size} engines but the cluster "
                          f"{cluster.gpus} GPUs; verify on a lab with one engine per GPU of the cluster, or "
                          f"describe this lab as the cluster (Cluster(nodes=1, gpus_per_node={verify.world_size}, ...))")
+    # sequence parallelism (Korthikanti et al. 2022) came after the GPT runs the GPT path
+    # reproduces; a Decoder's candidates try it beside plain tp
+    limits.setdefault("sequence_parallel", (False,) if isinstance(model, GPT) else (False, True))
     ranked, skipped = [], 0
     for s in candidates(model, cluster, global_batch, **limits):
         p = predict(model, cluster, global_batch, s)
