@@ -191,14 +191,14 @@ def compare_llama() -> list[dict]:
 
 def table_llama(rows: list[dict]) -> str:
     """The rows of :func:`compare_llama` with the error per row, then the mean |error| of those predicted."""
-    lines = [f"{'source':<16} {'#':>2} {'model':<12} {'configuration':<64} {'published':>9} {'predicted':>9} "
+    lines = [f"{'source':<16} {'#':>2} {'model':<12} {'configuration':<72} {'published':>9} {'predicted':>9} "
              f"{'error':>7}  strategy / note"]
     for r in rows:
         source = "Llama 3 T4" if r["source"].startswith("Llama") else "torchtitan A100"
         label = r["prediction"].strategy.label() if r["prediction"] else ""
         err = "" if r["error"] != r["error"] else f"{100 * r['error']:+6.1f}%"
         pred = "—" if r["predicted"] != r["predicted"] else f"{r['predicted']:.0f}"
-        lines.append(f"{source:<16} {r['row']:>2} {r['model']:<12} {r['config']:<64} {r['published']:>9} "
+        lines.append(f"{source:<16} {r['row']:>2} {r['model']:<12} {r['config']:<72} {r['published']:>9} "
                      f"{pred:>9} {err:>7}  {label}{'; ' if label and r['note'] else ''}{r['note']}")
     done = [abs(r["error"]) for r in rows if r["error"] == r["error"]]
     lines.append(f"{len(done)} of {len(rows)} rows predicted; mean |error| {100 * sum(done) / len(done):.1f}%, "
