@@ -12,15 +12,24 @@ At scale (pure arithmetic, no engines)::
     cluster = labkit.plan.Cluster(nodes=128, hardware="a100")
     print(labkit.plan.search(model, cluster, global_batch=1536).table())
     $ labkit plan --layers 96 --hidden 12288 --heads 96 --gpus 1024 --hardware a100 --global-batch 1536
+
+A Llama-family model (grouped-query attention, SwiGLU, mixture-of-experts) from its description
+or a Hugging Face config.json::
+
+    model = labkit.plan.from_hf_config("config.json", seq=8192)     # or labkit.plan.Decoder(...)
+    labkit.plan.predict(model, labkit.plan.Cluster(nodes=64, hardware="h100"), 512, strategy)
+    $ labkit plan --model-config config.json --seq 8192 --gpus 512 --hardware h100 --global-batch 512
 """
 from .costs import CostTable, calibrate
 from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
 from .layout import ClusterStrategy
+from .model import Decoder, from_hf_config
 from .local import LabSearch, search_lab
 from .search import SearchResult, best_at, search
 from .simulation import Simulated, overlay, simulate
 from .step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
+           "Decoder", "from_hf_config",
            "Prediction", "predict", "search", "best_at", "SearchResult", "CostTable", "calibrate", "Simulated",
            "simulate", "overlay", "search_lab", "LabSearch"]

@@ -131,6 +131,55 @@ class GPT:
         """Forward FLOPs of the output projection onto the vocabulary: 2·b·s·h·V."""
         return 2 * tokens * self.hidden * self.vocab
 
+    # What step.py and memory.py ask of a model (labkit.plan.Decoder answers the same).
+    @property
+    def active_params(self) -> float:
+        return self.params
+
+    def can_split(self, stages: int) -> bool:
+        """Megatron-LM's GPT takes equal stages only."""
+        return self.layers % stages == 0
+
+    def stage_layers(self, stages: int) -> list[int]:
+        return [self.layers // stages] * stages
+
+    def kinds(self, first: int, count: int) -> dict:
+        return {"dense": count}
+
+    def kind_params(self, kind: str, active: bool = False) -> float:
+        return self.layer_params
+
+    def rank_params(self, pp: int, chunks: int = 1) -> list[float]:
+        """Parameters on each pipeline rank, all counted as the heaviest: its layers plus a word
+        embedding (the first stage's input table; the last stage keeps its own copy for the
+        output layer when pp > 1, as Megatron-LM does)."""
+        return [self.layers / pp * self.layer_params + self.embedding_params] * pp
+
+    def gemms(self, kind: str, tokens: int, tp: int) -> list[tuple[float, float, float]]:
+        """One group: the whole layer's forward FLOPs, the weight GEMMs' 24·b·s·h² of them, and
+        the smallest GEMM dimension on one GPU, min(h/tp, b·s)."""
+        return [(self.layer_forward_flops(tokens), 24 * tokens * self.hidden ** 2, min(self.hidden / tp, tokens))]
+
+    def attention_core_flops(self, tokens: int) -> float:
+        return 4 * tokens * self.seq * self.hidden
+
+    def model_flops(self, tokens: int) -> float:
+        """6·N·tokens (PaLM, Chowdhery et al. 2022, appendix B, without the attention term)."""
+        return 6 * self.params * tokens
+
+    def hardware_flops(self, global_batch: int, recompute: str) -> float:
+        """FLOPs the GPUs execute per step, as Megatron-LM counts them (Narayanan et al. 2021,
+        eq. 3): 72·B·s·l·h²·(1 + s/(6h)) + 6·B·s·h·V, and 96·… when every layer is recomputed."""
+        B, s, l, h, V = global_batch, self.seq, self.layers, self.hidden, self.vocab
+        layer = 24 * B * s * l * h * h * (1 + s / (6 * h))
+        passes = {"none": 3, "selective": 3, "full": 4}[recompute]
+        extra = 4 * B * s * s * h * l if recompute == "selective" else 0.0
+        return passes * layer + extra + 6 * B * s * h * V
+
+    def describe(self) -> str:
+        return (f"GPT: {self.layers} layers, hidden {self.hidden}, {self.heads} heads, vocab {self.vocab}, "
+                f"seq {self.seq}; {self.params / 1e9:.2f} B parameters")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
@@ -154,8 +203,9 @@ class Cluster:
     @classmethod
     def of(cls, gpus: int, hardware="a100", gpus_per_node: int = 8) -> "Cluster":
         """A cluster of ``gpus`` GPUs in full nodes (fewer than a node: one partial node)."""
-        if not isinstance(gpus, int) or gpus < 1:
-            raise ValueError(f"gpus={gpus!r} must be a whole number ≥ 1")
+        for field, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field}={value!r} must be a whole number ≥ 1")
         if gpus < gpus_per_node:
             return cls(nodes=1, gpus_per_node=gpus, hardware=hardware)
         if gpus % gpus_per_node:

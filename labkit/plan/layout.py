@@ -73,9 +73,10 @@ class ClusterStrategy:
                              f"parallelism needs NVLink; use tp ≤ {cluster.gpus_per_node}")
         if model.heads % self.tp or model.hidden % self.tp:
             raise ValueError(f"tp={self.tp} must divide heads={model.heads} and hidden={model.hidden}")
-        if model.layers % (self.pp * self.chunks):
-            raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} "
-                             "equal stages; choose pp (and chunks) dividing the layer count")
+        if not model.can_split(self.pp * self.chunks):
+            how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, GPT)
+                   else "stages of at least one layer; choose pp*chunks ≤ the layer count")
+            raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} {how}")
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch={global_batch!r} must be a whole number ≥ 1")
         if global_batch % (self.dp * self.microbatch_size):
@@ -89,6 +90,6 @@ class ClusterStrategy:
         return asdict(self)
 
     def label(self) -> str:
-        extra = f" v{self.chunks}" if self.chunks > 1 else ""
+        extra = (f" v{self.chunks}" if self.chunks > 1 else "") + (" sp" if self.sequence_parallel else "")
         return (f"dp{self.dp} pp{self.pp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
                 f"{self.schedule}{extra} rc:{self.recompute}")

@@ -15,6 +15,19 @@ s sequence, b micro-batch size, h hidden, a heads, t tensor-parallel degree:
       + sequence parallel     s·b·h·34 / t
     full recompute            2·s·b·h   (the layer's input; / t with sequence parallel)
 
+A Llama-family :class:`~labkit.plan.model.Decoder` is counted the same way, tensor by tensor,
+with FlashAttention (Dao et al. 2022), which keeps no s×s scores (so "selective" saves nothing
+more), no dropout, and what autograd saves for its layers (16-bit, in units of s·b·h; a·d the
+query width, kv·d the key/value width, f the MLP width):
+
+    attention       4 (two RMSNorm inputs' first, q/k/v input) + (4·a·d + 4·kv·d)/h / t
+                    (q, k, v, the attention output)
+    SwiGLU MLP      4 (second norm input, gate/up input) + 8·f/h / t (gate, up, silu(gate), product)
+    MoE MLP         4 + 4·k + 8·E/h (norm, routed copies of each token in and out, fp32 router
+                    scores) + 8·(k·f_e + f_shared)/h / t
+
+with sequence parallelism dividing every term by t, and full recomputation keeping 2 (/ t).
+
 A pipeline rank holds its L/p layers for every micro-batch in flight: p on the first stage
 for 1F1B (Megatron's warm-up) and zb-h1 (its first stage's W follow its I closely enough that
 p are held until W, as labkit's schedule counts them), ×(1 + (p−1)/(p·v)) for the interleaved schedule (§4.2.3), all
@@ -25,14 +38,18 @@ from __future__ import annotations
 
 from .hardware import GB, GPT
 from .layout import ClusterStrategy
+from .model import Decoder
 
 USABLE_FRACTION = 0.92
 """Share of HBM a run can use: the CUDA context, NCCL buffers and allocator fragmentation
 take the rest (a few GB on an 80 GB part, as PyTorch's memory snapshots typically show)."""
 
 
-def layer_activation_bytes(model: GPT, s: ClusterStrategy) -> float:
-    """Korthikanti et al. 2022, Table 2: activations one layer keeps for one micro-batch."""
+def layer_activation_bytes(model: GPT, s: ClusterStrategy, kind: str = "dense") -> float:
+    """Activations one layer keeps for one micro-batch (Korthikanti et al. 2022, Table 2, for a
+    GPT; the module docstring's counts for a Decoder)."""
+    if isinstance(model, Decoder):
+        return decoder_activation_bytes(model, s, kind)
     sbh, t = model.seq * s.microbatch_size * model.hidden, s.tp
     attn = 5 * model.heads * model.seq / model.hidden
     if s.recompute == "full":
@@ -40,6 +57,24 @@ def layer_activation_bytes(model: GPT, s: ClusterStrategy) -> float:
     if s.sequence_parallel:
         return sbh * (34 + (0 if s.recompute == "selective" else attn)) / t
     return sbh * (10 + 24 / t + (0 if s.recompute == "selective" else attn / t))
+
+
+def decoder_activation_bytes(model: Decoder, s: ClusterStrategy, kind: str) -> float:
+    """A Llama-family layer with FlashAttention (module docstring)."""
+    h, t = model.hidden, s.tp
+    sbh = model.seq * s.microbatch_size * h
+    if s.recompute == "full":
+        return 2 * sbh / (t if s.sequence_parallel else 1)
+    replicated = 8.0
+    split = (4 * model.heads * model.head_dim + 4 * model.kv_heads * model.head_dim) / h
+    if kind == "moe":
+        replicated += 4 * model.top_k + 8 * model.experts / h
+        split += 8 * (model.top_k * model.expert_ffn + model.shared_ffn) / h
+    else:
+        split += 8 * model.ffn_hidden / h
+    if s.sequence_parallel:
+        return sbh * (replicated + split) / t
+    return sbh * (replicated + split / t)
 
 
 def in_flight(s: ClusterStrategy, microbatches: int) -> float:
@@ -55,11 +90,24 @@ def in_flight(s: ClusterStrategy, microbatches: int) -> float:
 
 
 def stage_params(model: GPT, s: ClusterStrategy) -> float:
-    """Parameters on the heaviest pipeline rank, per tp shard: its layers plus a word
-    embedding (the first stage's input table; the last stage keeps its own copy for the
-    output layer when pp > 1, as Megatron does)."""
-    layers = model.layers / s.pp
-    return (layers * model.layer_params + model.embedding_params) / s.tp
+    """Parameters on the heaviest pipeline rank, per tp shard (see ``model.rank_params``)."""
+    return max(model.rank_params(s.pp, s.chunks)) / s.tp
+
+
+def _rank_activations(model, s: ClusterStrategy, rank: int) -> tuple[float, float]:
+    """Activations one micro-batch leaves on pipeline ``rank``'s layers, and its largest layer's
+    (full recomputation re-materialises one layer at a time)."""
+    if isinstance(model, GPT):          # uniform layers: L/p of them, as Korthikanti counts
+        return layer_activation_bytes(model, s) * (model.layers / s.pp), layer_activation_bytes(model, s)
+    stages = s.pp * s.chunks
+    counts = model.stage_layers(stages)
+    kinds: dict = {}
+    for g in range(rank, stages, s.pp):
+        for k, n in model.kinds(sum(counts[:g]), counts[g]).items():
+            kinds[k] = kinds.get(k, 0) + n
+    none = ClusterStrategy(**{**s.to_dict(), "recompute": "none"})
+    return (sum(n * layer_activation_bytes(model, s, k) for k, n in kinds.items()),
+            max(layer_activation_bytes(model, none, k) for k in kinds))
 
 
 def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
@@ -70,16 +118,18 @@ def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
     grads = 2 * n / (dp if s.zero >= 2 else 1)
     optimizer = 12 * n / (dp if s.zero >= 1 else 1)
     m = s.microbatches(global_batch)
-    per_layer = layer_activation_bytes(model, s)
-    layers = model.layers / s.pp
-    acts = per_layer * layers * in_flight(s, m)
+    first, _ = _rank_activations(model, s, 0)
+    acts = first * in_flight(s, m)
     if s.recompute == "full":       # one layer re-materialised during its backward
-        acts += layer_activation_bytes(model, ClusterStrategy(**{**s.to_dict(), "recompute": "none"}))
+        if isinstance(model, GPT):
+            acts += layer_activation_bytes(model, ClusterStrategy(**{**s.to_dict(), "recompute": "none"}))
+        else:
+            acts += _rank_activations(model, s, 0)[1]
     sbh = model.seq * s.microbatch_size * model.hidden
     # the output layer's logits and their softmax (Korthikanti eq. for the last stage): fp32
     # logits of s·b·V/t and a bf16 copy.
     logits = 4 * sbh * (1 + model.vocab / model.hidden) / s.tp
-    last = per_layer * layers + logits if s.pp > 1 else 0.0
+    last = _rank_activations(model, s, s.pp - 1)[0] + logits if s.pp > 1 else 0.0
     acts = max(acts if s.pp > 1 else acts + logits, last)
     total = weights + grads + optimizer + acts
     return {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "total": total}

@@ -24,7 +24,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedules(pp: int, layers: int, m: int):
+def _schedules(pp: int, model, m: int):
     if pp == 1:
         yield "1f1b", 1
         return
@@ -32,13 +32,13 @@ def _schedules(pp: int, layers: int, m: int):
     yield "gpipe", 1
     yield "zb-h1", 1
     for v in (2, 4):
-        if layers % (pp * v) == 0 and m % pp == 0:
+        if model.can_split(pp * v) and m % pp == 0:
             yield "interleaved", v
 
 
 def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
-               dp_overlap: bool = True, schedules=None):
+               dp_overlap: bool = True, schedules=None, sequence_parallel=(False,)):
     """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these)."""
     n = cluster.gpus
     tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
@@ -46,19 +46,21 @@ def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3
     for t in ([tp] if tp else tps):
         for p in ([pp] if pp else _divisors(n // t)):
             d = n // (t * p)
-            if (dp and d != dp) or model.layers % p or d * p * t != n:
+            if (dp and d != dp) or not model.can_split(p) or d * p * t != n:
                 continue
             for mbs in microbatch_sizes:
                 if global_batch % (d * mbs):
                     continue
                 m = global_batch // (d * mbs)
-                for schedule, v in _schedules(p, model.layers, m):
+                for schedule, v in _schedules(p, model, m):
                     if schedules is not None and schedule not in schedules:
                         continue
                     for z in (zero if d > 1 else (0,)):
                         for rc in recompute:
-                            yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,
-                                                  chunks=v, recompute=rc, dp_overlap=dp_overlap)
+                            for sp in (sequence_parallel if t > 1 else (False,)):
+                                yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs,
+                                                      schedule=schedule, chunks=v, recompute=rc,
+                                                      dp_overlap=dp_overlap, sequence_parallel=sp)
 
 
 @dataclass
@@ -124,17 +126,24 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
            steps: int = 4, **limits) -> SearchResult:
     """Rank every placeable strategy that fits by predicted step time (fastest first).
 
-    ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=, schedules=).
+    ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=, schedules=,
+    sequence_parallel=, dp_overlap=).
     ``verify=lab``: then run the ``top`` fastest (default 3) on the lab for ``steps`` steps each,
     the GPT built by ``labkit.models.gpt`` on seeded random tokens, and keep the measured step
     time beside the predicted one (``.verified``, and a column of ``.table()``). The lab must
     have one engine per GPU of ``cluster`` (tune on the cluster itself: predict, confirm, pick);
     for the lab's own CPU engines, :func:`labkit.plan.search_lab` predicts from a calibration.
     """
+    if verify is not None and not isinstance(model, GPT):
+        raise ValueError("search(verify=lab) builds labkit.models.gpt, so it takes a labkit.plan.GPT; "
+                         f"got {type(model).__name__}")
     if verify is not None and verify.world_size != cluster.gpus:
         raise ValueError(f"search(verify=lab): the lab has {verify.world_size} engines but the cluster "
                          f"{cluster.gpus} GPUs; verify on a lab with one engine per GPU of the cluster, or "
                          f"describe this lab as the cluster (Cluster(nodes=1, gpus_per_node={verify.world_size}, ...))")
+    # sequence parallelism (Korthikanti et al. 2022) came after the GPT runs the GPT path
+    # reproduces; a Decoder's candidates try it beside plain tp
+    limits.setdefault("sequence_parallel", (False,) if isinstance(model, GPT) else (False, True))
     ranked, skipped = [], 0
     for s in candidates(model, cluster, global_batch, **limits):
         p = predict(model, cluster, global_batch, s)
@@ -180,10 +189,10 @@ def verify_one(lab, model: GPT, global_batch: int, s: ClusterStrategy, steps: in
     return {"strategy": s, "measured_s": run.metrics["step_time_s"]}
 
 
-def best_at(model: GPT, cluster: Cluster, global_batch: int, **limits) -> Prediction | None:
+def best_at(model: GPT, cluster: Cluster, global_batch: int, zero=(0,), **limits) -> Prediction | None:
     """The fastest strategy that fits among ``limits`` (e.g. the published degrees), or None."""
     try:
-        result = search(model, cluster, global_batch, zero=(0,), **limits)
+        result = search(model, cluster, global_batch, zero=zero, **limits)
     except ValueError:
         return None
     return result.ranked[0] if result.ranked else None

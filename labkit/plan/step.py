@@ -41,8 +41,12 @@ variance and gradient, write the three back and the bf16 copy (4·4 + 3·4 + 2 �
 
 
 def gemm_efficiency(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
+    """Efficiency of the layer's main GEMMs (hidden/tp wide, b·s rows)."""
+    return _efficiency(cluster, min(model.hidden / s.tp, s.microbatch_size * model.seq))
+
+
+def _efficiency(cluster: Cluster, d: float) -> float:
     hw = cluster.hardware
-    d = min(model.hidden / s.tp, s.microbatch_size * model.seq)
     return hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim)
 
 
@@ -56,7 +60,7 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
 
 
-def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
+def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (layer norms, GeLU, softmax, dropout,
     bias adds, residuals): each activation Korthikanti et al. count is written once and read
     once at HBM bandwidth, so 2 × their no-recompute bytes per layer (Table 2, no sequence
@@ -64,7 +68,7 @@ def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
     from .memory import layer_activation_bytes
 
     plain = ClusterStrategy(tp=s.tp, microbatch_size=s.microbatch_size, sequence_parallel=s.sequence_parallel)
-    return 2 * layer_activation_bytes(model, plain) / cluster.hardware.hbm_bandwidth
+    return 2 * layer_activation_bytes(model, plain, kind) / cluster.hardware.hbm_bandwidth
 
 
 @dataclass
@@ -85,39 +89,59 @@ class StageCosts:
         return [b - w for b, w in zip(self.bwd, self.bwd_weight)]
 
 
+def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_ar: float) -> tuple:
+    """Seconds of one layer of ``kind`` for one micro-batch: forward, backward, and of backward
+    the weight-gradient GEMMs (W). Each GEMM group runs at its own efficiency."""
+    rate = cluster.hardware.peak_flops
+    tokens = s.microbatch_size * model.seq
+    groups = model.gemms(kind, tokens, s.tp)
+    gemm_f = sum(f / s.tp / (rate * _efficiency(cluster, d)) for f, _, d in groups)
+    gemm_w = sum(w / s.tp / (rate * _efficiency(cluster, d)) for _, w, d in groups)
+    memory_bound = elementwise_time(model, cluster, s, kind)
+    f = gemm_f + memory_bound + 2 * tp_ar
+    b = 2 * (gemm_f + memory_bound) + 2 * tp_ar
+    if s.recompute == "full":
+        b += f
+    elif s.recompute == "selective":        # the attention core again
+        b += model.attention_core_flops(tokens) / s.tp / (rate * _efficiency(cluster, groups[0][2]))
+    return f, b, gemm_w
+
+
 def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     """The costs the closed form and the simulator share."""
     hw, eff = cluster.hardware, gemm_efficiency(model, cluster, s)
     flops_rate = hw.peak_flops * eff
     tokens = s.microbatch_size * model.seq
     stages = s.pp * s.chunks
-    layers = model.layers // stages
     act_bytes = 2 * tokens * model.hidden                      # bf16 b·s·h
     tp_link = cluster.link(s.tp)
     tp_ar = all_reduce_time(act_bytes, s.tp, tp_link)
-    memory_bound = elementwise_time(model, cluster, s)
-    layer_f = model.layer_forward_flops(tokens) / s.tp / flops_rate + memory_bound + 2 * tp_ar
-    layer_b = 2 * (model.layer_forward_flops(tokens) / s.tp / flops_rate + memory_bound) + 2 * tp_ar
-    if s.recompute == "full":
-        layer_b += layer_f
-    elif s.recompute == "selective":        # the attention core again: 4·b·s²·h
-        layer_b += 4 * tokens * model.seq * model.hidden / s.tp / flops_rate
     logit_f = model.logit_forward_flops(tokens) / s.tp / flops_rate
-    fwd = [layers * layer_f + (logit_f if g == stages - 1 else 0.0) for g in range(stages)]
-    bwd = [layers * layer_b + (2 * logit_f if g == stages - 1 else 0.0) for g in range(stages)]
-    layer_w = 24 * tokens * model.hidden ** 2 / s.tp / flops_rate       # one GEMM per forward GEMM
-    bwd_weight = [layers * layer_w + (logit_f if g == stages - 1 else 0.0) for g in range(stages)]
+    fwd, bwd, bwd_weight, first = [], [], [], 0
+    per_kind = {}
+    for g, count in enumerate(model.stage_layers(stages)):
+        kinds = model.kinds(first, count)
+        first += count
+        for kind in kinds:
+            if kind not in per_kind:
+                per_kind[kind] = layer_times(model, cluster, s, kind, tp_ar)
+        last = g == stages - 1
+        fwd.append(sum(n * per_kind[k][0] for k, n in kinds.items()) + (logit_f if last else 0.0))
+        bwd.append(sum(n * per_kind[k][1] for k, n in kinds.items()) + (2 * logit_f if last else 0.0))
+        bwd_weight.append(sum(n * per_kind[k][2] for k, n in kinds.items()) + (logit_f if last else 0.0))
     pp_link = cluster.link(s.pp * s.tp)
     p2p = 0.0
     if s.pp > 1:
         p2p = pp_link.alpha + act_bytes / s.tp / pp_link.beta + all_gather_time(act_bytes, s.tp, tp_link)
-    grads = 2 * (model.layers / s.pp * model.layer_params + model.embedding_params) / s.tp
+    params_local = max(model.rank_params(s.pp, s.chunks)) / s.tp
+    grads = 2 * params_local
     dp_link = cluster.link(s.dp * s.pp * s.tp)
     # ZeRO 1/2 replace the all-reduce by reduce-scatter + all-gather: the same bytes; ZeRO-3
-    # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7).
+    # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7). MoE experts
+    # are replicated over dp (no expert parallelism), so their gradients are all-reduced too.
     dp_sync = all_reduce_time(grads, s.dp, dp_link) * (1.5 if s.zero >= 3 else 1.0)
-    params_local = (model.layers / s.pp * model.layer_params + model.embedding_params) / s.tp
     optimizer = ADAM_BYTES_PER_PARAM * params_local / (s.dp if s.zero >= 1 else 1) / hw.hbm_bandwidth
+    layers = max(model.stage_layers(stages))
     return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar, bwd_weight=bwd_weight)
 
 
@@ -167,13 +191,8 @@ class Prediction:
 
 
 def hardware_flops(model: GPT, global_batch: int, recompute: str) -> float:
-    """FLOPs the GPUs execute per step, as Megatron-LM counts them (Narayanan et al. 2021,
-    eq. 3): 72·B·s·l·h²·(1 + s/(6h)) + 6·B·s·h·V, and 96·… when every layer is recomputed."""
-    B, s, l, h, V = global_batch, model.seq, model.layers, model.hidden, model.vocab
-    layer = 24 * B * s * l * h * h * (1 + s / (6 * h))
-    passes = {"none": 3, "selective": 3, "full": 4}[recompute]
-    extra = 4 * B * s * s * h * l if recompute == "selective" else 0.0
-    return passes * layer + extra + 6 * B * s * h * V
+    """FLOPs the GPUs execute per step (recomputation included), as the model counts them."""
+    return model.hardware_flops(global_batch, recompute)
 
 
 def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterStrategy) -> Prediction:
@@ -188,7 +207,7 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
     step = pipe + dp_exposed + c.optimizer
     tokens = global_batch * model.seq
     peak = cluster.hardware.peak_flops
-    mfu = 6 * model.params * tokens / (step * cluster.gpus * peak)      # PaLM, appendix B
+    mfu = model.model_flops(tokens) / (step * cluster.gpus * peak)      # PaLM, appendix B
     tflops = hardware_flops(model, global_batch, strategy.recompute) / (step * cluster.gpus) / 1e12
     memory = memory_breakdown(model, strategy, global_batch)
     ideal = m * max(sum(c.fwd[k * strategy.pp + r] + c.bwd[k * strategy.pp + r] for k in range(strategy.chunks))
