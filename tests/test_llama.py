@@ -117,6 +117,26 @@ def test_balance_loss_is_a_mean_over_rows():
     assert torch.allclose(whole, halves, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["moe_top1", "moe_shared"])
+def test_two_half_batches_give_the_whole_batch_gradient(name):
+    """What data parallelism (dp=2) and two micro-batches compute, in one process: the mean of
+    the halves' gradients (cross-entropy plus balance loss) equals the whole batch's."""
+    data = labkit.data.text(batch=8, block_size=32)
+    x, y = data(0)
+    torch.manual_seed(0)
+    model = labkit.models.llama(**SIZES, **CONFIGS[name], aux_loss_coef=0.1)()
+
+    def grads(rows, scale):
+        model.zero_grad()
+        out = model(x[rows])
+        (scale * (cross_entropy(out.logits, y[rows]) + out.aux_loss)).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    whole = grads(slice(None), 1.0)
+    halves = [a + b for a, b in zip(grads(slice(0, 4), 0.5), grads(slice(4, 8), 0.5))]
+    assert max((a - b).abs().max().item() for a, b in zip(whole, halves)) < 1e-6
+
+
 def test_balance_loss_is_its_weight_when_the_router_is_uniform():
     """Uniform probabilities 1/E: Σ_i f_i·P_i = (1/E)·Σ_i f_i = 1 whatever was chosen, so the
     loss is aux_loss_coef per layer."""
