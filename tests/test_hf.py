@@ -105,3 +105,13 @@ def test_sample_from_a_hf_model():
 def test_bad_configs_are_refused(config, match):
     with pytest.raises(ValueError, match=match):
         labkit.models.from_hf(config)
+
+
+def test_tensor_parallel_over_two_processes_equals_one(tmp_path):
+    """tp=2 by the translated base_model_tp_plan, in two gloo processes (test_llama's worker):
+    Llama's attention and MLP split by labkit's megatron layers, Mixtral's attention by DTensor."""
+    from test_llama import run_tp_cases
+
+    for result in run_tp_cases(tmp_path, ["megatron:hf-llama", "dtensor:hf-mixtral"]):
+        assert result["losses"] == pytest.approx(result["ref"], abs=1e-5), result
+        assert result["max_diff"] < 1e-5, result
