@@ -5,7 +5,8 @@ Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → comp
 
 1. the whole model, built under the run's seed (so every rank starts from the reference's weights),
    its batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
-2. the tensor-parallel split (``tp == 1``: the model as it is);
+2. the tensor-parallel split (``tp == 1``: the model as it is), then the expert-parallel one
+   (``ep > 1``: each MoE layer keeps this rank's experts and routes by all-to-all, :mod:`.expert`);
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
 4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
@@ -70,6 +71,9 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
+    if s.ep > 1:                                                          # 2. expert parallel
+        from .expert.dispatch import build_expert_parallel
+        full = build_expert_parallel(full, groups.expert(s.ep), s.ep)
     if s.pp == 1:                         # 3. pipeline split: none, the whole model is the stage
         blocks, held = [None], [0]
         stages = [build_stage(full, None, 0, 0, s, groups, recorder, device, spec.blocks)]   # 4. grad sync
@@ -170,6 +174,9 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
     else:
         sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
                                s.error_feedback)
+    if s.ep > 1:                      # the experts averaged over their own replicas, the rest over dp
+        from .expert.dispatch import ExpertSync
+        sync = ExpertSync(sync, groups.expert(s.ep), s.dp)
     span = None
     if sync.times_backward:           # ZeRO-3 times its blocks itself, around its gathers
         pass

@@ -30,6 +30,7 @@ from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
 from ..parallel.zero import check_model as check_zero_model
+from ..parallel.expert import check_model as check_expert_model
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -64,6 +65,7 @@ def validate(spec: RunSpec, engines: int) -> None:
     resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
+    check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))
