@@ -1,6 +1,6 @@
 """Expert parallelism: the ep axis's checks (before engines), its groups, and on 4 engines a
 llama MoE equal to one process for ep=2 and ep=4 beside dp=4, top-1 and top-2, with and
-without the balance loss, over the dp modes; an expert no token reaches keeps a zero
+without the balance loss, over the dp modes and under full recompute; an expert no token reaches keeps a zero
 gradient; the all-to-all bytes recorded equal the rows that left each rank."""
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     (labkit.Strategy(dp=4, ep=2, dp_mode="bucketed", microbatches=2), moe(top_k=2, aux_loss_coef=0.05,
                                                                           shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
-], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp"])
+    (labkit.Strategy(dp=4, ep=2, recompute="full"), moe(top_k=2, aux_loss_coef=0.01)),   # all-to-alls again
+], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
