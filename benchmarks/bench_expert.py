@@ -1,5 +1,5 @@
-"""Expert parallelism on 4 engines: bytes per all-to-all against the balanced-routing formula,
-and step time against replicated experts (ep=1) at the same global batch.
+"""Expert parallelism on 4 engines: equality with one process, bytes per all-to-all against the
+balanced-routing formula, and step time against replicated experts (ep=1) at the same batch.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_expert.py        # ~1 minute
 
@@ -9,6 +9,8 @@ the rank, so one dispatch (and one combine) sends tokens × top_k × hidden × e
 (ep−1)/ep. Measured: the ``bytes`` labkit.comm recorded for each forward dispatch of step 0
 (averaged over ranks and layers); the ratio shows how uneven the router is (1 = balanced).
 Step time: median over steps 1.. of the slowest rank's step (the lab's own harness included).
+Exactness: the largest parameter and loss difference from ``labkit.reference`` after 3 SGD
+steps, for ep = 2 and 4 beside dp = 4, top-1 and top-2, balance loss off and on.
 """
 from __future__ import annotations
 
@@ -43,6 +45,18 @@ def main() -> None:
             ratio = f"{measured / formula:6.3f}" if formula else "     -"
             print(f"{ep:>3} {measured:>20.0f} {formula:>10.0f} {ratio} "
                   f"{1e3 * median(run.step_times[1:]):>8.1f} {run.max_diff(ref):>23.2e}")
+        print(f"\n{'ep':>3} {'top_k':>5} {'aux':>5} {'max |Δparam|':>13} {'max |Δloss|':>12}")
+        for ep in (2, 4):
+            for top_k in (1, 2):
+                for aux in (0.0, 0.01):
+                    small = labkit.models.llama(n_layer=2, n_head=4, n_embd=64, block_size=32,
+                                                vocab_size=data.vocab_size, n_experts=args.experts, top_k=top_k,
+                                                aux_loss_coef=aux, norm_topk_prob=top_k > 1)
+                    three = {**kw, "steps": 3}
+                    run, one = lab.run(labkit.Strategy(dp=dp, ep=ep), model=small, **three), \
+                        labkit.reference(small, **three)
+                    loss = max(abs(a - b) for a, b in zip(run.losses, one.losses))
+                    print(f"{ep:>3} {top_k:>5} {aux:>5} {run.max_diff(one):>13.2e} {loss:>12.2e}")
     finally:
         lab.close()
 
