@@ -314,10 +314,11 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     """Send the i-th slice of ``tensor`` (rows, ``input_split_sizes[i]`` of them) to the group's
     i-th rank and receive its slice for us into ``output`` (``output_split_sizes``; None: equal).
     The bytes are those that leave this rank: every slice but our own."""
+    rows = len(tensor) if tensor.dim() else 0
+    row_bytes = tensor[0].numel() * tensor.element_size() if rows else 0
     me = dist.get_group_rank(group, context().rank) if group is not None else context().rank
-    row = tensor[0].numel() * tensor.element_size() if tensor.dim() and len(tensor) else 0
-    own = input_split_sizes[me] if input_split_sizes is not None else len(tensor) // max(_group_size(group), 1)
-    nbytes = row * (len(tensor) - own) if tensor.dim() else 0
+    own = input_split_sizes[me] if input_split_sizes is not None else rows // _group_size(group)
+    nbytes = row_bytes * (rows - own)
     return _issue("all_to_all", tensor, group, name, None, None, nbytes,
                   lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
                                                  group=group, async_op=True), async_op)

@@ -28,11 +28,11 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ... import comm
 from ...models.moe import MoE
 from ..data.sync import DDPSync
-from torch.nn.parallel import DistributedDataParallel as DDP
 from . import moe_layers
 
 
