@@ -10,7 +10,7 @@ controls and run labels (:meth:`Strategy.label`) are derived from that metadata,
 field is one declaration here. Each axis checks its own fields in its own package
 (``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
 ``labkit.parallel.tensor.axis.check_strategy``, ``labkit.parallel.zero.check_strategy``,
-``labkit.parallel.check_compute``);
+``labkit.parallel.expert.check_strategy``, ``labkit.parallel.check_compute``);
 ``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from .parallel import data as _data
+from .parallel import expert as _expert
 from .parallel import pipeline as _pipeline
 from .parallel import zero as _zero
 from .parallel.data import COMPRESSIONS, DP_MODES
@@ -61,7 +62,8 @@ def _check_positive_int(name: str, value) -> None:
 
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _zero.check_strategy, check_compute)
+AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _zero.check_strategy,
+               _expert.check_strategy, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +76,9 @@ class Strategy:
                       axis="degrees", control="degree", label="pp={}")
     tp: int = setting(1, "Tensor-parallel degree: each layer's matrices split over tp ranks (Megatron-LM).",
                       axis="degrees", control="degree", label="tp={}")
+    ep: int = setting(1, "Expert-parallel degree: each MoE layer's experts split over ep consecutive dp ranks, "
+                         "tokens sent to them and back by all-to-all (DeepSeek-V3, Megatron-Core); divides dp "
+                         "and takes no ranks of its own.", axis="degrees", label="ep={}")
     tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': f/g over labkit.comm, on the "
                                        "timeline) or torch's parallelize_module ('dtensor').", axis="tp",
                            choices=TP_MODES, control="choice", title="tp mode", label="{}")
@@ -140,8 +145,9 @@ class Strategy:
         return self.dp * self.pp * self.tp
 
     def axis_on(self, axis: str) -> bool:
-        """Whether ``axis`` ("dp", "pp", "tp", "zero", "degrees") does anything here."""
-        return {"dp": self.dp > 1, "pp": self.pp > 1, "tp": self.tp > 1, "zero": self.zero > 0}.get(axis, True)
+        """Whether ``axis`` ("dp", "pp", "tp", "ep", "zero", "degrees") does anything here."""
+        return {"dp": self.dp > 1, "pp": self.pp > 1, "tp": self.tp > 1, "ep": self.ep > 1,
+                "zero": self.zero > 0}.get(axis, True)
 
     def label(self) -> str:
         """The settings that matter for these degrees, short: "dp=2 pp=2 1f1b mb=4 overlap 1 MiB"."""

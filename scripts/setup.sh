@@ -39,6 +39,6 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 
 echo "labkit: installing labkit and the lab's packages"
-pip install -e ".[lab,test]"
+pip install -e ".[lab,test,hf]"
 touch "$stamp"
 echo "labkit: ready ($VENV)"

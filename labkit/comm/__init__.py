@@ -220,7 +220,8 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
            async_op: bool, watch: bool = True):
     ctx = context()
     if op != "barrier":
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        # an all-to-all may carry nothing from this rank (no token routed off it); it still joins
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 and op != "all_to_all":
             raise ValueError(f"labkit.comm.{op}: needs a non-empty tensor, got {tensor!r:.60}")
         if not tensor.is_contiguous():
             raise ValueError(f"labkit.comm.{op}: tensor '{name}' is not contiguous; call .contiguous() first")
@@ -306,6 +307,21 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name=
     return _issue("reduce_scatter", tensor, group, name, None, None, nbytes,
                   lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=True),
                   async_op)
+
+
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None,
+                      input_split_sizes=None, group=None, name="", async_op=False):
+    """Send the i-th slice of ``tensor`` (rows, ``input_split_sizes[i]`` of them) to the group's
+    i-th rank and receive its slice for us into ``output`` (``output_split_sizes``; None: equal).
+    The bytes are those that leave this rank: every slice but our own."""
+    rows = len(tensor) if tensor.dim() else 0
+    row_bytes = tensor[0].numel() * tensor.element_size() if rows else 0
+    me = dist.get_group_rank(group, context().rank) if group is not None else context().rank
+    own = input_split_sizes[me] if input_split_sizes is not None else rows // _group_size(group)
+    nbytes = row_bytes * (rows - own)
+    return _issue("all_to_all", tensor, group, name, None, None, nbytes,
+                  lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
+                                                 group=group, async_op=True), async_op)
 
 
 def broadcast(tensor, src: int, group=None, name="", async_op=False):

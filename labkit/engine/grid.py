@@ -6,9 +6,16 @@ validated once; :func:`build_groups` turns it into torch process groups on the e
 with an explicit timeout, because sub-groups do not inherit the world group's. The drawing
 is notebook-side: :func:`labkit.view.grid.draw_grid`.
 
+Expert parallelism draws its groups from the dp ranks (DeepSeek-V3, Megatron-Core): each dp
+group is cut into runs of ``ep`` consecutive ranks (the ep groups, which exchange tokens), and
+the ranks at the same place in every run hold the same experts (the expert-dp groups, which
+average those experts' gradients). They are built on first use, by :meth:`ProcessGroups.expert`.
+
 >>> dims = ParallelDims(dp=2, pp=2, tp=1)
 >>> dims.dp_groups(), dims.pp_groups()
 ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+>>> ParallelDims(dp=4).ep_groups(2), ParallelDims(dp=4).expert_dp_groups(2)
+([[0, 1], [2, 3]], [[0, 2], [1, 3]])
 """
 from __future__ import annotations
 
@@ -64,6 +71,22 @@ class ParallelDims:
     def tp_groups(self) -> list[list[int]]:
         return [[self.rank_of(d, p, t) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
 
+    def ep_groups(self, ep: int) -> list[list[int]]:
+        """Runs of ``ep`` consecutive ranks of each dp group: one MoE layer's experts are spread
+        over a run, and its all-to-alls stay inside it."""
+        self._check_ep(ep)
+        return [ranks[i:i + ep] for ranks in self.dp_groups() for i in range(0, self.dp, ep)]
+
+    def expert_dp_groups(self, ep: int) -> list[list[int]]:
+        """The dp ranks holding the same experts (the same place in each ep run): dp/ep replicas
+        that average those experts' gradients."""
+        self._check_ep(ep)
+        return [ranks[i::ep] for ranks in self.dp_groups() for i in range(ep)]
+
+    def _check_ep(self, ep: int) -> None:
+        if ep < 1 or self.dp % ep:
+            raise ValueError(f"ep={ep} must divide dp={self.dp}")
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last rank of each pipeline (Megatron's embedding group): with a tied
         embedding and head they hold the two copies, whose gradients are summed."""
@@ -87,6 +110,18 @@ class ProcessGroups:
     tp_ranks: list[int]
     embedding: object = None              # this rank's embedding group, if it is in one
     embedding_ranks: list[int] | None = None
+    timeout_s: float = 60.0
+    backend: str | None = None
+    experts: dict = None          # ep → ExpertGroups, built on first use
+
+    def expert(self, ep: int) -> "ExpertGroups":
+        """This rank's ep and expert-dp groups for ``ep`` (built the first time it is asked,
+        collectively: every rank of the world must ask for the same ``ep`` together)."""
+        if self.experts is None:
+            self.experts = {}
+        if ep not in self.experts:
+            self.experts[ep] = build_expert_groups(self.dims, self.rank, ep, self.timeout_s, self.backend)
+        return self.experts[ep]
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -106,4 +141,35 @@ def build_groups(dims: ParallelDims, rank: int, timeout_s: float, backend: str |
             if rank in ranks:
                 mine[kind] = (group, ranks)
     return ProcessGroups(dims, rank, mine["dp"][0], mine["pp"][0], mine["tp"][0],
-                         mine["dp"][1], mine["pp"][1], mine["tp"][1], *mine["embedding"])
+                         mine["dp"][1], mine["pp"][1], mine["tp"][1], *mine["embedding"], timeout_s, backend)
+
+
+@dataclass
+class ExpertGroups:
+    """This rank's expert-parallel groups: ``ep`` (the all-to-all) and ``edp`` (the experts'
+    gradient average), their ranks, and this rank's index in its ep group."""
+
+    ep: object
+    edp: object
+    ep_ranks: list[int]
+    edp_ranks: list[int]
+    rank: int
+
+    @property
+    def index(self) -> int:
+        return self.ep_ranks.index(self.rank)
+
+
+def build_expert_groups(dims: ParallelDims, rank: int, ep: int, timeout_s: float,
+                        backend: str | None = None) -> ExpertGroups:
+    """Create every ep and expert-dp group of the grid (each rank creates all, in the same order)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    mine = {}
+    for kind, groups in (("ep", dims.ep_groups(ep)), ("edp", dims.expert_dp_groups(ep))):
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[kind] = (group, ranks)
+    return ExpertGroups(mine["ep"][0], mine["edp"][0], mine["ep"][1], mine["edp"][1], rank)

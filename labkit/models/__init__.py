@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from .gpt import GPT, gpt  # noqa: F401  (the transformer the course trains on text)
-from .sample import generate, validation_loss  # noqa: F401  (a trained GPT's text and held-out loss)
+from .hf import HFModel, from_hf  # noqa: F401  (Hugging Face causal LMs from a config; needs the hf extra)
+from .llama import Llama, llama  # noqa: F401  (a Llama-family decoder, dense or mixture-of-experts)
+from .sample import generate, validation_loss  # noqa: F401  (a trained model's text and held-out loss)
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 

@@ -1,0 +1,51 @@
+"""Expert parallelism: each mixture-of-experts layer's experts spread over ``ep`` ranks.
+
+As DeepSeek-V3 and Megatron-Core do it, the ep ranks are drawn from the data-parallel ones:
+the dense part of the model (attention, norms, routers, a shared expert) stays replicated and
+averaged over all of dp, while each MoE layer's ``n_experts`` are cut into ``ep`` slices, one per
+rank of a run of ``ep`` consecutive dp ranks. Tokens travel to their experts' rank and back
+with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is averaged over
+the dp/ep ranks that hold the same slice.
+
+This file owns the axis's rules: :func:`check_strategy` (called by ``Strategy``) and
+:func:`check_model` (called before any engine, with the built model). It imports nothing
+heavy, so a notebook can validate a strategy without torch.distributed.
+"""
+from __future__ import annotations
+
+
+def check_strategy(s) -> None:
+    """Raise ValueError naming the field and the fix for an impossible expert-parallel setting."""
+    if s.ep == 1:
+        return
+    if s.dp % s.ep:
+        raise ValueError(f"Strategy.ep={s.ep} must divide dp={s.dp}: the experts are spread over runs of ep "
+                         f"data-parallel ranks; use an ep that divides {s.dp}, or a larger dp")
+    for name, value, fix in (("zero", s.zero, "zero=0"), ("tp", s.tp, "tp=1"), ("pp", s.pp, "pp=1")):
+        if value != (0 if name == "zero" else 1):
+            raise ValueError(f"Strategy.ep={s.ep} with {name}={value}: expert parallelism composes only with "
+                             f"plain data parallelism here; use {fix}, or ep=1")
+    if s.compression != "none":
+        raise ValueError(f"Strategy.ep={s.ep} with compression={s.compression!r}: the experts' gradients are "
+                         "averaged uncompressed over their own replicas; use compression='none', or ep=1")
+
+
+def moe_layers(model) -> list[tuple[str, object]]:
+    """(name, module) of every mixture-of-experts layer (labkit.models' MoE) in ``model``."""
+    from ...models.moe import MoE
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def check_model(s, built) -> None:
+    """The model-dependent rules, before any engine: MoE layers to split, evenly."""
+    if s.ep == 1:
+        return
+    layers = moe_layers(built)
+    if not layers:
+        raise ValueError(f"Strategy.ep={s.ep}: the model has no mixture-of-experts layer to spread; use a model "
+                         "with experts (labkit.models.llama(n_experts=...)), or ep=1")
+    for name, moe in layers:
+        if moe.n_experts % s.ep:
+            raise ValueError(f"Strategy.ep={s.ep}: layer {name} has n_experts={moe.n_experts}, which does not "
+                             f"divide over {s.ep} ranks; use an ep that divides {moe.n_experts}, or "
+                             f"n_experts a multiple of {s.ep}")

@@ -1,0 +1,128 @@
+"""Expert parallelism: the ep axis's checks (before engines), its groups, and on 4 engines a
+llama MoE equal to one process for ep=2 and ep=4 beside dp=4, top-1 and top-2, with and
+without the balance loss, over the dp modes and under full recompute; an expert no token reaches keeps a zero
+gradient; the all-to-all bytes recorded equal the rows that left each rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import labkit
+from labkit.engine.grid import ParallelDims
+from labkit.models.training import build_model
+from labkit.parallel.build import RunSpec
+from labkit.run.runner import validate
+
+DATA = labkit.data.text(batch=8, block_size=16)
+SIZES = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=DATA.vocab_size)
+KW = dict(data=DATA, loss="cross_entropy", batch=8, steps=3, lr=0.3, seed=0)
+TOL = 1e-5           # float32: summation order differs (gates applied after the combine)
+
+
+def moe(**kwargs):
+    return labkit.models.llama(**SIZES, **{"n_experts": 4, "top_k": 2, **kwargs})
+
+
+# -- checks, in one process -----------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
+    (dict(dp=2, ep=2, zero=1), "zero=1"),
+    (dict(dp=2, ep=2, tp=2), "tp=2"),
+    (dict(dp=2, ep=2, pp=2), "pp=2"),
+    (dict(dp=2, ep=2, compression="fp16"), "compression"),
+    (dict(dp=2, ep=0), "ep=0"),
+])
+def test_strategy_checks_its_ep_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        labkit.Strategy(**kwargs)
+
+
+@pytest.mark.parametrize("model, strategy, engines, match", [
+    (moe(n_experts=6), labkit.Strategy(dp=4, ep=4), 4, "n_experts=6"),
+    (labkit.models.llama(**SIZES), labkit.Strategy(dp=2, ep=2), 2, "no mixture-of-experts"),
+])
+def test_bad_models_are_refused_before_any_engine(model, strategy, engines, match):
+    with pytest.raises(ValueError, match=match):
+        validate(RunSpec(strategy, model, DATA, "cross_entropy", batch=8), engines)
+
+
+def test_top_k_above_the_experts_is_refused():
+    with pytest.raises(ValueError, match="top_k=5"):
+        moe(top_k=5)
+
+
+def test_ep_groups_are_runs_of_consecutive_dp_ranks():
+    dims = ParallelDims(dp=4)
+    assert dims.ep_groups(2) == [[0, 1], [2, 3]] and dims.expert_dp_groups(2) == [[0, 2], [1, 3]]
+    assert dims.ep_groups(4) == [[0, 1, 2, 3]] and dims.expert_dp_groups(4) == [[0], [1], [2], [3]]
+    assert labkit.Strategy(dp=4, ep=2).label().startswith("dp=4 ep=2")
+    assert "ep" not in labkit.Strategy(dp=4).label() and labkit.Strategy(dp=4, ep=2).world_size == 4
+
+
+# -- on engines -----------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy, model", [
+    (labkit.Strategy(dp=4, ep=2, dp_mode="naive"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0)),
+    (labkit.Strategy(dp=4, ep=4), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=4, ep=2, dp_mode="bucketed", microbatches=2), moe(top_k=2, aux_loss_coef=0.05,
+                                                                          shared_expert=True)),
+    (labkit.Strategy(dp=4, ep=4, dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=4, ep=2, recompute="full"), moe(top_k=2, aux_loss_coef=0.01)),   # all-to-alls again
+], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute"])
+def test_expert_parallel_equals_one_process(lab4, strategy, model):
+    run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
+    assert set(run.parameters()) == set(ref.parameters())
+    assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    assert run.max_diff(ref) <= TOL
+
+
+def dead_expert_model():
+    """A MoE llama whose routers carry a bias that keeps expert 3 out of every top-2."""
+    model = moe(top_k=2, aux_loss_coef=0.01)()
+    for layer in model.layers:
+        router = layer.mlp.router
+        biased = nn.Linear(router.in_features, router.out_features, bias=True)
+        biased.weight.data.copy_(router.weight.data)
+        biased.bias.data.copy_(torch.tensor([0.0, 0.0, 0.0, -30.0]))
+        layer.mlp.router = biased
+    return model
+
+
+def test_an_expert_without_tokens_keeps_a_zero_gradient(lab4):
+    """ep=4: expert 3 is rank 3's only one, so rank 3 receives no row at all."""
+    run = lab4.run(labkit.Strategy(dp=4, ep=4), model=dead_expert_model, **KW)
+    ref = labkit.reference(dead_expert_model, **KW)
+    start = build_model(dead_expert_model, KW["seed"]).state_dict()
+    params = run.parameters()
+    assert run.max_diff(ref) <= TOL
+    dead = [k for k in params if ".experts.3." in k]
+    assert len(dead) == 6 and all(torch.equal(params[k], start[k]) for k in dead)
+    assert not torch.equal(params["layers.0.mlp.experts.0.up_proj.weight"], start["layers.0.mlp.experts.0.up_proj.weight"])
+
+
+def routed_rows(model, seed: int) -> list[torch.Tensor]:
+    """Per MoE layer, the experts chosen for each (row, position) of step 0's global batch."""
+    net, chosen = build_model(model, seed), []
+    for layer in net.layers:
+        layer.mlp.router.register_forward_hook(
+            lambda m, i, out: chosen.append(out.float().softmax(-1).topk(2, dim=-1).indices))
+    x, _ = DATA(0)
+    with torch.no_grad():
+        net(x)
+    return chosen
+
+
+def test_all_to_all_bytes_are_the_rows_that_leave_each_rank(lab4):
+    model, ep, dp = moe(top_k=2, aux_loss_coef=0), 2, 4
+    run = lab4.run(labkit.Strategy(dp=dp, ep=ep), model=model, **{**KW, "steps": 1})
+    rows = KW["batch"] // dp
+    row_bytes = SIZES["n_embd"] * 4
+    for layer, chosen in enumerate(routed_rows(model, KW["seed"])):
+        for rank in range(dp):
+            mine = chosen[rank * rows:(rank + 1) * rows]               # (rows, T, k): this rank's batch
+            home = (mine // (4 // ep)) != rank % ep                     # expert on another rank of the group
+            events = {e["name"]: e["bytes"] for e in run.timeline.events
+                      if e["rank"] == rank and e["kind"] == "all_to_all" and e["name"].startswith(f"layers.{layer}.")}
+            assert events[f"layers.{layer}.mlp dispatch"] == int(home.sum()) * row_bytes
+            assert events[f"layers.{layer}.mlp combine backward"] == int(home.sum()) * row_bytes
+            assert events[f"layers.{layer}.mlp counts"] == (ep - 1) * (4 // ep) * 8
