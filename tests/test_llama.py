@@ -1,9 +1,7 @@
 """labkit.models.llama: a Llama-family decoder, dense and mixture-of-experts, in one process."""
 from __future__ import annotations
 
-import pathlib
 import pickle
-import sys
 
 import pytest
 import torch
@@ -27,23 +25,11 @@ CONFIGS = {
 }
 
 
-def train(make, steps: int = 25, lr: float = 3e-3) -> list[float]:
-    """AdamW on labkit.data.text in one process, cross-entropy plus the model's balance loss
-    where it returns one; the per-step losses."""
+def train(make, steps: int = 25) -> list[float]:
+    """labkit.reference on labkit.data.text: AdamW, cross-entropy plus the model's balance loss."""
     data = labkit.data.text(batch=8, block_size=32)
-    torch.manual_seed(0)
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        out = model(x)
-        loss = cross_entropy(logits_of(out), y) + (out.aux_loss if isinstance(out, MoEOutput) else 0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return labkit.reference(make, data=data, loss="cross_entropy", batch=8, steps=steps, lr=3e-3,
+                            optimizer="adamw").losses
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -220,88 +206,34 @@ def test_sample_and_validation_loss_from_a_moe_model():
     assert validation_loss(model, data, batches=1) > 0
 
 
-# -- tensor parallelism over two gloo processes, without a lab ----------------------------------
-# Each process runs this file as a script: the single-process run, then the same steps with the
-# model split by its tp_plan (labkit's megatron layers or torch's DTensor), and prints the largest
-# parameter difference after gathering the shards.
-TP_STEPS = 3
 
 
-def _sgd(model, data, steps: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.3)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        out = model(x)
-        loss = cross_entropy(logits_of(out), y) + (out.aux_loss if isinstance(out, MoEOutput) else 0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+# -- through lab.run on two engines, against labkit.reference ------------------------------------
+ENGINE_DATA = labkit.data.text(batch=8, block_size=16)
+ENGINE_KW = dict(data=ENGINE_DATA, loss="cross_entropy", batch=8, steps=3, lr=0.3, seed=0)
+ENGINE_MODELS = {
+    "moe": labkit.models.llama(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=2,
+                               n_experts=4, top_k=2, shared_expert=True, aux_loss_coef=0.1),
+    "gqa_tied": labkit.models.llama(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=2,
+                                    tie=True),
+}
+_refs = {}
 
 
-def _factory(name: str):
-    """A llama config of CONFIGS, or "hf-FAMILY": from_hf on tests/data/hf/FAMILY.json."""
-    if name.startswith("hf-"):
-        return labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / f"{name[3:]}.json")
-    return labkit.models.llama(**SIZES, **CONFIGS[name])
+@pytest.mark.parametrize("model, strategy", [
+    ("moe", dict(dp=2)), ("moe", dict(dp=2, zero=3)), ("moe", dict(tp=2)), ("moe", dict(dp=2, microbatches=2)),
+    ("gqa_tied", dict(tp=2, tp_mode="dtensor")), ("gqa_tied", dict(dp=2, zero=3, zero_mode="fsdp2")),
+], ids=str)
+def test_lab_run_equals_one_process(lab2, model, strategy):
+    make = ENGINE_MODELS[model]
+    if model not in _refs:
+        _refs[model] = labkit.reference(make, **ENGINE_KW)
+    run = lab2.run(labkit.Strategy(**strategy), model=make, **ENGINE_KW)
+    assert run.losses == pytest.approx(_refs[model].losses, abs=1e-5)
+    assert run.max_diff(_refs[model]) < 1e-5
 
 
-def run_tp_cases(tmp_path, cases: list[str]) -> list[dict]:
-    """Run ``cases`` ("MODE:NAME") in two gloo processes; one result per case and rank."""
-    import json
-    import os
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), *cases],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in range(2)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    results = [json.loads(line) for out, _ in outs for line in out.strip().splitlines()]
-    assert sorted(r["case"] for r in results) == sorted(cases * 2)
-    return results
-
-
-def _tp_worker(rank: int, store: str, cases: list[str]) -> None:
-    import json
-    import torch.distributed as dist
-    from labkit import comm
-    from labkit.parallel.tensor import build_tensor_parallel, full_state_dict
-    from labkit.record.recorder import Recorder
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    comm.bind(comm.CommContext(rank, Recorder(rank, enabled=False), 60.0))
-    data = labkit.data.text(batch=4, block_size=32)
-    for case in cases:
-        mode, name = case.split(":")
-        make = _factory(name)
-        torch.manual_seed(0)
-        whole = make()
-        ref = _sgd(whole, data, TP_STEPS)
-        torch.manual_seed(0)
-        split = build_tensor_parallel(make(), mode, None, rank, 2)
-        losses = _sgd(split, data, TP_STEPS)
-        state, expected = full_state_dict(split), whole.state_dict()
-        diff = max((state[k] - expected[k]).abs().max().item() for k in expected)
-        print(json.dumps({"case": case, "rank": rank, "losses": losses, "ref": ref, "max_diff": diff}), flush=True)
-    dist.destroy_process_group()
-
-
-TP_CASES = ["megatron:gqa", "megatron:moe_shared_kv2", "dtensor:moe_top2", "dtensor:tied"]
-
-
-def test_tensor_parallel_over_two_processes_equals_one(tmp_path):
-    """tp=2 by the model's own tp_plan, megatron and dtensor: GQA heads, a shared expert split
-    like the dense MLP, replicated routed experts with the balance loss, a tied head."""
-    results = run_tp_cases(tmp_path, TP_CASES)
-    for result in results:
-        assert result["losses"] == pytest.approx(result["ref"], abs=1e-5), result
-        assert result["max_diff"] < 1e-5, result
-
-
-if __name__ == "__main__":
-    _tp_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
+def test_fewer_kv_heads_than_tp_ranks_is_refused_before_the_engines(lab2):
+    make = labkit.models.llama(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=1)
+    with pytest.raises(ValueError, match="n_kv_heads=1"):
+        lab2.run(labkit.Strategy(tp=2), model=make, **ENGINE_KW)
