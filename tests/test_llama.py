@@ -9,8 +9,8 @@ from torch import nn
 
 import labkit
 from labkit.models.llama import Attention, rope_cos_sin
-from labkit.models.moe import MoE, MoEOutput
-from labkit.models.sample import generate, logits_of, validation_loss
+from labkit.models.moe import MoE
+from labkit.models.sample import generate, validation_loss
 from labkit.models.training import cross_entropy
 
 SIZES = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=94)      # labkit.data.text().vocab_size
@@ -21,7 +21,6 @@ CONFIGS = {
     "moe_top2": dict(n_experts=4, top_k=2),
     "moe_shared": dict(n_kv_heads=1, n_experts=4, top_k=2, shared_expert=True),
     "tied": dict(tie=True),
-    "moe_shared_kv2": dict(n_kv_heads=2, n_experts=4, top_k=2, shared_expert=True, aux_loss_coef=0.1),
 }
 
 
