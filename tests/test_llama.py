@@ -176,6 +176,8 @@ def test_tp_plan_names_the_split_modules():
     moe = labkit.models.llama(**SIZES, n_experts=4, shared_expert=True)
     assert match_plan(moe(), moe.tp_plan)["layers.0.mlp.shared.up_proj"] == "colwise"
     assert not any("experts" in key for key in moe.tp_plan)      # routed experts are replicated
+    assert moe.sp_plan is None and not hasattr(moe(), "sp_plan")   # routing needs whole sequences
+    assert match_plan(dense(), dense.sp_plan)["layers.1.mlp_norm"] == "sequence"
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -222,6 +224,7 @@ _refs = {}
 @pytest.mark.parametrize("model, strategy", [
     ("moe", dict(dp=2)), ("moe", dict(dp=2, zero=3)), ("moe", dict(tp=2)), ("moe", dict(dp=2, microbatches=2)),
     ("gqa_tied", dict(tp=2, tp_mode="dtensor")), ("gqa_tied", dict(dp=2, zero=3, zero_mode="fsdp2")),
+    ("gqa_tied", dict(tp=2, sequence_parallel=True)),
 ], ids=str)
 def test_lab_run_equals_one_process(lab2, model, strategy):
     make = ENGINE_MODELS[model]

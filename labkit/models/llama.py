@@ -23,7 +23,8 @@ projections cannot be split by heads (Megatron then replicates k/v and all-reduc
 gradients, which a colwise/rowwise plan cannot express), so that case is refused:
 :meth:`Llama.check_tp` in the notebook, and the attention itself if a split ever hands a
 rank part of a head. Routed experts are replicated on every tp rank (expert parallelism is
-a separate axis); a shared expert is split like the dense MLP.
+a separate axis); a shared expert is split like the dense MLP. A dense model also ships an
+``sp_plan`` for sequence parallelism (Korthikanti et al. 2022), as gpt does.
 
 >>> make = llama(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=96, n_kv_heads=2)
 >>> make()(torch.zeros(2, 32, dtype=torch.long)).shape
@@ -72,8 +73,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.shape[:2]          # t: the whole sequence, even when x held a slice of it (SP)
         if q.shape[-1] % self.head_dim or k.shape[-1] % self.head_dim:
             raise ValueError(f"llama: this rank holds {k.shape[-1]} k/v features, not whole heads of "
                              f"head_dim={self.head_dim}; use a tp that divides n_kv_heads={self.n_kv_heads}")
@@ -116,6 +117,8 @@ class LlamaModel(nn.Module):
         self.n_head, self.n_kv_heads, self.block_size = c.n_head, c.kv_heads, c.block_size
         self.head_dim, self.rope_theta = c.n_embd // c.n_head, c.rope_theta
         self.tp_plan = dict(c.tp_plan)
+        if c.sp_plan is not None:
+            self.sp_plan = dict(c.sp_plan)
         self.tok_emb = nn.Embedding(c.vocab_size, c.n_embd)
         self.layers = nn.ModuleList(Block(c.n_embd, c.n_head, c.kv_heads, c.build_mlp(), c.norm_eps)
                                     for _ in range(c.n_layer))
@@ -209,6 +212,16 @@ class Llama:
         if mlp:
             plan.update({f"{mlp}.gate_proj": "colwise", f"{mlp}.up_proj": "colwise", f"{mlp}.down_proj": "rowwise"})
         return plan
+
+    @property
+    def sp_plan(self) -> dict[str, str] | None:
+        """Where sequence parallelism cuts and joins the sequence (megatron mode), as for gpt:
+        cut after the embedding, RMSNorms on a slice, whole again before the head. None with
+        experts: the router and the balance loss need every token of a sequence on each rank."""
+        if self.n_experts:
+            return None
+        return {"tok_emb": "scatter_output", "layers.*.attn_norm": "sequence", "layers.*.mlp_norm": "sequence",
+                "norm": "sequence", "head": "gather_input"}
 
     def check_tp(self, tp: int) -> None:
         """Raise ValueError unless ``tp`` ranks can each hold whole query and key/value heads."""
