@@ -92,6 +92,10 @@ def test_moe_equals_every_expert_on_every_token_weighted_by_its_gate():
     assert aux is None
     assert torch.allclose(out, dense, atol=1e-6)
     assert moe.tokens_per_expert.sum().item() == 3 * 7 * 2
+    model = labkit.models.llama(**SIZES, n_experts=4)()
+    assert model.tokens_per_expert is None
+    model(torch.zeros(2, 8, dtype=torch.long))
+    assert model.tokens_per_expert.shape == (2, 4) and model.tokens_per_expert.sum(1).tolist() == [32.0, 32.0]
 
 
 def test_balance_loss_is_a_mean_over_rows():
@@ -222,9 +226,9 @@ _refs = {}
 
 
 @pytest.mark.parametrize("model, strategy", [
-    ("moe", dict(dp=2)), ("moe", dict(dp=2, zero=3)), ("moe", dict(tp=2)), ("moe", dict(dp=2, microbatches=2)),
+    ("moe", dict(dp=2)), ("moe", dict(dp=2, zero=3)), ("moe", dict(tp=2)),
     ("gqa_tied", dict(tp=2, tp_mode="dtensor")), ("gqa_tied", dict(dp=2, zero=3, zero_mode="fsdp2")),
-    ("gqa_tied", dict(tp=2, sequence_parallel=True)),
+    ("gqa_tied", dict(tp=2, sequence_parallel=True)), ("moe", dict(dp=2, microbatches=2, recompute="selective")),
 ], ids=str)
 def test_lab_run_equals_one_process(lab2, model, strategy):
     make = ENGINE_MODELS[model]

@@ -61,6 +61,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
 
 
+class AttentionCore(nn.Module):
+    """k/v heads repeated for their query groups, then causal softmax(q·kᵀ/√d)·v: the
+    parameter-free region that selective recomputation checkpoints (Korthikanti et al. 2022)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]          # query heads per kv head: the same on every rank
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with RoPE, through torch's scaled_dot_product_attention."""
 
@@ -70,6 +80,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(n_embd, n_kv_heads * self.head_dim, bias=False)
+        self.core = AttentionCore()
         self.o_proj = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,9 +92,7 @@ class Attention(nn.Module):
         # -1: the heads this rank holds (all of them without tensor parallelism)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))   # (B, h, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[1] // k.shape[1]          # query heads per kv head: the same on every rank
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -124,6 +133,13 @@ class LlamaModel(nn.Module):
                                     for _ in range(c.n_layer))
         self.norm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
         self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """(n_layer, n_experts): tokens each expert received in the last forward, layer by
+        layer (detached); None for a dense model or before the first forward."""
+        counts = [getattr(layer.mlp, "tokens_per_expert", None) for layer in self.layers]
+        return None if any(c is None for c in counts) else torch.stack(counts)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
         t = idx.shape[1]
