@@ -15,24 +15,76 @@ from torch import nn
 import torch.nn.functional as F
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
-    model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim)."""
+def model_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the prediction, the auxiliary loss or None) of whatever a model's forward returned: a
+    tensor; a tuple or list (its first element); an object with ``.logits`` (Hugging Face's
+    outputs). An ``aux_loss`` attribute that is a tensor (a mixture-of-experts router's
+    load-balancing loss) comes back beside it."""
+    aux = getattr(output, "aux_loss", None)
+    if hasattr(output, "logits"):
+        output = output.logits
+    elif isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"the model's forward returned {type(output).__name__}; the built-in losses read a tensor, "
+                        "a tuple/list (its first element) or an object with .logits; return one of those, "
+                        "or pass loss=callable(output, target)")
+    return output, aux if isinstance(aux, torch.Tensor) else None
+
+
+def with_aux(loss: Callable) -> Callable:
+    """``loss`` on the model's prediction, plus its ``aux_loss`` as it is."""
+    def built_in(output, target: torch.Tensor) -> torch.Tensor:
+        prediction, aux = model_output(output)
+        value = loss(prediction, target)
+        return value if aux is None else value + aux
+    built_in.__name__ = built_in.__qualname__ = loss.__name__
+    built_in.__doc__ = loss.__doc__
+    return built_in
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if logits.dim() == target.dim() + 1 and logits.dim() > 2:
         return F.cross_entropy(logits.flatten(0, -2), target.flatten())
     return F.cross_entropy(logits, target)
 
 
-LOSSES = {"mse": F.mse_loss, "cross_entropy": cross_entropy}
+def _mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(prediction, target)
 
 
-def build_model(model, seed: int) -> nn.Sequential:
-    """Build (or copy) the model under ``seed``; it must be an ``nn.Sequential``."""
+_cross_entropy.__name__ = "cross_entropy"
+_mse.__name__ = "mse_loss"
+cross_entropy = with_aux(_cross_entropy)
+cross_entropy.__doc__ = """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
+    model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim).
+
+    The model's output may be a tensor, a tuple/list (its first element) or an object with
+    ``.logits`` (Hugging Face's). If that object has an ``aux_loss`` tensor (a mixture-of-experts
+    router's load-balancing loss, already weighted by the model's coefficient), it is added as
+    it is: it is a mean over the sequences of the (micro-)batch, like this loss, so the sum stays
+    exact under data parallelism and micro-batches."""
+mse_loss = with_aux(_mse)
+mse_loss.__doc__ = """Mean squared error; the model's output read as :func:`cross_entropy` reads it (a tuple's
+    first element, ``.logits``), its ``aux_loss`` tensor added as it is."""
+
+LOSSES = {"mse": mse_loss, "cross_entropy": cross_entropy}
+
+
+def build_model(model, seed: int) -> nn.Module:
+    """Build (or copy) the model under ``seed``: an ``nn.Module``, or a zero-argument callable
+    (a class such as ``Net``, a factory) returning one."""
     torch.manual_seed(seed)
-    built = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
-    if not isinstance(built, nn.Sequential):
-        raise TypeError(f"model must be an nn.Sequential or a zero-argument callable returning one, "
-                        f"got {type(built).__name__}")
+    if isinstance(model, nn.Module):
+        return copy.deepcopy(model)
+    if not callable(model):
+        raise TypeError(f"model must be an nn.Module or a zero-argument callable returning one (model=Net or "
+                        f"model=Net()), got {type(model).__name__}")
+    built = model()
+    if not isinstance(built, nn.Module):
+        what = "a factory" if callable(built) else f"a {type(built).__name__}"
+        raise TypeError(f"model: the factory returned {what}, not an nn.Module; pass a zero-argument callable "
+                        f"that returns the model (model=Net, or model=lambda: Net(...)), or the model itself")
     return built
 
 
@@ -45,11 +97,15 @@ def resolve_loss(loss) -> Callable:
     return LOSSES[loss]
 
 
-def _features(model: nn.Sequential) -> tuple[int, int]:
+def _features(model: nn.Module) -> tuple[int, int]:
     linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
-    if not linears:
-        raise ValueError("cannot infer the input/output sizes of this model for synthetic data; "
-                         "pass data=callable(step) -> (x, y)")
+    embeds = any(isinstance(m, nn.Embedding) for m in model.modules())
+    if not linears or (embeds and not isinstance(model, nn.Sequential)):
+        # a Sequential's first and last Linear are its input and output; any other module's
+        # forward decides what it reads (token ids for an embedding), which labkit cannot guess
+        raise ValueError(f"data: cannot infer the inputs of {type(model).__name__} for synthetic data; pass "
+                         "data=callable(step) -> (x, y), e.g. data=labkit.data.text(batch=8, block_size=64) "
+                         "for a language model")
     return linears[0].in_features, linears[-1].out_features
 
 
@@ -77,7 +133,7 @@ class SyntheticRegression:
         return x, torch.tanh(x @ self.teacher)
 
 
-def resolve_data(data, model: nn.Sequential, batch: int, seed: int) -> Callable:
+def resolve_data(data, model: nn.Module, batch: int, seed: int) -> Callable:
     """The user's ``data(step) -> (x, y)``, or seeded synthetic data shaped for ``model``."""
     if data is not None:
         if not callable(data):

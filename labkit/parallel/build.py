@@ -34,6 +34,7 @@ from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
+from .blocks import blocks_path as find_path, units
 from .precision import build_precision
 from .recompute import apply_recompute
 from .pipeline.tied import build_tied_sync
@@ -59,6 +60,7 @@ class RunSpec:
     """Carry on through NaN/inf losses (by default the first one stops the run, naming its step)."""
     tp_plan: dict | None = None   # tensor-parallel plan (DTensor's convention); None: the model's tp_plan
     optimizer: str = "sgd"        # "sgd" | "adamw": torch's own, torch's defaults, this lr
+    blocks: str | None = None     # the dotted name of the ModuleList of repeated blocks; None: found
 
 
 def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None) -> Executor:
@@ -68,11 +70,14 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
-    blocks = [range(len(full))] if s.pp == 1 else stage_blocks(full, s)   # 3. pipeline split
-    held = my_stages(s, pp_index)
-    stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)    # 4. grad sync
-              for c, g in enumerate(held)]
-    tied = build_tied_sync(full, blocks, held, groups)                     #    + the embedding group
+    if s.pp == 1:                         # 3. pipeline split: none, the whole model is the stage
+        blocks, held = [None], [0]
+        stages = [build_stage(full, None, 0, 0, s, groups, recorder, device, spec.blocks)]   # 4. grad sync
+    else:
+        blocks, held = stage_blocks(full, s), my_stages(s, pp_index)
+        stages = [build_stage(full, blocks[g], g, c, s, groups, recorder, device)            # 4. grad sync
+                  for c, g in enumerate(held)]
+    tied = build_tied_sync(full, blocks, held, groups) if s.pp > 1 else None   # + the embedding group
     params = [p for st in stages for p in st.module.parameters() if p.requires_grad]
     if s.precision == "fp16" and not params:      # its scaler would miss the overflow vote
         raise ValueError(f"Strategy.precision='fp16': pipeline rank {pp_index} holds no trainable parameters, "
@@ -104,7 +109,7 @@ def build_step_optimizer(spec: RunSpec, stages: list[Stage], params: list):
     return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)
 
 
-def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan: dict | None = None) -> nn.Sequential:
+def build_tensor_split(model: nn.Module, strategy: Strategy, groups, plan: dict | None = None) -> nn.Module:
     """Step 2: split the planned layers over the tp group (Megatron's f/g layers or DTensor's
     ``parallelize_module``); ``tp == 1`` leaves it whole. The model holds the seeded whole
     weights, so every tp rank cuts its shard from the reference's tensors."""
@@ -115,7 +120,7 @@ def build_tensor_split(model: nn.Sequential, strategy: Strategy, groups, plan: d
                                  sequence_parallel=strategy.sequence_parallel)
 
 
-def build_batchnorm(model: nn.Sequential, strategy: Strategy, groups) -> nn.Sequential:
+def build_batchnorm(model: nn.Module, strategy: Strategy, groups) -> nn.Module:
     """Step 1's option: batch norm over the whole global batch when the strategy asks
     (``Strategy.sync_batchnorm``, parallel/data/batchnorm.py); otherwise the model as it is."""
     if strategy.sync_batchnorm and strategy.dp > 1:
@@ -133,9 +138,13 @@ def my_stages(s: Strategy, pp_index: int) -> list[int]:
     return [global_stage(pp_index, c, s.pp, place) for c in range(s.chunks)]
 
 
-def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: Strategy, groups,
-                recorder, device) -> Stage:
+def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s: Strategy, groups,
+                recorder, device, blocks_path: str | None = None) -> Stage:
     """Step 4: one stage's blocks, on the device, wrapped by its gradient sync.
+
+    ``blocks`` None (pp = 1): the stage is the whole model, any ``nn.Module``, its state_dict
+    keys its own; its repeated blocks (:mod:`.blocks`, ``blocks_path`` or found) are what
+    recompute checkpoints, ZeRO-3 and FSDP2 shard one by one and backward is timed by.
 
     Backward is timed per block when a rank holds the whole model (the data-parallel lesson:
     buckets overlap with the backward of earlier blocks), per micro-batch otherwise (the
@@ -143,17 +152,21 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
     ``backward()`` returns: DDP waits for its all-reduces inside ``backward()``, and that wait
     is comm, not compute.
     """
-    module = nn.Sequential()
-    for i in blocks:                   # keep the full model's indices: same state_dict keys
-        module.add_module(str(i), full[i])
+    if blocks is None:
+        module = full
+    else:
+        module = nn.Sequential()
+        for i in blocks:               # keep the full model's indices: same state_dict keys
+            module.add_module(str(i), full[i])
     module = module.to(device)
+    path = find_path(module, blocks_path)
     # Activation recomputation, per stage, before any wrapper sees the blocks (torchtitan
     # applies AC before FSDP/compile likewise): "full" checkpoints each of the stage's blocks.
-    apply_recompute(module, s.recompute)
+    apply_recompute(module, s.recompute, path)
     has_grads = any(p.requires_grad for p in module.parameters())
     if s.zero:   # --- sharding (labkit.parallel.zero): ZeRO-1/2/3 by hand, or torch's FSDP2 ---
         from .zero.sync import build_zero_sync
-        sync = build_zero_sync(s, groups.dp, s.dp if has_grads else 1, recorder)
+        sync = build_zero_sync(s, groups.dp, s.dp if has_grads else 1, recorder, path)
     else:
         sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
                                s.error_feedback)
@@ -161,7 +174,7 @@ def build_stage(full: nn.Sequential, blocks: range, index: int, chunk: int, s: S
     if sync.times_backward:           # ZeRO-3 times its blocks itself, around its gathers
         pass
     elif s.pp == 1:
-        instrument_backward(module, recorder)
+        instrument_backward(module, recorder, units(module, path))
     else:
         span = _stage_span(module, recorder)
     return Stage(index, chunk, module, sync.wrap(module), sync, span)

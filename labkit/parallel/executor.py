@@ -47,7 +47,7 @@ class Stage:
 
     index: int              # global stage: chunk c on pipeline rank r is stage c·pp + r
     chunk: int              # its position among this rank's stages
-    module: nn.Sequential   # its blocks, keeping their indices in the full model
+    module: nn.Module       # the whole model (pp = 1), or its blocks keeping their indices
     run: nn.Module          # what forward calls: the module, or its DDP wrapper
     sync: object            # labkit.parallel.data.sync.GradSync
     span: object = None     # a BackwardSpan per micro-batch; None: per-block spans (one stage)
@@ -70,8 +70,10 @@ class Executor:
         self.precision = precision or Precision("fp32", device)   # autocast and fp16's loss scale
         self.tied = tied                   # the embedding group's sync (tied weights across stages)
         self.tp_group, self.tp_index = tp_group, tp_index     # tp_group None: no tensor split
-        # Same keys as the full model's state_dict ("6.weight"): the blocks keep their indices.
-        self.model = nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
+        # Same keys as the full model's state_dict: one stage is the model itself (its root's own
+        # parameters included); pipeline stages' blocks keep their indices ("6.weight").
+        self.model = stages[0].module if len(stages) == 1 and last_stage == 0 else \
+            nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
         # The reduction is armed for each stage's last gradient accumulation: its last B, or
         # its last W when the schedule splits backward (parameter gradients appear in W).
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.op in ("B", "W")}

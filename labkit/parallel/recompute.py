@@ -38,9 +38,11 @@ from . import RECOMPUTE_MODES as MODES
 CORE = "core"     # the name of the submodule "selective" checkpoints
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Set `model`'s recompute `mode` ("none" | "full" | "selective") in place; returns it."""
-    targets = check_recompute(model, mode)
+def apply_recompute(model: nn.Module, mode: str, blocks: str | None = None) -> nn.Module:
+    """Set `model`'s recompute `mode` ("none" | "full" | "selective") in place; returns it.
+    ``blocks``: the dotted name of the ModuleList whose items "full" checkpoints (default:
+    found, :mod:`labkit.parallel.blocks`)."""
+    targets = check_recompute(model, mode, blocks)
     for module in model.modules():
         module.__dict__.pop("forward", None)        # undo an earlier mode
     for module in targets:
@@ -48,12 +50,12 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def check_recompute(model: nn.Module, mode: str) -> list[nn.Module]:
+def check_recompute(model: nn.Module, mode: str, blocks: str | None = None) -> list[nn.Module]:
     """The modules `mode` would checkpoint; ValueError naming the fix for an unknown mode or a
     model that "selective" finds nothing in (``lab.run`` checks this before engines are called)."""
     if mode not in MODES:
         raise ValueError(f"recompute={mode!r} is unknown; choose one of {', '.join(MODES)}")
-    targets = recompute_targets(model, mode)
+    targets = recompute_targets(model, mode, blocks)
     if mode != "none" and not targets:
         raise ValueError(f"recompute='selective' checkpoints submodules named {CORE!r} (attention's "
                          f"softmax/dropout region) but {type(model).__name__} has none; put that region "
@@ -62,12 +64,20 @@ def check_recompute(model: nn.Module, mode: str) -> list[nn.Module]:
     return targets
 
 
-def recompute_targets(model: nn.Module, mode: str) -> list[nn.Module]:
+def recompute_targets(model: nn.Module, mode: str, blocks: str | None = None) -> list[nn.Module]:
     """The modules `mode` checkpoints: top-level blocks (full) or those named ``core``.
 
-    Top-level blocks are the model's children, or a ModuleList's / ModuleDict's items for a
-    model that keeps its blocks in one (``self.blocks = nn.ModuleList(...)``, as nanoGPT).
+    For "full", an ``nn.Sequential``'s blocks are its children; any other module's are its
+    repeated blocks (the items of the ModuleList ``blocks`` names, or of the one
+    :func:`labkit.parallel.blocks.find_blocks` finds, as torchtitan checkpoints each of
+    ``model.layers``); a module with none falls back to its children, a ModuleList's /
+    ModuleDict's items taken one by one.
     """
+    if mode == "full" and not isinstance(model, nn.Sequential):
+        from .blocks import find_blocks
+        found = [b for _, b in find_blocks(model, blocks)]
+        if found:
+            return found
     if mode == "full":
         blocks = []
         for child in model.children():

@@ -87,14 +87,18 @@ def _call_each(watchers: list):
     return hook          # None: the gradient passes on unchanged
 
 
-def instrument_backward(model: nn.Sequential, recorder, names: list[str] | None = None) -> list:
-    """Record a ``bwd`` span per top-level block of ``model``; returns the hook handles."""
+def instrument_backward(model: nn.Module, recorder, units: list[tuple[str, nn.Module]] | None = None) -> list:
+    """Record a ``bwd`` span per unit of ``model``; returns the hook handles.
+
+    ``units``: (name, module) pairs, e.g. ``labkit.parallel.blocks.units`` (each repeated block
+    and the modules around them); default: the model's children (an ``nn.Sequential``'s blocks).
+    A unit whose output is not one tensor gets no span."""
     handles = []
     if not recorder.enabled:
         return handles
-    for i, block in enumerate(model):
+    for name, block in (units if units is not None else model.named_children()):
         params = [p for p in block.parameters() if p.requires_grad]
-        span = BackwardSpan(recorder, names[i] if names else f"{type(block).__name__} {i}", len(params))
+        span = BackwardSpan(recorder, f"{type(block).__name__} {name}", len(params))
         handles.append(block.register_forward_hook(span.forward_done))
         handles += [p.register_post_accumulate_grad_hook(span.param_ready) for p in params]
     return handles

@@ -22,7 +22,8 @@ from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
 from ..view.timeline import Timeline
-from ..models.training import build_model, check_optimizer, resolve_loss
+from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
+from ..parallel.blocks import check_blocks
 from .checks import check_model, check_number
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
@@ -48,7 +49,8 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_snapshots(spec.extra.get("snapshots", False))
     check_optimizer(spec.optimizer, spec.momentum)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
-        raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
+        raise TypeError(f"model must be an nn.Module or a zero-argument callable returning one (model=Net or "
+                        f"model=Net()), got {type(spec.model).__name__}")
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
     if s.tp > 1:
@@ -58,8 +60,10 @@ def validate(spec: RunSpec, engines: int) -> None:
     with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
         built = build_model(spec.model, spec.seed)
     check_model(built, s)
-    check_recompute(built, s.recompute)              # "selective" needs submodules named core
-    check_zero_model(s, built)                       # sharding and a tied weight
+    check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
+    resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
+    check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))
@@ -93,7 +97,7 @@ def ship_by_value(*objects) -> None:
     import cloudpickle
 
     installed = [p for p in sys.path if "site-packages" in p] + [sys.base_prefix]
-    for obj in objects:
+    for obj in _with_referenced(objects):
         if obj is None or isinstance(obj, str):
             continue
         name = getattr(obj, "__module__", None) or type(obj).__module__
@@ -103,6 +107,31 @@ def ship_by_value(*objects) -> None:
             continue
         if not any(os.path.abspath(path).startswith(os.path.abspath(p)) for p in installed):
             cloudpickle.register_pickle_by_value(module)
+
+
+def _with_referenced(objects) -> list:
+    """``objects``, each model's class, and what a notebook-defined factory names (``lambda:
+    Net(8)`` travels by value, while the ``Net`` it calls would be looked up by module name)."""
+    out = []
+    for obj in objects:
+        out.append(obj)
+        if isinstance(obj, nn.Module):
+            out += [type(m) for m in obj.modules()]
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            scope = getattr(obj, "__globals__", {})
+            out += [scope[n] for n in code.co_names if n in scope]
+            out += [c.cell_contents for c in (getattr(obj, "__closure__", None) or ())
+                    if _filled(c)]
+    return out
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[[], bool] | None = None,

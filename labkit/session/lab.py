@@ -382,12 +382,16 @@ class Lab:
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
-            tp_plan: dict | None = None, optimizer: str = "sgd") -> Run:
+            tp_plan: dict | None = None, optimizer: str = "sgd", blocks: str | None = None) -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
         ``tp_plan`` (tp > 1): which modules tensor parallelism splits, in DTensor's convention
         (``{"*.attn.qkv": "colwise", ...}``); default: the model's own ``tp_plan``.
         ``optimizer``: "sgd" or "adamw" (torch's own, torch's defaults, this ``lr``).
+        ``model``: any ``nn.Module`` or a zero-argument callable returning one (pp > 1: an
+        ``nn.Sequential``). ``blocks``: the dotted name of its ``nn.ModuleList`` of repeated
+        blocks (``"layers"``), which zero=3, fsdp2 and recompute="full" work block by block;
+        default: the largest such list, found.
 
         ``snapshots=True`` records every rank's parameters and gradient norms after each step,
         for ``labkit.drift`` and ``run.grad_norms()`` (see labkit.analysis.drift for the cost).
@@ -399,7 +403,7 @@ class Lab:
         self._check_open()
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
                        extra={"snapshots": snapshots}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
-                       optimizer=optimizer)
+                       optimizer=optimizer, blocks=blocks)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)
 

@@ -69,12 +69,30 @@ def build_tensor_parallel(model: nn.Module, tp_mode: str, tp_group, tp_rank: int
     raise ValueError(f"Strategy.tp_mode={tp_mode!r} is unknown; use one of {', '.join(map(repr, TP_MODES))}")
 
 
+def fresh_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions before a new mesh is used. The cache is keyed
+    by mesh *equality* (the same ranks and device type), and what it returns carries the mesh
+    of its first call: a later run over new groups on the same ranks (FSDP2's dp mesh after a
+    dtensor tp mesh, or the reverse) gathered over the earlier run's group, which no longer
+    resolves ("Could not resolve the process group registered under the name …")."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:             # the C++ dispatch fast path keeps its own copy
+        clear_native()
+
+
 def _parallelize_dtensor(model: nn.Module, matched: dict, tp_group) -> nn.Module:
     """torch's own: a 1-d device mesh over the tp group, then ``parallelize_module``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    fresh_dtensor_caches()
 
     device = next(model.parameters()).device.type
     # from_group wraps the existing group: no new_group call, which every rank of the world

@@ -75,6 +75,8 @@ def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | 
     for name, style in matched.items():
         _check_module(name, modules[name], style, tp)
         _check_heads(name, modules, tp)
+    if matched:
+        _check_model_heads(model, tp)
     _check_untied(model, matched)
     if sequence_parallel:
         _check_sequence_parallel(model, matched, tp, tp_mode, seq_len)
@@ -122,14 +124,29 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
                          f"divide it; use a tp that divides {size}, or a width that is a multiple of {tp}")
 
 
+# Where models keep their head counts: labkit's and torchtitan's names, then Hugging Face's.
+HEAD_FIELDS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_key_value_heads", "num_attention_heads")
+
+
 def _check_heads(name: str, modules: dict, tp: int) -> None:
-    """A split attention layer must give every rank whole heads."""
+    """A split attention layer must give every rank whole heads (query and key/value heads)."""
     parent_name = name.rpartition(".")[0]
-    parent = modules.get(parent_name)
-    heads = getattr(parent, "n_head", None)
-    if heads is not None and heads % tp:
-        raise ValueError(f"gpt.n_head={heads} (attention {parent_name!r}) does not divide by Strategy.tp={tp}: "
-                         f"tp ranks split the heads; use n_head a multiple of {tp}, or a tp that divides {heads}")
+    _check_head_counts(modules.get(parent_name), f"attention {parent_name!r}", tp)
+
+
+def _check_model_heads(model: nn.Module, tp: int) -> None:
+    """The same rule on the model's own counts: ``model.n_head``/``n_kv_heads``, or a Hugging
+    Face ``model.config.num_attention_heads``/``num_key_value_heads``."""
+    _check_head_counts(model, type(model).__name__, tp)
+    _check_head_counts(getattr(model, "config", None), f"{type(model).__name__}.config", tp)
+
+
+def _check_head_counts(owner, where: str, tp: int) -> None:
+    for field in HEAD_FIELDS:
+        heads = getattr(owner, field, None)
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads % tp:
+            raise ValueError(f"{field}={heads} ({where}) does not divide by Strategy.tp={tp}: tp ranks split "
+                             f"the heads; use {field} a multiple of {tp}, or a tp that divides {heads}")
 
 
 def _check_untied(model: nn.Module, matched: dict) -> None:

@@ -56,7 +56,7 @@ def check_strategy(s) -> None:
                          f"reduce-scatters; use compression='none' with zero={s.zero}")
 
 
-def check_model(s, built) -> None:
+def check_model(s, built, blocks: str | None = None) -> None:
     """The model-dependent rule (called by ``run/runner.py:validate``, before any engine): a
     parameter shared by two blocks (a GPT's tied embedding and head) is one tensor that a
     sharded layout would put in two places. zero=3 flattens each block into its own unit, and
@@ -65,9 +65,12 @@ def check_model(s, built) -> None:
     has already consumed the full gradients."""
     if s.zero == 0:
         return
-    blocks_of: dict[int, set] = {}        # parameter → the blocks that hold it
+    from ..blocks import find_blocks
+    units = [name + "." for name, _ in find_blocks(built, blocks)]
+    blocks_of: dict[int, set] = {}        # parameter → the units that hold it (a block, or the root)
     for name, p in built.named_parameters(remove_duplicate=False):
-        blocks_of.setdefault(id(p), set()).add(name.split(".")[0])
+        unit = next((u for u in units if name.startswith(u)), "root")
+        blocks_of.setdefault(id(p), set()).add(unit)
     shared = any(len(blocks) > 1 for blocks in blocks_of.values())
     if shared and (s.zero == 3 or s.zero_mode == "fsdp2" or s.pp > 1):
         how = "" if s.zero == 3 else f" with pp={s.pp}" if s.pp > 1 else f" with zero_mode={s.zero_mode!r}"

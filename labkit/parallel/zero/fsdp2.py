@@ -1,4 +1,5 @@
-"""torch's own sharding as the comparator: FSDP2's ``fully_shard`` on each block, then the root.
+"""torch's own sharding as the comparator: FSDP2's ``fully_shard`` on each block (an
+``nn.Sequential``'s children, any other model's repeated blocks), then the root.
 
 ``zero=3`` is ``reshard_after_forward=True`` (parameters freed after each block's forward and
 gathered again for backward); ``zero=2`` is ``reshard_after_forward=False`` (parameters kept
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from ... import comm
+from ..blocks import find_blocks
 from ..data.sync import GradSync
 
 
@@ -46,18 +48,24 @@ class FSDP2Sync(GradSync):
 
     times_forward = True           # per-block forward spans, outside FSDP2's pre-forward gather
 
-    def __init__(self, group, dp: int, bucket_mb: float, recorder, zero: int, prefetch: int):
+    def __init__(self, group, dp: int, bucket_mb: float, recorder, zero: int, prefetch: int,
+                 blocks: str | None = ""):
         super().__init__(group, dp, bucket_mb)
         self.recorder, self.reshard, self.prefetch = recorder, zero == 3, prefetch
+        self.blocks_path = blocks       # labkit.parallel.blocks: "" is a Sequential's children
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        from ..tensor import fresh_dtensor_caches
+
         super().wrap(model)
+        fresh_dtensor_caches()          # a mesh on these ranks may have been used by an earlier run
         device = next(model.parameters()).device
         mesh = DeviceMesh.from_group(self.group, device_type=device.type)
-        blocks = [b for b in model.children() if any(p.requires_grad for p in b.parameters())]
+        named = find_blocks(model, self.blocks_path)
+        blocks = [b for _, b in named if any(p.requires_grad for p in b.parameters())]
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard)
@@ -69,7 +77,7 @@ class FSDP2Sync(GradSync):
             if k:
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + k])
                 block.set_modules_to_backward_prefetch(blocks[max(i - k, 0):i][::-1])
-        for name, block in model.named_children():
+        for name, block in named:
             # registered after fully_shard's: the span starts once FSDP2 has gathered the block
             block.register_forward_pre_hook(lambda m, a: self._open())
             block.register_forward_hook(lambda m, a, out, n=name: self._close(n), prepend=True)

@@ -29,16 +29,20 @@ from ..data.sync import GradSync, NoSync, make_buckets
 from .shard import FlatUnit, Meter
 
 
-def build_zero_sync(strategy, group, dp: int, recorder) -> GradSync:
-    """The sync for ``strategy.zero`` / ``zero_mode`` over ``group``; dp = 1 (no parameters): NoSync."""
+def build_zero_sync(strategy, group, dp: int, recorder, blocks: str | None = None) -> GradSync:
+    """The sync for ``strategy.zero`` / ``zero_mode`` over ``group``; dp = 1 (no parameters): NoSync.
+    ``blocks``: the dotted name of the model's repeated blocks (``labkit.parallel.blocks``), the
+    units ZeRO-3 and FSDP2 shard one by one ("" for an ``nn.Sequential``'s children)."""
     if dp == 1:
         return NoSync(group, dp, strategy.bucket_mb)
     if strategy.zero_mode == "fsdp2":
         from .fsdp2 import FSDP2Sync
-        return FSDP2Sync(group, dp, strategy.bucket_mb, recorder, strategy.zero, strategy.prefetch)
+        return FSDP2Sync(group, dp, strategy.bucket_mb, recorder, strategy.zero, strategy.prefetch, blocks)
     from .zero3 import Zero3Sync
     kinds = {1: Zero1Sync, 2: Zero2Sync, 3: Zero3Sync}
-    return kinds[strategy.zero](group, dp, strategy.bucket_mb, recorder, strategy.prefetch)
+    sync = kinds[strategy.zero](group, dp, strategy.bucket_mb, recorder, strategy.prefetch)
+    sync.blocks_path = blocks
+    return sync
 
 
 class Zero1Sync(GradSync):

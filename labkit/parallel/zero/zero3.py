@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...record.instrument import BackwardSpan
+from ..blocks import find_blocks, outside_blocks
 from .shard import FlatUnit
 from .sync import Zero2Sync
 
@@ -30,17 +31,26 @@ class Zero3Sync(Zero2Sync):
     times_forward = times_backward = True       # block spans taken here (see the module docstring)
     COLLECT_ON_SEND = False     # the oldest reduce-scatter is waited for between blocks, not inside one
 
+    blocks_path = ""          # where the blocks are (labkit.parallel.blocks); "": a Sequential's children
+
     def build_units(self, model):
+        """A unit per block with parameters, then the root's own group (what no block holds:
+        embeddings, the final norm, the head), as FSDP's root ``fully_shard`` holds it."""
         units, self.unit_of = [], {}
         for name, block in self.blocks:
             members = [(f"{name}.{n}", p) for n, p in block.named_parameters() if p.requires_grad]
             if members:
                 self.unit_of[name] = len(units)
                 units.append(FlatUnit(len(units), members, self.group, self.dp, self.rank, f"block {name}"))
+        self.n_blocks, self.root_unit = len(units), None
+        rest = outside_blocks(model, self.blocks)
+        if rest:
+            self.root_unit = len(units)
+            units.append(FlatUnit(len(units), rest, self.group, self.dp, self.rank, "root"))
         return units
 
     def wrap(self, model):
-        self.blocks = list(model.named_children())
+        self.blocks = find_blocks(model, self.blocks_path)
         names = [n for n, _ in self.blocks]
         self.previous = dict(zip(names[1:], names[:-1]))
         self.last_block = names[-1]
@@ -53,18 +63,27 @@ class Zero3Sync(Zero2Sync):
         super().wrap(model)        # units (params become views), reduce-scatter hooks
         for unit in self.units:
             unit.free()
+        if self.root_unit is not None:
+            # Gathered for the whole forward and kept through backward (its parameters are used
+            # at both ends of the model), freed once its gradient is sent: FSDP2 does not
+            # reshard its root after forward, for the same reason.
+            model.register_forward_pre_hook(lambda m, a: self._gather_root())
         for name, block in self.blocks:
             block.register_forward_pre_hook(lambda m, a, n=name: self._before_forward(n))
             block.register_forward_hook(lambda m, a, out, n=name: self._after_forward(n, a, out))
         return model
 
     # -- forward: gather this block (and the next ``prefetch``), free after ----------------------
+    def _gather_root(self) -> None:
+        self._gather(self.root_unit)
+        self.units[self.root_unit].wait()
+
     def _before_forward(self, name: str) -> None:
         i = self.unit_of.get(name)
         if i is not None:
             self._gather(i)
             self.units[i].wait()
-            for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
+            for j in range(i + 1, min(i + 1 + self.prefetch, self.n_blocks)):
                 self._gather(j)             # issued now: runs beside this block's compute
         self._fwd_start = self.recorder.mark()
 
@@ -78,6 +97,8 @@ class Zero3Sync(Zero2Sync):
         span.expects_input_grad = first is not None and first.requires_grad
         if span.expects_input_grad:
             first.register_hook(lambda _g, n=name: self._input_ready(n))
+        if isinstance(out, (tuple, list)) and out:           # a layer that returns (hidden, …)
+            out = out[0]
         if name == self.last_block and getattr(out, "requires_grad", False):
             out.register_hook(lambda _g, n=name: self._begin_backward(n))
 
