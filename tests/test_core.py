@@ -51,8 +51,11 @@ def test_validate_rejects_bad_runs_before_any_engine():
     validate(ok, engines=2)
     with pytest.raises(ValueError, match="engines"):
         validate(ok, engines=3)
-    with pytest.raises(TypeError, match="nn.Sequential"):
-        validate(RunSpec(labkit.Strategy(dp=2), lambda: nn.Linear(2, 2), batch=8), engines=2)
+    validate(RunSpec(labkit.Strategy(dp=2), lambda: nn.Linear(2, 2), batch=8), engines=2)   # any nn.Module
+    with pytest.raises(TypeError, match="nn.Module"):
+        validate(RunSpec(labkit.Strategy(dp=2), lambda: "model", batch=8), engines=2)
+    with pytest.raises(ValueError, match="nn.Sequential"):
+        validate(RunSpec(labkit.Strategy(pp=2), lambda: nn.Linear(2, 2), batch=8), engines=2)
     with pytest.raises(ValueError, match="loss"):
         validate(RunSpec(labkit.Strategy(dp=2), model, loss="hinge", batch=8), engines=2)
     with pytest.raises(ValueError, match="steps"):

@@ -113,7 +113,8 @@ class ListModel(nn.Module):
 def test_full_finds_blocks_kept_in_a_module_list():
     model, x = ListModel(), torch.randn(64, 32)
     apply_recompute(model, "full")
-    assert all("forward" in b.__dict__ for b in model.blocks) and "forward" in model.head.__dict__
+    # the repeated blocks, as torchtitan checkpoints each of model.layers; the head is left alone
+    assert all("forward" in b.__dict__ for b in model.blocks) and "forward" not in model.head.__dict__
     assert held_activation_bytes(model, x) * 4 < held_activation_bytes(apply_recompute(model, "none"), x)
 
 
