@@ -251,3 +251,21 @@ def test_kv_heads_of_a_hugging_face_style_config_are_checked():
             self.config = Config()
     with pytest.raises(ValueError, match="num_key_value_heads=1"):
         validate(spec(HF, tp=2), 2)
+
+
+class Huge(nn.Module):
+    """17 GB of float32 weights: checked on the meta device, never built here."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(65536, 65536) for _ in range(1))
+        self.tok_emb = nn.Embedding(8, 65536)
+
+    def forward(self, idx):
+        return self.layers[0](self.tok_emb(idx))
+
+
+def test_the_checks_read_a_factory_built_on_the_meta_device():
+    validate(RunSpec(labkit.Strategy(dp=2, zero=3), Huge, DATA, "cross_entropy", batch=8, steps=1), 2)
+    with pytest.raises(ValueError, match="no trainable parameters"):      # still read from the meta model
+        validate(RunSpec(labkit.Strategy(dp=2), lambda: Huge().requires_grad_(False), DATA, batch=8), 2)
