@@ -50,6 +50,21 @@ def test_factory_pickles_and_draws_the_same_weights_under_a_seed(family):
     assert out.logits.shape == (2, 16, 128)
 
 
+FAMILY_FIELDS = {"qwen3": dict(head_dim=8), "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+                 "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=64),
+                 "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)}
+
+
+@pytest.mark.parametrize("family", labkit.models.hf.SUPPORTED)
+def test_every_supported_family_builds_from_a_config_object(family):
+    config = transformers.AutoConfig.for_model(family, **TINY, **FAMILY_FIELDS.get(family, {}))
+    make = labkit.models.from_hf(config)
+    model = make()
+    assert model.config.model_type == family and model.tp_plan == make.tp_plan
+    assert model(torch.randint(0, 128, (2, 16))).logits.shape == (2, 16, 128)
+
+
 def test_tp_plans_translated_per_family():
     from labkit.parallel.tensor import match_plan
 
