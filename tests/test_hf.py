@@ -11,7 +11,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import labkit  # noqa: E402
-from labkit.models.training import cross_entropy  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).parent / "data" / "hf"
 ATTENTION = {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {
@@ -22,22 +21,12 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 
 
-def train(make, steps: int = 25, lr: float = 3e-3) -> list[float]:
-    """AdamW on labkit.data.text in one process: ``model(x).logits`` against the shifted ``y``."""
+def train(make, steps: int = 25) -> list[float]:
+    """labkit.reference on labkit.data.text: ``model(x).logits`` against the shifted ``y``."""
     data = labkit.data.text(batch=8, block_size=32)
     make.check_data(data)
-    torch.manual_seed(0)
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        loss = cross_entropy(model(x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return labkit.reference(make, data=data, loss="cross_entropy", batch=8, steps=steps, lr=3e-3,
+                            optimizer="adamw").losses
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
@@ -59,6 +48,21 @@ def test_factory_pickles_and_draws_the_same_weights_under_a_seed(family):
     assert getattr(a.config, "output_router_logits", False) is False       # the batch-level router loss is off
     out = a(torch.randint(0, 94, (2, 16)))
     assert out.logits.shape == (2, 16, 128)
+
+
+FAMILY_FIELDS = {"qwen3": dict(head_dim=8), "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+                 "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=64),
+                 "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8)}
+
+
+@pytest.mark.parametrize("family", labkit.models.hf.SUPPORTED)
+def test_every_supported_family_builds_from_a_config_object(family):
+    config = transformers.AutoConfig.for_model(family, **TINY, **FAMILY_FIELDS.get(family, {}))
+    make = labkit.models.from_hf(config)
+    model = make()
+    assert model.config.model_type == family and model.tp_plan == make.tp_plan
+    assert model(torch.randint(0, 128, (2, 16))).logits.shape == (2, 16, 128)
 
 
 def test_tp_plans_translated_per_family():
@@ -107,11 +111,13 @@ def test_bad_configs_are_refused(config, match):
         labkit.models.from_hf(config)
 
 
-def test_tensor_parallel_over_two_processes_equals_one(tmp_path):
-    """tp=2 by the translated base_model_tp_plan, in two gloo processes (test_llama's worker):
-    Llama's attention and MLP split by labkit's megatron layers, Mixtral's attention by DTensor."""
-    from test_llama import run_tp_cases
-
-    for result in run_tp_cases(tmp_path, ["megatron:hf-llama", "dtensor:hf-mixtral"]):
-        assert result["losses"] == pytest.approx(result["ref"], abs=1e-5), result
-        assert result["max_diff"] < 1e-5, result
+# -- through lab.run on two engines, against labkit.reference ------------------------------------
+@pytest.mark.parametrize("family, strategy", [
+    ("llama", dict(tp=2)), ("mixtral", dict(tp=2, tp_mode="dtensor")), ("qwen3_moe", dict(dp=2, zero=3)),
+], ids=str)
+def test_lab_run_equals_one_process(lab2, family, strategy):
+    make = labkit.models.from_hf(CONFIGS / f"{family}.json")
+    kw = dict(data=labkit.data.text(batch=8, block_size=16), loss="cross_entropy", batch=8, steps=3, lr=0.3)
+    run, ref = lab2.run(labkit.Strategy(**strategy), model=make, **kw), labkit.reference(make, **kw)
+    assert run.losses == pytest.approx(ref.losses, abs=1e-5)
+    assert run.max_diff(ref) < 1e-5

@@ -1,18 +1,16 @@
 """labkit.models.llama: a Llama-family decoder, dense and mixture-of-experts, in one process."""
 from __future__ import annotations
 
-import pathlib
 import pickle
-import sys
 
 import pytest
 import torch
 from torch import nn
 
 import labkit
-from labkit.models.llama import Attention, rope_cos_sin
-from labkit.models.moe import MoE, MoEOutput
-from labkit.models.sample import generate, logits_of, validation_loss
+from labkit.models.llama import Attention
+from labkit.models.moe import MoE
+from labkit.models.sample import generate, validation_loss
 from labkit.models.training import cross_entropy
 
 SIZES = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=94)      # labkit.data.text().vocab_size
@@ -23,27 +21,14 @@ CONFIGS = {
     "moe_top2": dict(n_experts=4, top_k=2),
     "moe_shared": dict(n_kv_heads=1, n_experts=4, top_k=2, shared_expert=True),
     "tied": dict(tie=True),
-    "moe_shared_kv2": dict(n_kv_heads=2, n_experts=4, top_k=2, shared_expert=True, aux_loss_coef=0.1),
 }
 
 
-def train(make, steps: int = 25, lr: float = 3e-3) -> list[float]:
-    """AdamW on labkit.data.text in one process, cross-entropy plus the model's balance loss
-    where it returns one; the per-step losses."""
+def train(make, steps: int = 25) -> list[float]:
+    """labkit.reference on labkit.data.text: AdamW, cross-entropy plus the model's balance loss."""
     data = labkit.data.text(batch=8, block_size=32)
-    torch.manual_seed(0)
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        out = model(x)
-        loss = cross_entropy(logits_of(out), y) + (out.aux_loss if isinstance(out, MoEOutput) else 0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return labkit.reference(make, data=data, loss="cross_entropy", batch=8, steps=steps, lr=3e-3,
+                            optimizer="adamw").losses
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -98,7 +83,7 @@ def test_moe_equals_every_expert_on_every_token_weighted_by_its_gate():
     torch.manual_seed(0)
     moe = MoE(n_embd=16, hidden=32, n_experts=5, top_k=2, shared=True, aux_loss_coef=0.0)
     x = torch.randn(3, 7, 16)
-    out, aux = moe(x)
+    out, aux = moe(x), moe.pop_aux_loss()
     probs = moe.router(x).softmax(-1)
     top, idx = probs.topk(2, dim=-1)
     gates = torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
@@ -107,6 +92,10 @@ def test_moe_equals_every_expert_on_every_token_weighted_by_its_gate():
     assert aux is None
     assert torch.allclose(out, dense, atol=1e-6)
     assert moe.tokens_per_expert.sum().item() == 3 * 7 * 2
+    model = labkit.models.llama(**SIZES, n_experts=4)()
+    assert model.tokens_per_expert is None
+    model(torch.zeros(2, 8, dtype=torch.long))
+    assert model.tokens_per_expert.shape == (2, 4) and model.tokens_per_expert.sum(1).tolist() == [32.0, 32.0]
 
 
 def test_balance_loss_is_a_mean_over_rows():
@@ -115,8 +104,8 @@ def test_balance_loss_is_a_mean_over_rows():
     torch.manual_seed(0)
     moe = MoE(n_embd=16, hidden=32, n_experts=4, top_k=2, shared=False, aux_loss_coef=0.1)
     x = torch.randn(6, 9, 16)
-    whole = moe(x)[1]
-    halves = (moe(x[:3])[1] + moe(x[3:])[1]) / 2
+    whole = (moe(x), moe.pop_aux_loss())[1]
+    halves = ((moe(x[:3]), moe.pop_aux_loss())[1] + (moe(x[3:]), moe.pop_aux_loss())[1]) / 2
     assert torch.allclose(whole, halves, atol=1e-7)
 
 
@@ -157,15 +146,14 @@ def test_attention_split_over_two_ranks_by_hand_equals_whole():
     torch.manual_seed(0)
     whole = Attention(n_embd=32, n_head=4, n_kv_heads=2)
     x = torch.randn(2, 8, 32)
-    cos, sin = rope_cos_sin(8, 8, 10000.0, x.device)
     parts = []
     for rank in range(2):
         part = Attention(n_embd=32, n_head=4, n_kv_heads=2)
         for name in ("q_proj", "k_proj", "v_proj"):
             getattr(part, name).weight = nn.Parameter(getattr(whole, name).weight.chunk(2, dim=0)[rank])
         part.o_proj.weight = nn.Parameter(whole.o_proj.weight.chunk(2, dim=1)[rank])
-        parts.append(part(x, cos, sin))
-    assert torch.allclose(parts[0] + parts[1], whole(x, cos, sin), atol=1e-6)
+        parts.append(part(x))
+    assert torch.allclose(parts[0] + parts[1], whole(x), atol=1e-6)
 
 
 def test_fewer_kv_heads_than_tp_ranks_is_refused():
@@ -177,7 +165,7 @@ def test_fewer_kv_heads_than_tp_ranks_is_refused():
     attn.k_proj.weight = nn.Parameter(attn.k_proj.weight[:4])
     attn.v_proj.weight = nn.Parameter(attn.v_proj.weight[:4])
     with pytest.raises(ValueError, match="not whole heads"):
-        attn(torch.randn(1, 4, 32), *rope_cos_sin(4, 8, 10000.0, "cpu"))
+        attn(torch.randn(1, 4, 32))
 
 
 def test_tp_plan_names_the_split_modules():
@@ -191,6 +179,8 @@ def test_tp_plan_names_the_split_modules():
     moe = labkit.models.llama(**SIZES, n_experts=4, shared_expert=True)
     assert match_plan(moe(), moe.tp_plan)["layers.0.mlp.shared.up_proj"] == "colwise"
     assert not any("experts" in key for key in moe.tp_plan)      # routed experts are replicated
+    assert moe.sp_plan is None and not hasattr(moe(), "sp_plan")   # routing needs whole sequences
+    assert match_plan(dense(), dense.sp_plan)["layers.1.mlp_norm"] == "sequence"
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -220,88 +210,35 @@ def test_sample_and_validation_loss_from_a_moe_model():
     assert validation_loss(model, data, batches=1) > 0
 
 
-# -- tensor parallelism over two gloo processes, without a lab ----------------------------------
-# Each process runs this file as a script: the single-process run, then the same steps with the
-# model split by its tp_plan (labkit's megatron layers or torch's DTensor), and prints the largest
-# parameter difference after gathering the shards.
-TP_STEPS = 3
 
 
-def _sgd(model, data, steps: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.3)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        out = model(x)
-        loss = cross_entropy(logits_of(out), y) + (out.aux_loss if isinstance(out, MoEOutput) else 0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+# -- through lab.run on two engines, against labkit.reference ------------------------------------
+ENGINE_DATA = labkit.data.text(batch=8, block_size=16)
+ENGINE_KW = dict(data=ENGINE_DATA, loss="cross_entropy", batch=8, steps=3, lr=0.3, seed=0)
+ENGINE_MODELS = {
+    "moe": labkit.models.llama(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=2,
+                               n_experts=4, top_k=2, shared_expert=True, aux_loss_coef=0.1),
+    "gqa_tied": labkit.models.llama(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=2,
+                                    tie=True),
+}
+_refs = {}
 
 
-def _factory(name: str):
-    """A llama config of CONFIGS, or "hf-FAMILY": from_hf on tests/data/hf/FAMILY.json."""
-    if name.startswith("hf-"):
-        return labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / f"{name[3:]}.json")
-    return labkit.models.llama(**SIZES, **CONFIGS[name])
+@pytest.mark.parametrize("model, strategy", [
+    ("moe", dict(dp=2)), ("moe", dict(dp=2, zero=3)), ("moe", dict(tp=2)),
+    ("gqa_tied", dict(tp=2, tp_mode="dtensor")), ("gqa_tied", dict(dp=2, zero=3, zero_mode="fsdp2")),
+    ("gqa_tied", dict(tp=2, sequence_parallel=True)), ("moe", dict(dp=2, microbatches=2, recompute="selective")),
+], ids=str)
+def test_lab_run_equals_one_process(lab2, model, strategy):
+    make = ENGINE_MODELS[model]
+    if model not in _refs:
+        _refs[model] = labkit.reference(make, **ENGINE_KW)
+    run = lab2.run(labkit.Strategy(**strategy), model=make, **ENGINE_KW)
+    assert run.losses == pytest.approx(_refs[model].losses, abs=1e-5)
+    assert run.max_diff(_refs[model]) < 1e-5
 
 
-def run_tp_cases(tmp_path, cases: list[str]) -> list[dict]:
-    """Run ``cases`` ("MODE:NAME") in two gloo processes; one result per case and rank."""
-    import json
-    import os
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(tmp_path / "store"), *cases],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in range(2)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    results = [json.loads(line) for out, _ in outs for line in out.strip().splitlines()]
-    assert sorted(r["case"] for r in results) == sorted(cases * 2)
-    return results
-
-
-def _tp_worker(rank: int, store: str, cases: list[str]) -> None:
-    import json
-    import torch.distributed as dist
-    from labkit import comm
-    from labkit.parallel.tensor import build_tensor_parallel, full_state_dict
-    from labkit.record.recorder import Recorder
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    comm.bind(comm.CommContext(rank, Recorder(rank, enabled=False), 60.0))
-    data = labkit.data.text(batch=4, block_size=32)
-    for case in cases:
-        mode, name = case.split(":")
-        make = _factory(name)
-        torch.manual_seed(0)
-        whole = make()
-        ref = _sgd(whole, data, TP_STEPS)
-        torch.manual_seed(0)
-        split = build_tensor_parallel(make(), mode, None, rank, 2)
-        losses = _sgd(split, data, TP_STEPS)
-        state, expected = full_state_dict(split), whole.state_dict()
-        diff = max((state[k] - expected[k]).abs().max().item() for k in expected)
-        print(json.dumps({"case": case, "rank": rank, "losses": losses, "ref": ref, "max_diff": diff}), flush=True)
-    dist.destroy_process_group()
-
-
-TP_CASES = ["megatron:gqa", "megatron:moe_shared_kv2", "dtensor:moe_top2", "dtensor:tied"]
-
-
-def test_tensor_parallel_over_two_processes_equals_one(tmp_path):
-    """tp=2 by the model's own tp_plan, megatron and dtensor: GQA heads, a shared expert split
-    like the dense MLP, replicated routed experts with the balance loss, a tied head."""
-    results = run_tp_cases(tmp_path, TP_CASES)
-    for result in results:
-        assert result["losses"] == pytest.approx(result["ref"], abs=1e-5), result
-        assert result["max_diff"] < 1e-5, result
-
-
-if __name__ == "__main__":
-    _tp_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
+def test_fewer_kv_heads_than_tp_ranks_is_refused_before_the_engines(lab2):
+    make = labkit.models.llama(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=1)
+    with pytest.raises(ValueError, match="n_kv_heads=1"):
+        lab2.run(labkit.Strategy(tp=2), model=make, **ENGINE_KW)

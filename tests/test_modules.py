@@ -138,7 +138,7 @@ def test_bf16_within_its_tolerance(lab2):
 
 @pytest.mark.parametrize("model, strategy", [(TupleNet, dict(dp=2, zero=3)), (LogitsNet, dict(dp=2, microbatches=2))])
 def test_a_tuple_or_an_output_object_reaches_the_loss(lab2, model, strategy):
-    check(lab2.run(labkit.Strategy(**strategy), model=model, **KW), model=model)
+    check(lab2.run(labkit.Strategy(**strategy), model=model, blocks="layers", **KW), model=model)
 
 
 def test_drift_snapshots_name_the_modules_parameters(lab2):
@@ -167,7 +167,7 @@ def test_a_model_from_a_file_next_to_the_notebook_travels(lab2, tmp_path, monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     from usermodel_x35 import Tiny
     try:
-        for model in (Tiny, Tiny()):
+        for model in (lambda: Tiny(), Tiny, Tiny()):      # a factory naming it, a class, an instance
             run = lab2.run(labkit.Strategy(dp=2, zero=3), model=model, batch=8, steps=2, lr=0.1)
             assert run.max_diff(labkit.reference(model, batch=8, steps=2, lr=0.1)) < TOL
     finally:
@@ -251,3 +251,21 @@ def test_kv_heads_of_a_hugging_face_style_config_are_checked():
             self.config = Config()
     with pytest.raises(ValueError, match="num_key_value_heads=1"):
         validate(spec(HF, tp=2), 2)
+
+
+class Huge(nn.Module):
+    """17 GB of float32 weights: checked on the meta device, never built here."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(65536, 65536) for _ in range(1))
+        self.tok_emb = nn.Embedding(8, 65536)
+
+    def forward(self, idx):
+        return self.layers[0](self.tok_emb(idx))
+
+
+def test_the_checks_read_a_factory_built_on_the_meta_device():
+    validate(RunSpec(labkit.Strategy(dp=2, zero=3), Huge, DATA, "cross_entropy", batch=8, steps=1), 2)
+    with pytest.raises(ValueError, match="no trainable parameters"):      # still read from the meta model
+        validate(RunSpec(labkit.Strategy(dp=2), lambda: Huge().requires_grad_(False), DATA, batch=8), 2)

@@ -101,13 +101,10 @@ class HFModel:
         return model
 
     def _annotate(self, model: nn.Module) -> None:
-        """labkit's attributes on the built model: its tp plan and head counts (also on each
-        attention module, where labkit's tp check looks for them)."""
+        """labkit's attributes on the built model: its tp plan and the head counts that tensor
+        parallelism must divide."""
         model.tp_plan = dict(self.tp_plan)
         model.n_head, model.n_kv_heads, model.block_size = self.n_head, self.n_kv_heads, self.block_size
-        for name, module in model.named_modules():
-            if name.endswith("self_attn"):
-                module.n_head, module.n_kv_heads = self.n_head, self.n_kv_heads
 
     @cached_property
     def _plans(self) -> tuple[dict, dict]:

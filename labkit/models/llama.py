@@ -23,7 +23,8 @@ projections cannot be split by heads (Megatron then replicates k/v and all-reduc
 gradients, which a colwise/rowwise plan cannot express), so that case is refused:
 :meth:`Llama.check_tp` in the notebook, and the attention itself if a split ever hands a
 rank part of a head. Routed experts are replicated on every tp rank (expert parallelism is
-a separate axis); a shared expert is split like the dense MLP.
+a separate axis); a shared expert is split like the dense MLP. A dense model also ships an
+``sp_plan`` for sequence parallelism (Korthikanti et al. 2022), as gpt does.
 
 >>> make = llama(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=96, n_kv_heads=2)
 >>> make()(torch.zeros(2, 32, dtype=torch.long)).shape
@@ -44,9 +45,10 @@ from .moe import MoE, MoEOutput, SwiGLU
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position × frequency, (T, head_dim), for the "rotate half" layout.
 
-    Recomputed on every forward (T·head_dim/2 products, nothing next to the matmuls) rather
-    than kept in a buffer: the state dict holds only parameters, and a model built on the
-    ``meta`` device and materialised later needs no buffer re-initialised.
+    Recomputed in every attention layer (T·head_dim/2 products, nothing next to the matmuls)
+    rather than kept in a buffer or passed along: the state dict holds only parameters, a
+    model built on the ``meta`` device and materialised later needs no buffer re-initialised,
+    and a block takes the hidden states alone.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -60,50 +62,58 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
 
 
+class AttentionCore(nn.Module):
+    """k/v heads repeated for their query groups, then causal softmax(q·kᵀ/√d)·v: the
+    parameter-free region that selective recomputation checkpoints (Korthikanti et al. 2022)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]          # query heads per kv head: the same on every rank
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with RoPE, through torch's scaled_dot_product_attention."""
 
-    def __init__(self, n_embd: int, n_head: int, n_kv_heads: int):
+    def __init__(self, n_embd: int, n_head: int, n_kv_heads: int, rope_theta: float = 10000.0):
         super().__init__()
         self.n_head, self.n_kv_heads, self.head_dim = n_head, n_kv_heads, n_embd // n_head
+        self.rope_theta = rope_theta
         self.q_proj = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(n_embd, n_kv_heads * self.head_dim, bias=False)
+        self.core = AttentionCore()
         self.o_proj = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.shape[:2]          # t: the whole sequence, even when x held a slice of it (SP)
         if q.shape[-1] % self.head_dim or k.shape[-1] % self.head_dim:
             raise ValueError(f"llama: this rank holds {k.shape[-1]} k/v features, not whole heads of "
                              f"head_dim={self.head_dim}; use a tp that divides n_kv_heads={self.n_kv_heads}")
+        cos, sin = rope_cos_sin(t, self.head_dim, self.rope_theta, x.device)
         # -1: the heads this rank holds (all of them without tensor parallelism)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))   # (B, h, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[1] // k.shape[1]          # query heads per kv head: the same on every rank
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)); the MoE's balance
-    loss of this block (or None) is kept on ``aux_loss`` for the model to sum."""
+    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)). Hidden states in,
+    hidden states out, so a pipeline stage is a slice of the layer list; a MoE layer keeps its
+    balance loss on ``mlp.aux_loss`` for the model to collect."""
 
-    def __init__(self, n_embd: int, n_head: int, n_kv_heads: int, mlp: nn.Module, eps: float):
+    def __init__(self, n_embd: int, n_head: int, n_kv_heads: int, mlp: nn.Module, eps: float, rope_theta: float):
         super().__init__()
         self.attn_norm = nn.RMSNorm(n_embd, eps=eps)
-        self.attn = Attention(n_embd, n_head, n_kv_heads)
+        self.attn = Attention(n_embd, n_head, n_kv_heads, rope_theta)
         self.mlp_norm = nn.RMSNorm(n_embd, eps=eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        out = self.mlp(self.mlp_norm(x))
-        if isinstance(out, tuple):              # a MoE layer: (output, balance loss or None)
-            out, aux = out
-            return x + out, aux
-        return x + out, None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class LlamaModel(nn.Module):
@@ -114,28 +124,33 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.n_head, self.n_kv_heads, self.block_size = c.n_head, c.kv_heads, c.block_size
-        self.head_dim, self.rope_theta = c.n_embd // c.n_head, c.rope_theta
         self.tp_plan = dict(c.tp_plan)
+        if c.sp_plan is not None:
+            self.sp_plan = dict(c.sp_plan)
         self.tok_emb = nn.Embedding(c.vocab_size, c.n_embd)
-        self.layers = nn.ModuleList(Block(c.n_embd, c.n_head, c.kv_heads, c.build_mlp(), c.norm_eps)
+        self.layers = nn.ModuleList(Block(c.n_embd, c.n_head, c.kv_heads, c.build_mlp(), c.norm_eps, c.rope_theta)
                                     for _ in range(c.n_layer))
         self.norm = nn.RMSNorm(c.n_embd, eps=c.norm_eps)
         self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """(n_layer, n_experts): tokens each expert received in the last forward, layer by
+        layer (detached); None for a dense model or before the first forward."""
+        counts = [getattr(layer.mlp, "tokens_per_expert", None) for layer in self.layers]
+        return None if any(c is None for c in counts) else torch.stack(counts)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than llama.block_size={self.block_size}; "
                              f"use data with block_size ≤ {self.block_size} or a llama with block_size ≥ {t}")
-        cos, sin = rope_cos_sin(t, self.head_dim, self.rope_theta, idx.device)
         x = self.tok_emb(idx)
-        aux = []
         for layer in self.layers:
-            x, layer_aux = layer(x, cos, sin)
-            if layer_aux is not None:
-                aux.append(layer_aux)
+            x = layer(x)
         logits = self.head(self.norm(x))
-        if not aux:
+        aux = [layer.mlp.pop_aux_loss() for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if not aux or aux[0] is None:           # dense, or aux_loss_coef=0
             return logits
         return MoEOutput(logits, torch.stack(aux).sum())
 
@@ -209,6 +224,16 @@ class Llama:
         if mlp:
             plan.update({f"{mlp}.gate_proj": "colwise", f"{mlp}.up_proj": "colwise", f"{mlp}.down_proj": "rowwise"})
         return plan
+
+    @property
+    def sp_plan(self) -> dict[str, str] | None:
+        """Where sequence parallelism cuts and joins the sequence (megatron mode), as for gpt:
+        cut after the embedding, RMSNorms on a slice, whole again before the head. None with
+        experts: the router and the balance loss need every token of a sequence on each rank."""
+        if self.n_experts:
+            return None
+        return {"tok_emb": "scatter_output", "layers.*.attn_norm": "sequence", "layers.*.mlp_norm": "sequence",
+                "norm": "sequence", "head": "gather_input"}
 
     def check_tp(self, tp: int) -> None:
         """Raise ValueError unless ``tp`` ranks can each hold whole query and key/value heads."""

@@ -15,7 +15,7 @@
   eqs. 17–20), weighted by ``aux_loss_coef``.
 
 >>> moe = MoE(n_embd=32, hidden=64, n_experts=4, top_k=2, shared=False, aux_loss_coef=0.01)
->>> out, aux = moe(torch.randn(2, 8, 32)); out.shape, aux.shape, moe.tokens_per_expert.sum()
+>>> out = moe(torch.randn(2, 8, 32)); out.shape, moe.pop_aux_loss().shape, moe.tokens_per_expert.sum()
 (torch.Size([2, 8, 32]), torch.Size([]), tensor(32.))
 """
 from __future__ import annotations
@@ -51,8 +51,9 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts (and optionally a shared one). ``forward(x)`` returns
-    ``(output, balance loss)``; the loss is None when ``aux_loss_coef`` is 0."""
+    """Top-k routed SwiGLU experts (and optionally a shared one). ``forward(x)`` returns the
+    output, like the dense MLP it replaces, and keeps the balance loss for
+    :meth:`pop_aux_loss` (None when ``aux_loss_coef`` is 0)."""
 
     def __init__(self, n_embd: int, hidden: int, n_experts: int, top_k: int, shared: bool,
                  aux_loss_coef: float, norm_topk_prob: bool = True):
@@ -64,8 +65,15 @@ class MoE(nn.Module):
         self.shared = SwiGLU(n_embd, hidden) if shared else None
         self.tokens_per_expert: torch.Tensor | None = None
         """Tokens each expert received in the last forward (detached), for routing plots."""
+        self.aux_loss: torch.Tensor | None = None
+        """The last forward's balance loss, until the model collects it (pop_aux_loss)."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """The balance loss of the last forward, and forget it (it holds part of the graph)."""
+        aux, self.aux_loss = self.aux_loss, None
+        return aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         probs = self.router(x).float().softmax(dim=-1)                   # (B, T, E)
         gates, chosen = probs.topk(self.top_k, dim=-1)                   # (B, T, k)
@@ -78,7 +86,8 @@ class MoE(nn.Module):
         out = out.view(b, t, c)
         if self.shared is not None:
             out = out + self.shared(x)
-        return out, self._balance_loss(probs, counts)
+        self.aux_loss = self._balance_loss(probs, counts)
+        return out
 
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Σ over each token's chosen experts of gate · expert(token), expert by expert."""

@@ -54,12 +54,12 @@ def validate(spec: RunSpec, engines: int) -> None:
                         f"model=Net()), got {type(spec.model).__name__}")
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
+    built = model_for_checks(spec.model, spec.seed)
     if s.tp > 1:
         from ..parallel.tensor.plan import check_tensor_parallel
-        check_tensor_parallel(s.tp, s.tp_mode, spec.model, spec.tp_plan, s.sequence_parallel,
+        plan = spec.tp_plan if spec.tp_plan is not None else getattr(spec.model, "tp_plan", None)
+        check_tensor_parallel(s.tp, s.tp_mode, built, plan, s.sequence_parallel,
                               getattr(spec.data, "block_size", None))
-    with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
-        built = build_model(spec.model, spec.seed)
     check_model(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
     resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
@@ -70,6 +70,25 @@ def validate(spec: RunSpec, engines: int) -> None:
         from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))
         _check_tied_split_backward(s, built)
+
+
+def model_for_checks(model, seed: int) -> nn.Module:
+    """The model the notebook's checks read: its structure, shapes and tied weights, never its
+    values. A factory is built on the ``meta`` device (no memory for the weights, as torchtitan
+    builds before materialising per rank), so a model larger than this machine can be checked;
+    one that cannot be built there (a factory that reads a weight's value) is built for real,
+    as is an instance (read as it is, not copied)."""
+    if isinstance(model, nn.Module):
+        return model
+    with torch.random.fork_rng(devices=[]):       # building seeds torch: not the caller's RNG
+        try:
+            with torch.device("meta"):
+                built = model()
+        except Exception:                          # built for real below: its own error, if any
+            built = None
+        if isinstance(built, nn.Module):
+            return built
+        return build_model(model, seed)
 
 
 def _check_tied_split_backward(s: Strategy, built: nn.Sequential) -> None:

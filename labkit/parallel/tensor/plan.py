@@ -1,6 +1,9 @@
 """Tensor-parallel plans in DTensor's convention, and the checks a plan must pass.
 
-A plan maps glob keys over module names to a style: ``{"*.attn.qkv": "colwise", ...}``. As
+A plan maps glob keys over module names to a style: ``{"*.attn.qkv": "colwise", ...}`` for an
+``nn.Sequential`` of blocks, ``{"layers.*.attn.wq": "colwise", ...}`` for a module that keeps
+them in ``self.layers`` (an attention's forward must then read its heads from the tensor,
+``view(b, t, -1, head_dim)``, as torchtitan's and Hugging Face's do: a rank holds 1/tp). As
 in ``torch.distributed.tensor.parallel.parallelize_module``, a key is split at dots and each
 part is matched (``fnmatch``) against one level of the module tree, so ``*`` matches one
 name: ``"*.mlp.fc"`` matches ``"3.mlp.fc"`` but not ``"mlp.fc"``.
@@ -41,7 +44,7 @@ def resolve_plan(model: nn.Module, plan: dict | None = None) -> dict:
     plan = plan if plan is not None else getattr(model, "tp_plan", None)
     if not plan:
         raise ValueError("tp_plan: the model has no tensor-parallel plan; give the model a tp_plan attribute "
-                         "or pass lab.run(..., tp_plan={'blocks.*.fc': 'colwise', 'blocks.*.proj': 'rowwise'})")
+                         "or pass lab.run(..., tp_plan={'layers.*.mlp.w1': 'colwise', 'layers.*.mlp.w2': 'rowwise'})")
     if not isinstance(plan, dict):
         raise ValueError(f"tp_plan={plan!r} must be a dict of module-name globs to 'colwise' or 'rowwise'")
     return plan
@@ -70,7 +73,8 @@ def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | 
         if not match_plan(model, {key: style}):
             names = [n for n in modules if n][:8]
             raise ValueError(f"tp_plan key {key!r} names no module of the model; its modules are named like "
-                             f"{names} (a '*' matches one name: '*.attn.qkv' matches '1.attn.qkv')")
+                             f"{names} (a '*' matches one name: 'layers.*.attn.wq' matches 'layers.0.attn.wq', "
+                             f"and '*.attn.qkv' matches '1.attn.qkv')")
     matched = match_plan(model, plan)
     for name, style in matched.items():
         _check_module(name, modules[name], style, tp)
