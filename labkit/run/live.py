@@ -30,7 +30,7 @@ from typing import Callable
 
 from ..errors import PEER_ERRORS, LabError
 from ..parallel.build import RunSpec
-from ..view.timeline import Timeline
+from ..analysis.timeline import Timeline
 from .result import Run
 from .runner import execute, ship_by_value, validate
 
