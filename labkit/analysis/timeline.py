@@ -27,6 +27,7 @@ from statistics import median
 
 import numpy as np
 
+from ..engine.grid import ParallelDims
 from . import metrics as _metrics
 from .table import EventTable
 
@@ -41,8 +42,8 @@ class Timeline:
 
     events: event dicts, an :class:`EventTable`, or a Chrome trace dict that
     :meth:`save_trace` wrote (``Timeline(json.load(f))``). grid: the run's rank grid (a
-    ``ParallelDims``: anything with ``coords(rank)`` and dp/pp/tp), so views can name each
-    rank's place (dp/pp/tp) and group replicas of a pipeline stage.
+    Strategy or ParallelDims: anything with dp, pp and tp), so views name each rank's place
+    (dp/pp/tp) and group the replicas of a pipeline stage, and stragglers compare dp peers.
     """
 
     def __init__(self, events=(), world_size: int | None = None, title: str | None = None, grid=None):
@@ -59,7 +60,8 @@ class Timeline:
         inferred = 1 + int(self.table["rank"].max()) if len(self.table) else 1
         self.world_size = world_size if world_size is not None else max(inferred, 1)
         self.title = title
-        self.grid = grid
+        # any object with dp/pp/tp (a Strategy, a ParallelDims) becomes the rank grid
+        self.grid = None if grid is None else ParallelDims(grid.dp, grid.pp, grid.tp)
 
     # --- the events -----------------------------------------------------------------------
 
