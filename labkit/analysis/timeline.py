@@ -178,12 +178,20 @@ class Timeline:
         return cls.from_profiler([path])
 
     @classmethod
-    def from_profiler(cls, paths, title: str | None = None) -> "Timeline":
+    def from_profiler(cls, paths, title: str | None = None, ranks=None) -> "Timeline":
         """Torch profiler (Kineto) Chrome traces, one per rank, plain or gzipped, as one
-        Timeline (labkit.analysis.traces.read_profiler)."""
+        Timeline (labkit.analysis.traces.read_profiler). ranks: each path's rank, for
+        traces without distributedInfo."""
         from .traces import read_profiler
 
-        return read_profiler(paths, title=title)
+        return read_profiler(paths, title=title, ranks=ranks)
+
+    def temporal_breakdown(self) -> list[dict]:
+        """Per rank: compute, non-compute and idle seconds in its own window, comparable with
+        Holistic Trace Analysis's temporal breakdown (labkit.analysis.traces)."""
+        from .traces import temporal_breakdown
+
+        return temporal_breakdown(self)
 
     def _trace_metadata(self) -> list[dict]:
         """Name and order the processes "rank N" and their threads "compute"/"comm"."""

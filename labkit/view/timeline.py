@@ -32,6 +32,7 @@ from matplotlib.patches import Patch
 from ..analysis.events import KINDS, OTHER_COLOR, STREAMS
 from ..analysis.table import EventTable, reach_before
 from ..analysis.timeline import STREAM_TIDS, Timeline  # noqa: F401  (labkit.timeline's names)
+from ..analysis.traces import TRACE_COLORS
 
 # Colours come from the kind table (labkit.analysis.events), in its order for the legend.
 PALETTE = {name: kind.color for name, kind in KINDS.items()}
@@ -234,7 +235,7 @@ def _bars(x0, width, y, height, kind: str) -> PolyCollection:
     verts = np.stack([np.stack([x0, lo], 1), np.stack([x0, hi], 1),
                       np.stack([x0 + width, hi], 1), np.stack([x0 + width, lo], 1)], 1)
     wait = kind == "wait"
-    return PolyCollection(verts, facecolors=PALETTE.get(kind, OTHER_COLOR), label=kind,
+    return PolyCollection(verts, facecolors=_color(kind), label=kind,
                           edgecolors="#777777" if wait else "white", linewidths=0.5,
                           hatch="//" if wait else None)
 
@@ -275,7 +276,7 @@ def _draw_labels(ax, t: EventTable, x0, width, y, rows, extent: float) -> bool:
         if len(label) > room[i]:   # a cut label, "0.…", reads as a different name
             continue
         keyed |= is_action
-        color = PALETTE.get(str(kinds[i]), OTHER_COLOR)
+        color = _color(str(kinds[i]))
         ax.add_artist(_FittedLabel(x0[i], width[i], y[i], label, color=_text_color(color)))
     return keyed
 
@@ -431,6 +432,11 @@ class _FittedLabel(matplotlib.text.Text):
         super().draw(renderer)
 
 
+def _color(kind: str) -> str:
+    """The kind table's colour, a profiler trace's kinds next (labkit.analysis.traces), else grey."""
+    return PALETTE.get(kind) or TRACE_COLORS.get(kind, OTHER_COLOR)
+
+
 def _text_color(hex_color: str) -> str:
     """Black on light bars, white on dark ones (relative luminance, sRGB weights)."""
     r, g, b = matplotlib.colors.to_rgb(hex_color)
@@ -440,5 +446,5 @@ def _text_color(hex_color: str) -> str:
 def _legend_handles(kinds) -> list[Patch]:
     """One patch per kind present, in the palette's fixed order, unknown kinds last."""
     ordered = [k for k in PALETTE if k in kinds] + sorted(kinds - PALETTE.keys())
-    return [Patch(facecolor=PALETTE.get(k, OTHER_COLOR), hatch="//" if k == "wait" else None,
+    return [Patch(facecolor=_color(k), hatch="//" if k == "wait" else None,
                   edgecolor="#777777", label=k) for k in ordered]
