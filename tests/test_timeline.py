@@ -284,3 +284,12 @@ def test_heatmap_states_by_hand():
     # bins of 1 ms: rank 0 computes in bins 0–1, communicates in bin 2, idles in bin 3; rank 1 waits (idle)
     states = heat_states(tl.table, np.zeros(3), [0, 1], 4.0, bins=4)
     assert states.tolist() == [[2, 2, 1, 0], [0, 0, 0, 0]]
+
+
+def test_the_timelines_grid_lays_ranks_out_as_parallel_dims():
+    from labkit.analysis.timeline import Grid
+    from labkit.engine.grid import ParallelDims
+
+    dims, grid = ParallelDims(dp=2, pp=3, tp=2), Grid(2, 3, 2)
+    assert [grid.coords(r) for r in range(12)] == [dims.coords(r) for r in range(12)]
+    assert grid.dp_groups() == dims.dp_groups()

@@ -22,12 +22,11 @@ end being the latest end over all ranks.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from dataclasses import dataclass
 from statistics import median
 
 import numpy as np
 
-from ..engine.grid import ParallelDims
 from . import metrics as _metrics
 from .table import EventTable
 
@@ -35,6 +34,31 @@ from .table import EventTable
 # Perfetto reads string tids only through a "quick-and-dirty" hack, and tid 0 is Linux's
 # idle thread, which it treats specially (perfetto json_trace_parser_impl.cc; issue #394).
 STREAM_TIDS = {"compute": 1, "comm": 2}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The rank grid as the views and the straggler report need it: ranks laid out as
+    ``arange(world).view(dp, pp, tp)``, the layout of labkit.engine.grid.ParallelDims
+    (which this module cannot import: it pulls torch.distributed in)."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp index, pp stage, tp index) of ``rank``."""
+        dp_i, rest = divmod(rank, self.pp * self.tp)
+        return (dp_i, *divmod(rest, self.tp))
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks that hold the same model part (same stage and tp index)."""
+        return [[(d * self.pp + p) * self.tp + t for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
 
 
 class Timeline:
@@ -61,7 +85,7 @@ class Timeline:
         self.world_size = world_size if world_size is not None else max(inferred, 1)
         self.title = title
         # any object with dp/pp/tp (a Strategy, a ParallelDims) becomes the rank grid
-        self.grid = None if grid is None else ParallelDims(grid.dp, grid.pp, grid.tp)
+        self.grid = None if grid is None else Grid(grid.dp, grid.pp, grid.tp)
 
     # --- the events -----------------------------------------------------------------------
 
