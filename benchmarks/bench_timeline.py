@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --cases 64x100 256x400
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --every-lane   # no aggregation
 
 Synthetic events in the event schema (labkit.analysis.events), no engines: each rank of a
 dp × pp grid (pp = 4 when ranks allow) runs `spans` spans per step — forward/backward
@@ -15,7 +16,8 @@ One step per case. Columns:
     trace_s   tl.to_chrome_trace() serialised with json.dumps
     height_in the figure's height in inches
 
-Targets: 256 × 400 plotted in ≤ 2 s; plot_s growing no faster than linearly in spans from
+Past 32 ranks plot() aggregates (labkit.view.timeline); ``--every-lane`` draws all lanes
+anyway, to show the cost per span. Targets: 256 × 400 plotted in ≤ 2 s; plot_s growing no faster than linearly in spans from
 8 to 1,024 ranks (the last column: plot_s per 100,000 spans).
 """
 from __future__ import annotations
@@ -64,12 +66,12 @@ def _ev(rank, kind, name, start, end, mb, nbytes=0, peer=None):
     return labkit.analysis.events.make_event(rank, kind, name, 0, start, end, mb, nbytes, peer)
 
 
-def measure(ranks: int, spans: int) -> dict:
+def measure(ranks: int, spans: int, every_lane: bool = False) -> dict:
     events = synthetic_events(ranks, spans)
     t0 = time.perf_counter()
     tl = labkit.Timeline(events, ranks)
     t1 = time.perf_counter()
-    fig = tl.plot()
+    fig = tl.plot(aggregate=False) if every_lane else tl.plot()
     fig.savefig(io.BytesIO(), format="png")
     t2 = time.perf_counter()
     tl.metrics(global_batch=ranks)
@@ -84,12 +86,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["8x400", "64x100", "64x400", "256x400", "1024x400"],
                         help="ranks x spans per rank")
+    parser.add_argument("--every-lane", action="store_true",
+                        help="draw every rank's lanes (no aggregation past 32 ranks)")
     args = parser.parse_args()
     print(f"{'ranks':>6} {'spans':>6} {'events':>8} {'build_s':>8} {'plot_s':>8} {'metrics_s':>9} "
           f"{'trace_s':>8} {'height_in':>9} {'plot_s/1e5 ev':>13}")
     for case in args.cases:
         ranks, spans = (int(x) for x in case.split("x"))
-        r = measure(ranks, spans)
+        r = measure(ranks, spans, args.every_lane)
         per = r["plot_s"] / r["events"] * 1e5
         print(f"{r['ranks']:>6} {r['spans']:>6} {r['events']:>8} {r['build_s']:>8.2f} {r['plot_s']:>8.2f} "
               f"{r['metrics_s']:>9.2f} {r['trace_s']:>8.2f} {r['height_in']:>9.1f} {per:>13.2f}", flush=True)
