@@ -74,7 +74,8 @@ class Stragglers(list):
 
     def __repr__(self) -> str:
         if not self:
-            return f"no straggler: no rank kept its peers waiting over the threshold (step {self.step_time_s * 1e3:.2f} ms)"
+            return ("no straggler: no rank kept its peers waiting over the threshold "
+                    f"(step {self.step_time_s * 1e3:.2f} ms)")
         return "\n".join(str(s) for s in self)
 
     def ranks(self) -> list[int]:

@@ -79,38 +79,44 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     if aggregate is None:
         aggregate = ranks is None and stage is None and len(shown) > AGGREGATE_ABOVE
     extent = float(np.max(shift + table["end"], initial=0.0)) * 1e3
-    if aggregate:
-        lanes = _representatives(tl, table, shown)
-        heat = ax is None
-    else:
-        lanes = [(r, _rank_name(tl, r)) for r in shown]
-        heat = False
-    if ax is None:
-        height = min(MAX_HEIGHT_IN, 1.0 + LANE_IN * 2 * len(lanes) + (4.0 if heat else 0.0))
-        if heat:
-            _, (ax, heat_ax) = _new_figure(figsize or (10, height), nrows=2, sharex=True,
-                                           gridspec_kw={"height_ratios": [2 * len(lanes), 2 * len(lanes) + 4]})
-        else:
-            _, ax = _new_figure(figsize or (10, height))
+    lanes = _representatives(tl, table, shown) if aggregate else [(r, _rank_name(tl, r)) for r in shown]
+    heat_ax = None
+    if ax is None:      # into a given Axes the aggregated view draws its lanes only
+        ax, heat_ax = _axes(len(lanes), aggregate, figsize)
     _draw_lanes(ax, [name for _, name in lanes])
     has_key = _draw_spans(ax, table, shift, [r for r, _ in lanes], extent if labels else None)
     for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
         ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, extent or 1.0)
     ax.set_title(_plot_title(tl, step) + (f" — {len(shown)} ranks, 3 per stage shown" if aggregate else ""))
-    kinds = set(np.unique(table["kind"]).tolist())
-    legend = ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
-                       fontsize="small", frameon=False, title=KEY if has_key else None,
-                       title_fontsize="x-small", alignment="left")
-    if has_key:
-        legend.get_title().set_family("monospace")
-    if heat:
+    _legend(ax, set(np.unique(table["kind"]).tolist()), has_key)
+    if heat_ax is not None:
         draw_heatmap(heat_ax, table, shift, shown, extent, tl)
         ax = heat_ax
     spec = ax.get_subplotspec()
     if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
         ax.set_xlabel("time (ms)")
     return ax.figure
+
+
+def _axes(lanes: int, heat: bool, figsize):
+    """A new figure's Axes for `lanes` ranks' lanes (and the heatmap's below), at most
+    MAX_HEIGHT_IN tall; (lanes Axes, heatmap Axes or None)."""
+    height = min(MAX_HEIGHT_IN, 1.0 + LANE_IN * 2 * lanes + (4.0 if heat else 0.0))
+    if not heat:
+        return _new_figure(figsize or (10, height))[1], None
+    _, (ax, heat_ax) = _new_figure(figsize or (10, height), nrows=2, sharex=True,
+                                   gridspec_kw={"height_ratios": [2 * lanes, 2 * lanes + 4]})
+    return ax, heat_ax
+
+
+def _legend(ax, kinds: set, has_key: bool) -> None:
+    """The kinds drawn, in the palette's order; above them the key to "F3", "←B0" labels."""
+    legend = ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
+                       fontsize="small", frameon=False, title=KEY if has_key else None,
+                       title_fontsize="x-small", alignment="left")
+    if has_key:
+        legend.get_title().set_family("monospace")
 
 
 def compare(a: Timeline, b: Timeline, labels=("A", "B"), step=None):
