@@ -37,6 +37,9 @@ def test_the_slow_rank_is_named_though_every_step_time_is_equal():
     assert found[0].cause == "compute"
     assert found[0].excess_s["compute"] == pytest.approx(0.002)
     assert "rank 2" in repr(found) and "compute" in repr(found)
+    ax = found.plot().axes[0]
+    assert [round(p.get_height(), 6) for p in ax.patches] == [0.0, 0.0, 2.0, 0.0]     # ms late, by rank
+    assert [t.get_text() for t in ax.texts] == ["rank 2: compute"]
 
 
 def test_waiting_on_a_peer_names_the_peer():

@@ -81,6 +81,13 @@ class Stragglers(list):
     def ranks(self) -> list[int]:
         return [s.rank for s in self]
 
+    def plot(self, ax=None):
+        """Every rank's lateness, the stragglers named with their cause
+        (labkit.view.timeline.plot_stragglers)."""
+        from ..view.timeline import plot_stragglers
+
+        return plot_stragglers(self, ax=ax)
+
 
 def find(tl, top: int = 3, threshold: float = 0.1) -> Stragglers:
     """The `top` ranks whose score (time they made peers wait per step, see the module

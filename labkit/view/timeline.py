@@ -99,6 +99,25 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     return ax.figure
 
 
+def plot_stragglers(found, ax=None):
+    """Each rank's lateness per step (the time its peers waited for it at collectives) as a
+    bar, the stragglers in red with their cause; returns the Figure."""
+    if ax is None:
+        _, ax = _new_figure((10, 2.8))
+    ranks = sorted(found.scores)
+    late_ms = np.array([found.scores[r] for r in ranks]) * 1e3
+    slow = set(found.ranks())
+    ax.bar(ranks, late_ms, width=1.0 if len(ranks) > 64 else 0.8,
+           color=["#D55E00" if r in slow else "#999999" for r in ranks])
+    for s in found:
+        ax.annotate(f"rank {s.rank}: {s.cause}", (s.rank, s.late_s * 1e3), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize="small")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("late per step (ms)")
+    ax.set_title(repr(found).splitlines()[0] if found else repr(found), fontsize="medium")
+    return ax.figure
+
+
 def _axes(lanes: int, heat: bool, figsize):
     """A new figure's Axes for `lanes` ranks' lanes (and the heatmap's below), at most
     MAX_HEIGHT_IN tall; (lanes Axes, heatmap Axes or None)."""
