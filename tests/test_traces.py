@@ -176,6 +176,7 @@ def _profile_rank(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow       # two processes of its own
 def test_a_cpu_trace_recorded_by_torch_profiler_on_two_gloo_processes(tmp_path):
     import torch.multiprocessing as mp
 
