@@ -21,7 +21,7 @@ from ..config import Strategy
 from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
-from ..analysis.timeline import Timeline
+from ..view.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_loss
 from .checks import check_model, check_number
 from .relay import relay_warnings
