@@ -24,7 +24,7 @@ from .run.reference import reference  # noqa: E402
 from .run.result import Run, max_abs_diff  # noqa: E402
 from .session.lab import Lab  # noqa: E402
 from .view import report  # noqa: E402
-from .view.timeline import Timeline  # noqa: E402
+from .analysis.timeline import Timeline  # noqa: E402
 
 __all__ = ["Lab", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
            "ControllerDiedError",

@@ -235,3 +235,39 @@ def test_metrics_combined_from_each_steps_part_equal_the_metrics_of_all_events()
         parts = [step_entry([e for e in events if e["step"] == s], world) for s in range(3)]
         combined = combine_steps(parts, world, global_batch=8, peak_activation_bytes=[1] * world)
         assert combined == step_metrics(events, world, global_batch=8, peak_activation_bytes=[1] * world)
+
+
+def _reference_fractions(events, rank, duration):
+    """The module docstring's set algebra, span by span with the pure helpers (no numpy)."""
+    mine = [e for e in events if e["rank"] == rank]
+    c = [(e["start"], e["end"]) for e in mine if e["stream"] == "compute"]
+    x = [(e["start"], e["end"]) for e in mine if e["stream"] == "comm" and e["kind"] != "wait"]
+    w = [(e["start"], e["end"]) for e in mine if e["kind"] == "wait"]
+    w.append((max((e["end"] for e in mine), default=0.0), duration))
+    busy = metrics.total(c + x)
+    return {"comm_fraction": metrics.total(x) / duration,
+            "exposed_comm_fraction": metrics.difference_length(x, c) / duration,
+            "overlap_fraction": metrics.intersection_length(x, c) / metrics.total(x) if metrics.total(x) else 0.0,
+            "bubble_fraction": (duration - busy) / duration,
+            "schedule_bubble_fraction": metrics.difference_length(w, c + x) / duration}
+
+
+def test_vectorised_metrics_equal_the_set_algebra_span_by_span():
+    import random
+
+    rng = random.Random(3)
+    kinds = [("fwd", "compute"), ("bwd", "compute"), ("allreduce", "comm"), ("send", "comm"), ("wait", "comm")]
+    for _ in range(40):
+        world = rng.randint(1, 4)
+        events = []
+        for _ in range(rng.randint(1, 25)):
+            kind, stream = rng.choice(kinds)
+            start = rng.random() * 0.01
+            events.append(ev(rng.randrange(world), stream, kind, start, start + rng.random() * 0.004 * rng.randint(0, 1)))
+        duration = max(e["end"] for e in events)
+        if duration == 0:
+            continue
+        for rank in range(world):
+            got = per_rank_metrics(events, rank, 0)
+            for key, want in _reference_fractions(events, rank, duration).items():
+                assert got[key] == pytest.approx(want, abs=1e-12), (key, rank, events)

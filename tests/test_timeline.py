@@ -8,6 +8,7 @@ import io  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from labkit.metrics import step_metrics  # noqa: E402
@@ -178,3 +179,118 @@ def _draws(text, renderer) -> bool:
     with mock.patch("matplotlib.text.Text.draw") as base:
         text.draw(renderer)
     return base.called
+
+
+# --- events as columns --------------------------------------------------------------------
+
+
+def test_columns_and_pandas_hold_the_schema():
+    tl = Timeline(two_rank_run())
+    assert list(tl.table.columns) == ["rank", "stream", "kind", "name", "step", "microbatch",
+                                      "start", "end", "bytes", "peer"]
+    assert tl.table["microbatch"].dtype.kind == "i" and tl.table["start"].dtype.kind == "f"
+    assert tl.events == two_rank_run()                      # the dicts as given, None kept
+    frame = tl.to_pandas()
+    assert len(frame) == 13 and frame["peer"].isna().sum() == 12    # only the one wait has a peer
+    assert frame.groupby("kind", observed=True)["bytes"].sum()["allreduce"] == 4 * 64
+
+
+def test_extend_adds_a_step_and_events_follow():
+    tl = Timeline([e for e in two_rank_run() if e["step"] == 0], 2)
+    assert len(tl.events) == 6
+    tl.extend(e for e in two_rank_run() if e["step"] == 1)
+    assert len(tl) == len(tl.events) == 13 and tl.steps == [0, 1]
+    assert tl.step_durations() == pytest.approx({0: 0.004, 1: 0.006})
+
+
+def test_a_saved_trace_loads_back(tmp_path):
+    path = tmp_path / "trace.json"
+    tl = Timeline(two_rank_run(), world_size=3, title="dp")
+    tl.save_trace(path)
+    for back in (Timeline.load(path), Timeline(json.loads(path.read_text()))):
+        assert (back.world_size, back.title, back.steps) == (3, "dp", [0, 1])
+        got = sorted(back.events, key=lambda e: (e["step"], e["rank"], e["start"], e["kind"]))
+        want = sorted(tl.events, key=lambda e: (e["step"], e["rank"], e["start"], e["kind"]))
+        for g, w in zip(got, want, strict=True):
+            assert {k: g[k] for k in w if k not in ("start", "end", "name")} == \
+                {k: w[k] for k in w if k not in ("start", "end", "name")}
+            assert (g["start"], g["end"]) == pytest.approx((w["start"], w["end"]), abs=1e-9)
+        scalars = lambda m: {k: v for k, v in m.items() if not isinstance(v, list)}  # noqa: E731
+        assert scalars(back.metrics(8)) == pytest.approx(scalars(tl.metrics(8)))
+
+
+def test_a_dict_that_is_not_a_saved_trace_is_refused():
+    with pytest.raises(ValueError, match="from_profiler"):
+        Timeline({"traceEvents": [{"ph": "X", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 5}]})
+
+
+# --- views that scale ---------------------------------------------------------------------
+
+
+def grid_run(dp, pp, slow=None):
+    """One step of dp × pp ranks: a forward and backward per rank, then an all-reduce."""
+    from labkit.engine.grid import ParallelDims
+
+    events = []
+    for rank in range(dp * pp):
+        extra = 0.002 if rank == slow else 0.0
+        events += [ev(rank, "compute", "fwd", 0.0, 0.001, microbatch=0),
+                   ev(rank, "compute", "bwd", 0.001, 0.003 + extra, microbatch=0),
+                   ev(rank, "comm", "allreduce", 0.003 + extra, 0.006, nbytes=64)]
+        events[-3]["name"] = "0F0"
+    return Timeline(events, dp * pp, grid=ParallelDims(dp=dp, pp=pp))
+
+
+def test_lanes_name_grid_coordinates_and_labels_have_a_key():
+    tl = grid_run(2, 2)
+    ax = tl.plot().axes[0]
+    assert lanes(ax)[:4] == ["rank 0 dp0 pp0 compute", "rank 0 dp0 pp0 comm",
+                             "rank 1 dp0 pp1 compute", "rank 1 dp0 pp1 comm"]
+    texts = {t.get_text() for t in ax.texts}
+    assert {"F0", "B0"} <= texts and "0F0" not in texts
+    assert "micro-batch" in ax.get_legend().get_title().get_text()
+    assert sum(isinstance(c, PolyCollection) for c in ax.collections) == 3   # one per kind
+
+
+def test_pipeline_action_names_read_as_arrows():
+    from labkit.view.timeline import _span_label
+
+    assert _span_label("recv", "0RECV_B0", -1) == ("←B0", True)
+    assert _span_label("send", "2SEND_F3", -1) == ("→F3", True)
+    assert _span_label("allreduce", "bucket 1", -1) == ("bucket 1", False)
+
+
+def test_many_ranks_aggregate_per_stage_and_zoom_back():
+    tl = grid_run(10, 4, slow=9)                            # 40 ranks; rank 9 is dp2 pp1
+    fig = tl.plot()
+    lanes_ax, heat_ax = fig.axes[:2]
+    names = lanes(lanes_ax)
+    assert len(names) == 4 * 3 * 2                          # 4 stages × slowest/median/fastest × 2 streams
+    assert names[6] == "pp1 slowest: rank 9 dp2 pp1 compute"
+    assert fig.get_size_inches()[1] <= 12
+    assert heat_ax.images[0].get_array().shape == (40, 400)
+    assert lanes(tl.plot(stage=1).axes[0])[::2] == [f"rank {r} dp{r // 4} pp1 compute" for r in range(1, 40, 4)]
+    assert len(lanes(tl.plot(ranks=[3, 9]).axes[0])) == 4
+    with pytest.raises(ValueError, match="stages 0..3"):
+        tl.plot(stage=4)
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_heatmap_states_by_hand():
+    from labkit.view.timeline import heat_states
+    import numpy as np
+
+    tl = Timeline([ev(0, "compute", "fwd", 0.0, 0.002), ev(0, "comm", "allreduce", 0.0015, 0.003),
+                   ev(1, "comm", "wait", 0.0, 0.004)], 2)
+    # bins of 1 ms: rank 0 computes in bins 0–1, communicates in bin 2, idles in bin 3; rank 1 waits (idle)
+    states = heat_states(tl.table, np.zeros(3), [0, 1], 4.0, bins=4)
+    assert states.tolist() == [[2, 2, 1, 0], [0, 0, 0, 0]]
+
+
+def test_the_timelines_grid_lays_ranks_out_as_parallel_dims():
+    from labkit.analysis.timeline import Grid
+    from labkit.engine.grid import ParallelDims
+
+    dims, grid = ParallelDims(dp=2, pp=3, tp=2), Grid(2, 3, 2)
+    assert [grid.coords(r) for r in range(12)] == [dims.coords(r) for r in range(12)]
+    assert grid.dp_groups() == dims.dp_groups()

@@ -45,8 +45,9 @@ Run the tests with ``python -m pytest tests/test_metrics.py``.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from statistics import mean, median
+
+import numpy as np
 
 Span = tuple[float, float]
 
@@ -54,6 +55,7 @@ Span = tuple[float, float]
 # sender's side, wait moves nothing, compress is compute that shrinks what is sent), and
 # kinds that wait for a peer (waits: bubble, never comm).
 from .events import SEND_KINDS, WAIT_KINDS  # noqa: E402
+from .table import EventTable, union_lengths  # noqa: E402
 
 FRACTION_KEYS = ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction",
                  "schedule_bubble_fraction", "lab_overhead_fraction")
@@ -112,36 +114,6 @@ def step_duration(step_events) -> float:
     return max((float(e["end"]) for e in step_events), default=0.0)
 
 
-def _rank_metrics(step_events, rank: int, duration: float) -> dict:
-    """Fractions and bytes of one rank, given all events of its step and the step's T."""
-    mine = [e for e in step_events if e["rank"] == rank]
-    compute = [(e["start"], e["end"]) for e in mine if e["stream"] == "compute"]
-    comm = [(e["start"], e["end"]) for e in mine if is_comm(e)]
-    comm_len = total(comm)
-    both = intersection_length(comm, compute)
-    busy = total(compute + comm)
-    waiting = _waiting(mine, duration)
-    schedule_bubble = difference_length(waiting, compute + comm)
-    per_t = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
-    return {
-        "step_time_s": duration,
-        "comm_fraction": per_t(comm_len),
-        "exposed_comm_fraction": per_t(comm_len - both),
-        "overlap_fraction": both / comm_len if comm_len > 0 else 0.0,
-        "bubble_fraction": per_t(duration - busy),
-        "schedule_bubble_fraction": per_t(schedule_bubble),
-        "lab_overhead_fraction": per_t(max(0.0, duration - busy - schedule_bubble)),
-        "bytes_sent": sum(int(e.get("bytes") or 0) for e in mine if e["kind"] in SEND_KINDS),
-    }
-
-
-def _waiting(mine, duration: float) -> list[Span]:
-    """Where this rank waited for others: its ``wait`` spans, and from its last event to T."""
-    spans = [(e["start"], e["end"]) for e in mine if e["kind"] in WAIT_KINDS]
-    last = max((float(e["end"]) for e in mine), default=0.0)
-    return spans + [(last, duration)]
-
-
 def per_rank_metrics(events, rank: int, step: int) -> dict:
     """The fractions of one rank in one step (plots label each lane with these).
 
@@ -150,17 +122,63 @@ def per_rank_metrics(events, rank: int, step: int) -> dict:
     bubble_fraction, schedule_bubble_fraction, lab_overhead_fraction and bytes_sent.
     """
     step_events = [e for e in events if e["step"] == step]
-    return _rank_metrics(step_events, rank, step_duration(step_events))
+    world = max(rank + 1, 1 + max((e["rank"] for e in step_events), default=0))
+    return step_entry(step_events, world)[1][rank]
+
+
+def table_entries(table: EventTable, world_size: int) -> dict[int, tuple[float, list[dict]]]:
+    """Every step's :func:`step_entry`, from columns: the four unions per (step, rank) are
+    each one vectorised sweep (:func:`labkit.analysis.table.union_lengths`), so the metrics
+    of 100,000 events cost a few numpy calls rather than a Python loop per rank."""
+    if not len(table):
+        return {}
+    steps, step_index = np.unique(table["step"], return_inverse=True)
+    duration = np.full(len(steps), -np.inf)
+    np.maximum.at(duration, step_index, table["end"])
+    duration = np.maximum(duration, 0.0)
+    mine = table["rank"] < world_size           # ranks past world_size count toward T only
+    groups = len(steps) * world_size
+    group = (step_index * world_size + table["rank"])[mine]
+    start, end = table["start"][mine], table["end"][mine]
+    stream, kind = table["stream"][mine], table["kind"][mine]
+    waits = np.isin(kind, list(WAIT_KINDS))
+    compute = stream == "compute"
+    comm = (stream == "comm") & ~waits
+    busy = compute | comm
+    # the tail: from the rank's last event to T (done, the step not yet over)
+    last = np.zeros(groups)
+    np.maximum.at(last, group, end)
+    tail_group = np.arange(groups)
+    tail_end = np.repeat(duration, world_size)
+    span = lambda m: union_lengths(group[m], start[m], end[m], groups)  # noqa: E731
+    c, x, cx = span(compute), span(comm), span(busy)
+    everything = union_lengths(np.concatenate([group[busy | waits], tail_group]),
+                               np.concatenate([start[busy | waits], last]),
+                               np.concatenate([end[busy | waits], tail_end]), groups)
+    sent = np.bincount(group, np.where(np.isin(kind, list(SEND_KINDS)), table["bytes"][mine], 0),
+                       minlength=groups)
+    t = tail_end
+    per_t = np.divide(1.0, t, out=np.zeros_like(t), where=t > 0)
+    schedule = everything - cx
+    columns = {
+        "step_time_s": t,
+        "comm_fraction": x * per_t,
+        "exposed_comm_fraction": (cx - c) * per_t,
+        "overlap_fraction": np.divide(x + c - cx, x, out=np.zeros_like(x), where=x > 0),
+        "bubble_fraction": (t - cx) * per_t,
+        "schedule_bubble_fraction": schedule * per_t,
+        "lab_overhead_fraction": np.maximum(0.0, t - cx - schedule) * per_t,
+        "bytes_sent": sent.astype(np.int64),
+    }
+    rows = {k: v.tolist() for k, v in columns.items()}
+    out = {}
+    for i, s in enumerate(steps.tolist()):
+        ranks = [{k: rows[k][g] for k in rows} for g in range(i * world_size, (i + 1) * world_size)]
+        out[s] = (float(duration[i]), ranks)
+    return out
 
 
 # --- whole run ------------------------------------------------------------------------------
-
-
-def _by_step(events) -> dict[int, list[dict]]:
-    groups: dict[int, list[dict]] = defaultdict(list)
-    for e in events:
-        groups[e["step"]].append(e)
-    return dict(sorted(groups.items()))
 
 
 def step_metrics(events, world_size: int | None, global_batch: int,
@@ -175,17 +193,21 @@ def step_metrics(events, world_size: int | None, global_batch: int,
 
         >>> step_metrics(run_events, world_size=4, global_batch=64)["bubble_fraction"]
     """
+    table = _as_table(events)
     if world_size is None:
-        world_size = 1 + max((e["rank"] for e in events), default=0)
-    entries = [step_entry(evs, world_size) for evs in _by_step(events).values()]
+        world_size = 1 + int(table["rank"].max()) if len(table) else 1
+    entries = list(table_entries(table, world_size).values())
     return combine_steps(entries, world_size, global_batch, peak_activation_bytes)
 
 
 def step_entry(step_events, world_size: int) -> tuple[float, list[dict]]:
     """One step's part of the metrics: its T and each rank's fractions and bytes. A run keeps
     these per step, so refreshing its metrics after a step costs that step's events only."""
-    t = step_duration(step_events)
-    return t, [_rank_metrics(step_events, rank, t) for rank in range(world_size)]
+    entries = table_entries(_as_table(step_events), world_size)
+    if not entries:   # nothing timed: every fraction 0 rather than a guess
+        idle = dict.fromkeys(("step_time_s",) + FRACTION_KEYS, 0.0) | {"bytes_sent": 0}
+        return 0.0, [dict(idle) for _ in range(world_size)]
+    return next(iter(entries.values()))
 
 
 def combine_steps(entries: list[tuple[float, list[dict]]], world_size: int, global_batch: int,
@@ -207,6 +229,10 @@ def combine_steps(entries: list[tuple[float, list[dict]]], world_size: int, glob
     out["peak_activation_bytes"] = (list(peak_activation_bytes) if peak_activation_bytes
                                     is not None else [0] * world_size)
     return out
+
+
+def _as_table(events) -> EventTable:
+    return events if isinstance(events, EventTable) else EventTable.from_dicts(events)
 
 
 def _mean(values) -> float:

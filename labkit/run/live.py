@@ -30,7 +30,7 @@ from typing import Callable
 
 from ..errors import PEER_ERRORS, LabError
 from ..parallel.build import RunSpec
-from ..view.timeline import Timeline
+from ..analysis.timeline import Timeline
 from .result import Run
 from .runner import execute, ship_by_value, validate
 
@@ -117,7 +117,7 @@ class LiveRunner:
     def _begin(self, spec: RunSpec) -> LiveRun:
         """Under the lock: make ``spec`` the run in flight."""
         self.started += 1
-        run = Run(spec.strategy, [], Timeline([], self.lab.world_size), {}, spec.batch, ranks=self.lab.ranks)
+        run = Run(spec.strategy, [], Timeline([], self.lab.world_size, grid=spec.strategy), {}, spec.batch, ranks=self.lab.ranks)
         self.current = LiveRun(spec, self.started, run)
         self._idle.clear()
         return self.current

@@ -1,181 +1,148 @@
-"""Per-rank timelines of compute and communication: one set of events, three views.
+"""Timelines drawn: one lane per (rank, stream), or, for many ranks, lanes that aggregate.
 
-A :class:`Timeline` wraps the events gathered from every rank (schema in docs/design.md,
-"Events") and shows them as
+:func:`plot_timeline` draws a :class:`labkit.analysis.timeline.Timeline` (``tl.plot()``);
+:func:`compare` stacks two on one time axis. Each kind of span is one ``PolyCollection``
+(not one artist per span), labels go only on spans wide enough to hold them, and the figure
+is at most :data:`MAX_HEIGHT_IN` tall, so 256 ranks × 400 spans draw in about a second.
 
-* a matplotlib figure, one lane per (rank, stream): ``tl.plot()``;
-* a Chrome trace file for Perfetto or chrome://tracing: ``tl.save_trace("t.json")``;
-* the docs/design.md metrics: ``tl.metrics(global_batch=64)``.
+Past :data:`AGGREGATE_ABOVE` ranks the plot aggregates: for each pipeline stage (all ranks
+when the Timeline has no grid), the lanes of its slowest, median and fastest replica by
+compute time, above a ranks × time heatmap of what every rank was doing (computing,
+communicating with no compute to hide it, idle). ``plot(ranks=[...])`` or ``plot(stage=1)``
+zooms back into individual ranks.
 
-Event times restart at 0 each step. Wherever steps are shown together (``plot(step="all")``
-and the trace file) they are laid back to back: step s starts where step s−1 ended, its
-end being the latest end over all ranks.
-
-    >>> tl = Timeline(run_events)
-    >>> tl                                   # Timeline(4 ranks, 3 steps, 212 events, ...)
-    >>> tl.step(2).plot()
+    >>> tl.plot()                     # ≤ 32 ranks: every lane; more: aggregated
+    >>> tl.plot(stage=2)              # the replicas of pipeline stage 2, every lane
     >>> compare(gpipe.timeline, one_f_one_b.timeline, labels=("GPipe", "1F1B"))
 """
 
 from __future__ import annotations
 
-import json
+import re
 from statistics import median
 
 import matplotlib
 import matplotlib.colors
 import matplotlib.figure
 import matplotlib.text
+import numpy as np
+from matplotlib.collections import PolyCollection
 from matplotlib.patches import Patch
 
-from ..analysis import metrics as _metrics
 from ..analysis.events import KINDS, OTHER_COLOR, STREAMS
-
-# Trace thread ids. Integers with thread_name metadata, as the trace format specifies:
-# Perfetto reads string tids only through a "quick-and-dirty" hack, and tid 0 is Linux's
-# idle thread, which it treats specially (perfetto json_trace_parser_impl.cc; issue #394).
-STREAM_TIDS = {"compute": 1, "comm": 2}
+from ..analysis.table import EventTable, reach_before
+from ..analysis.timeline import STREAM_TIDS, Timeline  # noqa: F401  (labkit.timeline's names)
+from ..analysis.traces import TRACE_COLORS
 
 # Colours come from the kind table (labkit.analysis.events), in its order for the legend.
 PALETTE = {name: kind.color for name, kind in KINDS.items()}
 # Characters of x-small text that fit across a default-width figure: a span that is 10% of
 # the x range holds about 11; spans with room for fewer than 2 get no label.
 LABEL_CHARS_PER_AXIS = 110
+# At most this many labels per plot (the widest spans): beyond it text is unreadable anyway.
+MAX_LABELS = 300
 # Spans of one lane overlapping by less than this are drawn as touching, in one row.
 TOUCH_S = 50e-6
+# More ranks than this and plot() aggregates (see the module docstring): 32 ranks are 64
+# lanes, about the most a 12-inch figure shows with readable tick labels.
+AGGREGATE_ABOVE = 32
+EDGELESS_ABOVE = 20_000
+MAX_HEIGHT_IN = 12.0
+LANE_IN = 0.45
+# Heatmap states, in drawing order (0, 1, 2), and time bins across the axis.
+HEAT_STATES = (("idle", "#F2F2F2"), ("comm, not hidden", "#D55E00"), ("compute", "#0072B2"))
+HEAT_BINS = 400
+# A pipeline action's name as torch spells it: stage, op, micro-batch ("0RECV_B3").
+_ACTION = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_ACTION_LABEL = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": "→F", "RECV_F": "←F",
+                 "SEND_B": "→B", "RECV_B": "←B"}
+_KIND_LETTER = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
+KEY = ("F3 · B3  forward · backward of micro-batch 3\n"
+       "I3 · W3  its input · weight gradient\n"
+       "→F3 · ←F3  send · receive its activations\n"
+       "→B3 · ←B3  send · receive its gradient")
 
 
-class Timeline:
-    """Events of a run, every rank and step; see the module docstring for the views."""
+def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool = True,
+                  ranks=None, stage: int | None = None, aggregate: bool | None = None):
+    """Draw `tl`; return the Figure.
 
-    def __init__(self, events, world_size: int | None = None, title: str | None = None):
-        self.events = [dict(e) for e in events]
-        inferred = 1 + max((e["rank"] for e in self.events), default=-1)
-        self.world_size = world_size if world_size is not None else max(inferred, 1)
-        self.title = title
+    step: a step number, "all" (back to back, as in the trace) or None for the last step.
+    ax: draw into this Axes instead of a new figure (the aggregated view then draws its lanes
+    only, no heatmap). labels: write "F3"/"B3" or the event name inside spans wide enough.
+    ranks / stage: draw only these ranks / the replicas of this pipeline stage (needs the
+    Timeline's grid). aggregate: force the aggregated view on or off (default: on past
+    AGGREGATE_ABOVE ranks when neither ranks nor stage is given).
+    """
+    table, shift, offsets = _window(tl, step)
+    shown = _shown_ranks(tl, ranks, stage)
+    if aggregate is None:
+        aggregate = ranks is None and stage is None and len(shown) > AGGREGATE_ABOVE
+    extent = float(np.max(shift + table["end"], initial=0.0)) * 1e3
+    lanes = _representatives(tl, table, shown) if aggregate else [(r, _rank_name(tl, r)) for r in shown]
+    heat_ax = None
+    if ax is None:      # into a given Axes the aggregated view draws its lanes only
+        ax, heat_ax = _axes(len(lanes), aggregate, figsize)
+    _draw_lanes(ax, [name for _, name in lanes])
+    has_key = _draw_spans(ax, table, shift, [r for r, _ in lanes], extent if labels else None)
+    for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
+        ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
+    ax.set_xlim(0, extent or 1.0)
+    ax.set_title(_plot_title(tl, step) + (f" — {len(shown)} ranks, 3 per stage shown" if aggregate else ""))
+    _legend(ax, set(np.unique(table["kind"]).tolist()), has_key)
+    if heat_ax is not None:
+        draw_heatmap(heat_ax, table, shift, shown, extent, tl)
+        ax = heat_ax
+    spec = ax.get_subplotspec()
+    if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
+        ax.set_xlabel("time (ms)")
+    return ax.figure
 
-    def __len__(self) -> int:
-        return len(self.events)
 
-    def extend(self, events) -> None:
-        """Append more events (a step's, as it arrives); those already held are not copied again."""
-        self.events.extend(dict(e) for e in events)
+def plot_stragglers(found, ax=None):
+    """Each rank's lateness per step (the time its peers waited for it at collectives) as a
+    bar, the stragglers in red with their cause; returns the Figure."""
+    if ax is None:
+        _, ax = _new_figure((10, 2.8))
+    ranks = sorted(found.scores)
+    late_ms = np.array([found.scores[r] for r in ranks]) * 1e3
+    slow = set(found.ranks())
+    ax.bar(ranks, late_ms, width=1.0 if len(ranks) > 64 else 0.8,
+           color=["#D55E00" if r in slow else "#999999" for r in ranks])
+    for s in found:
+        ax.annotate(f"rank {s.rank}: {s.cause}", (s.rank, s.late_s * 1e3), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize="small")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("late per step (ms)")
+    ax.set_title(repr(found).splitlines()[0] if found else repr(found), fontsize="medium")
+    return ax.figure
 
-    def __repr__(self) -> str:
-        durations = list(self.step_durations().values())
-        time = f", step {median(durations) * 1e3:.2f} ms" if durations else ""
-        name = f"{self.title!r}, " if self.title else ""
-        return (f"Timeline({name}{self.world_size} ranks, {len(self.steps)} steps, "
-                f"{len(self)} events{time})")
 
-    @property
-    def ranks(self) -> list[int]:
-        return list(range(self.world_size))
+def _axes(lanes: int, heat: bool, figsize):
+    """A new figure's Axes for `lanes` ranks' lanes (and the heatmap's below), at most
+    MAX_HEIGHT_IN tall; (lanes Axes, heatmap Axes or None)."""
+    height = min(MAX_HEIGHT_IN, 1.0 + LANE_IN * 2 * lanes + (4.0 if heat else 0.0))
+    if not heat:
+        return _new_figure(figsize or (10, height))[1], None
+    _, (ax, heat_ax) = _new_figure(figsize or (10, height), nrows=2, sharex=True,
+                                   gridspec_kw={"height_ratios": [2 * lanes, 2 * lanes + 4]})
+    return ax, heat_ax
 
-    @property
-    def steps(self) -> list[int]:
-        return sorted({e["step"] for e in self.events})
 
-    def step(self, s: int) -> "Timeline":
-        """The events of step `s` only, as a new Timeline."""
-        return Timeline([e for e in self.events if e["step"] == s], self.world_size, self.title)
-
-    def step_durations(self) -> dict[int, float]:
-        """Each step's duration: the latest end over all ranks."""
-        ends: dict[int, float] = {}
-        for e in self.events:
-            ends[e["step"]] = max(ends.get(e["step"], 0.0), float(e["end"]))
-        return dict(sorted(ends.items()))
-
-    def step_offsets(self) -> dict[int, float]:
-        """Start of each step on a continuous axis: the sum of the durations before it."""
-        offsets, t = {}, 0.0
-        for s, duration in self.step_durations().items():
-            offsets[s], t = t, t + duration
-        return offsets
-
-    def metrics(self, global_batch: int, peak_activation_bytes=None) -> dict:
-        """docs/design.md metrics of these events (see labkit.metrics.step_metrics)."""
-        return _metrics.step_metrics(self.events, self.world_size, global_batch,
-                                     peak_activation_bytes)
-
-    # --- Chrome trace ------------------------------------------------------------------------
-
-    def to_chrome_trace(self) -> dict:
-        """Chrome trace JSON (pid = rank, one thread per stream, ph "X", times in µs)."""
-        offsets = self.step_offsets()
-        spans = [_trace_span(e, offsets[e["step"]]) for e in self.events]
-        return {"traceEvents": self._trace_metadata() + spans, "displayTimeUnit": "ms"}
-
-    def save_trace(self, path) -> None:
-        """Write the Chrome trace to `path`; open it in ui.perfetto.dev or chrome://tracing."""
-        with open(path, "w") as f:
-            json.dump(self.to_chrome_trace(), f)
-
-    def _trace_metadata(self) -> list[dict]:
-        """Name and order the processes "rank N" and their threads "compute"/"comm"."""
-        meta = []
-        for rank in self.ranks:
-            meta.append(_meta("process_name", rank, 0, {"name": f"rank {rank}"}))
-            meta.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
-            for stream, tid in STREAM_TIDS.items():
-                meta.append(_meta("thread_name", rank, tid, {"name": stream}))
-                meta.append(_meta("thread_sort_index", rank, tid, {"sort_index": tid}))
-        return meta
-
-    # --- matplotlib --------------------------------------------------------------------------
-
-    def plot(self, ax=None, step=None, figsize=None, labels: bool = True):
-        """Draw one lane per (rank, stream); return the Figure.
-
-        step: a step number, "all" (back to back, as in the trace) or None for the last step.
-        ax: draw into this Axes instead of a new figure. labels: write "F3"/"B3" or the
-        event name inside spans wide enough to hold it.
-        """
-        if ax is None:
-            _, ax = _new_figure(figsize or (10, 1.0 + 0.45 * 2 * self.world_size))
-        events, offsets = self._plot_events(step)
-        _draw_lanes(ax, self.ranks)
-        extent = max((offsets[e["step"]] + e["end"] for e in events), default=0.0) * 1e3
-        slots = _stack_overlaps(events, offsets)
-        for e in events:
-            _draw_span(ax, self.ranks, e, offsets[e["step"]], extent if labels else None, slots[id(e)])
-        for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
-            ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
-        ax.set_xlim(0, extent or 1.0)
-        spec = ax.get_subplotspec()
-        if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
-            ax.set_xlabel("time (ms)")
-        ax.set_title(self._plot_title(step))
-        kinds = {e["kind"] for e in events}
-        ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
-                  fontsize="small", frameon=False)
-        return ax.figure
-
-    def _plot_events(self, step):
-        """The events to draw and the offset of each step (0 for a single step)."""
-        if step == "all":
-            return self.events, self.step_offsets()
-        if step is None:
-            step = self.steps[-1] if self.steps else 0
-        return [e for e in self.events if e["step"] == step], {step: 0.0}
-
-    def _plot_title(self, step) -> str:
-        durations = self.step_durations()
-        if step == "all" or not durations:
-            typical = median(durations.values()) if durations else 0.0
-            detail = f"{len(durations)} steps, median {typical * 1e3:.2f} ms"
-        else:
-            step = self.steps[-1] if step is None else step
-            detail = f"step {step}: {durations.get(step, 0.0) * 1e3:.2f} ms"
-        return f"{self.title} — {detail}" if self.title else detail
+def _legend(ax, kinds: set, has_key: bool) -> None:
+    """The kinds drawn, in the palette's order; above them the key to "F3", "←B0" labels."""
+    legend = ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
+                       fontsize="small", frameon=False, title=KEY if has_key else None,
+                       title_fontsize="x-small", alignment="left")
+    if has_key:
+        legend.get_title().set_family("monospace")
 
 
 def compare(a: Timeline, b: Timeline, labels=("A", "B"), step=None):
     """Two timelines stacked on one time scale (e.g. GPipe above 1F1B); returns the Figure."""
-    ratios = [a.world_size, b.world_size]
+    ratios = [min(a.world_size, AGGREGATE_ABOVE), min(b.world_size, AGGREGATE_ABOVE)]
     fig, (ax_a, ax_b) = _new_figure(
-        (10, 1.5 + 0.45 * 2 * sum(ratios)), nrows=2, sharex=True,
+        (10, min(MAX_HEIGHT_IN, 1.5 + LANE_IN * 2 * sum(ratios))), nrows=2, sharex=True,
         gridspec_kw={"height_ratios": ratios})
     right = 0.0
     for tl, ax, label in ((a, ax_a, labels[0]), (b, ax_b, labels[1])):
@@ -187,28 +154,243 @@ def compare(a: Timeline, b: Timeline, labels=("A", "B"), step=None):
     return fig
 
 
-# --- helpers --------------------------------------------------------------------------------
+# --- what to draw ---------------------------------------------------------------------------
 
 
-def _trace_span(e: dict, offset: float) -> dict:
-    """One event as a Chrome "complete" event, its step shifted by `offset` seconds."""
-    start = (offset + float(e["start"])) * 1e6
-    return {
-        "name": e.get("name") or e["kind"], "cat": e["kind"], "ph": "X",
-        "pid": int(e["rank"]), "tid": STREAM_TIDS.get(e["stream"], len(STREAM_TIDS) + 1),
-        "ts": start, "dur": (float(e["end"]) - float(e["start"])) * 1e6,
-        "args": {k: _plain(e.get(k)) for k in ("stream", "kind", "step", "microbatch",
-                                               "bytes", "peer")},
-    }
+def _window(tl: Timeline, step):
+    """(events to draw, each one's step offset in s, the offsets) for ``step``."""
+    table = tl.table
+    if step == "all":
+        offsets = tl.step_offsets()
+        shift = np.array([offsets[s] for s in table["step"].tolist()]) if len(table) else np.zeros(0)
+        return table, shift, offsets
+    if step is None:
+        steps = tl.steps
+        step = steps[-1] if steps else 0
+    table = table.select(table["step"] == step)
+    return table, np.zeros(len(table)), {step: 0.0}
 
 
-def _meta(name: str, pid: int, tid: int, args: dict) -> dict:
-    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+def _shown_ranks(tl: Timeline, ranks, stage) -> list[int]:
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < tl.world_size]
+        if bad:
+            raise ValueError(f"plot(ranks=...): ranks {bad} are outside 0..{tl.world_size - 1}")
+        return list(ranks)
+    if stage is not None:
+        if tl.grid is None:
+            raise ValueError("plot(stage=...) needs the Timeline's grid: Timeline(..., grid=ParallelDims(dp, pp, tp))")
+        if not 0 <= stage < tl.grid.pp:
+            raise ValueError(f"plot(stage={stage}): the grid has stages 0..{tl.grid.pp - 1}")
+        return [r for r in tl.ranks if tl.coords(r).get("pp") == stage]
+    return tl.ranks
 
 
-def _plain(value):
-    """numpy scalars → Python numbers, so json.dump accepts them."""
-    return value.item() if hasattr(value, "item") else value
+def _rank_name(tl: Timeline, rank: int) -> str:
+    """ "rank 5", or "rank 5 dp1 pp1" with a grid (axes of degree 1 left out)."""
+    coords = tl.coords(rank)
+    parts = [f"{axis}{i}" for axis, i in coords.items() if getattr(tl.grid, axis, 1) > 1]
+    return " ".join([f"rank {rank}"] + parts)
+
+
+def _representatives(tl: Timeline, table: EventTable, shown: list[int]) -> list[tuple[int, str]]:
+    """Per pipeline stage, its slowest, median and fastest rank by compute time (a rank that
+    computes longest holds its dp peers back at the next collective)."""
+    busy = np.bincount(table["rank"], np.where(table["stream"] == "compute", table["end"] - table["start"], 0.0),
+                       minlength=tl.world_size)
+    stages: dict[int, list[int]] = {}
+    for r in shown:
+        stages.setdefault(tl.coords(r).get("pp", 0), []).append(r)
+    lanes = []
+    for stage, members in sorted(stages.items()):
+        order = sorted(members, key=lambda r: (-busy[r], r))
+        where = f"pp{stage} " if tl.grid is not None and tl.grid.pp > 1 else ""
+        picks = {"slowest": order[0], "median": order[len(order) // 2], "fastest": order[-1]}
+        seen = set()
+        for role, r in picks.items():
+            if r not in seen:
+                seen.add(r)
+                lanes.append((r, f"{where}{role}: {_rank_name(tl, r)}"))
+    return lanes
+
+
+# --- lanes and spans ------------------------------------------------------------------------
+
+
+def _lane(ranks, rank: int, stream: str) -> int:
+    """y of a lane: rank 0 compute at the top, each comm lane right below its compute."""
+    return 2 * ranks.index(rank) + (0 if stream == "compute" else 1)
+
+
+def _draw_lanes(ax, names: list[str]) -> None:
+    """Tick labels "<name> compute" / "<name> comm" per lane (about 60 at most, evenly picked:
+    more are unreadable), and a rule between ranks."""
+    rows = [f"{n} {s}" for n in names for s in STREAMS]
+    size = "medium" if len(rows) <= 16 else "small" if len(rows) <= 40 else "x-small"
+    shown = range(0, len(rows), 2 * max(1, len(names) // 30)) if len(rows) > 64 else range(len(rows))
+    ax.set_yticks(list(shown), [rows[i] for i in shown], fontsize=size)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # inverted: the first lane on top
+    if len(names) > 1:
+        ax.hlines(np.arange(1, len(names)) * 2 - 0.5, 0, 1, transform=ax.get_yaxis_transform(),
+                  color="#DDDDDD", linewidth=0.8)
+
+
+def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: float | None) -> bool:
+    """Every span of the lanes' ranks, one PolyCollection per kind; labels where they fit.
+    Returns whether a pipeline label ("F3", "←B0") was written, so the caller adds the key."""
+    index = np.full(int(max(lane_ranks, default=0)) + 1, -1)
+    index[lane_ranks] = np.arange(len(lane_ranks))
+    rank = table["rank"]
+    keep = rank < len(index)
+    keep[keep] = index[rank[keep]] >= 0
+    t = table.select(keep)
+    lane = 2 * index[t["rank"]] + (t["stream"] != "compute")
+    x0 = (shift[keep] + t["start"]) * 1e3
+    width = (t["end"] - t["start"]) * 1e3
+    row, rows = _rows(lane, x0, x0 + width, TOUCH_S * 1e3)
+    height = 0.8 / rows
+    y = lane - 0.4 + height * (row + 0.5)
+    kinds = t["kind"]
+    for kind in np.unique(kinds).tolist():
+        m = kinds == kind
+        ax.add_collection(_bars(x0[m], width[m], y[m], height[m], kind))
+    if extent:
+        return _draw_labels(ax, t, x0, width, y, rows, extent)
+    return False
+
+
+def _bars(x0, width, y, height, kind: str) -> PolyCollection:
+    """Rectangles (x0, y ± height/2, width) as one collection in the kind's colour."""
+    lo, hi = y - height / 2, y + height / 2
+    verts = np.stack([np.stack([x0, lo], 1), np.stack([x0, hi], 1),
+                      np.stack([x0 + width, hi], 1), np.stack([x0 + width, lo], 1)], 1)
+    wait = kind == "wait"
+    # White edges part neighbouring bars; past EDGELESS_ABOVE bars they are thinner than a
+    # pixel apart anyway, and stroking them costs a quarter of the drawing time.
+    edges = 0.0 if len(x0) > EDGELESS_ABOVE else 0.5
+    return PolyCollection(verts, facecolors=_color(kind), label=kind,
+                          edgecolors="#777777" if wait else "white", linewidths=edges,
+                          hatch="//" if wait else None)
+
+
+def _rows(lane, x0, x1, touch: float):
+    """(row, rows) per span: spans that overlap in one lane (several buckets in flight at
+    once) get thinner rows of that lane instead of hiding each other. Most lanes have no
+    overlap; only those that do go through the greedy row assignment."""
+    row, rows = np.zeros(len(lane), dtype=int), np.ones(len(lane), dtype=int)
+    if not len(lane):
+        return row, rows
+    order = np.lexsort((x0, lane))
+    # spans that only touch (a backward closing a few µs after the next one opened)
+    # share a row: stacking them would split every compute lane into slivers
+    overlapping = x0[order] + touch < reach_before(lane[order], x0[order], x1[order])
+    sorted_lane = lane[order]
+    bounds = np.flatnonzero(np.diff(sorted_lane)) + 1
+    for members, hit in zip(np.split(order, bounds), np.split(overlapping, bounds)):
+        if not hit.any():
+            continue
+        row_ends: list[float] = []
+        for i in members.tolist():
+            r = next((k for k, end in enumerate(row_ends) if end <= x0[i] + touch), len(row_ends))
+            if r == len(row_ends):
+                row_ends.append(0.0)
+            row_ends[r] = x1[i]
+            row[i] = r
+        rows[members] = len(row_ends)
+    return row, rows
+
+
+def _draw_labels(ax, t: EventTable, x0, width, y, rows, extent: float) -> bool:
+    """A label inside each span with room for it, the widest MAX_LABELS at most."""
+    room = (LABEL_CHARS_PER_AXIS * width / extent).astype(int)
+    candidates = np.flatnonzero((room >= 2) & (rows <= 3))
+    candidates = candidates[np.argsort(-width[candidates], kind="stable")[:MAX_LABELS]]
+    keyed = False
+    names, kinds, mbs = t["name"], t["kind"], t["microbatch"]
+    for i in sorted(candidates.tolist()):
+        label, is_action = _span_label(str(kinds[i]), names[i], int(mbs[i]))
+        if len(label) > room[i]:   # a cut label, "0.…", reads as a different name
+            continue
+        keyed |= is_action
+        color = _color(str(kinds[i]))
+        ax.add_artist(_FittedLabel(x0[i], width[i], y[i], label, color=_text_color(color)))
+    return keyed
+
+
+def _span_label(kind: str, name: str, microbatch: int) -> tuple[str, bool]:
+    """(label, whether it is a pipeline action): "F3"/"B3"/"I3"/"W3" for a micro-batch's
+    compute, "→F3"/"←B0" for a pipeline send/receive (torch's "0SEND_F3"/"0RECV_B0"), else
+    the name."""
+    action = _ACTION.match(name or "")
+    if action:
+        return _ACTION_LABEL[action.group(1)] + action.group(2), True
+    if kind in _KIND_LETTER and microbatch >= 0:
+        return f"{_KIND_LETTER[kind]}{microbatch}", True
+    return name or kind, False
+
+
+# --- the heatmap ----------------------------------------------------------------------------
+
+
+def heat_states(table: EventTable, shift, ranks: list[int], extent_ms: float, bins: int = HEAT_BINS):
+    """ranks × bins of 0 idle, 1 comm not hidden by compute, 2 compute: the state covering
+    most of each bin (compute if at least half of it computes, else comm if at least half of
+    it communicates, else idle). Coverage sums spans, so overlapping spans of one stream
+    count twice; clipped at a full bin."""
+    width = extent_ms / bins if extent_ms > 0 else 1.0
+    index = {r: i for i, r in enumerate(ranks)}
+    row = np.array([index.get(r, -1) for r in table["rank"].tolist()], dtype=int)
+    keep = row >= 0
+    u0 = (shift + table["start"])[keep] * 1e3 / width
+    u1 = (shift + table["end"])[keep] * 1e3 / width
+    row, stream, kind = row[keep], table["stream"][keep], table["kind"][keep]
+    covered = {}
+    for name, m in (("compute", stream == "compute"), ("comm", (stream != "compute") & (kind != "wait"))):
+        covered[name] = np.clip(_ramp(row[m], u1[m], len(ranks), bins) - _ramp(row[m], u0[m], len(ranks), bins), 0, 1)
+    states = np.zeros((len(ranks), bins), dtype=int)
+    states[covered["comm"] >= 0.5] = 1
+    states[covered["compute"] >= 0.5] = 2
+    return states
+
+
+def _ramp(row, u, nrows: int, bins: int):
+    """Σ clip(u − k, 0, 1) per (row, bin k): the part of bin k before each time u (in bins)."""
+    u = np.clip(u, 0, bins)
+    whole = np.floor(u).astype(int)
+    out = np.zeros((nrows, bins + 1))
+    np.add.at(out, (row, 0), 1.0)                         # bins 0 .. whole−1 are full ...
+    np.add.at(out, (row, whole), -1.0)
+    out = np.cumsum(out, axis=1)
+    np.add.at(out, (row, whole), u - whole)               # ... and bin `whole` partly
+    return out[:, :bins]
+
+
+def draw_heatmap(ax, table: EventTable, shift, ranks: list[int], extent_ms: float, tl=None) -> None:
+    """Every rank's state over time as one image (rank 0 at the top)."""
+    states = heat_states(table, shift, ranks, extent_ms)
+    cmap = matplotlib.colors.ListedColormap([c for _, c in HEAT_STATES])
+    ax.imshow(states, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=2.5,
+              extent=(0, extent_ms or 1.0, len(ranks) - 0.5, -0.5))
+    ticks = np.unique(np.linspace(0, len(ranks) - 1, min(len(ranks), 9)).astype(int)).tolist()
+    names = [_rank_name(tl, ranks[i]) if tl is not None else f"rank {ranks[i]}" for i in ticks]
+    ax.set_yticks(ticks, names, fontsize="small")
+    ax.set_title("every rank: what it was doing", fontsize="medium")
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="#777777", label=n) for n, c in reversed(HEAT_STATES)],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+
+
+def _plot_title(tl: Timeline, step) -> str:
+    durations = tl.step_durations()
+    if step == "all" or not durations:
+        typical = median(durations.values()) if durations else 0.0
+        detail = f"{len(durations)} steps, median {typical * 1e3:.2f} ms"
+    else:
+        step = tl.steps[-1] if step is None else step
+        detail = f"step {step}: {durations.get(step, 0.0) * 1e3:.2f} ms"
+    return f"{tl.title} — {detail}" if tl.title else detail
+
+
+# --- figures --------------------------------------------------------------------------------
 
 
 def _new_figure(figsize, **kwargs):
@@ -264,63 +446,6 @@ class _Shown:
         return buf.getvalue()
 
 
-def _lane(ranks, rank: int, stream: str) -> int:
-    """y of a lane: rank 0 compute at the top, each comm lane right below its compute."""
-    return 2 * ranks.index(rank) + (0 if stream == "compute" else 1)
-
-
-def _draw_lanes(ax, ranks) -> None:
-    names = [f"rank {r} {s}" for r in ranks for s in STREAMS]
-    ax.set_yticks(range(len(names)), names)
-    ax.set_ylim(len(names) - 0.5, -0.5)  # inverted: rank 0 on top
-    for y in range(1, len(ranks)):
-        ax.axhline(2 * y - 0.5, color="#DDDDDD", linewidth=0.8)
-
-
-def _stack_overlaps(events, offsets) -> dict[int, tuple[int, int]]:
-    """(row, rows) per event: spans that overlap in one lane (several buckets in flight at
-    once) get thinner rows of that lane instead of hiding each other."""
-    lanes: dict[tuple, list[dict]] = {}
-    for e in events:
-        lanes.setdefault((e["rank"], e["stream"]), []).append(e)
-    slots = {}
-    for lane in lanes.values():
-        lane.sort(key=lambda e: offsets[e["step"]] + e["start"])
-        row_ends: list[float] = []
-        rows_of = {}
-        for e in lane:
-            start = offsets[e["step"]] + e["start"]
-            # spans that only touch (a backward closing a few µs after the next one opened)
-            # share a row: stacking them would split every compute lane into slivers
-            row = next((i for i, end in enumerate(row_ends) if end <= start + TOUCH_S), len(row_ends))
-            if row == len(row_ends):
-                row_ends.append(0.0)
-            row_ends[row] = offsets[e["step"]] + e["end"]
-            rows_of[id(e)] = row
-        for e in lane:
-            slots[id(e)] = (rows_of[id(e)], len(row_ends))
-    return slots
-
-
-def _draw_span(ax, ranks, e: dict, offset: float, extent: float | None, slot=(0, 1)) -> None:
-    """One event as a bar in its lane (or in row ``slot[0]`` of ``slot[1]`` when spans
-    overlap); labelled when `extent` is given and it is wide."""
-    if e["rank"] not in ranks:
-        return
-    row, rows = slot
-    height = 0.8 / rows
-    y = _lane(ranks, e["rank"], e["stream"]) - 0.4 + height * (row + 0.5)
-    start, width = (offset + e["start"]) * 1e3, (e["end"] - e["start"]) * 1e3
-    color = PALETTE.get(e["kind"], OTHER_COLOR)
-    ax.broken_barh([(start, width)], (y - height / 2, height), facecolors=color,
-                   edgecolor="white" if e["kind"] != "wait" else "#777777", linewidth=0.5,
-                   hatch="//" if e["kind"] == "wait" else None)
-    room = int(LABEL_CHARS_PER_AXIS * width / extent) if extent else 0
-    label = _span_label(e, room)
-    if label and rows <= 3:
-        ax.add_artist(_FittedLabel(start, width, y, label, color=_text_color(color)))
-
-
 class _FittedLabel(matplotlib.text.Text):
     """A span's label that is drawn only if it fits inside its bar as finally drawn.
 
@@ -343,14 +468,9 @@ class _FittedLabel(matplotlib.text.Text):
         super().draw(renderer)
 
 
-def _span_label(e: dict, room: int) -> str | None:
-    """ "F3"/"B3" for a micro-batch's forward/backward, else the name; None when it does not
-    fit in ``room`` characters (a cut label, "0.…", reads as a different name)."""
-    if e["kind"] in ("fwd", "bwd") and e.get("microbatch") is not None:
-        label = f"{e['kind'][0].upper()}{e['microbatch']}"
-    else:
-        label = e.get("name") or e["kind"]
-    return label if len(label) <= room else None
+def _color(kind: str) -> str:
+    """The kind table's colour, a profiler trace's kinds next (labkit.analysis.traces), else grey."""
+    return PALETTE.get(kind) or TRACE_COLORS.get(kind, OTHER_COLOR)
 
 
 def _text_color(hex_color: str) -> str:
@@ -362,5 +482,5 @@ def _text_color(hex_color: str) -> str:
 def _legend_handles(kinds) -> list[Patch]:
     """One patch per kind present, in the palette's fixed order, unknown kinds last."""
     ordered = [k for k in PALETTE if k in kinds] + sorted(kinds - PALETTE.keys())
-    return [Patch(facecolor=PALETTE.get(k, OTHER_COLOR), hatch="//" if k == "wait" else None,
+    return [Patch(facecolor=_color(k), hatch="//" if k == "wait" else None,
                   edgecolor="#777777", label=k) for k in ordered]

@@ -1,0 +1,103 @@
+"""How the timeline scales with ranks and spans: plot, metrics and trace export seconds.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --cases 64x100 256x400
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --every-lane   # no aggregation
+
+Synthetic events in the event schema (labkit.analysis.events), no engines: each rank of a
+dp × pp grid (pp = 4 when ranks allow) runs `spans` spans per step — forward/backward
+micro-batches named as pipeline actions ("0F3"), a pipeline send and receive after each,
+gradient all-reduces overlapping the backward — with a per-rank jitter so ranks differ.
+One step per case. Columns:
+
+    build_s   Timeline(list of event dicts, world_size)
+    plot_s    tl.plot() and the figure rendered to PNG (what a notebook shows)
+    metrics_s tl.metrics(global_batch=...)
+    trace_s   tl.to_chrome_trace() serialised with json.dumps
+    height_in the figure's height in inches
+
+Past 32 ranks plot() aggregates (labkit.view.timeline); ``--every-lane`` draws all lanes
+anyway, to show the cost per span. Targets: 256 × 400 plotted in ≤ 2 s; plot_s growing no faster than linearly in spans from
+8 to 1,024 ranks (the last column: plot_s per 100,000 spans).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+
+import labkit  # noqa: E402
+
+
+def synthetic_events(ranks: int, spans: int, seed: int = 0) -> list[dict]:
+    """`spans` events per rank in one step; see the module docstring."""
+    rng = np.random.default_rng(seed)
+    pp = 4 if ranks % 4 == 0 else 1
+    events = []
+    per_mb = 4                                      # compute, send, recv and an all-reduce
+    for rank in range(ranks):
+        stage = rank % pp
+        scale = 1.0 + 0.05 * rng.standard_normal() + (0.3 if rank == ranks // 3 else 0.0)
+        t = stage * 1e-4
+        for i in range(spans // per_mb):
+            mb, backward = i % 8, i >= (spans // per_mb) // 2
+            op = "B" if backward else "F"
+            d = (2e-4 if backward else 1e-4) * scale
+            events.append(_ev(rank, "bwd" if backward else "fwd", f"{stage}{op}{mb}", t, t + d, mb))
+            events.append(_ev(rank, "send", f"{stage}SEND_{op}{mb}", t + d, t + d + 2e-5, mb, 4096,
+                              (rank + 1) % ranks))
+            events.append(_ev(rank, "recv", f"{stage}RECV_{op}{mb}", t + d + 2e-5, t + d + 5e-5, mb, 4096,
+                              (rank - 1) % ranks))
+            kind = "allreduce" if backward else "wait"
+            events.append(_ev(rank, kind, f"bucket {i}", t + 0.3 * d, t + 1.5 * d, None,
+                              65536 if backward else 0))
+            t += d + 6e-5
+    return events
+
+
+def _ev(rank, kind, name, start, end, mb, nbytes=0, peer=None):
+    return labkit.analysis.events.make_event(rank, kind, name, 0, start, end, mb, nbytes, peer)
+
+
+def measure(ranks: int, spans: int, every_lane: bool = False) -> dict:
+    events = synthetic_events(ranks, spans)
+    t0 = time.perf_counter()
+    tl = labkit.Timeline(events, ranks)
+    t1 = time.perf_counter()
+    fig = tl.plot(aggregate=False) if every_lane else tl.plot()
+    fig.savefig(io.BytesIO(), format="png")
+    t2 = time.perf_counter()
+    tl.metrics(global_batch=ranks)
+    t3 = time.perf_counter()
+    json.dumps(tl.to_chrome_trace())
+    t4 = time.perf_counter()
+    return {"ranks": ranks, "spans": spans, "events": len(events), "build_s": t1 - t0, "plot_s": t2 - t1,
+            "metrics_s": t3 - t2, "trace_s": t4 - t3, "height_in": float(fig.get_size_inches()[1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["8x400", "64x100", "64x400", "256x400", "1024x400"],
+                        help="ranks x spans per rank")
+    parser.add_argument("--every-lane", action="store_true",
+                        help="draw every rank's lanes (no aggregation past 32 ranks)")
+    args = parser.parse_args()
+    print(f"{'ranks':>6} {'spans':>6} {'events':>8} {'build_s':>8} {'plot_s':>8} {'metrics_s':>9} "
+          f"{'trace_s':>8} {'height_in':>9} {'plot_s/1e5 ev':>13}")
+    for case in args.cases:
+        ranks, spans = (int(x) for x in case.split("x"))
+        r = measure(ranks, spans, args.every_lane)
+        per = r["plot_s"] / r["events"] * 1e5
+        print(f"{r['ranks']:>6} {r['spans']:>6} {r['events']:>8} {r['build_s']:>8.2f} {r['plot_s']:>8.2f} "
+              f"{r['metrics_s']:>9.2f} {r['trace_s']:>8.2f} {r['height_in']:>9.1f} {per:>13.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
