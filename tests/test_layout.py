@@ -103,7 +103,7 @@ def test_old_flat_names_are_the_very_same_modules():
 
 # -- the kind table -------------------------------------------------------------------------------
 DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "allreduce", "reduce_scatter",
-                "allgather", "broadcast", "send", "recv", "wait", "compress", "decompress")
+                "allgather", "broadcast", "all_to_all", "send", "recv", "wait", "compress", "decompress")
 
 
 def test_the_kind_table_holds_design_kinds_once_and_every_view_reads_it():

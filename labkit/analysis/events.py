@@ -70,6 +70,8 @@ _ROWS = (
     Kind("reduce_scatter", "comm", "#E69F00", True, "reduce_scatter"),
     Kind("allgather", "comm", "#CC79A7", True, "all_gather"),
     Kind("broadcast", "comm", "#F0E442", True, "broadcast"),
+    Kind("all_to_all", "comm", "#332288", True, "all_to_all",
+         description="tokens to their experts' ranks and back (expert parallelism)"),
     Kind("send", "comm", "#882255", True, "send"),
     Kind("recv", "comm", "#44AA99", False, "recv"),
     Kind("wait", "comm", "#BBBBBB", False, description="a receive before its sender posted (bubble)",

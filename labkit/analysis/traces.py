@@ -24,7 +24,7 @@ How it becomes events in labkit's schema:
   ranks count from their step's barrier. Unlike labkit's runs no barrier precedes a profiler
   step, so ranks that entered the step apart keep that skew.
 
-Kinds outside labkit's kind table (``compute``, ``memcpy``, ``all_to_all``) are drawn in the
+Kinds outside labkit's kind table (``compute``, ``memcpy``) are drawn in the
 colours of :data:`TRACE_COLORS`. Bytes are 0: a trace does not record message sizes.
 
 Comparing with Holistic Trace Analysis (HTA): :func:`temporal_breakdown` splits each rank's
@@ -56,7 +56,7 @@ NCCL_KINDS = (("AllReduce", "allreduce"), ("AllGather", "allgather"), ("ReduceSc
 _CPU_COMM = (("allreduce", "allreduce"), ("allgather", "allgather"), ("reducescatter", "reduce_scatter"),
              ("broadcast", "broadcast"), ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv"),
              ("barrier", "barrier"))
-TRACE_COLORS = {"compute": "#6699CC", "memcpy": "#AA4499", "all_to_all": "#332288", "barrier": "#999999"}
+TRACE_COLORS = {"compute": "#6699CC", "memcpy": "#AA4499", "barrier": "#999999"}
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
 
