@@ -1,0 +1,107 @@
+"""A frozen rank is not a dead one: a stopped engine is reported as not answering, naming its
+rank, process and silence; the lab goes on by itself once it runs again; a killed engine is
+still reported as dead. One 2-engine lab with a short collective timeout for the module."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import labkit
+from labkit.errors import RankReport
+from labkit.session import calls
+
+TIMEOUT = 5.0
+
+
+def _freezing(step):
+    """Rank 1's engine stops itself at step 1 (as a hung driver or a swapped-out process looks)."""
+    if step == 1 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+
+
+def _run(lab, data=None):
+    model = labkit.models.mlp(width=16, depth=2)
+    return lab.run(labkit.Strategy(dp=2), model=model, data=data, batch=16, steps=3)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    from conftest import release_labs
+
+    release_labs()                         # one lab at a time on this machine
+    lab = labkit.Lab.start(engines=2, timeout=TIMEOUT, progress=False)
+    pids = [r["pid"] for r in lab.ranks]
+    try:
+        yield lab
+    finally:
+        for pid in pids:                   # never leave a stopped process behind
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        lab.close()
+
+
+def _raised(fn):
+    t0 = time.monotonic()
+    with pytest.raises(labkit.LabError) as caught:
+        fn()
+    return caught.value, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_not_answering_and_the_lab_goes_on_when_it_runs_again(lab):
+    pid = lab.ranks[1]["pid"]
+    reference = labkit.reference(labkit.models.mlp(width=16, depth=2), batch=16, steps=3)
+    try:
+        error, seconds = _raised(lambda: _run(lab, data=_freezing))
+        assert type(error) is labkit.EngineNotAnsweringError, error
+        assert seconds < TIMEOUT + 3, seconds                   # within the lab's timeout
+        assert error.silent == [1] and "rank(s) [1] not answering" in str(error), error
+        assert f"pid {pid}" in str(error) and "stopped" in str(error) and "lab.recover()" in str(error)
+        assert "stale result" not in str(error) and "keys: /" not in str(error), error
+
+        again, seconds = _raised(lambda: lab.apply(os.getpid))  # refused at once: nothing queued behind it
+        assert type(again) is labkit.EngineNotAnsweringError and again.silent == [1], again
+        assert seconds < 1 and again.seconds >= error.seconds, (seconds, again.seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    run = _run(lab)                                             # no lab.recover()
+    assert run.max_diff(reference) < 1e-5
+    assert lab.apply(os.getpid)[1] == pid                       # the same engine, not a restart
+
+
+@pytest.mark.slow
+def test_a_killed_engine_is_still_reported_as_died(lab):
+    os.kill(lab.ranks[1]["pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    error, _ = _raised(lambda: lab.apply(os.getpid))
+    assert type(error) is labkit.EngineDiedError and error.dead == [1], error
+
+
+def test_a_store_timeout_is_put_in_words():
+    raw = RankReport(0, "DistStoreError", "wait timeout after 10000ms, keys: /0//1//cpu//0/1")
+    said = calls.in_words(raw, "ensure_groups", [1])
+    assert said.message == "waited 10 s in the rendezvous store for rank(s) [1] to join (ensure_groups), then gave up"
+    assert "keys: /0//1//cpu//0/1" in said.traceback          # kept for whoever asks for the detail
+    error = calls.triage([raw], "ensure_groups", [1], TIMEOUT, lambda busy: {})
+    assert "keys: /" not in str(error) and "rank(s) [1]" in str(error), error
+
+
+def test_a_reply_to_a_closed_call_is_dropped_quietly(capsys):
+    seen = []
+    client = SimpleNamespace(outstanding={"open"}, history=["closed", "open"],
+                             _queue_handlers={"apply_reply": seen.append, "execute_reply": seen.append})
+    calls.quiet_stale_results(client)
+    calls.quiet_stale_results(client)                          # once only, however often the lab attaches
+    for msg_id in ("closed", "open"):
+        client._queue_handlers["apply_reply"]({"parent_header": {"msg_id": msg_id}})
+    assert [m["parent_header"]["msg_id"] for m in seen] == ["open"]
+    assert capsys.readouterr().out == ""
