@@ -151,16 +151,23 @@ def quiet_stale_results(client) -> None:
         handlers[kind] = quiet
 
 
+def died_or_frozen(dead: list[int], remote) -> str:
+    """What else a 'dead' remote engine may be: alive but silent past the controller's patience."""
+    return ", or stopped answering the controller's heartbeats" if set(dead) & set(remote) else ""
+
+
 def triage(reports: list[RankReport], what: str, busy: list[int], timeout: float,
-           flight_logs: Callable[[list[int]], dict]) -> LabError:
-    """The LabError for these reports: its class, a headline naming the ranks, the hang if any."""
+           flight_logs: Callable[[list[int]], dict], remote: tuple = ()) -> LabError:
+    """The LabError for these reports: its class, a headline naming the ranks, the hang if any.
+    ``remote``: ranks on other machines, whose engine is known dead only through the
+    controller, which also unregisters an engine that stopped answering its heartbeats."""
     reports = [in_words(r, what, busy) for r in reports]
     names = {r.error for r in reports}
     failed = sorted(r.rank for r in reports if r.rank is not None)
     dead = sorted(r.rank for r in reports if r.error == "EngineError" and r.rank is not None)
     if dead:
-        cls, head = EngineDiedError, (f"the engine of rank(s) {dead} died (killed, crashed or out of memory); "
-                                      f"lab.recover() restarts the engines")
+        cls, head = EngineDiedError, (f"the engine of rank(s) {dead} died (killed, crashed or out of memory"
+                                      f"{died_or_frozen(dead, remote)}); lab.recover() restarts the engines")
     elif names & set(TIMEOUT_ERRORS):
         cls, head = CollectiveTimeoutError, f"a collective timed out on rank(s) {failed}"
     elif "CommMismatch" in names:

@@ -263,7 +263,8 @@ class Lab:
                 f"restarts the engines")
             error.silent, error.seconds = busy, time.monotonic() - sent
             raise error
-        error = calls.triage(reports, what, busy, self.timeout, self._flight_logs)
+        remote = [r for r in range(self.world_size) if self._state(r) is None]
+        error = calls.triage(reports, what, busy, self.timeout, self._flight_logs, remote)
         alive = [r for r in error.dead if self._state(r) in ("running", "stopped")]
         if alive:           # unregistered by the controller (missed heartbeats) but not dead
             raise calls.not_answering(what, self._silent_info(alive), error.reports, dropped=True) from None
@@ -355,8 +356,9 @@ class Lab:
             self._stuck, self._busy, self._dirty = None, [], True
         self._dead = sorted(set(self._dead) | set(unregistered))
         if self._dead:
-            error = EngineDiedError(f"the engine of rank(s) {self._dead} died; call lab.recover() to restart "
-                                    f"the engines (the lab keeps its settings)")
+            frozen = calls.died_or_frozen(self._dead, [r for r in self._dead if self._state(r) is None])
+            error = EngineDiedError(f"the engine of rank(s) {self._dead} died{frozen}; call lab.recover() to "
+                                    f"restart the engines (the lab keeps its settings)")
             error.hang, error.flight_logs, error.busy, error.dead = None, {}, [], list(self._dead)
             raise error
         if self._dirty:
@@ -376,9 +378,9 @@ class Lab:
             if pending:
                 self._dirty = True
                 stuck = sorted(r for r, f in busy.items() if f in pending)
-                raise EngineNotAnsweringError(f"rank(s) {stuck} are still running the call that failed, {self.timeout + 10:g} s "
-                               f"after the others left their groups (stuck outside labkit.comm?); "
-                               f"lab.recover() restarts the engines")
+                raise EngineNotAnsweringError(
+                    f"rank(s) {stuck} are still running the call that failed, {self.timeout + 10:g} s after the "
+                    f"others left their groups (stuck outside labkit.comm?); lab.recover() restarts the engines")
         self._busy = []
         try:
             self._init_distributed()
