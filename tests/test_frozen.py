@@ -1,13 +1,21 @@
 """A frozen rank is not a dead one: a stopped engine is reported as not answering, naming its
 rank, process and silence; the lab goes on by itself once it runs again; a killed engine is
-still reported as dead. One 2-engine lab with a short collective timeout for the module."""
+still reported as dead; a stopped engine does not outlive the notebook. One 2-engine lab with a
+short collective timeout for the module (and one in a child process that dies).
+
+    python tests/test_frozen.py          # the child: start a lab, stop rank 1, die
+"""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -29,6 +37,40 @@ def _freezing(step):
 def _run(lab, data=None):
     model = labkit.models.mlp(width=16, depth=2)
     return lab.run(labkit.Strategy(dp=2), model=model, data=data, batch=16, steps=3)
+
+
+def _stop_one_and_die():
+    """The child: a lab whose rank 1 is stopped, then the notebook is killed."""
+    lab = labkit.Lab.start(engines=2, timeout=TIMEOUT, progress=False)
+    pids = lab.apply(os.getpid)
+    os.kill(pids[1], signal.SIGSTOP)
+    print("PIDS", *pids, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_does_not_outlive_the_notebook(tmp_path):
+    from conftest import release_labs
+
+    release_labs()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=180, env=env,
+                           cwd=tmp_path)
+    line = next((x for x in child.stdout.splitlines() if x.startswith("PIDS ")), None)
+    assert line is not None, child.stdout + child.stderr
+    engines = []
+    for pid in line.split()[1:]:
+        try:
+            engines.append(psutil.Process(int(pid)))
+        except psutil.NoSuchProcess:
+            continue                                            # already gone
+    try:
+        gone, alive = psutil.wait_procs(engines, timeout=15)
+        assert not alive, [(p.pid, p.status()) for p in alive]     # the stopped one included
+    finally:
+        for proc in engines:
+            if proc.is_running():
+                proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +147,7 @@ def test_a_reply_to_a_closed_call_is_dropped_quietly(capsys):
         client._queue_handlers["apply_reply"]({"parent_header": {"msg_id": msg_id}})
     assert [m["parent_header"]["msg_id"] for m in seen] == ["open"]
     assert capsys.readouterr().out == ""
+
+
+if __name__ == "__main__":
+    _stop_one_and_die()

@@ -125,7 +125,8 @@ class Lab:
         from ..engine.watchdog import watch_parent
 
         controller = lifetime.controller_process(self.cluster)
-        self.view.apply_async(watch_parent, os.getpid(), controller.pid if controller else None).get(timeout=60)
+        pids = [info["pid"] for info in self.ranks]
+        self.view.apply_async(watch_parent, os.getpid(), controller.pid if controller else None, pids).get(timeout=60)
         self._processes = [p for p in self._processes if p.is_running()] + lifetime.lab_processes(self.cluster)
 
     def _init_distributed(self) -> None:
