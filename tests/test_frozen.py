@@ -149,5 +149,17 @@ def test_a_reply_to_a_closed_call_is_dropped_quietly(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_a_generator_as_data_is_refused_with_how_to_wrap_it():
+    from labkit.parallel.build import RunSpec
+    from labkit.run.runner import validate
+
+    batches = ((torch.randn(16, 16), torch.randn(16, 16)) for _ in range(3))
+    spec = RunSpec(labkit.Strategy(dp=2), labkit.models.mlp(width=16, depth=2), batches, "mse", 16, 3, 0.1, 0.0, 0,
+                   True, extra={})
+    with pytest.raises(TypeError, match=r"data must be a callable data\(step\) -> \(x, y\), got a generator.*"
+                                        r"data=lambda step: batches\[step\]"):
+        validate(spec, engines=2)
+
+
 if __name__ == "__main__":
     _stop_one_and_die()

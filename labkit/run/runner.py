@@ -49,6 +49,9 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_optimizer(spec.optimizer, spec.momentum)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError("model must be an nn.Sequential or a zero-argument callable returning one")
+    if spec.data is not None and not callable(spec.data):     # a generator cannot reach the engines
+        raise TypeError(f"data must be a callable data(step) -> (x, y), got a {type(spec.data).__name__}; from a "
+                        f"generator: batches = [next(gen) for _ in range(steps)]; data=lambda step: batches[step]")
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
     if s.tp > 1:
