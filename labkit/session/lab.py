@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import ipyparallel as ipp
+import psutil
 
 from .. import engine
 from ..config import Strategy
@@ -406,9 +407,7 @@ class Lab:
         if self._launched.launcher == "local" and self.cluster is not None and \
                 not lifetime.controller_alive(self.cluster):
             return self._restart_cluster(timeout, t0)
-        for rank, proc in self._engine_procs.items():
-            if self._state(rank) == "stopped":      # it could not act on the launcher's SIGTERM
-                proc.kill()
+        self._kill_stopped()
         old = set(self.client.ids)
         self._say(f"labkit: restarting {n} engines…")
         self._launched.restart(n, self.debug)
@@ -422,6 +421,19 @@ class Lab:
         self._attach(expected=n, targets=fresh[:n])
         self._say(f"labkit: {n} engines restarted ({time.monotonic() - t0:.0f} s)")
         return self
+
+    def _kill_stopped(self) -> None:
+        """End the engines whose process is stopped, before a restart or close ends them anyway:
+        stopped, they act on no SIGTERM and hold every call (the close's shutdown waits 10 s).
+        Engines someone else started (``Lab.connect``) are theirs to end."""
+        if self.cluster is None:
+            return
+        for rank, proc in self._engine_procs.items():
+            if self._state(rank) == "stopped":
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
 
     def _restart_cluster(self, timeout: float, t0: float) -> "Lab":
         """The controller died: end everything the old cluster left, start a new one, attach."""
@@ -487,6 +499,7 @@ class Lab:
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the process group and, for a lab that started its engines, stop them all."""
+        self._kill_stopped()
         if self.view is not None and lifetime.controller_alive(self.cluster):
             try:
                 self.view.apply_async(engine.shutdown).get(timeout=10)
