@@ -32,7 +32,8 @@ TIMEOUT_ERRORS = ("CollectiveTimeout",)
 COMM_ERRORS = ("CollectiveTimeout", "CommFailure", "CommMismatch", "DistBackendError", "DistNetworkError")
 # Once one rank has failed, how long the others get to finish or fail before the lab reports.
 GRACE_S = 2.0
-# How often a waiting call checks that the engines can still answer (a local controller alive).
+# How often a waiting call checks that the engines can still answer (a local controller alive,
+# no local engine stopped).
 POLL_S = 1.0
 
 
