@@ -52,6 +52,9 @@ def validate(spec: RunSpec, engines: int) -> None:
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError(f"model must be an nn.Module or a zero-argument callable returning one (model=Net or "
                         f"model=Net()), got {type(spec.model).__name__}")
+    if spec.data is not None and not callable(spec.data):     # a generator cannot reach the engines
+        raise TypeError(f"data must be a callable data(step) -> (x, y), got a {type(spec.data).__name__}; from a "
+                        f"generator: batches = [next(gen) for _ in range(steps)]; data=lambda step: batches[step]")
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
     built = model_for_checks(spec.model, spec.seed)
