@@ -21,7 +21,7 @@ from ..config import Strategy
 from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
-from ..view.timeline import Timeline
+from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from .checks import check_model, check_number

@@ -214,7 +214,7 @@ class Lab:
 
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
-        from ..view.timeline import Timeline
+        from ..analysis.timeline import Timeline
         from ..analysis.clocks import aligned
         from ..analysis.waits import split_waits
 
