@@ -147,6 +147,23 @@ class Link:
                    inter_bandwidth=hw.ib.beta / k, inter_latency=hw.ib.alpha * k,
                    name=f"{hw.name} scaled ×1/{k:.3g} ({measured / 1e9:.3g} GFLOP/s here)")
 
+    @classmethod
+    def balanced(cls, run, latency: float = 100e-6) -> "Link":
+        """The link on which ``run``'s gradient all-reduce takes as long as its backward.
+
+        That balance is what data-parallel training is tuned to on a cluster (bucketed comm
+        that overlap can hide behind backward). β = 2(n-1)/n · S / backward, S the bytes of
+        one rank's parameters, backward the mean per step of rank 0's backward spans, n = dp.
+        """
+        steps = run.timeline.steps
+        backward = sum(e["end"] - e["start"] for e in run.timeline.events
+                       if e["kind"] == "bwd" and e["rank"] == 0) / max(1, len(steps))
+        if not backward > 0:
+            raise ValueError("Link.balanced(run): the run recorded no backward spans; run it with record=True")
+        n = run.strategy.dp
+        wire = 2 * (n - 1) / n * run.parameter_bytes[0] if n > 1 else run.parameter_bytes[0]
+        return cls(bandwidth=wire / backward, latency=latency)
+
     # -- shown to people -------------------------------------------------------------------------
     def __str__(self) -> str:
         intra = f"{_rate(self.bandwidth)}, α {_time(self.latency)}"

@@ -93,6 +93,16 @@ def test_scaled_keeps_the_targets_flops_per_byte():
     assert compute_rate(seconds=0.02, dim=64) > 0
 
 
+def test_balanced_makes_the_gradient_all_reduce_as_long_as_backward():
+    from types import SimpleNamespace
+    events = [{"kind": "bwd", "rank": 0, "start": 0.0, "end": 0.01}, {"kind": "bwd", "rank": 0, "start": 0.02, "end": 0.03},
+              {"kind": "bwd", "rank": 1, "start": 0.0, "end": 0.5}, {"kind": "fwd", "rank": 0, "start": 0.0, "end": 0.5}]
+    run = SimpleNamespace(timeline=SimpleNamespace(steps=[0, 1], events=events), parameter_bytes=[2e6, 2e6],
+                          strategy=labkit.Strategy(dp=4))
+    link = Link.balanced(run, latency=0.0)          # 10 ms of backward per step, rank 0
+    assert link.seconds("all_reduce", 2e6, 4) == pytest.approx(0.01)
+
+
 # -- on engines -------------------------------------------------------------------------------
 @pytest.fixture
 def linked2(lab2):
