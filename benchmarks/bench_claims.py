@@ -7,7 +7,8 @@ Each trial measures a claim once on this machine's own gloo and once on the emul
 notebook uses, with the notebook's settings; the table says in how many trials each held.
 
 * overlap (notebook 01): dp=2, an MLP of width 256 and depth 8, batch 1024, 0.5 MiB buckets:
-  ``overlap``'s step time (median over the run's steps) is below ``bucketed``'s. Emulated: a
+  ``overlap``'s step time (median over the run's steps) is below ``bucketed``'s, and its
+  exposed comm time is under three quarters of ``bucketed``'s. Emulated: a
   link on which the gradients all-reduce in the time backward takes (``Link.balanced``,
   measured on the trial's own raw bucketed run).
 * ring (notebook 04): 4 MiB summed over 4 ranks: the hand-written ring takes less time than
@@ -39,7 +40,10 @@ def overlap_trial(lab, steps: int) -> dict:
     emulated = step_times()
     lab.link = None
     held = lambda runs: runs["overlap"].metrics["step_time_s"] < runs["bucketed"].metrics["step_time_s"]  # noqa: E731
-    return {"overlap beats bucketed (01)": (held(raw), held(emulated))}
+    exposed = lambda run: run.metrics["exposed_comm_fraction"] * run.metrics["step_time_s"]  # noqa: E731
+    hidden = lambda runs: exposed(runs["overlap"]) < 0.75 * exposed(runs["bucketed"])  # noqa: E731
+    return {"overlap's step shorter than bucketed's (01)": (held(raw), held(emulated)),
+            "overlap exposes < 3/4 of bucketed's comm (01)": (hidden(raw), hidden(emulated))}
 
 
 def ring_trial(lab) -> dict:
@@ -83,10 +87,10 @@ def main() -> None:
         with labkit.Lab.start(engines=4, progress=False) as lab:
             for _ in range(args.trials):
                 tally(ring_trial(lab))
-    print(f"{'claim':<44} {'raw gloo':>9} {'emulated':>9}")
+    print(f"{'claim':<48} {'raw gloo':>9} {'emulated':>9}")
     for claim, (trials, raw, emulated) in counts.items():
         raw_text = "—" if raw is None else f"{raw}/{trials}"
-        print(f"{claim:<44} {raw_text:>9} {f'{emulated}/{trials}':>9}")
+        print(f"{claim:<48} {raw_text:>9} {f'{emulated}/{trials}':>9}")
 
 
 if __name__ == "__main__":

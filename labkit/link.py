@@ -11,6 +11,14 @@ is waited off the CPU (``labkit.comm.emulate``). Values never change, only times
 >>> lab.link = labkit.Link.preset("ib400")            # on a live lab; None: raw gloo
 >>> lab.link = labkit.Link.scaled("8xH100", lab)      # this machine's FLOPs per byte = an H100 node's
 
+What goes through the link: every byte labkit moves during a step passes labkit.comm — the
+four dp modes (DDP through its comm hook, whose futures complete at the link's time), ZeRO by
+hand, FSDP2 (its all-gather and reduce-scatter are replaced by labkit.comm's), pipeline
+sends and receives, Megatron-style tensor parallelism, compressed syncs. What does not:
+``tp_mode="dtensor"``, whose collectives DTensor issues inside torch (functional collectives,
+no hook for a caller's transport), and the barrier that aligns ranks at each step's start.
+Those run at gloo's own speed. The link is for CPU engines on one host (one clock).
+
 Pure data and arithmetic (no torch at import): the notebook builds a Link, the engines use it.
 """
 from __future__ import annotations

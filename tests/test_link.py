@@ -181,7 +181,8 @@ def test_overlap_hides_what_the_formula_says(linked2):
 def test_runs_keep_their_values_and_their_calls_take_the_link_time(linked2):
     model = labkit.models.mlp(width=64, depth=4)
     link = Link(bandwidth=50e6, latency=1e-3)
-    for strategy in (labkit.Strategy(dp=2, dp_mode="ddp", bucket_mb=0.02), labkit.Strategy(pp=2, microbatches=2)):
+    for strategy in (labkit.Strategy(dp=2, dp_mode="ddp", bucket_mb=0.02), labkit.Strategy(pp=2, microbatches=2),
+                     labkit.Strategy(dp=2, zero=3, prefetch=1)):
         linked2.link = None
         raw = linked2.run(strategy, model=model, batch=16, steps=2)
         linked2.link = link
@@ -191,6 +192,8 @@ def test_runs_keep_their_values_and_their_calls_take_the_link_time(linked2):
         for e in emulated.timeline.events:
             if e["kind"] == "allreduce":          # bytes on the wire are S for n = 2
                 assert e["end"] - e["start"] >= link.seconds("all_reduce", e["bytes"], 2) - 1e-6, e
+            if e["kind"] == "allgather":          # S/2 on the wire of an S-byte gather
+                assert e["end"] - e["start"] >= link.seconds("all_gather", 2 * e["bytes"], 2) - 1e-6, e
     assert "emulated link 50 MB/s" in link_text(link) and "own speed" in link_text(None)
 
 

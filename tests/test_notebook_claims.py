@@ -81,16 +81,17 @@ def test_02_bubble_falls_with_m_and_follows_the_formula():
 def test_01_overlap_hides_comm_that_bucketed_exposes():
     """01's text, on the emulated link (comm as long as backward, off the CPU): bucketed reduces
     after backward (no overlap); overlap and ddp launch buckets while backward runs, so their
-    comm overlaps compute, less of it is exposed, and overlap's step is shorter than bucketed's.
-    (The raw-gloo runs beside them are shown, not claimed: their order changes between runs.)"""
+    comm overlaps compute, and it leaves under three quarters of bucketed's comm time exposed.
+    The step-time order is counted by benchmarks/bench_claims.py, not asserted: on a machine
+    shared with other work the compute's own swings can exceed the comm overlap saves.
+    (The raw-gloo runs beside them are shown, not claimed.)"""
     _, v = notebook("01_data_parallel")
     m = v["runs.metrics"]
     assert m["bucketed"]["overlap_fraction"] < 0.05
     for mode in ("overlap", "ddp"):
         assert m[mode]["overlap_fraction"] > 0.2, (mode, m[mode]["overlap_fraction"])
-    assert m["overlap"]["exposed_comm_fraction"] < m["bucketed"]["exposed_comm_fraction"]
-    assert m["overlap"]["step_time_s"] < m["bucketed"]["step_time_s"], \
-        {k: m[k]["step_time_s"] for k in ("bucketed", "overlap")}
+    exposed = {k: m[k]["exposed_comm_fraction"] * m[k]["step_time_s"] for k in ("bucketed", "overlap")}
+    assert exposed["overlap"] < 0.75 * exposed["bucketed"], exposed
 
 
 def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():

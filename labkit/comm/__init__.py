@@ -157,11 +157,15 @@ class Handle:
                 done = max(done, self._deadline - self._ctx.recorder.origin)
             self._done_at = done
 
-    def _hold(self):
-        """Emulated link: wait (asleep) until the call's emulated end."""
+    def _resolve(self) -> float | None:
+        """The emulated end, worked out once (a receive's needs its message's departure)."""
         if callable(self._deadline):
             self._deadline = self._deadline()
-        if self._deadline is not None:
+        return self._deadline
+
+    def _hold(self):
+        """Emulated link: wait (asleep) until the call's emulated end."""
+        if self._resolve() is not None:
             hold_until(self._deadline)
 
     def wait(self):
@@ -199,6 +203,23 @@ def _settle(future: torch.futures.Future, done: torch.futures.Future) -> None:
         future.set_result(done.value())
     except Exception as exc:
         future.set_exception(exc)
+
+
+class _OnLink:
+    """A work that reads as completed only once its emulated link time has passed too (a
+    pipeline polls its sends: one whose bytes are still on the emulated wire is not done)."""
+
+    def __init__(self, work, handle: Handle):
+        self._work, self._handle = work, handle
+
+    def wait(self):
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed() and self._handle._resolve() <= time.perf_counter()
+
+    def get_future(self):
+        return self._work.get_future()
 
 
 class _Watcher:
@@ -306,6 +327,8 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     handle = Handle(ctx, entry, work, start, watch and async_op, thread=async_op, deadline=deadline)
     if ctx.comm_stream is not None and work is not None:
         handle._done_at = end
+    if deadline is not None and work is not None:
+        handle.work = _OnLink(work, handle)
     if async_op:
         return handle
     handle.wait()
