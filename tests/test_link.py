@@ -132,6 +132,24 @@ def test_an_all_reduce_takes_its_alpha_beta_time_off_the_cpu(linked2):
         assert max(c for _, c in rank) < 0.25 * expected                # the caller's thread slept
 
 
+def _late_all_reduce(numel: int, late_s: float) -> float:
+    import torch.distributed as dist
+    x = torch.ones(numel)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if comm.rank() == 1:
+        time.sleep(late_s)              # rank 1 joins late: the transfer cannot start before it
+    comm.all_reduce(x)
+    return time.perf_counter() - t0
+
+
+def test_a_collective_starts_when_its_last_member_joins(linked2):
+    linked2.link = SLOW
+    expected = 0.1 + SLOW.seconds("all_reduce", 4e6, 2)
+    for took in linked2.apply(_late_all_reduce, 1_000_000, 0.1):
+        assert expected <= took <= 1.05 * expected
+
+
 def _timed_send(numel: int) -> float:
     import torch.distributed as dist
     x = torch.ones(numel)

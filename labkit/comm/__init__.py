@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..analysis.events import kind_of_call
 from ..errors import CollectiveTimeout, CommFailure, CommMismatch
 from ..record.recorder import Recorder
-from .emulate import LinkClock, hold_until, timer
+from .emulate import Joined, LinkClock, hold_until, timer
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -153,8 +153,8 @@ class Handle:
     def _completed(self):
         if self._done_at is None:
             done = self._ctx.recorder.mark()
-            if isinstance(self._deadline, float):      # the link's end, on the step's clock
-                done = max(done, self._deadline - self._ctx.recorder.origin)
+            if self._deadline is not None:      # the link's end, on the step's clock
+                done = max(done, self._resolve() - self._ctx.recorder.origin)
             self._done_at = done
 
     def _resolve(self) -> float | None:
@@ -194,7 +194,7 @@ class Handle:
         # Emulated link: a second future, settled by the link's timer thread at the deadline
         # (DDP waits on it at the end of backward; no thread of ours blocks meanwhile).
         late = torch.futures.Future()
-        future.add_done_callback(lambda f: timer().at(self._deadline, lambda: _settle(late, f)))
+        future.add_done_callback(lambda f: timer().at(self._resolve(), lambda: _settle(late, f)))
         return late
 
 
@@ -320,7 +320,7 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     else:
         start = ctx.recorder.mark()
         if ctx.link is not None and op in LINK_OPS:
-            deadline = ctx.link.collective(LINK_OPS[op], size, ranks, time.perf_counter())
+            deadline = _join(ctx, entry, LINK_OPS[op], size, ranks, group)
         work = _guard(ctx, entry, call)
     # A blocking call ends when its wait returns; only an async one needs gloo's thread to
     # note its completion (a Python callback there doubled a small blocking call's cost).
@@ -336,6 +336,15 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     # parallel all-reduce) is cut around it, so the wait counts as exposed comm, not compute.
     ctx.recorder.blocked(start, ctx.recorder.mark())
     return handle
+
+
+def _join(ctx: CommContext, entry: dict, op: str, size: int, ranks: list[int], group) -> Joined:
+    """Post this rank's start on the emulated link (a MAX all-reduce of one number, ahead of the
+    payload): the collective's deadline is the latest member's start plus its α-β time."""
+    tier, start, cost = ctx.link.collective(op, size, ranks, time.perf_counter())
+    stamp = torch.tensor([start], dtype=torch.float64)
+    work = _guard(ctx, entry, lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    return Joined(ctx.link, work, stamp, tier, cost)
 
 
 # labkit's op names → the link's (a barrier only aligns ranks: it moves no payload)

@@ -6,10 +6,11 @@ read one clock). A call is given a deadline when it is issued; its handle comple
 earlier, and the wait beyond gloo's real transfer is a sleep or a timer, off the CPU, as a NIC
 or a copy engine would leave the compute free.
 
-* A collective occupies both directions of its tier from max(issue, link free) for its α-β
-  time (:meth:`Link.seconds`); calls issued back to back queue, as on one NCCL stream. Each
-  rank starts it when its own link is free: the real call still waits for every member, but a
-  member's lateness is not added to the emulated time (the ranks of a step issue together).
+* A collective occupies both directions of its tier for its α-β time (:meth:`Link.seconds`)
+  from the moment the last member's link is free for it: each rank's own start, max(issue,
+  link free), travels in a one-number all-reduce (MAX) posted just before the payload, so a
+  rank that issues early waits for a late one, as on a real link. Calls issued back to back
+  queue, as on one NCCL stream.
 * A message leaves when the sender's link is free and occupies it for α + S/β; it arrives
   once the receiver's link is free as well, and occupies that as long. The sender's departure
   time travels ahead of the payload (one float64 message), so a rank receiving from n-1
@@ -31,13 +32,21 @@ class LinkClock:
         self.free: dict[tuple[str, str], float] = {}     # (tier, "tx" | "rx") → busy until
         self._lock = threading.Lock()     # calls come from the main thread and autograd's
 
-    def collective(self, op: str, nbytes: int, ranks: list[int], now: float) -> float:
-        """The deadline of a collective of size ``nbytes`` over ``ranks``, issued at ``now``."""
+    def collective(self, op: str, nbytes: int, ranks: list[int], now: float) -> tuple[str, float, float]:
+        """(tier, this rank's start, seconds) of a collective of ``nbytes`` over ``ranks`` issued
+        at ``now``; the link is held from this rank's start until :meth:`joined` knows better."""
         tier = self.link.tier(ranks)
         cost = self.link.seconds(op, nbytes, len(ranks), tier)
         with self._lock:
             start = max(now, self.free.get((tier, "tx"), 0.0), self.free.get((tier, "rx"), 0.0))
             self.free[(tier, "tx")] = self.free[(tier, "rx")] = start + cost
+        return tier, start, cost
+
+    def joined(self, tier: str, start: float, cost: float) -> float:
+        """The deadline of a collective whose last member was ready at ``start``."""
+        with self._lock:
+            for side in ("tx", "rx"):
+                self.free[(tier, side)] = max(self.free.get((tier, side), 0.0), start + cost)
         return start + cost
 
     def depart(self, dst: int, nbytes: int, now: float) -> tuple[float, float]:
@@ -57,6 +66,21 @@ class LinkClock:
             start = max(departed, self.free.get((tier, "rx"), 0.0))
             end = self.free[(tier, "rx")] = start + self.link.seconds("send", nbytes, 2, tier)
         return end
+
+
+class Joined:
+    """A collective's deadline, known once every member's start has arrived (``stamp``, reduced
+    with MAX by ``work``, which completes before the payload's call on the same group)."""
+
+    def __init__(self, clock: LinkClock, work, stamp, tier: str, cost: float):
+        self.clock, self.work, self.stamp, self.tier, self.cost = clock, work, stamp, tier, cost
+        self.deadline = None
+
+    def __call__(self) -> float:
+        if self.deadline is None:
+            self.work.wait()
+            self.deadline = self.clock.joined(self.tier, float(self.stamp[0]), self.cost)
+        return self.deadline
 
 
 def hold_until(deadline: float) -> None:
