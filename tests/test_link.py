@@ -28,7 +28,8 @@ SLOW = Link(bandwidth=20e6, latency=1e-3)      # 20 MB/s: 4 MB all-reduced over 
 
 # -- the arithmetic, no engines ---------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(bandwidth=-1.0), "bandwidth"), (dict(bandwidth=0), "bandwidth"), (dict(bandwidth=float("inf")), "bandwidth"),
+    (dict(bandwidth=-1.0), "bandwidth"), (dict(bandwidth=0), "bandwidth"),
+    (dict(bandwidth=float("inf")), "bandwidth"),
     (dict(bandwidth=1e9, latency=-1e-6), "latency"), (dict(bandwidth=1e9, gpus_per_node=0), "gpus_per_node"),
     (dict(bandwidth=1e9, inter_bandwidth=-5.0, gpus_per_node=2), "inter_bandwidth"),
     (dict(bandwidth=1e9, inter_bandwidth=1e8), "gpus_per_node"),
@@ -95,8 +96,8 @@ def test_scaled_keeps_the_targets_flops_per_byte():
 
 def test_balanced_makes_the_gradient_all_reduce_as_long_as_backward():
     from types import SimpleNamespace
-    events = [{"kind": "bwd", "rank": 0, "start": 0.0, "end": 0.01}, {"kind": "bwd", "rank": 0, "start": 0.02, "end": 0.03},
-              {"kind": "bwd", "rank": 1, "start": 0.0, "end": 0.5}, {"kind": "fwd", "rank": 0, "start": 0.0, "end": 0.5}]
+    span = lambda kind, rank, start, end: {"kind": kind, "rank": rank, "start": start, "end": end}  # noqa: E731
+    events = [span("bwd", 0, 0.0, 0.01), span("bwd", 0, 0.02, 0.03), span("bwd", 1, 0.0, 0.5), span("fwd", 0, 0.0, 0.5)]
     run = SimpleNamespace(timeline=SimpleNamespace(steps=[0, 1], events=events), parameter_bytes=[2e6, 2e6],
                           strategy=labkit.Strategy(dp=4))
     link = Link.balanced(run, latency=0.0)          # 10 ms of backward per step, rank 0
