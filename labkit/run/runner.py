@@ -180,6 +180,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         built = lab.apply(engine.setup_run, spec, run_id)
         relay_warnings(built, warned)
         run = Run(s, [], Timeline([], lab.world_size, grid=s), {}, spec.batch, ranks=lab.ranks)
+        run.link = getattr(lab, "link", None)      # the emulated link its calls obey (None: raw)
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
         peak = [0] * lab.world_size
         for step in range(spec.steps):

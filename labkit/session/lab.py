@@ -27,9 +27,10 @@ import psutil
 from .. import engine
 from ..config import Strategy
 from ..errors import ControllerDiedError, EngineDiedError, EngineNotAnsweringError, LabError
+from ..link import Link
 from ..parallel.build import RunSpec
 from ..run.result import Run
-from ..view.status import StatusLine
+from ..view.status import StatusLine, link_text
 from . import calls, lifetime
 from .checks import check_start
 from .launch import Launched, start_engines
@@ -62,20 +63,23 @@ class Lab:
         self._status: StatusLine | None = None     # the progress line (view.status), made on first use
         self._engine_procs: dict = {}         # rank → its engine's process, engines on this machine
         self._silent: dict[int, float] = {}   # rank → since when (monotonic) it has not answered
+        self._link: Link | None = None        # the emulated link every rank obeys; None: raw gloo
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
     def start(cls, engines: int = 2, timeout: float = 60.0, launcher: str = "local",
               progress: bool = True, start_timeout: float = 120.0, debug: bool = False,
-              **cluster_kwargs) -> "Lab":
+              link: Link | None = None, **cluster_kwargs) -> "Lab":
         """Start ``engines`` engines (one rank each) through ``launcher`` and initialise torch.distributed.
 
         ``launcher``: "local" (CPU engines on this machine, the default), "slurm", "mpi" or
         "ssh" (see :mod:`labkit.session.launchers`). ``timeout`` is the collective timeout in
         seconds (every group and barrier gets it). ``debug=True`` starts the engines with
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives checked across ranks for matching op
-        and shapes; a few ms per call).
+        and shapes; a few ms per call). ``link``: an emulated interconnect (:class:`labkit.Link`)
+        every labkit.comm call obeys; None, the default, is gloo at this machine's own speed.
         """
+        _check_link(link)
         check_start(engines, timeout, launcher, cluster_kwargs)
         status = StatusLine() if progress else None        # one line for the whole start
         launched = start_engines(launcher, engines, start_timeout, status and status.say, debug, **cluster_kwargs)
@@ -83,6 +87,8 @@ class Lab:
         lab.debug, lab._launched, lab._status = debug, launched, status
         try:
             lab._attach(expected=engines)
+            if link is not None:
+                lab.link = link
         except BaseException:
             lab.close()
             raise
@@ -90,8 +96,10 @@ class Lab:
 
     @classmethod
     def connect(cls, profile: str | None = None, cluster_id: str | None = None, url_file: str | None = None,
-                engines: int | None = None, timeout: float = 60.0, wait: float = 60.0) -> "Lab":
+                engines: int | None = None, timeout: float = 60.0, wait: float = 60.0,
+                link: Link | None = None) -> "Lab":
         """Attach to engines someone already started (``ipcluster start``, Slurm, MPI, SSH)."""
+        _check_link(link)
         kwargs = {k: v for k, v in dict(profile=profile, cluster_id=cluster_id, url_file=url_file).items() if v}
         client = ipp.Client(**kwargs)
         if engines:
@@ -101,6 +109,8 @@ class Lab:
             raise LabError(f"no engines are registered with the cluster ({kwargs or 'default profile'})")
         lab = cls(client, None, timeout)
         lab._attach(expected=len(client.ids))
+        if link is not None:
+            lab.link = link
         return lab
 
     def _say(self, text: str) -> None:
@@ -138,12 +148,14 @@ class Lab:
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
         limit, self._limit = self._limit, None            # the lab's own set-up: never the user's limit
         try:
-            self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
+            self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug,
+                       link=self._link)
             self.ranks = self.apply(engine.describe)
         finally:
             self._limit = limit
         self.store = (master, port)
-        self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port})")
+        self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port}; "
+                  f"{link_text(self._link, self.ranks[0]['backend'])})")
 
     # -- running code on the ranks ----------------------------------------------------------
     @property
@@ -166,6 +178,27 @@ class Lab:
         if not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"timeout={seconds!r} must be a number of seconds > 0")
         self._timeout, self._dirty = float(seconds), True
+
+    @property
+    def link(self) -> Link | None:
+        """The emulated interconnect (:class:`labkit.Link`) every labkit.comm call obeys; None:
+        gloo at this machine's own speed. Setting it takes effect from the next call on every
+        rank (groups and the current run's build stay; only the calls' times change)."""
+        return self._link
+
+    @link.setter
+    def link(self, link: Link | None) -> None:
+        _check_link(link)
+        if link is not None:
+            if any(r["backend"] != "gloo" for r in self.ranks):
+                raise ValueError("lab.link: an emulated link is for CPU engines (gloo); a GPU lab has its own "
+                                 "interconnect, so leave lab.link = None")
+            if len({r["host"] for r in self.ranks}) > 1:
+                raise ValueError("lab.link: the emulation times calls on one clock, so every rank must run on "
+                                 "one host; leave lab.link = None on a multi-host lab")
+        self.apply(engine.set_link, link)
+        self._link = link
+        self._say(f"labkit: {link_text(link, self.ranks[0]['backend'] if self.ranks else 'gloo')}")
 
     @contextmanager
     def hold(self, what: str):
@@ -540,6 +573,12 @@ class Lab:
         body = "".join(f"<tr><td>{r['rank']}</td><td>{r['host']}</td><td>{r['local_rank']}</td>"
                        f"<td>{r['device']}</td><td>{r['backend']}</td><td>{r['pid']}</td></tr>" for r in self.ranks)
         return f"<table>{head}{body}</table>"
+
+
+def _check_link(link) -> None:
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(f"link={link!r:.60} must be a labkit.Link (labkit.Link(bandwidth=..., latency=...), "
+                        f"labkit.Link.preset(name), labkit.Link.scaled(target, lab)) or None for raw gloo")
 
 
 def _held_error(what: str, holder: tuple[int, str]) -> LabError:
