@@ -179,8 +179,10 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         warned: set = set()           # engine warnings, each relayed once per rank and run
         built = lab.apply(engine.setup_run, spec, run_id)
         relay_warnings(built, warned)
-        run = Run(s, [], Timeline([], lab.world_size, grid=s), {}, spec.batch, ranks=lab.ranks)
-        run.link = getattr(lab, "link", None)      # the emulated link its calls obey (None: raw)
+        link = getattr(lab, "link", None)          # the emulated link its calls obey (None: raw gloo)
+        title = f"emulated link {link}" if link is not None else None     # shown on every timeline
+        run = Run(s, [], Timeline([], lab.world_size, title=title, grid=s), {}, spec.batch, ranks=lab.ranks)
+        run.link = link
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
         peak = [0] * lab.world_size
         for step in range(spec.steps):
