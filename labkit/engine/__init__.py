@@ -151,10 +151,10 @@ def _teardown(s: EngineSession) -> None:
     s.store = None
 
 
-def ensure_groups(dp: int, pp: int, tp: int) -> bool:
+def ensure_groups(dp: int, pp: int, tp: int, cp: int = 1) -> bool:
     """Build the grid's groups unless the same degrees are already in place; True if rebuilt."""
     s = session()
-    dims = ParallelDims(dp, pp, tp)
+    dims = ParallelDims(dp, pp, tp, cp)
     if s.groups is not None and s.groups.dims == dims:
         return False
     drop_job(s)

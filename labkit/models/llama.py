@@ -36,20 +36,23 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
+from ..parallel import context
 from .moe import MoE, MoEOutput, SwiGLU
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position × frequency, (T, head_dim), for the "rotate half" layout.
+
+    ``positions`` are the tokens' global positions: ``arange(T)``, or under context
+    parallelism the positions of the slice of the sequence this rank holds.
 
     Recomputed on every forward (T·head_dim/2 products, nothing next to the matmuls) rather
     than kept in a buffer: the state dict holds only parameters, and a model built on the
     ``meta`` device and materialised later needs no buffer re-initialised.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -61,7 +64,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE, through torch's scaled_dot_product_attention."""
+    """Causal grouped-query attention with RoPE. The softmax core is
+    :func:`labkit.parallel.context.attention`: torch's scaled_dot_product_attention, or across
+    the ranks of a context-parallel group (k and v travel with their n_kv_heads heads)."""
 
     def __init__(self, n_embd: int, n_head: int, n_kv_heads: int):
         super().__init__()
@@ -80,9 +85,7 @@ class Attention(nn.Module):
         # -1: the heads this rank holds (all of them without tensor parallelism)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))   # (B, h, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[1] // k.shape[1]          # query heads per kv head: the same on every rank
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = context.attention(q, k, v, causal=True)       # repeats k/v to the query heads (GQA)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -127,7 +130,8 @@ class LlamaModel(nn.Module):
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than llama.block_size={self.block_size}; "
                              f"use data with block_size ≤ {self.block_size} or a llama with block_size ≥ {t}")
-        cos, sin = rope_cos_sin(t, self.head_dim, self.rope_theta, idx.device)
+        # global positions of this rank's tokens (arange(t) unless the sequence is cut over cp ranks)
+        cos, sin = rope_cos_sin(context.positions(t, idx.device), self.head_dim, self.rope_theta)
         x = self.tok_emb(idx)
         aux = []
         for layer in self.layers:
