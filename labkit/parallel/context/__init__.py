@@ -67,6 +67,13 @@ def check_model(s, built, data) -> None:
         what = f"2·cp = {n} chunks (causal load balancing)" if s.cp_balance else f"cp = {n} slices"
         raise ValueError(f"Strategy.cp={s.cp}: a sequence of {t} tokens does not cut into {what}; use a block_size "
                          f"that is a multiple of {n}" + (", or cp_balance=False" if s.cp_balance else ""))
+    for name, m in built.named_modules():
+        if getattr(m, "aux_loss_coef", 0) and hasattr(m, "n_experts"):
+            # routing is per token (exact under cp), but the balance loss is a product of means
+            # over each whole sequence: a rank's slice gives another loss
+            raise ValueError(f"Strategy.cp={s.cp}: MoE layer {name} has aux_loss_coef={m.aux_loss_coef}, a "
+                             "sequence-wise balance loss that a slice of the sequence cannot compute; use "
+                             "labkit.models.llama(aux_loss_coef=0), or cp=1")
     calls = probe(built, x[:1])
     if not calls["attention"] or not calls["positions"]:
         missing = [k for k, v in calls.items() if not v]
