@@ -1,0 +1,96 @@
+"""Context parallelism on 4 engines: activation memory per rank against cp, bytes per step per
+mode against the formula, the ring's overlap, and the balanced against the contiguous split.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_context.py      # ~1–2 minutes
+
+Model: llama, 2 layers, 4 query / 2 key-value heads of 32 (n_embd 128), a sequence of T tokens.
+
+Memory: one sequence per model replica (Strategy(dp=4) with batch 4, dp=2·cp=2 with batch 2,
+cp=4 with batch 1): each rank holds T/cp of one sequence, and run.metrics'
+``peak_activation_bytes`` (the largest per rank) should fall as 1/cp.
+Bytes (per rank, per step, every layer; KV = one rank's K/V block, 2·B·Hkv·(T/cp)·hd·4 bytes):
+ring forward sends (cp−1)·KV, backward (cp−1)·KV again plus cp float32 gradient blocks;
+all-gather sends (cp−1)/cp of the gathered K/V forward, (cp−1)/cp of its gradient backward
+(reduce-scatter): 2·(cp−1)·KV. Measured: the ``bytes`` of the "cp …" events labkit.comm recorded.
+Overlap: each ring hop's receive (posted before the round's attention) against the rank's
+"attention" spans: |recv ∩ attention| / |recv|; and the time the receive still had to run
+after the round's compute ended (exposed). Balance: per rank, the summed attention compute of
+the ring rounds, and the idle time max − own (the causal work the slowest rank does beyond it).
+Timings are CPU, gloo, noisy (a shared machine): read them as shapes, not numbers.
+"""
+from __future__ import annotations
+
+import argparse
+from statistics import mean
+
+import labkit
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of interval list ``a`` with interval list ``b``."""
+    return sum(max(0.0, min(e0, e1) - max(s0, s1)) for s0, e0 in a for s1, e1 in b)
+
+
+def step_events(run, step: int) -> list[dict]:
+    return [e for e in run.timeline.events if e["step"] == step]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    t, layers, hkv, hd = args.seq, 2, 2, 32
+    data = {b: labkit.data.text(batch=b, block_size=t) for b in (1, 2, 4)}
+    model = labkit.models.llama(n_layer=layers, n_head=4, n_kv_heads=hkv, n_embd=128, block_size=t,
+                                vocab_size=data[4].vocab_size)
+    kw = dict(loss="cross_entropy", steps=args.steps, lr=0.1, seed=0)
+    last = args.steps - 1
+    lab = labkit.Lab.start(engines=4, timeout=60, progress=False)
+    try:
+        print(f"activation memory per rank, one sequence of {t} tokens per replica")
+        print(f"{'strategy':>22} {'tokens/rank':>12} {'peak act. MiB':>14} {'vs cp=1':>8}")
+        base = None
+        for s, b in ((labkit.Strategy(dp=4), 4), (labkit.Strategy(dp=2, cp=2), 2), (labkit.Strategy(cp=4), 1)):
+            run = lab.run(s, model=model, data=data[b], batch=b, **kw)
+            peak = max(run.metrics["peak_activation_bytes"])
+            base = base or peak
+            print(f"{s.label():>22} {t // s.cp:>12} {peak / 2**20:>14.2f} {peak / base:>8.2f}")
+
+        print(f"\nbytes per rank per step (batch 4, T={t}), measured vs formula")
+        print(f"{'mode':>10} {'cp':>3} {'KV block B':>11} {'measured B':>12} {'formula B':>12} {'ratio':>6}")
+        for cp in (2, 4):
+            for mode in ("ring", "allgather"):
+                s = labkit.Strategy(dp=4 // cp, cp=cp, cp_mode=mode)
+                run = lab.run(s, model=model, data=data[4], batch=4, **kw)
+                kv = 2 * (4 // s.dp) * hkv * (t // cp) * hd * 4
+                per_rank = [sum(e["bytes"] for e in step_events(run, last) if e["rank"] == r
+                                and e["name"].startswith("cp ") and e["kind"] in ("send", "allgather", "reduce_scatter"))
+                            for r in range(4)]
+                formula = layers * (((cp - 1) * 2 + cp) * kv if mode == "ring" else 2 * (cp - 1) * kv)
+                print(f"{mode:>10} {cp:>3} {kv:>11} {mean(per_rank):>12.0f} {formula:>12} "
+                      f"{mean(per_rank) / formula:>6.3f}")
+
+        print(f"\nring (cp=4, batch 1, T={t}): overlap of each hop with the attention, balanced vs contiguous")
+        print(f"{'split':>11} {'rank':>4} {'attn ms':>8} {'idle ms':>8} {'hop ms':>7} {'overlap':>8} {'exposed ms':>10}")
+        for balance in (True, False):
+            s = labkit.Strategy(cp=4, cp_balance=balance)
+            run = lab.run(s, model=model, data=data[1], batch=1, **kw)
+            events = step_events(run, last)
+            attn = {r: [(e["start"], e["end"]) for e in events if e["rank"] == r and e["kind"] == "attention"]
+                    for r in range(4)}
+            busy = {r: sum(e - s0 for s0, e in attn[r]) for r in range(4)}
+            for r in range(4):
+                hops = [(e["start"], e["end"]) for e in events if e["rank"] == r and e["kind"] == "recv"
+                        and e["name"].startswith("cp kv")]
+                hop_s = sum(e - s0 for s0, e in hops)
+                under = overlap(hops, attn[r])
+                print(f"{'balanced' if balance else 'contiguous':>11} {r:>4} {busy[r] * 1e3:>8.2f} "
+                      f"{(max(busy.values()) - busy[r]) * 1e3:>8.2f} {hop_s * 1e3:>7.2f} "
+                      f"{under / hop_s if hop_s else 0:>8.2f} {(hop_s - under) * 1e3:>10.2f}")
+    finally:
+        lab.close()
+
+
+if __name__ == "__main__":
+    main()
