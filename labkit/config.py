@@ -85,7 +85,8 @@ class Strategy:
                          "them (labkit.parallel.context); the model's attention must opt in.",
                       axis="degrees", label="cp={}")
     cp_mode: str = setting("ring", "How attention crosses the cp ranks: 'ring' (K/V blocks passed round the ring "
-                                   "under each round's compute) or 'allgather' (K/V gathered once, Llama 3).",
+                                   "under each round's compute), 'allgather' (K/V gathered once, Llama 3) or "
+                                   "'ulysses' (all-to-all to head-split and back; heads divide by cp).",
                            axis="cp", choices=_context.CP_MODES, label="{}")
     cp_balance: bool = setting(True, "Causal load balancing: rank i holds sequence chunks i and 2·cp−1−i (equal "
                                      "work under the causal mask); False: contiguous slices.", axis="cp",

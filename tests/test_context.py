@@ -45,7 +45,7 @@ class Plain(nn.Module):
     (dict(dp=2, cp=2, ep=2), "ep=2"),
     (dict(dp=2, cp=2, zero=1), "zero=1"),
     (dict(tp=2, cp=2, sequence_parallel=True), "sequence_parallel"),
-    (dict(cp=2, cp_mode="ulysses"), "cp_mode='ulysses' is unknown"),
+    (dict(cp=2, cp_mode="tree"), "cp_mode='tree' is unknown"),
     (dict(cp=0), "cp=0"),
 ])
 def test_strategy_checks_its_cp_fields(kwargs, match):
@@ -58,6 +58,8 @@ def test_strategy_checks_its_cp_fields(kwargs, match):
     (llama(), labkit.Strategy(cp=4, cp_balance=False), labkit.data.text(batch=8, block_size=14), "cp = 4 slices"),
     (Plain, labkit.Strategy(cp=2), DATA, "never calls labkit.parallel.context.attention nor positions"),
     (llama(n_experts=4, aux_loss_coef=0.01), labkit.Strategy(cp=2), DATA, "aux_loss_coef=0.01"),
+    (llama(), labkit.Strategy(cp=4, cp_mode="ulysses"), DATA, "key/value heads \\(2\\) over cp=4"),
+    (llama(n_kv_heads=4), labkit.Strategy(tp=2, cp=4, cp_mode="ulysses"), DATA, "query heads \\(4 over tp=2\\)"),
 ])
 def test_bad_input_is_refused_before_any_engine(model, strategy, data, match):
     with pytest.raises(ValueError, match=match):
@@ -100,8 +102,11 @@ def test_without_cp_the_attention_is_torchs():
     (labkit.Strategy(cp=4, cp_mode="allgather", cp_balance=False), llama()),
     (labkit.Strategy(cp=4, cp_balance=False, dp_mode="ddp"), llama()),
     (labkit.Strategy(dp=2, cp=2), llama(n_experts=4, top_k=2, aux_loss_coef=0)),
+    (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), llama()),
+    (labkit.Strategy(cp=4, cp_mode="ulysses", cp_balance=False), llama(n_head=8, n_kv_heads=4, n_embd=64)),
 ], ids=["dp2cp2-ring", "dp2cp2-allgather", "tp2cp2-ring", "tp2cp2-allgather", "cp4-ring",
-        "cp4-allgather-contiguous", "cp4-ring-contiguous-ddp", "dp2cp2-ring-moe"])
+        "cp4-allgather-contiguous", "cp4-ring-contiguous-ddp", "dp2cp2-ring-moe", "dp2cp2-ulysses",
+        "cp4-ulysses-contiguous"])
 def test_context_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
@@ -109,21 +114,25 @@ def test_context_parallel_equals_one_process(lab4, strategy, model):
     assert run.max_diff(ref) <= TOL
 
 
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
 def test_bytes_sent_per_layer_are_the_formula(lab4, mode):
-    """cp=4, batch 8 over one dp rank, 4 of 16 tokens each, 2 kv heads of 8: a K/V block is
-    2·8·2·4·8 floats. Ring: forward cp−1 blocks, backward cp−1 blocks and cp float32 gradient
-    blocks; all-gather: (cp−1)/cp of the gathered K/V, and the same of its gradient."""
+    """cp=4, batch 8 over one dp rank, 4 of 16 tokens each, 4 heads (2 kv) of 8: a K/V block is
+    2·8·2·4·8 floats, q 8·4·4·8. Ring: forward cp−1 blocks, backward cp−1 blocks and cp float32
+    gradient blocks; all-gather: (cp−1)/cp of the gathered K/V, and the same of its gradient;
+    Ulysses: (cp−1)/cp of q, k, v and the output, each way."""
     cp, layers = 4, SIZES["n_layer"]
-    run = lab4.run(labkit.Strategy(cp=cp, cp_mode=mode), model=llama(), **{**KW, "steps": 1})
-    block = 2 * 8 * 2 * (16 // cp) * 8 * 4
+    model = llama(n_kv_heads=4) if mode == "ulysses" else llama()
+    run = lab4.run(labkit.Strategy(cp=cp, cp_mode=mode), model=model, **{**KW, "steps": 1})
+    block, q = 2 * 8 * 2 * (16 // cp) * 8 * 4, 8 * 4 * (16 // cp) * 8 * 4
     for rank in range(cp):
         sent = [e for e in run.timeline.events if e["rank"] == rank and e["name"].startswith("cp ")
-                and e["kind"] in ("send", "allgather", "reduce_scatter")]
+                and e["kind"] in ("send", "allgather", "reduce_scatter", "all_to_all")]
         total = sum(e["bytes"] for e in sent)
         if mode == "ring":
             assert total == layers * ((cp - 1) + (cp - 1) + cp) * block
             rounds = {e["name"] for e in run.timeline.events if e["rank"] == rank and e["kind"] == "attention"}
             assert rounds == {f"ring {d} {j}" for d in ("fwd", "bwd") for j in range(cp)}
-        else:
+        elif mode == "allgather":
             assert total == layers * 2 * (cp - 1) * block
+        else:             # 4 kv heads here: k and v as big as q
+            assert total == layers * 2 * (cp - 1) * 4 * q // cp

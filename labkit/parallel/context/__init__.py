@@ -27,7 +27,7 @@ that calls neither. This file owns the axis's rules (:func:`check_strategy`, cal
 """
 from __future__ import annotations
 
-CP_MODES = ("ring", "allgather")
+CP_MODES = ("ring", "allgather", "ulysses")       # .ring, .allgather, .ulysses
 
 _active = None        # this engine's ContextParallel while a cp job is built (labkit.parallel.build)
 
@@ -76,11 +76,17 @@ def check_model(s, built, data) -> None:
                              "labkit.models.llama(aux_loss_coef=0), or cp=1")
     calls = probe(built, x[:1])
     if not calls["attention"] or not calls["positions"]:
-        missing = [k for k, v in calls.items() if not v]
+        missing = [k for k in ("attention", "positions") if not calls[k]]
         raise ValueError(f"Strategy.cp={s.cp}: the model never calls labkit.parallel.context."
                          f"{' nor '.join(missing)}, so its attention cannot see the other ranks' tokens; route its "
                          "attention core and positions through labkit.parallel.context (see its docstring: "
                          "labkit.models.llama does), or use cp=1")
+    if s.cp_mode == "ulysses":
+        for what, heads in (("query", calls["q_heads"]), ("key/value", calls["kv_heads"])):
+            if heads % (s.tp * s.cp):
+                raise ValueError(f"Strategy.cp_mode='ulysses' splits the {what} heads ({heads}"
+                                 f"{f' over tp={s.tp}' if s.tp > 1 else ''}) over cp={s.cp} ranks; use "
+                                 f"{what} heads divisible by {s.tp * s.cp}, a cp dividing them, or cp_mode='ring'")
 
 
 def probe(model, x) -> dict:
@@ -101,10 +107,11 @@ class _Probe:
     """A stand-in context that computes as cp = 1 and counts the calls."""
 
     def __init__(self):
-        self.calls = {"attention": 0, "positions": 0}
+        self.calls = {"attention": 0, "positions": 0, "q_heads": 0, "kv_heads": 0}
 
     def attention(self, q, k, v, causal):
         self.calls["attention"] += 1
+        self.calls["q_heads"], self.calls["kv_heads"] = q.shape[1], k.shape[1]
         return local_attention(q, k, v, causal)
 
     def positions(self, t, device):

@@ -60,6 +60,9 @@ class ContextParallel:
         if self.mode == "ring":
             from .ring import ring_attention
             return ring_attention(q, k, v, causal, self)
+        if self.mode == "ulysses":
+            from .ulysses import ulysses_attention
+            return ulysses_attention(q, k, v, causal, self)
         from .allgather import allgather_attention
         return allgather_attention(q, k, v, causal, self)
 
