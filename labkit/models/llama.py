@@ -41,16 +41,19 @@ from ..parallel import context
 from .moe import MoE, MoEOutput, SwiGLU
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor | int, head_dim: int, theta: float,
+                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position × frequency, (T, head_dim), for the "rotate half" layout.
 
-    ``positions`` are the tokens' global positions: ``arange(T)``, or under context
-    parallelism the positions of the slice of the sequence this rank holds.
+    ``positions`` are the tokens' global positions (T,): under context parallelism those of
+    the slice of the sequence this rank holds; an int T means ``arange(T)`` on ``device``.
 
     Recomputed on every forward (T·head_dim/2 products, nothing next to the matmuls) rather
     than kept in a buffer: the state dict holds only parameters, and a model built on the
     ``meta`` device and materialised later needs no buffer re-initialised.
     """
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
