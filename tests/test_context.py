@@ -103,10 +103,11 @@ def test_without_cp_the_attention_is_torchs():
     (labkit.Strategy(cp=4, cp_balance=False, dp_mode="ddp"), llama()),
     (labkit.Strategy(dp=2, cp=2), llama(n_experts=4, top_k=2, aux_loss_coef=0)),
     (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), llama()),
+    (labkit.Strategy(dp=2, cp=2, recompute="full"), llama()),           # the ring runs again in backward
     (labkit.Strategy(cp=4, cp_mode="ulysses", cp_balance=False), llama(n_head=8, n_kv_heads=4, n_embd=64)),
 ], ids=["dp2cp2-ring", "dp2cp2-allgather", "tp2cp2-ring", "tp2cp2-allgather", "cp4-ring",
         "cp4-allgather-contiguous", "cp4-ring-contiguous-ddp", "dp2cp2-ring-moe", "dp2cp2-ulysses",
-        "cp4-ulysses-contiguous"])
+        "dp2cp2-ring-recompute", "cp4-ulysses-contiguous"])
 def test_context_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
