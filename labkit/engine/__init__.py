@@ -140,6 +140,8 @@ def drop_job(s: EngineSession) -> None:
     job, s.job, s.run_id = s.job, None, None
     if job is not None:
         job.close()
+    from ..parallel.context import deactivate
+    deactivate()                  # a cp job's attention context goes with it
 
 
 def _teardown(s: EngineSession) -> None:

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 CP_MODES = ("ring", "allgather", "ulysses")       # .ring, .allgather, .ulysses
 
-_active = None        # this engine's ContextParallel while a cp job is built (labkit.parallel.build)
+_active = None        # this engine's ContextParallel while a cp job is set up (labkit.parallel.build)
 
 
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible context-parallel setting."""
     if s.cp == 1:
         return
-    for name, value, default, fix in (("pp", s.pp, 1, "pp=1"), ("ep", s.ep, 1, "ep=1"), ("zero", s.zero, 0, "zero=0"),
-                                      ("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
-                                      ("tp_mode", s.tp_mode if s.tp > 1 else "megatron", "megatron",
-                                       "tp_mode='megatron'")):
-        if value != default:
+    # what it composes with is what the exactness tests cover: dp (every mode) and Megatron tp
+    unsupported = (("pp", s.pp, 1, "pp=1"), ("ep", s.ep, 1, "ep=1"), ("zero", s.zero, 0, "zero=0"),
+                   ("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
+                   ("tp_mode", s.tp_mode, "megatron", "tp_mode='megatron'"))
+    for name, value, default, fix in unsupported:
+        if value != default and (name != "tp_mode" or s.tp > 1):
             raise ValueError(f"Strategy.cp={s.cp} with {name}={value!r}: context parallelism composes with dp and "
                              f"Megatron tp here, not (yet) with this; use {fix}, or cp=1")
 
@@ -143,6 +144,12 @@ def local_attention(q, k, v, causal: bool = True):
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def deactivate() -> None:
+    """Forget this engine's context (its job is dropped): later code computes as one process."""
+    global _active
+    _active = None
 
 
 def build_context_parallel(s, groups, data):
