@@ -131,16 +131,8 @@ def test_bytes_sent_per_layer_are_the_formula(lab4, mode):
         total = sum(e["bytes"] for e in sent)
         if mode == "ring":
             assert total == layers * ((cp - 1) + (cp - 1) + cp) * block
-            mine = {e["name"]: e for e in run.timeline.events if e["rank"] == rank}
-            rounds = {name for name, e in mine.items() if e["kind"] == "attention"}
+            rounds = {e["name"] for e in run.timeline.events if e["rank"] == rank and e["kind"] == "attention"}
             assert rounds == {f"ring {d} {j}" for d in ("fwd", "bwd") for j in range(cp)}
-            # each hop is posted before the round's attention starts (it travels under it)
-            hops = [e for e in run.timeline.events if e["rank"] == rank and e["kind"] == "recv"
-                    and e["name"] == "cp kv 1"]
-            assert len(hops) == layers and all(h["start"] <= e["start"] for h, e in zip(
-                sorted(hops, key=lambda e: e["start"]),
-                sorted([e for e in run.timeline.events if e["rank"] == rank and e["name"] == "ring fwd 0"],
-                       key=lambda e: e["start"])))
         elif mode == "allgather":
             assert total == layers * 2 * (cp - 1) * block
         else:             # 4 kv heads here: k and v as big as q
