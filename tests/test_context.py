@@ -45,6 +45,8 @@ class Plain(nn.Module):
     (dict(dp=2, cp=2, ep=2), "ep=2"),
     (dict(dp=2, cp=2, zero=1), "zero=1"),
     (dict(tp=2, cp=2, sequence_parallel=True), "sequence_parallel"),
+    (dict(tp=2, cp=2, tp_mode="dtensor"), "tp_mode='dtensor'"),
+    (dict(dp=2, cp=2, sync_batchnorm=True), "sync_batchnorm"),
     (dict(cp=2, cp_mode="tree"), "cp_mode='tree' is unknown"),
     (dict(cp=0), "cp=0"),
 ])

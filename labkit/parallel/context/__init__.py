@@ -39,6 +39,7 @@ def check_strategy(s) -> None:
     # what it composes with is what the exactness tests cover: dp (every mode) and Megatron tp
     unsupported = (("pp", s.pp, 1, "pp=1"), ("ep", s.ep, 1, "ep=1"), ("zero", s.zero, 0, "zero=0"),
                    ("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
+                   ("sync_batchnorm", s.sync_batchnorm, False, "sync_batchnorm=False"),
                    ("tp_mode", s.tp_mode, "megatron", "tp_mode='megatron'"))
     for name, value, default, fix in unsupported:
         if value != default and (name != "tp_mode" or s.tp > 1):
