@@ -31,7 +31,7 @@ from torch import nn
 from ..config import Strategy
 from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward
-from .context import build_context_parallel
+from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of

@@ -23,7 +23,8 @@ holds (``arange(T)`` without cp)::
 Keys and values may have fewer heads than queries (grouped-query attention): they travel
 unrepeated. :func:`check_model` runs the model once on a probe and refuses cp for a model
 that calls neither. This file owns the axis's rules (:func:`check_strategy`, called by
-``Strategy``; :func:`check_model`, called before any engine) and imports nothing heavy.
+``Strategy``; :func:`check_model`, called before any engine) and imports nothing heavy; the
+engine side (the ring, the collectives) is reached through :mod:`.layout`.
 """
 from __future__ import annotations
 
@@ -147,19 +148,12 @@ def local_attention(q, k, v, causal: bool = True):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def activate(ctx) -> None:
+    """Make ``ctx`` (a :class:`.layout.ContextParallel`) this engine's context; None forgets it."""
+    global _active
+    _active = ctx
+
+
 def deactivate() -> None:
     """Forget this engine's context (its job is dropped): later code computes as one process."""
-    global _active
-    _active = None
-
-
-def build_context_parallel(s, groups, data):
-    """Engine side, for a run's job: install this rank's context (cp > 1; none otherwise, so a
-    later run computes as one process) and return the data cut to this rank's tokens."""
-    global _active
-    _active = None
-    if s.cp == 1:
-        return data
-    from .layout import ContextParallel, ShardedData
-    _active = ContextParallel(groups.cp, groups.cp_ranks, groups.cp_index, s.cp_mode, s.cp_balance)
-    return ShardedData(data, _active)
+    activate(None)

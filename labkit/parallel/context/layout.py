@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from . import activate
+
 
 def rank_chunks(index: int, cp: int, balance: bool) -> tuple[int, int]:
     """The two global chunk ids (of 2·cp) that cp rank ``index`` holds, in order."""
@@ -76,3 +78,14 @@ class ShardedData:
     def __call__(self, step: int):
         x, y = self.data(step)
         return self.cp.shard(x), self.cp.shard(y)
+
+
+def build_context_parallel(s, groups, data):
+    """Engine side, for a run's job: install this rank's context (cp > 1; none otherwise, so a
+    later run computes as one process) and return the data cut to this rank's tokens."""
+    activate(None)
+    if s.cp == 1:
+        return data
+    cp = ContextParallel(groups.cp, groups.cp_ranks, groups.cp_index, s.cp_mode, s.cp_balance)
+    activate(cp)
+    return ShardedData(data, cp)
