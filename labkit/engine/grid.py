@@ -185,7 +185,7 @@ def build_groups(dims: ParallelDims, rank: int, timeout_s: float, backend: str |
                 mine[kind] = (group, ranks)
     return ProcessGroups(dims, rank, mine["dp"][0], mine["pp"][0], mine["tp"][0],
                          mine["dp"][1], mine["pp"][1], mine["tp"][1], *mine["embedding"], timeout_s, backend,
-                         None, *mine["cp"], *mine["dp_cp"])
+                         cp=mine["cp"][0], cp_ranks=mine["cp"][1], dp_cp=mine["dp_cp"][0], dp_cp_ranks=mine["dp_cp"][1])
 
 
 @dataclass

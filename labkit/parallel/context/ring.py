@@ -9,8 +9,10 @@ softmax (:mod:`.blocks`). cp − 1 hops of one K/V block each.
 
 Backward goes round the ring the same way, by hand (no autograd graph over the rounds):
 the key/value blocks travel again (cp − 1 hops, posted before each round's compute), and
-beside each block travels the gradient of its keys and values accumulated so far; each rank
-adds its own queries' share and passes it on, so after cp hops it is back home, complete.
+beside each block travels the gradient of its keys and values accumulated so far (float32);
+each rank adds its own queries' share and passes it on, so after cp hops it is back home,
+complete. A gradient hop can only be posted once the round's compute made it, so it travels
+under the next round's compute instead.
 What is kept for backward is this rank's q, k, v, output and log-sum-exp only: no other
 rank's block is stored (the memory that makes long sequences fit).
 
@@ -24,7 +26,7 @@ import torch
 from ... import comm
 from .blocks import SKIP, block_backward, block_forward, merge, relation
 
-KV_TAG, GRAD_TAG = 36_001, 36_002      # a block and its gradient both go i → i + 1: kept apart
+KV_TAG, GRAD_TAG = 1, 2       # a block and its gradient both go i → i + 1: kept apart (cp group only)
 
 
 def _pairs(cp, src: int, causal: bool, c: int):
