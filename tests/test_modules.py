@@ -141,6 +141,15 @@ def test_a_tuple_or_an_output_object_reaches_the_loss(lab2, model, strategy):
     check(lab2.run(labkit.Strategy(**strategy), model=model, blocks="layers", **KW), model=model)
 
 
+def test_zero3_times_the_blocks_and_the_modules_around_them(lab2):
+    run = lab2.run(labkit.Strategy(dp=2, zero=3), model=Net, **KW)
+    names = [(e["kind"], e["name"]) for e in run.timeline.events if e["rank"] == 0 and e["step"] == 2
+             and e["kind"] in ("fwd", "bwd")]
+    assert names == [("fwd", "F tok_emb"), ("fwd", "F block layers.0"), ("fwd", "F block layers.1"),
+                     ("fwd", "F norm"), ("fwd", "F head"), ("bwd", "Linear head"), ("bwd", "LayerNorm norm"),
+                     ("bwd", "Block layers.1"), ("bwd", "Block layers.0"), ("bwd", "Embedding tok_emb")]
+
+
 def test_drift_snapshots_name_the_modules_parameters(lab2):
     net = Net()                          # an instance: copied as it is, on every rank and here
     run = lab2.run(labkit.Strategy(dp=2, dp_mode="overlap"), model=net, snapshots=True, **KW)
