@@ -100,6 +100,15 @@ class LogitsNet(Net):
         return Output(logits, 0.01 * self.pos.pow(2).mean())
 
 
+class SplitHeadNet(Net):
+    """Hugging Face's plan names for the embedding and a head whose output is gathered."""
+
+    tp_plan = {**Net.tp_plan, "tok_emb": "embedding_rowwise", "head": "colwise_gather_output"}
+
+    def __init__(self):
+        super().__init__(vocab=DATA.vocab_size + DATA.vocab_size % 2)     # a vocabulary tp=2 divides
+
+
 KW = dict(data=DATA, loss="cross_entropy", batch=8, steps=3, lr=0.3, seed=0)
 _refs = {}
 
@@ -130,6 +139,11 @@ def test_a_plain_transformer_equals_one_process(lab2, strategy):
     s = labkit.Strategy(**strategy)
     tol = 2e-3 if s.compression != "none" else TOL   # fp16 messages: the rounding of 3 steps' gradients
     check(lab2.run(s, model=Net, **KW), tol=tol)
+
+
+@pytest.mark.parametrize("tp_mode", ["megatron", "dtensor"])
+def test_hugging_face_plan_styles_split_the_embedding_and_head(lab2, tp_mode):
+    check(lab2.run(labkit.Strategy(tp=2, tp_mode=tp_mode), model=SplitHeadNet, **KW), model=SplitHeadNet)
 
 
 def test_bf16_within_its_tolerance(lab2):
