@@ -100,6 +100,27 @@ class LogitsNet(Net):
         return Output(logits, 0.01 * self.pos.pow(2).mean())
 
 
+class DeltaBlock(Block):
+    def forward(self, x):                # the update only: the caller adds the residual
+        h = self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(x + h))
+
+
+class KeywordNet(Net):
+    """Blocks called with keywords, the residual added outside them: no block's input is the
+    output of the one before, which ZeRO-3's backward gathers must not rely on."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(DeltaBlock(32, 2) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            x = x + layer(x=x)
+        return self.head(self.norm(x))
+
+
 class SplitHeadNet(Net):
     """Hugging Face's plan names for the embedding and a head whose output is gathered."""
 
@@ -150,7 +171,8 @@ def test_bf16_within_its_tolerance(lab2):
     check(lab2.run(labkit.Strategy(dp=2, precision="bf16"), model=Net, **KW), tol=BF16_TOL)
 
 
-@pytest.mark.parametrize("model, strategy", [(TupleNet, dict(dp=2, zero=3)), (LogitsNet, dict(dp=2, microbatches=2))])
+@pytest.mark.parametrize("model, strategy", [(TupleNet, dict(dp=2, zero=3)), (LogitsNet, dict(dp=2, microbatches=2)),
+                                             (KeywordNet, dict(dp=2, zero=3, prefetch=1, microbatches=2))])
 def test_a_tuple_or_an_output_object_reaches_the_loss(lab2, model, strategy):
     check(lab2.run(labkit.Strategy(**strategy), model=model, blocks="layers", **KW), model=model)
 
