@@ -314,3 +314,23 @@ def test_the_checks_read_a_factory_built_on_the_meta_device():
     validate(RunSpec(labkit.Strategy(dp=2, zero=3), Huge, DATA, "cross_entropy", batch=8, steps=1), 2)
     with pytest.raises(ValueError, match="no trainable parameters"):      # still read from the meta model
         validate(RunSpec(labkit.Strategy(dp=2), lambda: Huge().requires_grad_(False), DATA, batch=8), 2)
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=DATA.vocab_size + DATA.vocab_size % 2, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("strategy", [dict(dp=2, zero=3), dict(tp=2)], ids=["zero3", "tp2"])
+def test_a_hugging_face_model_as_users_bring_it(lab2, strategy):
+    """model.model.layers found as its blocks, its own tp_plan (embedding_rowwise, colwise_gather_output),
+    its CausalLMOutputWithPast read for .logits."""
+    pytest.importorskip("transformers")
+    run = lab2.run(labkit.Strategy(**strategy), model=hf_llama, **KW)
+    ref = reference(hf_llama)
+    assert sorted(run.parameters()) == sorted(ref.parameters())
+    assert run.max_diff(ref) < TOL
