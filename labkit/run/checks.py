@@ -9,6 +9,7 @@ import math
 import warnings
 from typing import Callable
 
+import torch
 from torch import nn
 
 
@@ -43,3 +44,111 @@ def warn_batch_norm(model: nn.Module, strategy) -> None:
         warnings.warn(f"the model has {where}: with microbatches={strategy.microbatches} each micro-batch "
                       "is normalised by its own statistics, so the run departs from one process "
                       "(use microbatches=1 to match it)", UserWarning, stacklevel=4)
+
+
+# -- buffers a forward writes (checked on the engines, on the first step) ------------------------
+def written_buffers(model: nn.Module, before: dict | None = None):
+    """With ``before`` None: a copy of ``model``'s buffers (BatchNorm's left out: warned about by
+    :func:`warn_batch_norm`). Else: the names of the buffers that differ from ``before``."""
+    norms = {name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    now = {name: b for name, b in model.named_buffers()
+           if name.rpartition(".")[0] not in norms and isinstance(b, torch.Tensor)}
+    if before is None:
+        return {name: b.detach().clone() for name, b in now.items()}
+    return [name for name, b in now.items()
+            if name in before and (b.shape != before[name].shape or not torch.equal(b.detach(), before[name]))]
+
+
+def warn_written_buffers(names: list, strategy) -> None:
+    """A buffer the forward writes (an EMA, a counter) is updated from the rows a forward sees:
+    under dp each replica updates its own copy from its 1/dp of the batch (the copies drift
+    apart; gradients are averaged, buffers are not), and with micro-batches it is updated once
+    per micro-batch instead of once per step. Either way the run departs from one process."""
+    if not names or (strategy.dp == 1 and strategy.microbatches == 1):
+        return
+    where = f"{len(names)} buffer(s) ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
+    why = []
+    if strategy.dp > 1:
+        why.append(f"with dp={strategy.dp} each replica updates its own copy from its 1/{strategy.dp} of the "
+                   "batch (gradients are averaged, buffers are not)")
+    if strategy.microbatches > 1:
+        why.append(f"with microbatches={strategy.microbatches} they are updated once per micro-batch, not "
+                   "once per step")
+    warnings.warn(f"the model's forward writes {where}: {'; '.join(why)}, so the run departs from one "
+                  "process; keep state out of forward, sync it yourself (all-reduce it over the dp group "
+                  "after the step), or accept the departure (dp=1 and microbatches=1 match exactly)",
+                  UserWarning, stacklevel=2)
+
+
+# -- the loss contract (checked in the notebook on the first batch) ------------------------------
+def check_loss(loss: Callable, model: nn.Module, data: Callable, batch: int) -> None:
+    """A user's ``loss(output, target)`` must return a scalar tensor that is the MEAN over the
+    rows it is given: labkit averages it over dp replicas and micro-batches, which is one
+    process's loss only for a mean. Checked on the first batch's targets and the model's
+    output shapes (the model runs on the meta device: no weights, nothing written): the loss
+    of two rows must equal the loss of those rows given twice. A sum doubles: refused."""
+    from ..models.training import TokenLoss
+    if isinstance(loss, TokenLoss) or not callable(loss):
+        return
+    sample = _sample_outputs(model, data, batch)
+    if sample is None:                  # outputs labkit cannot make: the engines check the type
+        return
+    out, twice, y = sample
+    try:
+        once_value, twice_value = loss(out, y), loss(twice, torch.cat([y, y]))
+    except Exception:                   # the real run reports the loss's own error, with its step
+        return
+    for value in (once_value, twice_value):
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+                f"a {type(value).__name__}"
+            raise TypeError(f"loss: returned {what} on the first batch, not a scalar tensor; return the mean over "
+                            "the rows as a tensor, e.g. ((o - y) ** 2).mean() (not .item() or float(...))")
+    a, b = float(once_value), float(twice_value)
+    if not (math.isfinite(a) and math.isfinite(b)) or abs(a) < 1e-12:
+        return
+    if abs(b - 2 * a) <= 1e-4 * abs(a):
+        raise ValueError("loss: it doubles when the batch is given twice, so it is a SUM over the rows; labkit "
+                         "averages the loss over dp replicas and micro-batches, which matches one process only "
+                         "for a mean: end it with .mean() (or reduction=\"mean\"), or, for tokens with padding, "
+                         "use labkit.losses.token_loss")
+    if abs(b - a) > 1e-4 * abs(a):
+        warnings.warn(f"loss: the loss of a batch given twice is {b / a:.3g}× the batch's own, so it is not a mean "
+                      "over the rows; under dp or micro-batches the run departs from one process (return a "
+                      "mean over the rows to match it)", UserWarning, stacklevel=3)
+
+
+def _sample_outputs(model: nn.Module, data: Callable, batch: int):
+    """(random outputs of two rows, the same rows twice, their targets) shaped by the model's
+    forward on the meta device, or None where that cannot be done."""
+    from torch.func import functional_call
+    try:
+        x, y = data(0)
+        rows = min(2, batch)
+        x2 = {k: v[:rows] for k, v in x.items()} if isinstance(x, dict) else x[:rows]
+        y = y[:rows]
+        meta = {k: torch.empty_like(v, device="meta")
+                for k, v in [*model.named_parameters(), *model.named_buffers()]}
+        on_meta = {k: v.to("meta") for k, v in x2.items()} if isinstance(x2, dict) else x2.to("meta")
+        with torch.no_grad():
+            out = functional_call(model, meta, (on_meta,), strict=False, tie_weights=True)
+    except Exception:
+        return None
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() == 0 or out.shape[0] != rows:
+        return None
+    g = torch.Generator().manual_seed(0)
+    made = torch.randn(out.shape, generator=g).to(out.dtype)
+    return made, torch.cat([made, made]), y
+
+
+def check_data_callable(data) -> None:
+    """``data`` is None (synthetic) or a callable ``data(step) -> (x, y)``: every rank calls it
+    for the step it is on, so an iterator (a generator) cannot be shared or replayed."""
+    if data is None or callable(data):
+        return
+    if hasattr(data, "__next__") or hasattr(data, "__iter__"):
+        raise TypeError(f"data: a {type(data).__name__} cannot be given to the engines (every rank asks for the "
+                        "step's global batch by its number); pass data=callable(step) -> (x, y), e.g. "
+                        "batches = list(gen); data=lambda step: batches[step % len(batches)]")
+    raise TypeError(f"data: got a {type(data).__name__}; pass data=callable(step) -> (x, y) giving the step's "
+                    "global batch")

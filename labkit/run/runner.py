@@ -24,7 +24,7 @@ from .result import Run
 from ..view.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
-from .checks import check_model, check_number
+from .checks import check_data_callable, check_loss, check_model, check_number
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -46,7 +46,8 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_number("momentum", spec.momentum, "≥ 0 (0: plain SGD)", lambda v: v >= 0)
     if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
-    resolve_loss(spec.loss)
+    loss = resolve_loss(spec.loss)
+    check_data_callable(spec.data)
     check_snapshots(spec.extra.get("snapshots", False))
     check_optimizer(spec.optimizer, spec.momentum)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
@@ -62,7 +63,9 @@ def validate(spec: RunSpec, engines: int) -> None:
                               getattr(spec.data, "block_size", None))
     check_model(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
-    resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    if callable(spec.loss):
+        check_loss(loss, built, data, spec.batch)    # a user's loss: a mean over the rows, or refused
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
