@@ -55,8 +55,9 @@ def written_buffers(model: nn.Module, before: dict | None = None):
            if name.rpartition(".")[0] not in norms and isinstance(b, torch.Tensor)}
     if before is None:
         return {name: b.detach().clone() for name, b in now.items()}
-    return [name for name, b in now.items()
-            if name in before and (b.shape != before[name].shape or not torch.equal(b.detach(), before[name]))]
+    local = {name: getattr(b, "_local_tensor", b).detach() for name, b in now.items()}   # a DTensor: its shard
+    return [name for name, b in local.items() if name in before and
+            (b.shape != before[name].shape or not torch.equal(b, getattr(before[name], "_local_tensor", before[name])))]
 
 
 def warn_written_buffers(names: list, strategy) -> None:
@@ -64,7 +65,8 @@ def warn_written_buffers(names: list, strategy) -> None:
     under dp each replica updates its own copy from its 1/dp of the batch (the copies drift
     apart; gradients are averaged, buffers are not), and with micro-batches it is updated once
     per micro-batch instead of once per step. Either way the run departs from one process."""
-    if not names or (strategy.dp == 1 and strategy.microbatches == 1):
+    recompute = getattr(strategy, "recompute", "none") != "none"
+    if not names or (strategy.dp == 1 and strategy.microbatches == 1 and not recompute):
         return
     where = f"{len(names)} buffer(s) ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
     why = []
@@ -74,9 +76,12 @@ def warn_written_buffers(names: list, strategy) -> None:
     if strategy.microbatches > 1:
         why.append(f"with microbatches={strategy.microbatches} they are updated once per micro-batch, not "
                    "once per step")
+    if recompute:
+        why.append(f"with recompute={strategy.recompute!r} the forward runs again in backward and updates "
+                   "them again")
     warnings.warn(f"the model's forward writes {where}: {'; '.join(why)}, so the run departs from one "
                   "process; keep state out of forward, sync it yourself (all-reduce it over the dp group "
-                  "after the step), or accept the departure (dp=1 and microbatches=1 match exactly)",
+                  "after the step), or accept the departure (dp=1, microbatches=1 and no recompute match exactly)",
                   UserWarning, stacklevel=2)
 
 

@@ -169,7 +169,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
     refresh the metrics; ``on_step(run, step)``; stop at a step boundary when ``stop()`` says so.
     """
     validate(spec, lab.world_size)
-    ship_by_value(spec.model, spec.data, spec.loss)
+    ship_by_value(spec.model, spec.data, spec.loss, getattr(spec.loss, "total", None))   # a token loss's fn
     s = spec.strategy
     with lab.hold(what):
         rebuilt = lab.ensure_groups(s.dp, s.pp, s.tp)
