@@ -345,7 +345,7 @@ def test_a_loss_that_is_not_a_mean_over_the_rows_is_refused_before_the_engines(l
 
 
 def test_a_generator_as_data_is_a_type_error_naming_the_fix():
-    with pytest.raises(TypeError, match=r"callable\(step\) -> \(x, y\).*list\(gen\)"):
+    with pytest.raises(TypeError, match=r"callable data\(step\) -> \(x, y\), got a generator.*batches"):
         execute(FakeLab(), _spec(data=(_pairs(i) for i in range(3))))
 
 

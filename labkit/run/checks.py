@@ -145,15 +145,3 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
     made = torch.randn(out.shape, generator=g).to(out.dtype)
     return made, torch.cat([made, made]), y
 
-
-def check_data_callable(data) -> None:
-    """``data`` is None (synthetic) or a callable ``data(step) -> (x, y)``: every rank calls it
-    for the step it is on, so an iterator (a generator) cannot be shared or replayed."""
-    if data is None or callable(data):
-        return
-    if hasattr(data, "__next__") or hasattr(data, "__iter__"):
-        raise TypeError(f"data: a {type(data).__name__} cannot be given to the engines (every rank asks for the "
-                        "step's global batch by its number); pass data=callable(step) -> (x, y), e.g. "
-                        "batches = list(gen); data=lambda step: batches[step % len(batches)]")
-    raise TypeError(f"data: got a {type(data).__name__}; pass data=callable(step) -> (x, y) giving the step's "
-                    "global batch")

@@ -21,10 +21,10 @@ from ..config import Strategy
 from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
-from ..view.timeline import Timeline
+from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
-from .checks import check_data_callable, check_loss, check_model, check_number
+from .checks import check_loss, check_model, check_number
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -47,12 +47,14 @@ def validate(spec: RunSpec, engines: int) -> None:
     if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     loss = resolve_loss(spec.loss)
-    check_data_callable(spec.data)
     check_snapshots(spec.extra.get("snapshots", False))
     check_optimizer(spec.optimizer, spec.momentum)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError(f"model must be an nn.Module or a zero-argument callable returning one (model=Net or "
                         f"model=Net()), got {type(spec.model).__name__}")
+    if spec.data is not None and not callable(spec.data):     # a generator cannot reach the engines
+        raise TypeError(f"data must be a callable data(step) -> (x, y), got a {type(spec.data).__name__}; from a "
+                        f"generator: batches = [next(gen) for _ in range(steps)]; data=lambda step: batches[step]")
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
     built = model_for_checks(spec.model, spec.seed)
@@ -179,7 +181,10 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         warned: set = set()           # engine warnings, each relayed once per rank and run
         built = lab.apply(engine.setup_run, spec, run_id)
         relay_warnings(built, warned)
-        run = Run(s, [], Timeline([], lab.world_size, grid=s), {}, spec.batch, ranks=lab.ranks)
+        link = getattr(lab, "link", None)          # the emulated link its calls obey (None: raw gloo)
+        title = f"emulated link {link}" if link is not None else None     # shown on every timeline
+        run = Run(s, [], Timeline([], lab.world_size, title=title, grid=s), {}, spec.batch, ranks=lab.ranks)
+        run.link = link
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
         peak = [0] * lab.world_size
         for step in range(spec.steps):
