@@ -344,6 +344,16 @@ def test_a_loss_that_is_not_a_mean_over_the_rows_is_refused_before_the_engines(l
         execute(FakeLab(), _spec(model=lambda: nn.Linear(8, 8), data=_pairs, loss=lambda o, y: ((o - y) ** 2).mean()))
 
 
+def test_dropout_under_a_split_run_is_warned_about():
+    drop = lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8))     # noqa: E731
+    with pytest.warns(UserWarning, match=r"dropout layer\(s\) with p > 0 \(1\).*own masks"):
+        validate(_spec(model=drop), 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(_spec(model=lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0))), 2)
+    assert not [w for w in caught if "dropout" in str(w.message)]
+
+
 def test_a_generator_as_data_is_a_type_error_naming_the_fix():
     with pytest.raises(TypeError, match=r"callable data\(step\) -> \(x, y\), got a generator.*batches"):
         execute(FakeLab(), _spec(data=(_pairs(i) for i in range(3))))

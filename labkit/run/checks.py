@@ -145,3 +145,16 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
     made = torch.randn(out.shape, generator=g).to(out.dtype)
     return made, torch.cat([made, made]), y
 
+
+
+def warn_dropout(model: nn.Module, strategy) -> None:
+    """Dropout draws its masks from each rank's generator, per replica and per micro-batch, so
+    a split run zeroes other activations than one process does: same data, other model."""
+    drops = [name for name, m in model.named_modules()
+             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    split = strategy.dp * strategy.pp * strategy.tp * strategy.microbatches > 1
+    if drops and split:
+        warnings.warn(f"the model has {len(drops)} dropout layer(s) with p > 0 ({', '.join(drops[:3])}"
+                      f"{', …' if len(drops) > 3 else ''}): each rank draws its own masks for its rows, so the run "
+                      "departs from one process by the masks alone; set their p to 0 to compare parameters "
+                      "with labkit.reference", UserWarning, stacklevel=4)

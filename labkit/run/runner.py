@@ -24,7 +24,7 @@ from .result import Run
 from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
-from .checks import check_loss, check_model, check_number
+from .checks import check_loss, check_model, check_number, warn_dropout
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -64,6 +64,7 @@ def validate(spec: RunSpec, engines: int) -> None:
         check_tensor_parallel(s.tp, s.tp_mode, built, plan, s.sequence_parallel,
                               getattr(spec.data, "block_size", None))
     check_model(built, s)
+    warn_dropout(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
     data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
     if callable(spec.loss):
