@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..models.training import TokenLoss
-from ..run.checks import warn_written_buffers, written_buffers
+from .buffers import warn_written_buffers, written_buffers
 from .pipeline.split_backward import backward_input, backward_weight
 from .precision import Precision
 from .zero.memory import measure_memory
