@@ -98,13 +98,30 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
         on_meta = {k: v.to("meta") for k, v in x2.items()} if isinstance(x2, dict) else x2.to("meta")
         with torch.no_grad():
             out = functional_call(model, meta, (on_meta,), strict=False, tie_weights=True)
-    except Exception:
+        g = torch.Generator().manual_seed(0)
+        once, twice = _made(out, rows, g, once=True), None
+        g.manual_seed(0)
+        twice = _made(out, rows, g, once=False)
+        return once, twice, y
+    except Exception:                # data-dependent code, an output kind not handled: not checked
         return None
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() == 0 or out.shape[0] != rows:
-        return None
-    g = torch.Generator().manual_seed(0)
-    made = torch.randn(out.shape, generator=g).to(out.dtype)
-    return made, torch.cat([made, made]), y
+
+
+def _made(out, rows: int, g: torch.Generator, once: bool):
+    """``out`` (meta) with random values; ``once=False``: each tensor's rows given twice. A
+    tensor, a tuple/list or a dict (Hugging Face's outputs are dicts) of them; tensors whose
+    first dim is not the rows (a scalar aux loss) are made alike in both."""
+    if isinstance(out, torch.Tensor):
+        made = torch.randn(out.shape, generator=g).to(out.dtype) if out.is_floating_point() else \
+            torch.zeros(out.shape, dtype=out.dtype)
+        if out.dim() and out.shape[0] == rows and not once:
+            made = torch.cat([made, made])
+        return made
+    if isinstance(out, (tuple, list)) and out:
+        return type(out)(_made(o, rows, g, once) for o in out)
+    if isinstance(out, dict) and out:
+        return type(out)(**{k: _made(v, rows, g, once) for k, v in out.items()})
+    raise TypeError(f"cannot make an output like {type(out).__name__}")
 
 
 def warn_dropout(model: nn.Module, strategy) -> None:
