@@ -13,7 +13,7 @@ from . import _moved
 
 _moved.install()     # old flat paths (labkit.schedules, labkit.grid, ...) keep importing
 
-from . import bench, comm, data, engine, models  # noqa: E402
+from . import bench, comm, data, engine, losses, models  # noqa: E402
 from .comm import collectives, compression  # noqa: E402
 from .analysis.drift import drift  # noqa: E402
 from .config import Strategy  # noqa: E402
@@ -30,7 +30,8 @@ from .analysis.timeline import Timeline  # noqa: E402
 
 __all__ = ["Lab", "Link", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
            "ControllerDiedError", "EngineNotAnsweringError",
-           "bench", "collectives", "comm", "compression", "data", "drift", "models", "reference", "report", "schedules",
+           "bench", "collectives", "comm", "compression", "data", "drift", "losses", "models", "reference", "report",
+           "schedules",
            "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"
 

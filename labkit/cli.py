@@ -70,14 +70,15 @@ def cmd_run(args) -> int:
         engines = strategy.world_size if args.engines is None else args.engines
         _check_options(args, engines)
         model, data, loss = build_cli_model(args)
+        tp_plan = cli_tp_plan(args, model, strategy)
         validate(RunSpec(strategy, model, data, loss, batch=args.batch, steps=args.steps, lr=args.lr,
-                         seed=args.seed, optimizer=args.optimizer), engines)
+                         seed=args.seed, optimizer=args.optimizer, tp_plan=tp_plan), engines)
     except ValueError as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
     with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
         run = lab.run(strategy, model=model, data=data, loss=loss, batch=args.batch, steps=args.steps,
-                      lr=args.lr, seed=args.seed, optimizer=args.optimizer,
+                      lr=args.lr, seed=args.seed, optimizer=args.optimizer, tp_plan=tp_plan,
                       on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
     _report(run)
     if args.json:
@@ -124,6 +125,19 @@ def build_cli_model(args):
     model = labkit.models.gpt(n_layer=args.depth, n_head=args.heads, n_embd=args.width,
                               block_size=args.block_size, vocab_size=data.vocab_size)
     return model, data, "cross_entropy"
+
+
+def cli_tp_plan(args, model, strategy) -> dict | None:
+    """--tp with the MLP: a plan from its own Linear layers (pairs colwise/rowwise), since it
+    has no tp_plan of its own and the command line cannot take one; the GPT ships its plan."""
+    if strategy.tp == 1 or args.model != "mlp":
+        return None
+    from .parallel.tensor.plan import suggest_plan
+    plan = suggest_plan(model())
+    if not plan:
+        raise ValueError(f"--tp {strategy.tp}: the MLP of --depth {args.depth} has no pair of Linear layers to split; "
+                         "use --depth 2 or more, or --model gpt")
+    return plan
 
 
 def _report(run) -> None:

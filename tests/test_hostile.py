@@ -4,7 +4,10 @@ Every case here is checked before an engine is touched: a bad value raises Value
 TypeError for a wrong kind of object) naming the field and the fix, a misspelt keyword is
 refused with the valid ones, a closed lab says so, the caller's RNG is left alone. Hypothesis
 draws hostile values (bools, NaN, infinities, huge and tiny numbers, strings, numpy arrays)
-for every field; the engine-side cases are in ``test_sweep.py``.
+for every field; the engine-side sweep is in ``test_sweep.py``. The last section runs, on one
+two-engine lab, what used to train a different model with no word (padded tokens, a summed
+loss, buffers a forward writes): each is now exact, a warning or an error, checked against
+``labkit.reference``.
 
     python -m pytest -q tests/test_hostile.py
 """
@@ -12,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
+
+import cloudpickle
 
 import numpy as np
 import pytest
@@ -26,6 +32,8 @@ from labkit import cli
 from labkit.config import COMPRESSIONS, DP_MODES, SCHEDULES, Strategy
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import execute, validate
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])      # engines cannot import this file
 
 
 class Touched(Exception):
@@ -312,3 +320,202 @@ def test_data_gives_the_whole_batch_or_a_value_error_naming_the_step(out, step):
         assert f"step {step}" in str(exc) and "batch" in str(exc), exc
         return
     assert x.shape[0] == 8 and y.shape[0] == 8
+
+
+# -- the loss contract, checked in the notebook ---------------------------------------------------
+def _pairs(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 8, generator=g)
+    return x, x.flip(1)
+
+
+@pytest.mark.parametrize("loss, error, words", [
+    (lambda o, y: ((o - y) ** 2).sum(), ValueError, [".mean()", 'reduction="mean"', "SUM"]),
+    (lambda o, y: nn.functional.mse_loss(o, y, reduction="sum"), ValueError, [".mean()"]),
+    (lambda o, y: float(((o - y) ** 2).mean()), TypeError, ["float", "scalar tensor"]),
+    (lambda o, y: ((o - y) ** 2).mean(1), TypeError, ["shape (2,)", ".mean()"]),
+])
+def test_a_loss_that_is_not_a_mean_over_the_rows_is_refused_before_the_engines(loss, error, words):
+    with pytest.raises(error) as caught:
+        execute(FakeLab(), _spec(model=lambda: nn.Linear(8, 8), data=_pairs, loss=loss))
+    for word in words:
+        assert word in str(caught.value), caught.value
+    with pytest.raises(Touched):            # a mean (and the built-ins) pass
+        execute(FakeLab(), _spec(model=lambda: nn.Linear(8, 8), data=_pairs, loss=lambda o, y: ((o - y) ** 2).mean()))
+    # a tuple or a Hugging Face-like dict output is checked too (its tensors made on the meta device)
+    with pytest.raises(error):
+        execute(FakeLab(), _spec(model=lambda: Wrapped(tuple), data=_pairs, loss=lambda o, y: loss(o[0], y)))
+    with pytest.raises(error):
+        execute(FakeLab(), _spec(model=lambda: Wrapped(dict), data=_pairs, loss=lambda o, y: loss(o["logits"], y)))
+
+
+class Wrapped(nn.Module):
+    """A Linear whose output comes in a tuple or a dict (``logits``, a scalar ``aux_loss``)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        out = self.lin(x)
+        return (out, out.sum()) if self.kind is tuple else {"logits": out, "aux_loss": out.sum() * 0}
+
+
+def test_dropout_under_a_split_run_is_warned_about():
+    drop = lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8))     # noqa: E731
+    with pytest.warns(UserWarning, match=r"dropout layer\(s\) with p > 0 \(1\).*own masks"):
+        validate(_spec(model=drop), 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(_spec(model=lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0))), 2)
+    assert not [w for w in caught if "dropout" in str(w.message)]
+
+
+def test_a_generator_as_data_is_a_type_error_naming_the_fix():
+    with pytest.raises(TypeError, match=r"callable data\(step\) -> \(x, y\), got a generator.*batches"):
+        execute(FakeLab(), _spec(data=(_pairs(i) for i in range(3))))
+
+
+def test_tp_without_a_plan_suggests_the_models_own_layers(no_lab, capsys):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.head = nn.Linear(8, 32), nn.Linear(32, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.head(self.down(torch.relu(self.up(x))))
+
+    with pytest.raises(ValueError, match=r"'up': 'colwise', 'down': 'rowwise'") as caught:
+        validate(_spec(model=Net, strategy=Strategy(tp=2)), 2)
+    assert "blocks" not in str(caught.value)
+    # the command line's MLP gets the plan built from its layers: validation passes, the lab is next
+    with pytest.raises(Touched):
+        cli.main(["run", "--tp", "2", "--width", "8", "--depth", "4", "--batch", "8"])
+    assert cli.main(["run", "--tp", "2", "--width", "8", "--depth", "1", "--batch", "8"]) == 2
+    assert "--depth 2 or more" in capsys.readouterr().err
+
+
+# -- what used to depart from one process with no word, on two engines ---------------------------
+V, T = 11, 6
+
+
+def padded(step):
+    """Token ids with padding (-100) spread unevenly: rows 0–2 all padding (replica 0 mostly
+    padding; with 4 micro-batches of the 8 rows, micro-batch 0 is all padding), row 3 half."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randint(0, V, (8, T), generator=g), torch.randint(0, V, (8, T), generator=g)
+    y[:3] = -100
+    y[3, :4] = -100
+    return x, y
+
+
+class EMA(nn.Module):
+    """Subtracts a running mean of its hidden layer that forward updates (a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.avg.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return h - self.avg
+
+
+class Counter(nn.Module):
+    """Scales by how many forwards it has seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1
+        return self.lin(x) * self.n
+
+
+class Pair(nn.Module):
+    """Returns a tuple; its forward reads a value, so the notebook's check (on the meta device)
+    cannot run it and the loss contract is left to labkit.drift."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.lin(x) if float(x.abs().max()) < 1e9 else x,)
+
+
+class Keywords(nn.Module):
+    """Takes a dict of inputs, as Hugging Face models take keyword tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, batch):
+        return self.lin(batch["a"]) + batch["b"]
+
+
+def _keywords(step):
+    x, y = _pairs(step)
+    return {"a": x, "b": y}, y
+
+
+def _run(lab, strategy, model, **kw):
+    kw = {"batch": 8, "steps": 2, "lr": 0.3, **kw}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = lab.run(strategy, model=model, **kw)
+    ref = labkit.reference(model, **{k: v for k, v in kw.items() if k != "tp_plan"})
+    return run, ref, [str(w.message) for w in caught]
+
+
+def test_padded_tokens_are_normalised_by_the_global_count(lab2):
+    gpt = labkit.models.gpt(vocab_size=V, n_embd=16, n_layer=2, n_head=2, block_size=T, tie=False)
+    moe = labkit.models.llama(n_layer=2, n_head=2, n_embd=16, block_size=T, vocab_size=V, n_experts=2, top_k=1)
+    for strategy, model in [(Strategy(dp=2), gpt), (Strategy(pp=2, microbatches=4), gpt), (Strategy(tp=2), gpt),
+                            (Strategy(dp=2, zero=3), gpt), (Strategy(dp=2, ep=2, microbatches=2), moe)]:
+        run, ref, _ = _run(lab2, strategy, model, data=padded, loss="cross_entropy")
+        assert run.max_diff(ref) < 1e-5, (strategy, run.max_diff(ref))
+        assert all(math.isfinite(v) for v in run.losses), run.losses        # an all-padding micro-batch: 0
+        assert run.losses == pytest.approx(ref.losses, rel=1e-5), (strategy, run.losses, ref.losses)
+    # a custom token loss opts in the same way
+    loss = labkit.losses.token_loss(lambda p, y: nn.functional.cross_entropy(
+        p.flatten(0, 1), y.flatten(), reduction="sum"))
+    run, ref, _ = _run(lab2, Strategy(dp=2), gpt, data=padded, loss=loss)
+    assert run.max_diff(ref) < 1e-5
+
+
+def test_buffers_a_forward_writes_are_warned_about_and_named_by_drift(lab2):
+    run, ref, said = _run(lab2, Strategy(dp=2), EMA, data=_pairs, snapshots=True)
+    assert run.max_diff(ref) > 1e-3                  # the departure is real (9e-2 measured) …
+    assert any("writes 1 buffer(s) (avg)" in w and "dp=2" in w for w in said), said      # … and said
+    assert "replicas' buffers differ" in str(labkit.drift(run, ref))
+    run, ref, said = _run(lab2, Strategy(dp=2, microbatches=2), Counter, data=_pairs, snapshots=True)
+    assert any("once per micro-batch" in w for w in said), said
+    assert "the buffer 'n'" in str(labkit.drift(run, ref))
+    run, ref, said = _run(lab2, Strategy(dp=2), lambda: nn.Linear(8, 8), data=_pairs)     # no buffer: exact
+    assert run.max_diff(ref) < 1e-5 and not [w for w in said if "buffer" in w]
+
+
+def test_a_summed_loss_the_notebook_cannot_check_is_named_by_drift(lab2):
+    summed = lambda o, y: ((o[0] - y) ** 2).sum()                      # noqa: E731
+    run, ref, _ = _run(lab2, Strategy(dp=2), Pair, data=_pairs, loss=summed, lr=0.01, snapshots=True)
+    found = labkit.drift(run, ref)
+    assert found.kind == "reduction" and "0.5×" in str(found) and ".mean()" in str(found), found
+    with pytest.raises(labkit.LabError, match=r"step 0: the loss returned a float.*\.mean\(\)"):
+        lab2.run(Strategy(dp=2), model=Pair, data=_pairs, batch=8, steps=1,
+                 loss=lambda o, y: float(((o[0] - y) ** 2).mean()))
+
+
+def test_dict_inputs_and_the_mlps_own_tp_plan_equal_one_process(lab2):
+    for strategy in (Strategy(dp=2), Strategy(dp=2, microbatches=2)):
+        run, ref, _ = _run(lab2, strategy, Keywords, data=_keywords)
+        assert run.max_diff(ref) < 1e-5
+    from labkit.parallel.tensor.plan import suggest_plan
+    mlp = labkit.models.mlp(width=8, depth=4)
+    run, ref, _ = _run(lab2, Strategy(tp=2), mlp, tp_plan=suggest_plan(mlp()))
+    assert run.max_diff(ref) < 1e-5

@@ -28,8 +28,12 @@ How a departure is classified. Data-parallel replicas apply the same averaged gr
 they stay equal to each other (bitwise, in every mode measured here) whatever the arithmetic does to the
 average. If the replicas holding a parameter disagree beyond ``tol``, gradients were not
 averaged alike: a **sync** bug (a rank skipped or mis-ordered a bucket). If they agree with
-each other but not with the reference, the average itself differs: a **precision** or math
-effect (compression, mixed precision, a wrong averaging factor, summation order).
+each other but not with the reference, the average itself differs, and the snapshots say why
+where they can: the replicas' **buffers** differ (a buffer the forward writes, updated from each
+replica's own rows), or the run's buffers differ from the reference's (updated once per
+micro-batch); the first step's loss is a constant multiple of the reference's (a loss **reduction**
+that is not a mean over the rows, e.g. a sum); else a **precision** or math effect
+(compression, mixed precision, a wrong averaging factor, summation order).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ import torch
 
 from .tables import CellTable
 
-SYNC, PRECISION, UNKNOWN = "sync", "precision", "unknown"
+SYNC, PRECISION, UNKNOWN, BUFFERS, REDUCTION = "sync", "precision", "unknown", "buffers", "reduction"
 
 
 # -- recording (engine side and reference) ----------------------------------------------------
@@ -52,12 +56,15 @@ def check_snapshots(value) -> bool:
 
 
 def take_snapshot(model: torch.nn.Module) -> dict:
-    """Every parameter of ``model`` as a float32 CPU copy, and its gradient's norm (0 if none)."""
+    """Every parameter of ``model`` as a float32 CPU copy, and its gradient's norm (0 if none);
+    its buffers too (float32 copies), for the buffer check of :func:`drift`."""
     params, grad_norms = {}, {}
     for name, p in model.named_parameters():
         params[name] = p.detach().float().cpu().clone()
         grad_norms[name] = float(p.grad.detach().float().norm()) if p.grad is not None else 0.0
-    return {"params": params, "grad_norms": grad_norms}
+    buffers = {name: b.detach().float().cpu().clone() for name, b in model.named_buffers()
+               if isinstance(b, torch.Tensor) and not b.is_meta}
+    return {"params": params, "grad_norms": grad_norms, "buffers": buffers}
 
 
 class StepSnapshots:
@@ -145,12 +152,16 @@ class Drift:
     replicas: tuple = ()
     departed: tuple = ()
     """Every (parameter, rank, size) beyond ``tol`` at this step, in model and rank order."""
+    detail: str = ""
+    """For "buffers" and "reduction": what was seen (the buffer and ranks, the losses' ratio)."""
 
     def __str__(self) -> str:
         where = f"step {self.step}, parameter {self.parameter!r}, rank {self.rank}"
         what = f"departs from the reference by {self.size:.3g} (tol {self.tol:g})"
         if len(self.replicas) < 2:
             why = "only one rank holds it, so replicas cannot be compared"
+        elif self.kind in (BUFFERS, REDUCTION):
+            why = self.detail
         elif self.kind == SYNC:
             why = (f"dp replicas (ranks {list(self.replicas)}) disagree by {self.spread:.3g}: a sync bug — "
                    "their gradients were not averaged alike")
@@ -201,5 +212,49 @@ def drift(run, reference, tol: float = 1e-5) -> Drift | None:
         found = [d for name, want in ref[0]["params"].items()
                  if (d := _compare(step, name, want, by_rank, tol)) is not None]
         if found:
-            return replace(found[0], departed=tuple(x for d in found for x in d.departed))
+            first = replace(found[0], departed=tuple(x for d in found for x in d.departed))
+            return _explain(first, ours[:step + 1], theirs[:step + 1], getattr(run, "losses", None),
+                            getattr(reference, "losses", None), tol)
     return None
+
+
+def _explain(found: Drift, ours: list, theirs: list, losses, ref_losses, tol: float) -> Drift:
+    """Replicas that agree but depart: name buffers that differ, or a loss reduction mismatch."""
+    if found.kind == SYNC:
+        return found
+    for step, (by_rank, ref) in enumerate(zip(ours, theirs)):
+        for name, want in ref[0].get("buffers", {}).items():
+            held = {r: snap["buffers"][name] for r, snap in sorted(by_rank.items())
+                    if name in snap.get("buffers", {}) and snap["buffers"][name].shape == want.shape}
+            if len(held) > 1 and max(_max_abs(t, next(iter(held.values()))) for t in held.values()) > tol:
+                return replace(found, kind=BUFFERS, detail=(
+                    f"replicas' buffers differ: {name!r} after step {step} differs between ranks {list(held)} "
+                    "(a buffer the forward writes, updated from each replica's own rows; sync it, or accept "
+                    "the departure)"))
+            off = {r: _max_abs(t, want) for r, t in held.items()}
+            if off and max(off.values()) > tol:
+                return replace(found, kind=BUFFERS, detail=(
+                    f"the buffer {name!r} after step {step} differs from the reference's by {max(off.values()):.3g} "
+                    "on every rank holding it (a buffer the forward writes, updated once per micro-batch or "
+                    "from part of the batch)"))
+    ratio = _loss_ratio(losses, ref_losses)
+    if ratio is not None:
+        return replace(found, kind=REDUCTION, detail=(
+            f"the run's first loss is {ratio:.4g}× the reference's, a loss reduction mismatch: the loss is not a "
+            "mean over the rows it is given (labkit averages it over replicas and micro-batches); return "
+            "a mean (.mean(), reduction=\"mean\"), or use labkit.losses.token_loss for tokens with padding"))
+    return found
+
+
+def _loss_ratio(losses, ref_losses) -> float | None:
+    """The run's first loss over the reference's when it is a whole multiple or fraction (1/2,
+    1/4, 2, …: a sum divided by dp × microbatches), else None. At step 0 the weights are the
+    reference's, so a correct run's first loss equals the reference's; dropout's differs by
+    no simple factor."""
+    if not losses or not ref_losses or not ref_losses[0]:
+        return None
+    r = losses[0] / ref_losses[0]
+    if abs(r - 1) < 1e-3 or r <= 0:
+        return None
+    k = round(1 / r) if r < 1 else round(r)
+    return r if k >= 2 and abs((r * k if r < 1 else r / k) - 1) < 1e-3 else None

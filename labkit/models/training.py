@@ -32,32 +32,97 @@ def model_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
     return output, aux if isinstance(aux, torch.Tensor) else None
 
 
-def _plus_aux(value: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-    return value if aux is None else value + aux
+def with_aux(loss: Callable) -> Callable:
+    """``loss`` on the model's prediction, plus its ``aux_loss`` as it is."""
+    def built_in(output, target: torch.Tensor) -> torch.Tensor:
+        prediction, aux = model_output(output)
+        value = loss(prediction, target)
+        return value if aux is None else value + aux
+    built_in.__name__ = built_in.__qualname__ = loss.__name__
+    built_in.__doc__ = loss.__doc__
+    return built_in
 
 
-def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
-    model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim).
+def _mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(prediction, target)
 
-    ``output`` is what the model's forward returned: a tensor, a tuple/list (its first
-    element) or an object with ``.logits`` (Hugging Face's). If it has an ``aux_loss`` tensor
-    (a mixture-of-experts router's load-balancing loss, already weighted by the model's
-    coefficient), that is added as it is: it is a mean over the sequences of the
-    (micro-)batch, like this loss, so the sum stays exact under data parallelism and
-    micro-batches."""
-    logits, aux = model_output(output)
+
+_mse.__name__ = "mse_loss"
+mse_loss = with_aux(_mse)
+mse_loss.__doc__ = """Mean squared error; the model's output read as :func:`cross_entropy` reads it (a tuple's
+    first element, ``.logits``), its ``aux_loss`` tensor added as it is."""
+
+
+class TokenLoss:
+    """A loss over tokens, some of them not counted (padding: target ``ignore_index``).
+
+    ``total(prediction, target)`` returns the loss SUMMED over the counted tokens. Called, it
+    is the mean over them (what one process computes). Under data parallelism and
+    micro-batches the executor instead divides each part's sum by the count of the whole
+    global batch of the step (:meth:`count`; every rank holds that batch, so counting needs no
+    communication), as Megatron and torchtitan do: a mean of per-replica means would weigh a
+    replica's tokens by how much padding it got, and an all-padding micro-batch would be 0/0.
+    """
+
+    def __init__(self, total: Callable, ignore_index: int = -100, name: str | None = None):
+        if not callable(total):
+            raise TypeError(f"token_loss: {type(total).__name__} is not callable; pass fn(prediction, target) "
+                            "returning the loss summed over the counted tokens")
+        self.total, self.ignore_index = total, ignore_index
+        self.__name__ = name or getattr(total, "__name__", "token_loss")
+
+    def count(self, target: torch.Tensor) -> int:
+        """The counted tokens of ``target``: those ≠ ignore_index (soft targets: every row)."""
+        if target.is_floating_point():
+            return target.shape[:-1].numel()
+        return int((target != self.ignore_index).sum())
+
+    def parts(self, output, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the summed token loss, the model's aux_loss or None) of one (micro-)batch."""
+        prediction, aux = model_output(output)
+        return self.total(prediction, target), aux
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        total, aux = self.parts(output, target)
+        value = total / self.count(target)         # 0/0 = NaN when nothing counts, as torch's mean
+        return value if aux is None else value + aux
+
+    def __repr__(self) -> str:
+        return f"token_loss({self.__name__}, ignore_index={self.ignore_index})"
+
+
+def token_loss(fn: Callable | None = None, *, ignore_index: int = -100):
+    """Mark ``fn(prediction, target) -> loss summed over the counted tokens`` as a token loss:
+    labkit divides the sums once by the global batch's count of targets ≠ ``ignore_index``.
+
+    >>> loss = labkit.losses.token_loss(lambda p, y: F.cross_entropy(p.flatten(0, 1), y.flatten(),
+    ...                                                              reduction="sum"))
+    >>> lab.run(s, model=m, data=d, loss=loss)
+
+    Usable as a decorator (``@token_loss`` or ``@token_loss(ignore_index=0)``).
+    """
+    if fn is None:
+        return lambda f: TokenLoss(f, ignore_index)
+    return TokenLoss(fn, ignore_index)
+
+
+def _cross_entropy_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if logits.dim() == target.dim() + 1 and logits.dim() > 2:
-        return _plus_aux(F.cross_entropy(logits.flatten(0, -2), target.flatten()), aux)
-    return _plus_aux(F.cross_entropy(logits, target), aux)
+        logits, target = logits.flatten(0, -2), target.flatten()
+    return F.cross_entropy(logits, target, reduction="sum")      # ignore_index -100: torch's default
 
 
-def mse_loss(output, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error; ``output`` read as :func:`cross_entropy` reads it, its ``aux_loss``
-    tensor added as it is."""
-    prediction, aux = model_output(output)
-    return _plus_aux(F.mse_loss(prediction, target), aux)
+cross_entropy = TokenLoss(_cross_entropy_sum, -100, "cross_entropy")
+cross_entropy.__doc__ = """Cross-entropy over every counted position: (N, C) logits with (N,) targets, or a language
+    model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim);
+    targets -100 (torch's ignore_index, how language models pad) are not counted. A token loss:
+    normalised once by the global batch's count of counted targets (:class:`TokenLoss`).
 
+    The model's output may be a tensor, a tuple/list (its first element) or an object with
+    ``.logits`` (Hugging Face's). If that object has an ``aux_loss`` tensor (a mixture-of-experts
+    router's load-balancing loss, already weighted by the model's coefficient), it is added as
+    it is: it is a mean over the sequences of the (micro-)batch, so it is averaged over replicas
+    and micro-batches like a mean loss."""
 
 LOSSES = {"mse": mse_loss, "cross_entropy": cross_entropy}
 
@@ -80,7 +145,10 @@ def build_model(model, seed: int) -> nn.Module:
 
 
 def resolve_loss(loss) -> Callable:
-    """"mse" | "cross_entropy" | a callable ``loss(output, target)`` that means over the batch."""
+    """"mse" | "cross_entropy" | a callable ``loss(output, target)`` returning the MEAN over the
+    rows (or tokens) it is given (labkit averages it over replicas and micro-batches, which is
+    one process's loss only for a mean; checked by :func:`labkit.run.checks.check_loss`), or a
+    :class:`TokenLoss` (:func:`token_loss`), normalised by the global token count."""
     if callable(loss):
         return loss
     if loss not in LOSSES:

@@ -21,24 +21,54 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.training import TokenLoss
+from .buffers import warn_written_buffers, written_buffers
 from .pipeline.split_backward import backward_input, backward_weight
 from .precision import Precision
 from .zero.memory import measure_memory
 
 
-def global_batch(data, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(data, step: int, batch: int) -> tuple:
     """The step's global batch from ``data(step)``, which must give exactly ``batch`` rows:
-    fewer would silently train on a truncated shard (or none: NaN), more on a different batch."""
+    fewer would silently train on a truncated shard (or none: NaN), more on a different batch.
+    The inputs may be a tensor or a dict of tensors (keyword inputs, as Hugging Face models
+    take), each with the batch's rows first."""
     out = data(step)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise ValueError(f"step {step}: data(step) gave {type(out).__name__}, not (x, y); return the inputs "
                          f"and targets of the step's global batch, e.g. (torch.randn({batch}, 16), y)")
     x, y = out
-    rows = [t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in (x, y)]
+    rows = [batch_rows(x), batch_rows(y) if isinstance(y, torch.Tensor) else None]
     if rows != [batch, batch]:
         raise ValueError(f"step {step}: data gave {rows[0]} inputs and {rows[1]} targets but batch={batch}; "
-                         f"the data must give the whole global batch (batch={batch} rows) every step")
+                         f"the data must give the whole global batch (batch={batch} rows) every step, as "
+                         "tensors (the inputs may be a dict of tensors), rows first")
     return x, y
+
+
+def batch_rows(x) -> int | None:
+    """The rows of a tensor, or of every tensor of a dict (None if they differ or it is neither)."""
+    if isinstance(x, dict):
+        counts = {batch_rows(v) for v in x.values()}
+        return counts.pop() if len(counts) == 1 else None
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None
+
+
+def map_rows(x, fn):
+    """``fn`` on a tensor, or on each tensor of a dict of inputs."""
+    return {k: fn(v) for k, v in x.items()} if isinstance(x, dict) else fn(x)
+
+
+def chunk_rows(x, n: int) -> list:
+    """``x`` in ``n`` micro-batches along its rows (a dict: each of its tensors alike)."""
+    if isinstance(x, dict):
+        parts = {k: v.chunk(n) for k, v in x.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(len(next(iter(parts.values()))))]
+    return list(x.chunk(n))
+
+
+class LossContractError(ValueError):
+    """A loss that returns something labkit cannot average into one process's loss."""
 
 
 @dataclass
@@ -106,20 +136,31 @@ class Executor:
         """This rank's 1/dp of the step's global batch, on its device (every strategy alike)."""
         s, batch = self.spec.strategy, self.spec.batch
         x, y = global_batch(self.data, step, batch)
+        if isinstance(self.loss_fn, TokenLoss):
+            # Counted tokens of the whole global batch: every rank holds it, so the count that
+            # normalises the step's token loss needs no communication (Megatron all-reduces it).
+            # Under cp the data hands this rank its slice of each sequence: count the whole.
+            whole = getattr(self.data, "whole_target", None)
+            self.counted = self.loss_fn.count(y if whole is None else whole)
         size = batch // s.dp
         rows = slice(self.dp_index * size, (self.dp_index + 1) * size)
-        return x[rows].to(self.device), y[rows].to(self.device)
+        return map_rows(x, lambda t: t[rows].to(self.device)), y[rows].to(self.device)
 
     def step(self, step: int, batch) -> dict:
         s = self.spec.strategy
         x, y = batch
-        self.xs, self.ys = x.chunk(s.microbatches), y.chunk(s.microbatches)
+        self.step_index = step
+        self.xs, self.ys = chunk_rows(x, s.microbatches), y.chunk(s.microbatches)
         self.inputs, self.outputs, self.grads, self.loss = {}, {}, {}, 0.0
         self.input_grads, self.kept = {}, {}       # for SEND_B / a local turn; I's state for W
         self.meter.start_step()
+        before = None if getattr(self, "buffers_checked", False) else written_buffers(self.model)
         for action in self.actions:
             self.link.poll()
             getattr(self, self.HANDLERS[action.op])(action)
+        if before is not None:              # the first step: did a forward write a buffer?
+            self.buffers_checked = True
+            warn_written_buffers(written_buffers(self.model, before), s)
         self.link.drain()
         self.recorder.microbatch = None
         for stage in self.stages:
@@ -182,12 +223,34 @@ class Executor:
             with self.precision.autocast():
                 out = stage.run(inp)
                 if a.stage == self.last_stage:
-                    out = self.loss_fn(out, self.ys[a.microbatch]) / self.spec.strategy.microbatches
+                    out = self._loss(out, self.ys[a.microbatch])
             if a.stage == self.last_stage:
                 self.loss = self.loss + out.detach()      # read once per step, not per micro-batch
                 out = self.precision.scale(out)           # fp16: backward starts from loss × S
             kept.append(out)
         self.outputs[key] = out
+
+    def _loss(self, out, target) -> torch.Tensor:
+        """This micro-batch's share of the step's loss, scaled so that averaging the gradients
+        over dp replicas (every sync divides by dp) gives one process's gradient.
+
+        A mean loss: ÷ microbatches. A token loss: its sum ÷ the global batch's counted tokens,
+        × dp·cp to undo the replicas' average (cp ranks average with dp) (Megatron and torchtitan divide by the global token
+        count, not by a mean of means); an all-padding micro-batch adds 0, not 0/0."""
+        s = self.spec.strategy
+        if isinstance(self.loss_fn, TokenLoss):
+            total, aux = self.loss_fn.parts(out, target)
+            value = total * (s.dp * s.cp / max(self.counted, 1))     # the sync averages over dp×cp
+            return value if aux is None else value + aux / s.microbatches
+        value = self.loss_fn(out, target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+                f"a {type(value).__name__}"
+            raise LossContractError(
+                f"step {self.step_index}: the loss returned {what}, not a scalar tensor; return the mean over "
+                "the rows as a tensor (e.g. ((o - y) ** 2).mean(), not .item() or float(...), and reduce "
+                "a per-row loss with .mean())")
+        return value / s.microbatches
 
     def _send_activation(self, a):
         self.link.send_activation(a, self.outputs[a.chunk, a.microbatch])

@@ -24,7 +24,7 @@ from .result import Run
 from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
-from .checks import check_model, check_number
+from .checks import check_loss, check_model, check_number, warn_dropout
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -47,7 +47,7 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_number("momentum", spec.momentum, "≥ 0 (0: plain SGD)", lambda v: v >= 0)
     if not isinstance(spec.seed, int) or not -2**63 <= spec.seed < 2**64:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
-    resolve_loss(spec.loss)
+    loss = resolve_loss(spec.loss)
     check_snapshots(spec.extra.get("snapshots", False))
     check_optimizer(spec.optimizer, spec.momentum)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
@@ -65,8 +65,11 @@ def validate(spec: RunSpec, engines: int) -> None:
         check_tensor_parallel(s.tp, s.tp_mode, built, plan, s.sequence_parallel,
                               getattr(spec.data, "block_size", None))
     check_model(built, s)
+    warn_dropout(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
     data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    if callable(spec.loss):
+        check_loss(loss, built, data, spec.batch)    # a user's loss: a mean over the rows, or refused
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
@@ -171,7 +174,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
     refresh the metrics; ``on_step(run, step)``; stop at a step boundary when ``stop()`` says so.
     """
     validate(spec, lab.world_size)
-    ship_by_value(spec.model, spec.data, spec.loss)
+    ship_by_value(spec.model, spec.data, spec.loss, getattr(spec.loss, "total", None))   # a token loss's fn
     s = spec.strategy
     with lab.hold(what):
         rebuilt = lab.ensure_groups(s.dp, s.pp, s.tp, s.cp)

@@ -74,9 +74,11 @@ class ShardedData:
 
     def __init__(self, data, cp: ContextParallel):
         self.data, self.cp = data, cp
+        self.whole_target = None      # the last step's uncut targets: a token loss counts over them
 
     def __call__(self, step: int):
         x, y = self.data(step)
+        self.whole_target = y
         return self.cp.shard(x), self.cp.shard(y)
 
 

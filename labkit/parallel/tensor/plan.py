@@ -42,12 +42,63 @@ def match_plan(model: nn.Module, plan: dict) -> dict[str, str]:
     return matched
 
 
+def suggest_plan(model: nn.Module, limit: int = 8) -> dict[str, str]:
+    """A Megatron plan from ``model``'s own Linear layers (Shoeybi et al. 2019, §3): in an
+    ``nn.Sequential``, consecutive Linear layers whose sizes chain make colwise/rowwise pairs;
+    under any other parent, the Linear child that the most earlier ones could feed (their
+    out_features = its in_features; ties: the widest) is rowwise and those are colwise (an
+    MLP's fc/proj, SwiGLU's gate and up with down, an attention's q, k, v with its output). One all-reduce joins each group. A repeated block's
+    index becomes ``*``. ``{}`` when the model has no such group.
+
+    >>> suggest_plan(labkit.models.mlp(depth=4)())
+    {'0': 'colwise', '2': 'rowwise', '4': 'colwise', '6': 'rowwise'}
+    """
+    plan: dict[str, str] = {}
+    for parent_name, parent in model.named_modules():
+        linears = [(n, m) for n, m in parent.named_children() if isinstance(m, nn.Linear)]
+        for child, style in _groups(linears, isinstance(parent, nn.Sequential)):
+            parts = (parent_name.split(".") if parent_name else []) + [child]
+            key = ".".join("*" if p.isdigit() and k < len(parts) - 1 else p for k, p in enumerate(parts))
+            plan.setdefault(key, style)
+        if len(plan) >= limit:
+            break
+    return plan
+
+
+def _groups(linears: list, sequential: bool) -> list[tuple[str, str]]:
+    """(child name, style) of one parent's Linear children, by :func:`suggest_plan`'s rule."""
+    if sequential:
+        out, i = [], 0
+        while i + 1 < len(linears):
+            (a, first), (b, second) = linears[i], linears[i + 1]
+            if first.out_features == second.in_features:
+                out += [(a, "colwise"), (b, "rowwise")]
+                i += 2
+            else:
+                i += 1
+        return out
+    out, used = [], set()
+    while True:          # the Linear fed by the most earlier ones (ties: the widest input) closes a group
+        groups = [([a for a, m in linears[:i] if a not in used and m.out_features == last.in_features],
+                   last.in_features, name) for i, (name, last) in enumerate(linears) if name not in used]
+        feeding, _, name = max(groups, key=lambda g: (len(g[0]), g[1]), default=([], 0, None))
+        if not feeding:
+            return out
+        out += [(a, "colwise") for a in feeding] + [(name, "rowwise")]
+        used.update(feeding + [name])
+
+
 def resolve_plan(model: nn.Module, plan: dict | None = None) -> dict:
     """The plan given, else the model's own ``tp_plan``; ValueError if there is neither."""
     plan = plan if plan is not None else getattr(model, "tp_plan", None)
     if not plan:
-        raise ValueError("tp_plan: the model has no tensor-parallel plan; give the model a tp_plan attribute "
-                         "or pass lab.run(..., tp_plan={'layers.*.mlp.w1': 'colwise', 'layers.*.mlp.w2': 'rowwise'})")
+        suggested = suggest_plan(model)
+        example = f"tp_plan={suggested!r}, built from the model's own Linear layers (colwise then rowwise: one " \
+                  "all-reduce per pair)" if suggested else \
+            "tp_plan={'<name of a Linear>': 'colwise', '<the Linear after it>': 'rowwise'} (the model has no two " \
+            "chained Linear layers under one parent to suggest)"
+        raise ValueError(f"tp_plan: the model has no tensor-parallel plan; give the model a tp_plan attribute or "
+                         f"pass lab.run(..., {example})")
     if not isinstance(plan, dict):
         raise ValueError(f"tp_plan={plan!r} must be a dict of module-name globs to 'colwise' or 'rowwise'")
     return plan
