@@ -171,3 +171,24 @@ def test_chunk_pairs_merged_by_lse_equal_torchs_attention_and_its_gradients(caus
     assert torch.allclose(out, want, atol=1e-6)
     for mine, grad in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert torch.allclose(mine, grad, atol=1e-5)
+
+
+def padded(step):
+    """The text's batch with padding (-100) spread unevenly over the sequence: the first three
+    rows' second halves and row 3's last quarter, so cp ranks hold different counts."""
+    x, y = DATA(step)
+    y = y.clone()
+    y[:3, 8:] = -100
+    y[3, 12:] = -100
+    return x, y
+
+
+@pytest.mark.parametrize("strategy", [labkit.Strategy(dp=2, cp=2), labkit.Strategy(cp=4, cp_balance=False)],
+                         ids=["dp2cp2", "cp4-contiguous"])
+def test_padded_tokens_under_cp_are_normalised_by_the_whole_count(lab4, strategy):
+    """A token loss counts the whole sequences' tokens, not this rank's slice, and its sums are
+    scaled by dp·cp (cp ranks average their gradients with dp)."""
+    kw = dict(KW, data=padded)
+    run, ref = lab4.run(strategy, model=llama(), **kw), labkit.reference(llama(), **kw)
+    assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    assert run.max_diff(ref) <= TOL

@@ -93,7 +93,9 @@ def check_model(s, built, data) -> None:
 
 
 def probe(model, x) -> dict:
-    """Run ``model`` once on ``x`` counting its calls to :func:`attention` and :func:`positions`."""
+    """Run ``model`` on ``x`` counting its calls to :func:`attention` and :func:`positions`,
+    stopping at the first attention once positions were asked for: the checks' model may sit
+    on the ``meta`` device, where what follows (a MoE router's data-dependent indexing) cannot run."""
     import torch
     global _active
     before, counting = _active, _Probe()
@@ -101,9 +103,15 @@ def probe(model, x) -> dict:
     try:
         with torch.no_grad():
             model(x)
+    except _Seen:
+        pass
     finally:
         _active = before
     return counting.calls
+
+
+class _Seen(Exception):
+    """The probe has seen what it needs."""
 
 
 class _Probe:
@@ -115,6 +123,8 @@ class _Probe:
     def attention(self, q, k, v, causal):
         self.calls["attention"] += 1
         self.calls["q_heads"], self.calls["kv_heads"] = q.shape[1], k.shape[1]
+        if self.calls["positions"]:
+            raise _Seen
         return local_attention(q, k, v, causal)
 
     def positions(self, t, device):
