@@ -79,6 +79,11 @@ class Strategy:
     ep: int = setting(1, "Expert-parallel degree: each MoE layer's experts split over ep consecutive dp ranks, "
                          "tokens sent to them and back by all-to-all (DeepSeek-V3, Megatron-Core); divides dp "
                          "and takes no ranks of its own.", axis="degrees", label="ep={}")
+    ep_overlap: str = setting("none", "ep > 1: 'microbatch' cuts each MoE layer's tokens in two, one half's "
+                                      "all-to-all in flight while the other's experts compute, forward and "
+                                      "backward (DeepSeek-V3's two-micro-batch overlap).", axis="ep",
+                              choices=_expert.EP_OVERLAPS, title="ep overlap",
+                              label="ep_overlap={}", show="changed")
     tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': f/g over labkit.comm, on the "
                                        "timeline) or torch's parallelize_module ('dtensor').", axis="tp",
                            choices=TP_MODES, control="choice", title="tp mode", label="{}")

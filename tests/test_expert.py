@@ -32,6 +32,8 @@ def moe(**kwargs):
     (dict(dp=2, ep=2, pp=2), "pp=2"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
+    (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
+    (dict(dp=2, ep=2, ep_overlap="dualpipe"), "ep_overlap='dualpipe' is unknown"),
 ])
 def test_strategy_checks_its_ep_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -68,7 +70,11 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
                                                                           shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=4, ep=2, recompute="full"), moe(top_k=2, aux_loss_coef=0.01)),   # all-to-alls again
-], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute"])
+    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=4, ep=4, ep_overlap="microbatch", dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False,
+                                                                            aux_loss_coef=0.01)),
+], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
+        "ep2-top2-overlap", "ep4-top1-overlap-ddp"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())

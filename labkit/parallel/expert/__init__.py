@@ -14,9 +14,15 @@ heavy, so a notebook can validate a strategy without torch.distributed.
 from __future__ import annotations
 
 
+EP_OVERLAPS = ("none", "microbatch")
+
+
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible expert-parallel setting."""
     if s.ep == 1:
+        if s.ep_overlap != "none":
+            raise ValueError(f"Strategy.ep_overlap={s.ep_overlap!r} hides the experts' all-to-alls, and ep=1 has "
+                             "none; use ep > 1, or ep_overlap='none'")
         return
     if s.dp % s.ep:
         raise ValueError(f"Strategy.ep={s.ep} must divide dp={s.dp}: the experts are spread over runs of ep "
