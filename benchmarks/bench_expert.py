@@ -1,5 +1,6 @@
 """Expert parallelism on 4 engines: equality with one process, bytes per all-to-all against the
-balanced-routing formula, and step time against replicated experts (ep=1) at the same batch.
+balanced-routing formula, step time against replicated experts (ep=1) at the same batch, and
+the all-to-all the two-micro-batch overlap hides.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_expert.py        # ~1 minute
 
@@ -11,6 +12,10 @@ the rank, so one dispatch (and one combine) sends tokens × top_k × hidden × e
 Step time: median over steps 1.. of the slowest rank's step (the lab's own harness included).
 Exactness: the largest parameter and loss difference from ``labkit.reference`` after 3 SGD
 steps, for ep = 2 and 4 beside dp = 4, top-1 and top-2, balance loss off and on.
+Overlap: per rank and step, the all-to-all spans' union less the compute spans (the time the
+compute lane waited on an all-to-all), median over steps 1.., mean over ranks; beside it the
+run's ``exposed_comm_fraction`` (all comm, the dense gradients' all-reduce included) and the
+step time against ep=1, for ``ep_overlap`` "none" and "microbatch".
 """
 from __future__ import annotations
 
@@ -18,6 +23,21 @@ import argparse
 from statistics import mean, median
 
 import labkit
+from labkit.analysis.metrics import difference_length
+
+
+def exposed_all_to_all_ms(run) -> float:
+    """The compute lane's wait on all-to-alls per step (ms): median over steps 1.., mean over ranks."""
+    per_step = {}
+    for e in run.timeline.events:
+        if e["step"] >= 1:
+            spans = per_step.setdefault((e["step"], e["rank"]), ([], []))
+            if e["kind"] == "all_to_all":
+                spans[0].append((e["start"], e["end"]))
+            elif e["stream"] == "compute":
+                spans[1].append((e["start"], e["end"]))
+    ranks = sorted({r for _, r in per_step})
+    return 1e3 * mean(median(difference_length(*per_step[k]) for k in per_step if k[1] == r) for r in ranks)
 
 
 def main() -> None:
@@ -45,6 +65,17 @@ def main() -> None:
             ratio = f"{measured / formula:6.3f}" if formula else "     -"
             print(f"{ep:>3} {measured:>20.0f} {formula:>10.0f} {ratio} "
                   f"{1e3 * median(run.step_times[1:]):>8.1f} {run.max_diff(ref):>23.2e}")
+        print(f"\n{'ep':>3} {'ep_overlap':>10} {'exposed a2a ms':>14} {'a2a ms':>7} {'exposed comm':>12} "
+              f"{'step ms':>8} {'vs ep=1':>7} {'max |Δparam|':>13}")
+        base = None
+        for ep, overlap in ((1, "none"), (2, "none"), (2, "microbatch"), (4, "none"), (4, "microbatch")):
+            run = lab.run(labkit.Strategy(dp=dp, ep=ep, ep_overlap=overlap), model=model, **kw)
+            a2a = [e["end"] - e["start"] for e in run.timeline.events if e["kind"] == "all_to_all" and e["step"] >= 1]
+            step = median(run.step_times[1:])
+            base = base or step
+            print(f"{ep:>3} {overlap:>10} {exposed_all_to_all_ms(run):>14.2f} "
+                  f"{1e3 * sum(a2a) / dp / (args.steps - 1):>7.2f} {run.metrics['exposed_comm_fraction']:>12.3f} "
+                  f"{1e3 * step:>8.1f} {step / base:>7.2f} {run.max_diff(ref):>13.2e}")
         print(f"\n{'ep':>3} {'top_k':>5} {'aux':>5} {'max |Δparam|':>13} {'max |Δloss|':>12}")
         for ep in (2, 4):
             for top_k in (1, 2):

@@ -79,7 +79,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         box = ctx.box
-        box.pop("back_handle").wait()
+        _wait(box.pop("back_handle"))
         box.pop("grad")
         return box.pop("back"), None, None, None, None, None
 
@@ -90,7 +90,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, box: dict):
         ctx.box = box
-        box.pop("handle").wait()
+        _wait(box.pop("handle"))
         box.pop("x")
         return out.view_as(out)
 
@@ -103,6 +103,15 @@ class _Wait(torch.autograd.Function):
         box["back_handle"] = comm.all_to_all_single(back, grad, box["send"], box["recv"], group=box["group"],
                                                     name=f"{box['name']} backward", async_op=True)
         return grad, None                # _Start's backward hands on what comes back
+
+
+def _wait(handle) -> None:
+    """Wait for an async exchange; the time blocked is exposed comm, cut out of the compute
+    span around it, as a blocking call's is (labkit.comm)."""
+    recorder = comm.context().recorder
+    start = recorder.mark()
+    handle.wait()
+    recorder.blocked(start, recorder.mark())
 
 
 def _start(x, send, recv, group, name):
