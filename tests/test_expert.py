@@ -132,3 +132,40 @@ def test_all_to_all_bytes_are_the_rows_that_leave_each_rank(lab4):
             assert events[f"layers.{layer}.mlp dispatch"] == int(home.sum()) * row_bytes
             assert events[f"layers.{layer}.mlp combine backward"] == int(home.sum()) * row_bytes
             assert events[f"layers.{layer}.mlp counts"] == (ep - 1) * (4 // ep) * 8
+
+
+# -- routing made visible --------------------------------------------------------------------
+def test_router_skew_sends_expert_0_more_tokens():
+    """One process: the skewed router's first forward is more uneven than the plain one's."""
+    from labkit.parallel.expert import imbalance
+    x, _ = DATA(0)
+    ratios = {}
+    for skew in (0.0, 0.5):
+        net = build_model(moe(top_k=2, router_skew=skew), 0)
+        with torch.no_grad():
+            net(x)
+        ratios[skew] = [imbalance(c.tolist()) for c in net.tokens_per_expert]
+        top = net.tokens_per_expert.argmax(1).tolist()
+    assert all(a > b for a, b in zip(ratios[0.5], ratios[0.0])) and top == [0, 0]
+    with pytest.raises(ValueError, match="router_skew"):
+        labkit.models.llama(**SIZES, router_skew=1.0)
+
+
+def test_tokens_per_expert_are_the_global_batch_routing(lab4):
+    """ep=2 with the overlap, two micro-batches and full recompute (a forward run twice): the
+    metric counts each routed token of the step once, as one process routes it; the plot draws it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    model = moe(top_k=2, aux_loss_coef=0, router_skew=0.5)
+    strategy = labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch", microbatches=2, recompute="full")
+    run = lab4.run(strategy, model=model, **{**KW, "steps": 2})
+    steps = run.metrics["tokens_per_expert"]
+    assert len(steps) == 2 and all(sum(c) == KW["batch"] * 16 * 2 for s in steps for c in s.values())
+    for layer, chosen in enumerate(routed_rows(model, KW["seed"])):
+        expected = torch.bincount(chosen.reshape(-1), minlength=4).tolist()
+        assert steps[0][f"layers.{layer}.mlp"] == expected
+        ranks = run.metrics["tokens_per_ep_rank"][0][f"layers.{layer}.mlp"]
+        assert ranks == [expected[0] + expected[1], expected[2] + expected[3]] and ranks[0] > ranks[1]
+    from labkit.view.experts import plot_routing
+    axes = plot_routing(run, by="ep_rank")
+    assert len(axes) == 2 and axes[0].get_title().startswith("layers.0.mlp: max/mean")
