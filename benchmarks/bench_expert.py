@@ -16,18 +16,23 @@ Overlap: per rank and step, the all-to-all spans' union less the compute spans (
 compute lane waited on an all-to-all), median over steps 1.., mean over ranks; beside it the
 run's ``exposed_comm_fraction`` (all comm, the dense gradients' all-reduce included) and the
 step time against ep=1, for ``ep_overlap`` "none" and "microbatch".
+Imbalance: a router skewed to expert 0 (``router_skew``) under ep=2; per step the max/mean of
+the tokens each ep rank received (layer 0) and each rank's exposed all-to-all (the others wait
+for the loaded rank in the combine), with the balance loss off and on.
 """
 from __future__ import annotations
 
 import argparse
 from statistics import mean, median
 
+from labkit.parallel.expert import imbalance
+
 import labkit
 from labkit.analysis.metrics import difference_length
 
 
-def exposed_all_to_all_ms(run) -> float:
-    """The compute lane's wait on all-to-alls per step (ms): median over steps 1.., mean over ranks."""
+def exposed_per_rank_ms(run) -> list[float]:
+    """Per rank, the compute lane's wait on all-to-alls per step (ms), median over steps 1.."""
     per_step = {}
     for e in run.timeline.events:
         if e["step"] >= 1:
@@ -37,7 +42,12 @@ def exposed_all_to_all_ms(run) -> float:
             elif e["stream"] == "compute":
                 spans[1].append((e["start"], e["end"]))
     ranks = sorted({r for _, r in per_step})
-    return 1e3 * mean(median(difference_length(*per_step[k]) for k in per_step if k[1] == r) for r in ranks)
+    return [1e3 * median(difference_length(*per_step[k]) for k in per_step if k[1] == r) for r in ranks]
+
+
+def exposed_all_to_all_ms(run) -> float:
+    """The compute lane's wait on all-to-alls per step (ms): median over steps 1.., mean over ranks."""
+    return mean(exposed_per_rank_ms(run))
 
 
 def main() -> None:
@@ -88,6 +98,14 @@ def main() -> None:
                         labkit.reference(small, **three)
                     loss = max(abs(a - b) for a, b in zip(run.losses, one.losses))
                     print(f"{ep:>3} {top_k:>5} {aux:>5} {run.max_diff(one):>13.2e} {loss:>12.2e}")
+        print(f"\n{'aux':>5} {'ep-rank max/mean per step (layer 0)':<60} {'exposed a2a ms per rank':<28}")
+        for aux in (0.0, 0.1):
+            skewed = labkit.models.llama(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=data.vocab_size,
+                                         n_experts=args.experts, top_k=args.top_k, aux_loss_coef=aux, router_skew=0.5)
+            run = lab.run(labkit.Strategy(dp=dp, ep=2), model=skewed, **{**kw, "steps": 2 * args.steps})
+            ratios = " ".join(f"{imbalance(s['layers.0.mlp']):.2f}" for s in run.metrics["tokens_per_ep_rank"])
+            ranks = " ".join(f"{v:.1f}" for v in exposed_per_rank_ms(run))
+            print(f"{aux:>5} {ratios:<60} {ranks:<28}")
     finally:
         lab.close()
 
