@@ -153,7 +153,8 @@ def test_router_skew_sends_expert_0_more_tokens():
 
 def test_tokens_per_expert_are_the_global_batch_routing(lab4):
     """ep=2 with the overlap, two micro-batches and full recompute (a forward run twice): the
-    metric counts each routed token of the step once, as one process routes it; the plot draws it."""
+    metric counts each routed token of the step once, as one process routes it; the plot draws
+    it; the overlap's dispatches carry the rows that leave each rank."""
     import matplotlib
     matplotlib.use("Agg")
     model = moe(top_k=2, aux_loss_coef=0, router_skew=0.5)
@@ -164,6 +165,11 @@ def test_tokens_per_expert_are_the_global_batch_routing(lab4):
     for layer, chosen in enumerate(routed_rows(model, KW["seed"])):
         expected = torch.bincount(chosen.reshape(-1), minlength=4).tolist()
         assert steps[0][f"layers.{layer}.mlp"] == expected
+        for rank in range(4):   # the overlap's half-size dispatches carry the rows; recompute sends them twice
+            mine = chosen[rank * 2:(rank + 1) * 2]
+            sent = sum(e["bytes"] for e in run.timeline.events if e["rank"] == rank and e["step"] == 0
+                       and e["name"].startswith(f"layers.{layer}.mlp dispatch mb") and "backward" not in e["name"])
+            assert sent == 2 * int(((mine // 2) != rank % 2).sum()) * SIZES["n_embd"] * 4
         ranks = run.metrics["tokens_per_ep_rank"][0][f"layers.{layer}.mlp"]
         assert ranks == [expected[0] + expected[1], expected[2] + expected[3]] and ranks[0] > ranks[1]
     from labkit.view.experts import plot_routing
