@@ -17,7 +17,9 @@ from . import bench, comm, data, engine, models  # noqa: E402
 from .comm import collectives, compression  # noqa: E402
 from .analysis.drift import drift  # noqa: E402
 from .config import Strategy  # noqa: E402
-from .errors import CollectiveTimeoutError, ControllerDiedError, EngineDiedError, LabError  # noqa: E402
+from .link import Link  # noqa: E402
+from .errors import (CollectiveTimeoutError, ControllerDiedError, EngineDiedError,  # noqa: E402
+                     EngineNotAnsweringError, LabError)
 from .analysis.metrics import speedup, step_metrics  # noqa: E402
 from .parallel.pipeline import schedules  # noqa: E402
 from .run.reference import reference  # noqa: E402
@@ -26,8 +28,8 @@ from .session.lab import Lab  # noqa: E402
 from .view import report  # noqa: E402
 from .analysis.timeline import Timeline  # noqa: E402
 
-__all__ = ["Lab", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
-           "ControllerDiedError",
+__all__ = ["Lab", "Link", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
+           "ControllerDiedError", "EngineNotAnsweringError",
            "bench", "collectives", "comm", "compression", "data", "drift", "models", "reference", "report", "schedules",
            "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"

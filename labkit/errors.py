@@ -49,6 +49,17 @@ class EngineDiedError(LabError):
     """An engine process died (killed, crashed, out of memory)."""
 
 
+class EngineNotAnsweringError(LabError):
+    """A rank's engine is alive but does not answer: its process is stopped (SIGSTOP, Ctrl-Z,
+    a debugger), or it is still running an earlier call past the call's limit. Unlike a dead
+    engine it can come back: the lab goes on by itself once it answers, or ``lab.recover()``
+    restarts the engines. ``silent`` names the ranks that do not answer, ``seconds`` how long
+    the longest of them has not answered."""
+
+    silent: list[int] = []
+    seconds: float = 0.0
+
+
 class ControllerDiedError(LabError):
     """The ipyparallel controller died: no call reaches the engines until ``lab.recover()``."""
 

@@ -79,14 +79,19 @@ def test_02_bubble_falls_with_m_and_follows_the_formula():
 
 
 def test_01_overlap_hides_comm_that_bucketed_exposes():
-    """01's text: bucketed reduces after backward (no overlap); overlap and ddp launch buckets
-    while backward runs, so their comm overlaps compute and less of it is exposed."""
+    """01's text, on the emulated link (comm as long as backward, off the CPU): bucketed reduces
+    after backward (no overlap); overlap and ddp launch buckets while backward runs, so their
+    comm overlaps compute, and it leaves under three quarters of bucketed's comm time exposed.
+    The step-time order is counted by benchmarks/bench_claims.py, not asserted: on a machine
+    shared with other work the compute's own swings can exceed the comm overlap saves.
+    (The raw-gloo runs beside them are shown, not claimed.)"""
     _, v = notebook("01_data_parallel")
     m = v["runs.metrics"]
     assert m["bucketed"]["overlap_fraction"] < 0.05
     for mode in ("overlap", "ddp"):
         assert m[mode]["overlap_fraction"] > 0.2, (mode, m[mode]["overlap_fraction"])
-    assert m["overlap"]["exposed_comm_fraction"] < m["bucketed"]["exposed_comm_fraction"]
+    exposed = {k: m[k]["exposed_comm_fraction"] * m[k]["step_time_s"] for k in ("bucketed", "overlap")}
+    assert exposed["overlap"] < 0.75 * exposed["bucketed"], exposed
 
 
 def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
@@ -100,3 +105,23 @@ def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
             assert busiest == pytest.approx((n - 1) * S, rel=0.01)
         else:
             assert busiest == pytest.approx(2 * (n - 1) / n * S, rel=0.01) and busiest < 2 * S
+
+
+def test_04_on_the_emulated_link_times_follow_the_bytes():
+    """04's text: on the emulated link the server takes 2(n−1)·S/β and the ring 2(n−1)/n·S/β, n
+    times less, both on their α-β lines (the ring up to a fifth above), and the sendrecv fit
+    finds the link's bandwidth. Raw gloo's rows are shown, not claimed."""
+    _, v = notebook("04_communication")
+    rows = [r for r in v["rows"] if r["link"] == "emulated"]
+    assert rows, "no emulated rows"
+    for r in rows:
+        # lower bound: a call never ends before its link allows. Upper: α-β leaves out CPU work
+        # (Thakur's γ term: the adds, and here the lab's own work per message); the ring does it
+        # in each of its 2(n−1) dependent steps, the server once, and a loaded machine stretches it
+        upper = 1.25 if r["algorithm"] == "ring" else 1.10
+        assert 0.99 * r["predicted"] <= r["time"] <= upper * r["predicted"], r
+    by = {(r["n"], r["algorithm"]): r["time"] for r in rows}
+    for n in sorted({r["n"] for r in rows}):
+        assert by[n, "ring"] < by[n, "ps"], (n, by)
+        assert by[n, "ps"] / by[n, "ring"] >= 0.8 * n, (n, by)
+    assert v["fit_beta_emulated"] == pytest.approx(50e6, rel=0.1)

@@ -7,7 +7,9 @@ only place that records comm events, so no strategy can forget to. Each call
   state), so a hang can be explained afterwards from every rank's log;
 * is timed from issue to completion (CPU: host clock, completion seen by the work's
   future; GPU: CUDA events on a dedicated comm stream);
-* turns torch's terse failures into errors that name the rank, the operation and the step.
+* turns torch's terse failures into errors that name the rank, the operation and the step;
+* with an emulated link (``lab.link``, :class:`labkit.Link`), completes no earlier than the
+  link's α-β time allows, waiting off the CPU (:mod:`.emulate`).
 
 >>> labkit.comm.all_reduce(t, name="grad 0")              # on an engine, inside lab.apply
 >>> h = labkit.comm.all_reduce(t, async_op=True); ...; h.wait()
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from ..analysis.events import kind_of_call
 from ..errors import CollectiveTimeout, CommFailure, CommMismatch
 from ..record.recorder import Recorder
+from .emulate import Joined, LinkClock, hold_until, timer
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -42,6 +45,7 @@ class CommContext:
     comm_stream: object = None      # torch.cuda.Stream on GPU engines
     calls: collections.Counter = field(default_factory=collections.Counter)   # channel → calls made
     check_p2p: bool = True          # receives check shape and dtype in a small header first
+    link: LinkClock | None = None   # an emulated link's clocks (CPU only); None: gloo's own speed
 
 
 _ctx: CommContext | None = None
@@ -82,6 +86,19 @@ def flight_log() -> list[dict]:
     return [{k: v for k, v in entry.items() if not k.startswith("_")} for entry in context().flight]
 
 
+def set_link(link) -> None:
+    """Emulate ``link`` (a :class:`labkit.Link`) on this rank from the next call; None: raw gloo.
+
+    Every rank of the lab must set the same link: a message's departure time travels ahead
+    of it only when both ends emulate. The lab does this (``lab.link = ...``).
+    """
+    ctx = context()
+    if link is not None and ctx.comm_stream is not None:
+        raise ValueError("an emulated link is for CPU engines (gloo); a GPU lab has its own interconnect: "
+                         "leave lab.link = None")
+    ctx.link = LinkClock(link, ctx.rank) if link is not None else None
+
+
 def set_p2p_check(on: bool) -> None:
     """Switch the shape/dtype header of point-to-point messages on or off (on every rank alike).
 
@@ -112,9 +129,12 @@ class Handle:
     """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
 
     def __init__(self, ctx: CommContext, entry: dict, work, start, watch: bool = True,
-                 thread: bool = False):
+                 thread: bool = False, deadline=None):
         self._ctx, self.entry, self.work, self._start = ctx, entry, work, start
         self._done_at = None
+        # An emulated link's end (perf_counter): a float, or a function that knows it once the
+        # real work is done (a receive learns when its message left from the message itself).
+        self._deadline = deadline
         self._watcher = None
         if (watch and work is not None and ctx.recorder.enabled and not ctx.recorder.cuda
                 and entry["op"] not in ("send", "recv")):
@@ -132,7 +152,21 @@ class Handle:
 
     def _completed(self):
         if self._done_at is None:
-            self._done_at = self._ctx.recorder.mark()
+            done = self._ctx.recorder.mark()
+            if self._deadline is not None:      # the link's end, on the step's clock
+                done = max(done, self._resolve() - self._ctx.recorder.origin)
+            self._done_at = done
+
+    def _resolve(self) -> float | None:
+        """The emulated end, worked out once (a receive's needs its message's departure)."""
+        if callable(self._deadline):
+            self._deadline = self._deadline()
+        return self._deadline
+
+    def _hold(self):
+        """Emulated link: wait (asleep) until the call's emulated end."""
+        if self._resolve() is not None:
+            hold_until(self._deadline)
 
     def wait(self):
         """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
@@ -140,6 +174,7 @@ class Handle:
             _guard(self._ctx, self.entry, self._watcher.join)
         elif self.work is not None:
             _guard(self._ctx, self.entry, lambda: _wait_work(self._ctx, self.work))
+        self._hold()
         self._completed()
         self.entry["state"] = "done"
         _record(self._ctx, self.entry, self._start, self._done_at)
@@ -153,7 +188,38 @@ class Handle:
             self.entry["state"] = "done"
             _record(self._ctx, self.entry, self._start, self._done_at)
             return fut.value()[0] if first else fut.value()
-        return self.work.get_future().then(finish)
+        future = self.work.get_future().then(finish)
+        if self._deadline is None:
+            return future
+        # Emulated link: a second future, settled by the link's timer thread at the deadline
+        # (DDP waits on it at the end of backward; no thread of ours blocks meanwhile).
+        late = torch.futures.Future()
+        future.add_done_callback(lambda f: timer().at(self._resolve(), lambda: _settle(late, f)))
+        return late
+
+
+def _settle(future: torch.futures.Future, done: torch.futures.Future) -> None:
+    try:
+        future.set_result(done.value())
+    except Exception as exc:
+        future.set_exception(exc)
+
+
+class _OnLink:
+    """A work that reads as completed only once its emulated link time has passed too (a
+    pipeline polls its sends: one whose bytes are still on the emulated wire is not done)."""
+
+    def __init__(self, work, handle: Handle):
+        self._work, self._handle = work, handle
+
+    def wait(self):
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed() and self._handle._resolve() <= time.perf_counter()
+
+    def get_future(self):
+        return self._work.get_future()
 
 
 class _Watcher:
@@ -216,15 +282,21 @@ def _guard(ctx: CommContext, entry: dict, call):
 
 
 # -- issuing --------------------------------------------------------------------------------
+def _check_tensor(op: str, tensor, name: str) -> None:
+    # an all-to-all may carry nothing from this rank (no token routed off it); it still joins
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 and op != "all_to_all":
+        raise ValueError(f"labkit.comm.{op}: needs a non-empty tensor, got {tensor!r:.60}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"labkit.comm.{op}: tensor '{name}' is not contiguous; call .contiguous() first")
+
+
 def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
-           async_op: bool, watch: bool = True):
+           async_op: bool, watch: bool = True, size: int = 0, deadline=None):
+    """Issue ``call`` as labkit's ``op``; ``size``: the collective's size for an emulated link
+    (:meth:`Link.seconds`); ``deadline``: a point-to-point call's own (see isend/irecv)."""
     ctx = context()
     if op != "barrier":
-        # an all-to-all may carry nothing from this rank (no token routed off it); it still joins
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 and op != "all_to_all":
-            raise ValueError(f"labkit.comm.{op}: needs a non-empty tensor, got {tensor!r:.60}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"labkit.comm.{op}: tensor '{name}' is not contiguous; call .contiguous() first")
+        _check_tensor(op, tensor, name)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     channel = _channel(ctx.rank, op, ranks, peer, group is None)
     ctx.calls[channel] += 1
@@ -248,12 +320,16 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
                 end = ctx.recorder.mark()
     else:
         start = ctx.recorder.mark()
+        if ctx.link is not None and op in LINK_OPS:
+            deadline = _join(ctx, entry, LINK_OPS[op], size, ranks, group)
         work = _guard(ctx, entry, call)
     # A blocking call ends when its wait returns; only an async one needs gloo's thread to
     # note its completion (a Python callback there doubled a small blocking call's cost).
-    handle = Handle(ctx, entry, work, start, watch and async_op, thread=async_op)
+    handle = Handle(ctx, entry, work, start, watch and async_op, thread=async_op, deadline=deadline)
     if ctx.comm_stream is not None and work is not None:
         handle._done_at = end
+    if deadline is not None and work is not None:
+        handle.work = _OnLink(work, handle)
     if async_op:
         return handle
     handle.wait()
@@ -261,6 +337,20 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     # parallel all-reduce) is cut around it, so the wait counts as exposed comm, not compute.
     ctx.recorder.blocked(start, ctx.recorder.mark())
     return handle
+
+
+def _join(ctx: CommContext, entry: dict, op: str, size: int, ranks: list[int], group) -> Joined:
+    """Post this rank's start on the emulated link (a MAX all-reduce of one number, ahead of the
+    payload): the collective's deadline is the latest member's start plus its α-β time."""
+    tier, start, cost = ctx.link.collective(op, size, ranks, time.perf_counter())
+    stamp = torch.tensor([start], dtype=torch.float64)
+    work = _guard(ctx, entry, lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    return Joined(ctx.link, work, stamp, tier, cost)
+
+
+# labkit's op names → the link's (a barrier only aligns ranks: it moves no payload)
+LINK_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+            "broadcast": "broadcast", "all_to_all": "all_to_all"}
 
 
 def _channel(rank: int, op: str, ranks: list[int], peer, world: bool) -> str:
@@ -278,42 +368,48 @@ def _group_size(group) -> int:
 
 def all_reduce(tensor, group=None, name="", op="sum", async_op=False, microbatch=None):
     """Reduce ``tensor`` in place over ``group`` (sum by default)."""
-    nbytes = wire_bytes("allreduce", tensor.numel() * tensor.element_size(), _group_size(group))
+    size = tensor.numel() * tensor.element_size()
+    nbytes = wire_bytes("allreduce", size, _group_size(group))
     return _issue("all_reduce", tensor, group, name, None, microbatch, nbytes,
-                  lambda: dist.all_reduce(tensor, op=OPS[op], group=group, async_op=True), async_op)
+                  lambda: dist.all_reduce(tensor, op=OPS[op], group=group, async_op=True), async_op, size=size)
 
 
 def all_reduce_future(tensor, group=None, name="") -> torch.futures.Future:
     """Start a sum all-reduce of ``tensor``; a future of the reduced tensor, as a DDP comm hook
     returns. Its completion is noted by that future's one callback (no second watcher: a
     Python callback per bucket is paid on gloo's thread, under the GIL)."""
-    nbytes = wire_bytes("allreduce", tensor.numel() * tensor.element_size(), _group_size(group))
+    size = tensor.numel() * tensor.element_size()
+    nbytes = wire_bytes("allreduce", size, _group_size(group))
     handle = _issue("all_reduce", tensor, group, name, None, None, nbytes,
-                    lambda: dist.all_reduce(tensor, group=group, async_op=True), True, watch=False)
+                    lambda: dist.all_reduce(tensor, group=group, async_op=True), True, watch=False, size=size)
     return handle.future(first=True)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", async_op=False):
     """Gather every rank's ``tensor`` into ``output`` (n times as long, rank order)."""
-    nbytes = wire_bytes("allgather", output.numel() * output.element_size(), _group_size(group))
+    size = output.numel() * output.element_size()
+    nbytes = wire_bytes("allgather", size, _group_size(group))
     return _issue("all_gather", tensor, group, name, None, None, nbytes,
-                  lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=True), async_op)
+                  lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=True), async_op,
+                  size=size)
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", op="sum", async_op=False):
     """Reduce ``tensor`` over the group and leave this rank's 1/n slice in ``output``."""
-    nbytes = wire_bytes("reduce_scatter", tensor.numel() * tensor.element_size(), _group_size(group))
+    size = tensor.numel() * tensor.element_size()
+    nbytes = wire_bytes("reduce_scatter", size, _group_size(group))
     reduce_op = OPS[op] if isinstance(op, str) else op        # FSDP2 passes torch's ReduceOp
     return _issue("reduce_scatter", tensor, group, name, None, None, nbytes,
                   lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=True),
-                  async_op)
+                  async_op, size=size)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None,
                       input_split_sizes=None, group=None, name="", async_op=False):
     """Send the i-th slice of ``tensor`` (rows, ``input_split_sizes[i]`` of them) to the group's
     i-th rank and receive its slice for us into ``output`` (``output_split_sizes``; None: equal).
-    The bytes are those that leave this rank: every slice but our own."""
+    The bytes are those that leave this rank: every slice but our own. On an emulated link the
+    exchange is priced by this rank's whole input (the link's pairwise all-to-all time)."""
     rows = len(tensor) if tensor.dim() else 0
     row_bytes = tensor[0].numel() * tensor.element_size() if rows else 0
     me = dist.get_group_rank(group, context().rank) if group is not None else context().rank
@@ -321,15 +417,16 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     nbytes = row_bytes * (rows - own)
     return _issue("all_to_all", tensor, group, name, None, None, nbytes,
                   lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
-                                                 group=group, async_op=True), async_op)
+                                                 group=group, async_op=True), async_op,
+                  size=rows * row_bytes)
 
 
 def broadcast(tensor, src: int, group=None, name="", async_op=False):
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     sends = context().rank == src
-    nbytes = tensor.numel() * tensor.element_size() if sends else 0
-    return _issue("broadcast", tensor, group, name, src, None, nbytes,
-                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), async_op)
+    size = tensor.numel() * tensor.element_size()
+    return _issue("broadcast", tensor, group, name, src, None, size if sends else 0,
+                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), async_op, size=size)
 
 
 def barrier(group=None, name="barrier") -> Handle:
@@ -345,14 +442,22 @@ def isend(tensor, dst: int, group=None, name="", microbatch=None, tag: int = 0, 
     the matching ``irecv`` must pass the same value.
     """
     nbytes = tensor.numel() * tensor.element_size()
+    link, stamp, deadline = context().link, None, None
+    if link is not None:
+        _check_tensor("send", tensor, name)
+        departed, deadline = link.depart(dst, nbytes, time.perf_counter())
+        stamp = torch.tensor([departed], dtype=torch.float64)    # ahead of the payload: when it left
 
     def call():
-        if not (context().check_p2p if check is None else check):
-            return dist.isend(tensor, dst, group=group, tag=tag)
-        header = _header(tensor)       # posted first, so the receiver learns what is coming
-        return _Works([dist.isend(header, dst, group=group, tag=tag), dist.isend(tensor, dst, group=group, tag=tag)],
-                      keep=header)
-    return _issue("send", tensor, group, name, dst, microbatch, nbytes, call, True)
+        sends = [] if stamp is None else [(stamp, dist.isend(stamp, dst, group=group, tag=tag))]
+        if context().check_p2p if check is None else check:
+            header = _header(tensor)       # posted first, so the receiver learns what is coming
+            sends.append((header, dist.isend(header, dst, group=group, tag=tag)))
+        payload = dist.isend(tensor, dst, group=group, tag=tag)
+        if not sends:
+            return payload
+        return _Works([w for _, w in sends] + [payload], keep=[t for t, _ in sends])
+    return _issue("send", tensor, group, name, dst, microbatch, nbytes, call, True, deadline=deadline)
 
 
 def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0, check: bool | None = None) -> Handle:
@@ -364,12 +469,18 @@ def irecv(tensor, src: int, group=None, name="", microbatch=None, tag: int = 0, 
     raises :class:`CommMismatch` naming both ranks.
     """
     nbytes = tensor.numel() * tensor.element_size()   # received; metrics count only what is sent
+    link = context().link
+    stamp = None if link is None else torch.empty(1, dtype=torch.float64)
 
     def call():
-        if not (context().check_p2p if check is None else check):
-            return dist.irecv(tensor, src, group=group, tag=tag)
-        return _CheckedRecv(tensor, src, group, tag)
-    return _issue("recv", tensor, group, name, src, microbatch, nbytes, call, True)
+        first = [] if stamp is None else [dist.irecv(stamp, src, group=group, tag=tag)]   # when it left
+        if context().check_p2p if check is None else check:
+            payload = _CheckedRecv(tensor, src, group, tag)
+        else:
+            payload = dist.irecv(tensor, src, group=group, tag=tag)
+        return _Works(first + [payload], keep=stamp) if first else payload
+    arrival = None if link is None else (lambda: link.arrive(src, nbytes, float(stamp[0])))
+    return _issue("recv", tensor, group, name, src, microbatch, nbytes, call, True, deadline=arrival)
 
 
 def send(tensor, dst: int, group=None, name="", microbatch=None) -> Handle:

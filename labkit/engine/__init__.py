@@ -45,6 +45,7 @@ class EngineSession:
         self.run_id = None           # the run the job was built for; every step names it
         self.recorder = None
         self.snapshots = None        # per-step parameter snapshots, when the run asks (labkit.drift)
+        self.link = None             # the emulated link (labkit.Link), kept across re-initialisations
 
     def describe(self) -> dict:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -106,11 +107,12 @@ def _listen_on(host: str) -> int:
 
 
 def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: float, threads: int | None,
-                     debug: bool = False) -> dict:
+                     debug: bool = False, link=None) -> dict:
     """Join the world group through the store at ``master_addr:port``; gloo on CPU, NCCL on GPU.
 
     ``debug`` switches on ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read when a group is created):
     collectives are checked for matching op and shapes across ranks, at a few ms per call.
+    ``link``: the emulated link every labkit.comm call then obeys (None: gloo's own speed).
     """
     s = session()
     if debug:
@@ -133,7 +135,17 @@ def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: fl
     stream = torch.cuda.Stream() if s.device.type == "cuda" else None
     comm.bind(comm.CommContext(s.rank, s.recorder, timeout_s, comm_stream=stream))
     s.groups = None
+    set_link(link)
     return s.describe()
+
+
+def set_link(link) -> None:
+    """Emulate ``link`` (a labkit.Link, or None for raw gloo) from the next labkit.comm call.
+
+    Groups and the job stay as they are: only the times the calls take change.
+    """
+    comm.set_link(link)
+    session().link = link
 
 
 def drop_job(s: EngineSession) -> None:

@@ -11,7 +11,9 @@ notebook) but it fires when the *thread* that forked the engine exits, and ipypa
 starts engines from whichever thread runs its event loop; it also cannot reach the
 controller. So each engine runs a thread that polls its parent: once the notebook is gone
 (the engine is re-parented), it stops the controller's process group and its own nanny, then
-exits. Local labs only; a cluster's engines belong to its scheduler.
+exits. A peer engine whose process is stopped (SIGSTOP, Ctrl-Z) cannot run its own thread and
+was left behind stopped, for good: the first engine to notice kills it. Local labs only; a
+cluster's engines belong to its scheduler.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ POLL_S = 0.5
 _watching: dict = {}
 
 
-def watch_parent(parent_pid: int, controller_pid: int | None) -> bool:
-    """Start (once per engine process) the thread that ends this engine with ``parent_pid``."""
+def watch_parent(parent_pid: int, controller_pid: int | None, engines: list[int] = ()) -> bool:
+    """Start (once per engine process) the thread that ends this engine with ``parent_pid``;
+    ``engines``: the pids of every engine of the lab (those stopped are ended too)."""
     if _watching.get("parent") == parent_pid:
-        _watching["controller"] = controller_pid            # a restarted controller has a new pid
+        # a restarted controller or engine set has new pids
+        _watching.update(controller=controller_pid, engines=list(engines))
         return False
-    _watching.update(parent=parent_pid, controller=controller_pid)
+    _watching.update(parent=parent_pid, controller=controller_pid, engines=list(engines))
     direct = os.getppid() == parent_pid
     thread = threading.Thread(target=_watch, args=(parent_pid, direct), name="labkit-watchdog", daemon=True)
     thread.start()
@@ -41,7 +45,7 @@ def watch_parent(parent_pid: int, controller_pid: int | None) -> bool:
 def _watch(parent_pid: int, direct: bool) -> None:
     while _parent_alive(parent_pid, direct):
         time.sleep(POLL_S)
-    _end_lab(_watching.get("controller"))
+    _end_lab(_watching.get("controller"), _watching.get("engines", []))
 
 
 def _parent_alive(pid: int, direct: bool) -> bool:
@@ -56,8 +60,12 @@ def _parent_alive(pid: int, direct: bool) -> bool:
         return True
 
 
-def _end_lab(controller_pid: int | None) -> None:
-    """The notebook is gone: the controller's group, this engine's children, then this engine."""
+def _end_lab(controller_pid: int | None, engines: list[int]) -> None:
+    """The notebook is gone: stopped peers, the controller's group, this engine's children,
+    then this engine."""
+    for pid in engines:
+        if pid != os.getpid() and _stopped_engine(pid):
+            _signal(pid, signal.SIGKILL)        # a stopped process acts on nothing gentler
     if controller_pid:
         _signal_group(controller_pid, signal.SIGTERM)
     for child in _children(os.getpid()):
@@ -68,6 +76,16 @@ def _end_lab(controller_pid: int | None) -> None:
     for child in _children(os.getpid()):
         _signal(child, signal.SIGKILL)
     os._exit(0)
+
+
+def _stopped_engine(pid: int) -> bool:
+    """An ipyparallel engine process, stopped (its cmdline guards against a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) and \
+            "ipyparallel.engine" in proc.cmdline()
+    except psutil.Error:
+        return False
 
 
 def _children(pid: int) -> list[int]:

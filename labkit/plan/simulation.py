@@ -77,7 +77,7 @@ from dataclasses import dataclass, replace
 
 from ..analysis.metrics import step_metrics
 from ..parallel.pipeline import SPLIT_BACKWARD
-from ..view.timeline import Timeline
+from ..analysis.timeline import Timeline
 from .costs import CostTable
 from .replay import Message, StageProgram, replay
 from .sharded import Block, Call, ShardedProgram, Unit, replay_sharded

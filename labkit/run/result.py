@@ -38,6 +38,8 @@ class Run:
     """Per step, {rank: parameters and gradient norms after the step}; with ``lab.run(..., snapshots=True)``."""
     skipped_steps: list[int] = field(default_factory=list, repr=False)
     """precision="fp16": the steps whose update the loss scaler skipped (gradients overflowed)."""
+    link: object = None
+    """The emulated link (labkit.Link) the run's calls obeyed; None: raw gloo. ``str(run.link)`` names it."""
     step_entries: dict = field(default_factory=dict, repr=False)
     """Per recorded step, its part of the metrics (analysis.metrics.step_entry), so the metrics
     are refreshed after each step from the new step's events alone."""

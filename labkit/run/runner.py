@@ -21,7 +21,7 @@ from ..config import Strategy
 from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
-from ..view.timeline import Timeline
+from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from .checks import check_model, check_number
@@ -52,6 +52,9 @@ def validate(spec: RunSpec, engines: int) -> None:
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError(f"model must be an nn.Module or a zero-argument callable returning one (model=Net or "
                         f"model=Net()), got {type(spec.model).__name__}")
+    if spec.data is not None and not callable(spec.data):     # a generator cannot reach the engines
+        raise TypeError(f"data must be a callable data(step) -> (x, y), got a {type(spec.data).__name__}; from a "
+                        f"generator: batches = [next(gen) for _ in range(steps)]; data=lambda step: batches[step]")
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
     built = model_for_checks(spec.model, spec.seed)
@@ -176,7 +179,10 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         warned: set = set()           # engine warnings, each relayed once per rank and run
         built = lab.apply(engine.setup_run, spec, run_id)
         relay_warnings(built, warned)
-        run = Run(s, [], Timeline([], lab.world_size, grid=s), {}, spec.batch, ranks=lab.ranks)
+        link = getattr(lab, "link", None)          # the emulated link its calls obey (None: raw gloo)
+        title = f"emulated link {link}" if link is not None else None     # shown on every timeline
+        run = Run(s, [], Timeline([], lab.world_size, title=title, grid=s), {}, spec.batch, ranks=lab.ranks)
+        run.link = link
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
         peak = [0] * lab.world_size
         for step in range(spec.steps):

@@ -22,13 +22,15 @@ from contextlib import contextmanager
 from typing import Callable
 
 import ipyparallel as ipp
+import psutil
 
 from .. import engine
 from ..config import Strategy
-from ..errors import ControllerDiedError, EngineDiedError, LabError
+from ..errors import ControllerDiedError, EngineDiedError, EngineNotAnsweringError, LabError
+from ..link import Link
 from ..parallel.build import RunSpec
 from ..run.result import Run
-from ..view.status import StatusLine
+from ..view.status import StatusLine, link_text
 from . import calls, lifetime
 from .checks import check_start
 from .launch import Launched, start_engines
@@ -59,20 +61,25 @@ class Lab:
         self._stuck = None                    # (what, futures) of ranks that never answered a call
         self._processes: list = []            # a local cluster's processes (psutil, see lifetime.py)
         self._status: StatusLine | None = None     # the progress line (view.status), made on first use
+        self._engine_procs: dict = {}         # rank → its engine's process, engines on this machine
+        self._silent: dict[int, float] = {}   # rank → since when (monotonic) it has not answered
+        self._link: Link | None = None        # the emulated link every rank obeys; None: raw gloo
 
     # -- starting and attaching -----------------------------------------------------------
     @classmethod
     def start(cls, engines: int = 2, timeout: float = 60.0, launcher: str = "local",
               progress: bool = True, start_timeout: float = 120.0, debug: bool = False,
-              **cluster_kwargs) -> "Lab":
+              link: Link | None = None, **cluster_kwargs) -> "Lab":
         """Start ``engines`` engines (one rank each) through ``launcher`` and initialise torch.distributed.
 
         ``launcher``: "local" (CPU engines on this machine, the default), "slurm", "mpi" or
         "ssh" (see :mod:`labkit.session.launchers`). ``timeout`` is the collective timeout in
         seconds (every group and barrier gets it). ``debug=True`` starts the engines with
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (collectives checked across ranks for matching op
-        and shapes; a few ms per call).
+        and shapes; a few ms per call). ``link``: an emulated interconnect (:class:`labkit.Link`)
+        every labkit.comm call obeys; None, the default, is gloo at this machine's own speed.
         """
+        _check_link(link)
         check_start(engines, timeout, launcher, cluster_kwargs)
         status = StatusLine() if progress else None        # one line for the whole start
         launched = start_engines(launcher, engines, start_timeout, status and status.say, debug, **cluster_kwargs)
@@ -80,6 +87,8 @@ class Lab:
         lab.debug, lab._launched, lab._status = debug, launched, status
         try:
             lab._attach(expected=engines)
+            if link is not None:
+                lab.link = link
         except BaseException:
             lab.close()
             raise
@@ -87,8 +96,10 @@ class Lab:
 
     @classmethod
     def connect(cls, profile: str | None = None, cluster_id: str | None = None, url_file: str | None = None,
-                engines: int | None = None, timeout: float = 60.0, wait: float = 60.0) -> "Lab":
+                engines: int | None = None, timeout: float = 60.0, wait: float = 60.0,
+                link: Link | None = None) -> "Lab":
         """Attach to engines someone already started (``ipcluster start``, Slurm, MPI, SSH)."""
+        _check_link(link)
         kwargs = {k: v for k, v in dict(profile=profile, cluster_id=cluster_id, url_file=url_file).items() if v}
         client = ipp.Client(**kwargs)
         if engines:
@@ -98,6 +109,8 @@ class Lab:
             raise LabError(f"no engines are registered with the cluster ({kwargs or 'default profile'})")
         lab = cls(client, None, timeout)
         lab._attach(expected=len(client.ids))
+        if link is not None:
+            lab.link = link
         return lab
 
     def _say(self, text: str) -> None:
@@ -110,6 +123,8 @@ class Lab:
         self._say(f"labkit: importing torch on {expected} engines…")
         self._engine_of, self.ranks = map_ranks(self.client, targets)
         self._rank_of = {eid: rank for rank, eid in self._engine_of.items()}
+        self._engine_procs, self._silent = lifetime.engine_processes(self.ranks), {}
+        calls.quiet_stale_results(self.client)
         self.view = self.client.direct_view(targets=self.engine_ids)
         self.view.use_cloudpickle()
         if self._launched.launcher == "local" and self.cluster is not None:
@@ -121,7 +136,8 @@ class Lab:
         from ..engine.watchdog import watch_parent
 
         controller = lifetime.controller_process(self.cluster)
-        self.view.apply_async(watch_parent, os.getpid(), controller.pid if controller else None).get(timeout=60)
+        pids = [info["pid"] for info in self.ranks]
+        self.view.apply_async(watch_parent, os.getpid(), controller.pid if controller else None, pids).get(timeout=60)
         self._processes = [p for p in self._processes if p.is_running()] + lifetime.lab_processes(self.cluster)
 
     def _init_distributed(self) -> None:
@@ -132,12 +148,14 @@ class Lab:
         port = self._on_rank(0, engine.open_store, master, world, self.timeout)
         limit, self._limit = self._limit, None            # the lab's own set-up: never the user's limit
         try:
-            self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug)
+            self.apply(engine.init_distributed, master, port, world, self.timeout, self.threads, debug=self.debug,
+                       link=self._link)
             self.ranks = self.apply(engine.describe)
         finally:
             self._limit = limit
         self.store = (master, port)
-        self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port})")
+        self._say(f"labkit: {world} ranks ready ({self.ranks[0]['backend']}, store {master}:{port}; "
+                  f"{link_text(self._link, self.ranks[0]['backend'])})")
 
     # -- running code on the ranks ----------------------------------------------------------
     @property
@@ -160,6 +178,27 @@ class Lab:
         if not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"timeout={seconds!r} must be a number of seconds > 0")
         self._timeout, self._dirty = float(seconds), True
+
+    @property
+    def link(self) -> Link | None:
+        """The emulated interconnect (:class:`labkit.Link`) every labkit.comm call obeys; None:
+        gloo at this machine's own speed. Setting it takes effect from the next call on every
+        rank (groups and the current run's build stay; only the calls' times change)."""
+        return self._link
+
+    @link.setter
+    def link(self, link: Link | None) -> None:
+        _check_link(link)
+        if link is not None:
+            if any(r["backend"] != "gloo" for r in self.ranks):
+                raise ValueError("lab.link: an emulated link is for CPU engines (gloo); a GPU lab has its own "
+                                 "interconnect, so leave lab.link = None")
+            if len({r["host"] for r in self.ranks}) > 1:
+                raise ValueError("lab.link: the emulation times calls on one clock, so every rank must run on "
+                                 "one host; leave lab.link = None on a multi-host lab")
+        self.apply(engine.set_link, link)
+        self._link = link
+        self._say(f"labkit: {link_text(link, self.ranks[0]['backend'] if self.ranks else 'gloo')}")
 
     @contextmanager
     def hold(self, what: str):
@@ -191,7 +230,7 @@ class Lab:
         holder = self._holder
         if holder is not None and holder[0] != threading.get_ident():
             raise _held_error(f"lab.apply({getattr(fn, '__name__', 'call')})", holder)
-        self._ready()
+        self._ready(getattr(fn, "__name__", "call"))
         ar = self.view.apply_async(fn, *args, **kwargs)
         return self._gather(ar, self._limit, what=getattr(fn, "__name__", "call"))
 
@@ -208,7 +247,7 @@ class Lab:
 
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
-        from ..view.timeline import Timeline
+        from ..analysis.timeline import Timeline
         from ..analysis.clocks import aligned
         from ..analysis.waits import split_waits
 
@@ -225,27 +264,78 @@ class Lab:
         """Wait for every rank (see :mod:`.calls`); on a failure, remember what it left behind."""
         limit = timeout if timeout is not None else 10 * self.timeout + 60
         children, targets = list(ar._children), list(ar._targets)
+        sent, stopped_since = time.monotonic(), {}
+
+        def still_there(pending):
+            self._check_controller(what)
+            self._check_stopped(what, [self._rank_of.get(t) for t, f in zip(targets, children) if f in pending],
+                                sent, stopped_since)
         try:
-            pending = calls.wait_for_ranks(children, limit, still_there=lambda: self._check_controller(what))
-        except KeyboardInterrupt:
+            pending = calls.wait_for_ranks(children, limit, still_there=still_there)
+        except (KeyboardInterrupt, EngineNotAnsweringError):
             self._dirty = True
             self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if not f.done()]
             raise
         failed = [(t, calls.error_of(f)) for t, f in zip(targets, children) if f not in pending and calls.error_of(f)]
         if not failed and not pending:
+            self._silent.clear()
             return ar.get(timeout=5)
         self._dirty = True
         self._busy = [(self._rank_of.get(t), f) for t, f in zip(targets, children) if f in pending]
         busy = sorted(r for r, _ in self._busy if r is not None)
+        for rank in busy:
+            self._silent.setdefault(rank, sent)
+        reports = calls.reports_of(failed, self._rank_of)
+        stopped = [r for r in busy if self._state(r) == "stopped"]
+        if stopped:         # the others gave up waiting for a stopped rank: it is the cause
+            peers = [calls.in_words(r, what, stopped) for r in reports]
+            raise calls.not_answering(what, self._silent_info(stopped), peers) from None
         if not failed:
             self._stuck, self._dirty = (what, list(self._busy)), False
-            raise LabError(f"{what}: no answer after {limit:g} s from ranks {busy}; they are still running it "
-                           f"(an engine runs one call at a time, and lab.interrupt() does not reach it): wait "
-                           f"for it, or lab.recover() restarts the engines")
-        error = calls.triage(calls.reports_of(failed, self._rank_of), what, busy, self.timeout, self._flight_logs)
+            error = EngineNotAnsweringError(
+                f"{what}: no answer after {limit:g} s from ranks {busy}; they are still running it (an engine runs "
+                f"one call at a time, and lab.interrupt() does not reach it): wait for it, or lab.recover() "
+                f"restarts the engines")
+            error.silent, error.seconds = busy, time.monotonic() - sent
+            raise error
+        remote = [r for r in range(self.world_size) if self._state(r) is None]
+        error = calls.triage(reports, what, busy, self.timeout, self._flight_logs, remote)
+        alive = [r for r in error.dead if self._state(r) in ("running", "stopped")]
+        if alive:           # unregistered by the controller (missed heartbeats) but not dead
+            raise calls.not_answering(what, self._silent_info(alive), error.reports, dropped=True) from None
         if error.dead:
             self._dead = error.dead
         raise error from None
+
+    def _state(self, rank: int) -> str | None:
+        """Its engine's process: "running", "stopped", "gone", or None (not on this machine)."""
+        return lifetime.engine_state(self._engine_procs.get(rank))
+
+    def _silent_info(self, ranks: list[int]) -> dict[int, dict]:
+        """What :func:`calls.not_answering` says of each silent rank: state, pid, host, for how long."""
+        now, info = time.monotonic(), {}
+        for rank in ranks:
+            where = self.ranks[rank] if rank < len(self.ranks) else {}
+            since = self._silent.get(rank)
+            info[rank] = {"state": self._state(rank), "pid": where.get("pid"), "host": where.get("host"),
+                          "seconds": None if since is None else now - since}
+        return info
+
+    def _check_stopped(self, what: str, ranks: list, sent: float, stopped_since: dict) -> None:
+        """During a call: EngineNotAnsweringError once a rank's process has been stopped for
+        GRACE_S (a stopped process answers nothing until it is continued, and the others would
+        only time out waiting for it)."""
+        now = time.monotonic()
+        for rank in ranks:
+            if self._state(rank) == "stopped":
+                stopped_since.setdefault(rank, now)
+            else:
+                stopped_since.pop(rank, None)
+        frozen = sorted(r for r, t in stopped_since.items() if now - t >= calls.GRACE_S)
+        if frozen:
+            for rank in frozen:
+                self._silent.setdefault(rank, sent)
+            raise calls.not_answering(what, self._silent_info(frozen), [])
 
     def _flight_logs(self, skip=()) -> dict[int, list[dict]]:
         """Every answering rank's flight recorder (rank → entries); {} if none can be read."""
@@ -273,23 +363,37 @@ class Lab:
         raise ControllerDiedError(f"{what}: the ipyparallel controller{pid} died, so no call can reach the "
                                   f"engines; lab.recover() restarts the whole local cluster")
 
-    def _ready(self) -> None:
-        """Before a call: refuse on a closed lab, a dead controller, a rank still running a call
-        that never answered, or a dead engine; after a failure, start on a fresh store."""
+    def _ready(self, what: str = "call") -> None:
+        """Before a call: refuse on a closed lab, a dead controller, a rank that does not answer
+        (stopped, or still running a call past its limit), or a dead engine; after a failure,
+        start on a fresh store (which also drains what a rank that answers again left behind)."""
         self._check_open()
-        self._check_controller("call")
+        self._check_controller(what)
+        registered = set(self.client.ids)
+        unregistered = [r for r, e in self._engine_of.items() if e not in registered]
+        dropped = [r for r in unregistered if self._state(r) in ("running", "stopped")]
+        if dropped:         # alive, but the controller gave it up after missed heartbeats
+            raise calls.not_answering(what, self._silent_info(dropped), [], dropped=True)
+        stopped = [r for r in range(self.world_size) if self._state(r) == "stopped"]
+        if stopped:         # refused before anything is queued behind the stopped rank's last call
+            for rank in stopped:
+                self._silent.setdefault(rank, time.monotonic())
+            raise calls.not_answering(what, self._silent_info(stopped), [])
         if self._stuck is not None:
-            what, busy = self._stuck
+            stuck_what, busy = self._stuck
             still = sorted(r for r, f in busy if not f.done())
             if still:
-                raise LabError(f"rank(s) {still} are still running {what} (it did not answer within the "
-                               f"call's limit); wait for it to end, or lab.recover() restarts the engines")
+                error = EngineNotAnsweringError(
+                    f"rank(s) {still} are still running {stuck_what} (it did not answer within the call's limit); "
+                    f"wait for it to end, or lab.recover() restarts the engines")
+                error.silent = still
+                raise error
             self._stuck, self._busy, self._dirty = None, [], True
-        registered = set(self.client.ids)
-        self._dead = sorted(set(self._dead) | {r for r, e in self._engine_of.items() if e not in registered})
+        self._dead = sorted(set(self._dead) | set(unregistered))
         if self._dead:
-            error = EngineDiedError(f"the engine of rank(s) {self._dead} died; call lab.recover() to restart "
-                                    f"the engines (the lab keeps its settings)")
+            frozen = calls.died_or_frozen(self._dead, [r for r in self._dead if self._state(r) is None])
+            error = EngineDiedError(f"the engine of rank(s) {self._dead} died{frozen}; call lab.recover() to "
+                                    f"restart the engines (the lab keeps its settings)")
             error.hang, error.flight_logs, error.busy, error.dead = None, {}, [], list(self._dead)
             raise error
         if self._dirty:
@@ -309,9 +413,9 @@ class Lab:
             if pending:
                 self._dirty = True
                 stuck = sorted(r for r, f in busy.items() if f in pending)
-                raise LabError(f"rank(s) {stuck} are still running the call that failed, {self.timeout + 10:g} s "
-                               f"after the others left their groups (stuck outside labkit.comm?); "
-                               f"lab.recover() restarts the engines")
+                raise EngineNotAnsweringError(
+                    f"rank(s) {stuck} are still running the call that failed, {self.timeout + 10:g} s after the "
+                    f"others left their groups (stuck outside labkit.comm?); lab.recover() restarts the engines")
         self._busy = []
         try:
             self._init_distributed()
@@ -336,6 +440,7 @@ class Lab:
         if self._launched.launcher == "local" and self.cluster is not None and \
                 not lifetime.controller_alive(self.cluster):
             return self._restart_cluster(timeout, t0)
+        self._kill_stopped()
         old = set(self.client.ids)
         self._say(f"labkit: restarting {n} engines…")
         self._launched.restart(n, self.debug)
@@ -349,6 +454,19 @@ class Lab:
         self._attach(expected=n, targets=fresh[:n])
         self._say(f"labkit: {n} engines restarted ({time.monotonic() - t0:.0f} s)")
         return self
+
+    def _kill_stopped(self) -> None:
+        """End the engines whose process is stopped, before a restart or close ends them anyway:
+        stopped, they act on no SIGTERM and hold every call (the close's shutdown waits 10 s).
+        Engines someone else started (``Lab.connect``) are theirs to end."""
+        if self.cluster is None:
+            return
+        for rank, proc in self._engine_procs.items():
+            if self._state(rank) == "stopped":
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
 
     def _restart_cluster(self, timeout: float, t0: float) -> "Lab":
         """The controller died: end everything the old cluster left, start a new one, attach."""
@@ -371,7 +489,7 @@ class Lab:
         Re-initialising costs well under a second and drops every old group and its sockets,
         so any number of changes in a row starts from the same clean state.
         """
-        self._ready()           # after a failure: free blocked ranks, fresh store
+        self._ready("ensure_groups")        # after a failure: free blocked ranks, fresh store
         if self._groups_key is not None and self._groups_key != (dp, pp, tp):
             self._init_distributed()
         rebuilt = self.apply(engine.ensure_groups, dp, pp, tp)
@@ -418,6 +536,7 @@ class Lab:
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the process group and, for a lab that started its engines, stop them all."""
+        self._kill_stopped()
         if self.view is not None and lifetime.controller_alive(self.cluster):
             try:
                 self.view.apply_async(engine.shutdown).get(timeout=10)
@@ -454,6 +573,12 @@ class Lab:
         body = "".join(f"<tr><td>{r['rank']}</td><td>{r['host']}</td><td>{r['local_rank']}</td>"
                        f"<td>{r['device']}</td><td>{r['backend']}</td><td>{r['pid']}</td></tr>" for r in self.ranks)
         return f"<table>{head}{body}</table>"
+
+
+def _check_link(link) -> None:
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(f"link={link!r:.60} must be a labkit.Link (labkit.Link(bandwidth=..., latency=...), "
+                        f"labkit.Link.preset(name), labkit.Link.scaled(target, lab)) or None for raw gloo")
 
 
 def _held_error(what: str, holder: tuple[int, str]) -> LabError:

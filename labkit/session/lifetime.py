@@ -1,5 +1,6 @@
 """Notebook side of a local lab's processes: is the controller alive, which processes did the
-lab start, and ending them all (also those a dead controller left behind).
+lab start, ending them all (also those a dead controller left behind), and whether an engine
+on this machine is running, stopped or gone.
 
 A SIGKILLed controller leaves its 8 scheduler processes running (they are forked, in the
 controller's process group) and the client's requests go nowhere: ipyparallel's client has
@@ -8,6 +9,7 @@ controller is a child process, and its liveness is a cheap check before and duri
 """
 from __future__ import annotations
 
+import socket
 import time
 
 import psutil
@@ -99,3 +101,37 @@ def _wait(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     while (procs := [p for p in procs if _living(p)]) and time.monotonic() < deadline:
         psutil.wait_procs(procs, timeout=0.05)
     return procs
+
+
+# -- is a rank's engine alive, stopped or gone (engines on this machine) --------------------------
+def engine_processes(ranks: list[dict]) -> dict[int, psutil.Process]:
+    """rank → its engine's process, for the ranks whose engine runs on this machine.
+
+    Taken while the engines answer (at attach), so a pid the system later reuses for another
+    program is not mistaken for the engine (psutil compares creation times).
+    """
+    here, found = socket.gethostname(), {}
+    for info in ranks:
+        if info.get("host") == here and info.get("pid"):
+            try:
+                found[info["rank"]] = psutil.Process(info["pid"])
+            except psutil.Error:
+                continue
+    return found
+
+
+def engine_state(proc: psutil.Process | None) -> str | None:
+    """"running", "stopped" (SIGSTOP, Ctrl-Z, a debugger's stop), "gone" (exited or a zombie),
+    or None when the process is not on this machine (a cluster's engine: only its
+    registration with the controller tells)."""
+    if proc is None:
+        return None
+    try:
+        if not proc.is_running():
+            return "gone"
+        status = proc.status()
+    except psutil.Error:
+        return "gone"
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return "gone"
+    return "stopped" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else "running"

@@ -49,6 +49,13 @@ class _Plain:
         return self.text
 
 
+def link_text(link, backend: str = "gloo") -> str:
+    """The lab's link in a few words: the emulated one (a labkit.Link), or the backend's own."""
+    if link is None:
+        return f"link: {backend} at this machine's own speed"
+    return f"emulated link {link}"
+
+
 # -- the dashboard ----------------------------------------------------------------------------
 COLORS = {"ok": "#1b7a3d", "busy": "#1f5fa8", "problem": "#a35a00", "error": "#b00020"}
 
@@ -97,7 +104,9 @@ def metrics_table(live) -> str:
     if live is None or not live.run.losses:
         return "<i>No run yet: press Run or change a setting.</i>"
     values = [fmt.format(get(live.run)) for _, get, fmt in ROWS]
-    return _table([""] + [label for label, _, _ in ROWS], [[f"run {live.number}, step {live.step + 1}"] + values])
+    link = getattr(live.run, "link", None)
+    name = f"run {live.number}, step {live.step + 1}" + (f" (link {link})" if link is not None else "")
+    return _table([""] + [label for label, _, _ in ROWS], [[name] + values])
 
 
 def _change(a: float, b: float, points: bool) -> str:

@@ -1,0 +1,135 @@
+"""The engine's side of an emulated link (:class:`labkit.Link`): when each call may complete.
+
+Each rank's link has a "busy until" clock per tier (inside a node, between nodes) and per
+direction (sending, receiving), on ``time.perf_counter`` (system-wide: the ranks of one host
+read one clock). A call is given a deadline when it is issued; its handle completes no
+earlier, and the wait beyond gloo's real transfer is a sleep or a timer, off the CPU, as a NIC
+or a copy engine would leave the compute free.
+
+* A collective occupies both directions of its tier for its α-β time (:meth:`Link.seconds`)
+  from the moment the last member's link is free for it: each rank's own start, max(issue,
+  link free), travels in a one-number all-reduce (MAX) posted just before the payload, so a
+  rank that issues early waits for a late one, as on a real link. Calls issued back to back
+  queue, as on one NCCL stream.
+* A message leaves when the sender's link is free and occupies it for α + S/β; it arrives
+  once the receiver's link is free as well, and occupies that as long. The sender's departure
+  time travels ahead of the payload (one float64 message), so a rank receiving from n-1
+  peers at once takes them one after another: its own link is the limit, as on real hardware.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+
+
+class LinkClock:
+    """This rank's link: deadlines for the calls it issues, and when each direction is free."""
+
+    def __init__(self, link, rank: int):
+        self.link, self.rank = link, rank
+        self.free: dict[tuple[str, str], float] = {}     # (tier, "tx" | "rx") → busy until
+        self._lock = threading.Lock()     # calls come from the main thread and autograd's
+
+    def collective(self, op: str, nbytes: int, ranks: list[int], now: float) -> tuple[str, float, float]:
+        """(tier, this rank's start, seconds) of a collective of ``nbytes`` over ``ranks`` issued
+        at ``now``; the link is held from this rank's start until :meth:`joined` knows better."""
+        tier = self.link.tier(ranks)
+        cost = self.link.seconds(op, nbytes, len(ranks), tier)
+        with self._lock:
+            start = max(now, self.free.get((tier, "tx"), 0.0), self.free.get((tier, "rx"), 0.0))
+            self.free[(tier, "tx")] = self.free[(tier, "rx")] = start + cost
+        return tier, start, cost
+
+    def joined(self, tier: str, start: float, cost: float) -> float:
+        """The deadline of a collective whose last member was ready at ``start``."""
+        with self._lock:
+            for side in ("tx", "rx"):
+                self.free[(tier, side)] = max(self.free.get((tier, side), 0.0), start + cost)
+        return start + cost
+
+    def depart(self, dst: int, nbytes: int, now: float) -> tuple[float, float]:
+        """(departure, deadline) of a message to ``dst`` issued at ``now``: it leaves when the
+        sending side is free and holds it for α + S/β."""
+        tier = self.link.tier([self.rank, dst])
+        with self._lock:
+            start = max(now, self.free.get((tier, "tx"), 0.0))
+            end = self.free[(tier, "tx")] = start + self.link.seconds("send", nbytes, 2, tier)
+        return start, end
+
+    def arrive(self, src: int, nbytes: int, departed: float) -> float:
+        """The deadline of a message from ``src`` that left at ``departed``: the receiving side
+        takes it once free, for α + S/β (cut-through: it cannot end before it was sent)."""
+        tier = self.link.tier([self.rank, src])
+        with self._lock:
+            start = max(departed, self.free.get((tier, "rx"), 0.0))
+            end = self.free[(tier, "rx")] = start + self.link.seconds("send", nbytes, 2, tier)
+        return end
+
+
+class Joined:
+    """A collective's deadline, known once every member's start has arrived (``stamp``, reduced
+    with MAX by ``work``, which completes before the payload's call on the same group)."""
+
+    def __init__(self, clock: LinkClock, work, stamp, tier: str, cost: float):
+        self.clock, self.work, self.stamp, self.tier, self.cost = clock, work, stamp, tier, cost
+        self.deadline = None
+
+    def __call__(self) -> float:
+        if self.deadline is None:
+            self.work.wait()
+            self.deadline = self.clock.joined(self.tier, float(self.stamp[0]), self.cost)
+        return self.deadline
+
+
+def hold_until(deadline: float) -> None:
+    """Sleep until ``deadline`` (perf_counter): the core is free meanwhile, as beside a NIC."""
+    delay = deadline - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+class Timer:
+    """One thread that runs callbacks at given times (the futures a DDP comm hook returns
+    complete through it, so no compute thread blocks for the link)."""
+
+    def __init__(self):
+        self._heap: list = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        threading.Thread(target=self._run, daemon=True, name="labkit-link").start()
+
+    def at(self, when: float, fn) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (when, next(self._seq), fn))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap:
+                    self._cv.wait()
+                when, _, fn = self._heap[0]
+                delay = when - time.perf_counter()
+                if delay > 0:
+                    self._cv.wait(delay)
+                    continue
+                heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:        # a callback settles its own future; never end the thread
+                pass
+
+
+_timer: Timer | None = None
+_timer_lock = threading.Lock()
+
+
+def timer() -> Timer:
+    """This process's timer thread (started on first use)."""
+    global _timer
+    with _timer_lock:
+        if _timer is None:
+            _timer = Timer()
+    return _timer
