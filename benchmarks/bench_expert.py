@@ -16,9 +16,10 @@ Overlap: per rank and step, the all-to-all spans' union less the compute spans (
 compute lane waited on an all-to-all), median over steps 1.., mean over ranks; beside it the
 run's ``exposed_comm_fraction`` (all comm, the dense gradients' all-reduce included) and the
 step time against ep=1, for ``ep_overlap`` "none" and "microbatch", on raw gloo and on an
-emulated link (``labkit.Link``, ``--link BANDWIDTH,LATENCY``, default 10 MB/s and 2 ms): with it
-the link's time is waited off the CPU, so an async all-to-all can run under the experts as on
-a GPU's copy engines, which raw gloo on shared cores cannot do.
+emulated link (``labkit.Link``, ``--link BANDWIDTH,LATENCY``, default 2 MB/s and 0.1 ms) with
+experts 16× wider (``--link-ffn``, 1024) so there is expert compute to hide behind: the link's
+time is waited off the CPU, so an async all-to-all can run under the experts as on a GPU's
+copy engines, which raw gloo on shared cores cannot do.
 Imbalance: a router skewed to expert 0 (``router_skew``) under ep=2; per step the max/mean of
 the tokens each ep rank received (layer 0) and each rank's exposed all-to-all (the others wait
 for the loaded rank in the combine), with the balance loss off and on.
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--link", default="10e6,2e-3", help="emulated link: bytes/s,seconds per message")
+    parser.add_argument("--link", default="2e6,1e-4", help="emulated link: bytes/s,seconds per message")
+    parser.add_argument("--link-ffn", type=int, default=1024, help="the experts' width on the emulated link")
     args = parser.parse_args()
     data = labkit.data.text(batch=16, block_size=32)
     model = labkit.models.llama(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=data.vocab_size,
@@ -80,21 +82,25 @@ def main() -> None:
             print(f"{ep:>3} {measured:>20.0f} {formula:>10.0f} {ratio} "
                   f"{1e3 * median(run.step_times[1:]):>8.1f} {run.max_diff(ref):>23.2e}")
         bandwidth, latency = map(float, args.link.split(","))
-        for link in (None, labkit.Link(bandwidth=bandwidth, latency=latency, name="emulated")):
+        wide = labkit.models.llama(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=data.vocab_size,
+                                   n_experts=args.experts, top_k=args.top_k, aux_loss_coef=0.01, ffn_hidden=args.link_ffn)
+        for link, net in ((None, model), (labkit.Link(bandwidth=bandwidth, latency=latency, name="emulated"), wide)):
             lab.link = link
-            where = "raw gloo" if link is None else f"link {bandwidth / 1e6:g} MB/s, {latency * 1e3:g} ms"
+            one = ref if link is None else labkit.reference(net, **kw)
+            where = "raw gloo" if link is None else \
+                f"link {bandwidth / 1e6:g} MB/s, {latency * 1e3:g} ms; experts ffn_hidden={args.link_ffn}"
             print(f"\n{where}\n{'ep':>3} {'ep_overlap':>10} {'exposed a2a ms':>14} {'a2a ms':>7} {'exposed comm':>12} "
                   f"{'step ms':>8} {'vs ep=1':>7} {'max |Δparam|':>13}")
             base = None
             for ep, overlap in ((1, "none"), (2, "none"), (2, "microbatch"), (4, "none"), (4, "microbatch")):
-                run = lab.run(labkit.Strategy(dp=dp, ep=ep, ep_overlap=overlap), model=model, **kw)
+                run = lab.run(labkit.Strategy(dp=dp, ep=ep, ep_overlap=overlap), model=net, **kw)
                 a2a = [e["end"] - e["start"] for e in run.timeline.events
                        if e["kind"] == "all_to_all" and e["step"] >= 1]
                 step = median(run.step_times[1:])
                 base = base or step
                 print(f"{ep:>3} {overlap:>10} {exposed_all_to_all_ms(run):>14.2f} "
                       f"{1e3 * sum(a2a) / dp / (args.steps - 1):>7.2f} {run.metrics['exposed_comm_fraction']:>12.3f} "
-                      f"{1e3 * step:>8.1f} {step / base:>7.2f} {run.max_diff(ref):>13.2e}")
+                      f"{1e3 * step:>8.1f} {step / base:>7.2f} {run.max_diff(one):>13.2e}")
         lab.link = None
         print(f"\n{'ep':>3} {'top_k':>5} {'aux':>5} {'max |Δparam|':>13} {'max |Δloss|':>12}")
         for ep in (2, 4):
