@@ -10,7 +10,8 @@ controls and run labels (:meth:`Strategy.label`) are derived from that metadata,
 field is one declaration here. Each axis checks its own fields in its own package
 (``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
 ``labkit.parallel.tensor.axis.check_strategy``, ``labkit.parallel.zero.check_strategy``,
-``labkit.parallel.expert.check_strategy``, ``labkit.parallel.check_compute``);
+``labkit.parallel.expert.check_strategy``, ``labkit.parallel.context.check_strategy``,
+``labkit.parallel.check_compute``);
 ``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from .parallel import context as _context
 from .parallel import data as _data
 from .parallel import expert as _expert
 from .parallel import pipeline as _pipeline
@@ -63,12 +65,12 @@ def _check_positive_int(name: str, value) -> None:
 
 # Each axis's own rule, called in this order by Strategy.__post_init__.
 AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _zero.check_strategy,
-               _expert.check_strategy, check_compute)
+               _expert.check_strategy, _context.check_strategy, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """Degrees of parallelism and the knobs of each; ``dp * pp * tp`` must equal the engines."""
+    """Degrees of parallelism and the knobs of each; ``dp * pp * cp * tp`` must equal the engines."""
 
     dp: int = setting(1, "Data-parallel degree: replicas that each see 1/dp of the global batch.",
                       axis="degrees", control="degree", label="dp={}", show="always")
@@ -84,6 +86,16 @@ class Strategy:
                                       "backward (DeepSeek-V3's two-micro-batch overlap).", axis="ep",
                               choices=_expert.EP_OVERLAPS, title="ep overlap",
                               label="ep_overlap={}", show="changed")
+    cp: int = setting(1, "Context-parallel degree: every sequence cut over cp ranks, attention computed across "
+                         "them (labkit.parallel.context); the model's attention must opt in.",
+                      axis="degrees", label="cp={}")
+    cp_mode: str = setting("ring", "How attention crosses the cp ranks: 'ring' (K/V blocks passed round the ring "
+                                   "under each round's compute), 'allgather' (K/V gathered once, Llama 3) or "
+                                   "'ulysses' (all-to-all to head-split and back; heads divide by cp).",
+                           axis="cp", choices=_context.CP_MODES, label="{}")
+    cp_balance: bool = setting(True, "Causal load balancing: rank i holds sequence chunks i and 2·cp−1−i (equal "
+                                     "work under the causal mask); False: contiguous slices.", axis="cp",
+                               label="cp_balance={}", show="changed")
     tp_mode: str = setting("megatron", "Tensor parallelism by hand ('megatron': f/g over labkit.comm, on the "
                                        "timeline) or torch's parallelize_module ('dtensor').", axis="tp",
                            choices=TP_MODES, control="choice", title="tp mode", label="{}")
@@ -146,12 +158,12 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        """Ranks this strategy needs: dp * pp * tp."""
-        return self.dp * self.pp * self.tp
+        """Ranks this strategy needs: dp * pp * cp * tp."""
+        return self.dp * self.pp * self.cp * self.tp
 
     def axis_on(self, axis: str) -> bool:
         """Whether ``axis`` ("dp", "pp", "tp", "ep", "zero", "degrees") does anything here."""
-        return {"dp": self.dp > 1, "pp": self.pp > 1, "tp": self.tp > 1, "ep": self.ep > 1,
+        return {"dp": self.dp > 1, "pp": self.pp > 1, "tp": self.tp > 1, "ep": self.ep > 1, "cp": self.cp > 1,
                 "zero": self.zero > 0}.get(axis, True)
 
     def label(self) -> str:
@@ -174,7 +186,9 @@ class Strategy:
     def check_engines(self, engines: int) -> None:
         """Raise ValueError unless this strategy fits exactly ``engines`` ranks."""
         if self.world_size != engines:
-            raise ValueError(f"Strategy needs dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} "
+            cp = f"*{self.cp}" if self.cp > 1 else ""
+            raise ValueError(f"Strategy needs dp*pp*{'cp*' if cp else ''}tp = {self.dp}*{self.pp}{cp}*{self.tp} = "
+                             f"{self.world_size} "
                              f"ranks but the lab has {engines} engines; change the degrees so their "
                              f"product is {engines}, or start the lab with engines={self.world_size}")
 

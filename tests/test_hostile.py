@@ -48,7 +48,7 @@ class FakeLab:
     def hold(self, what):
         yield self
 
-    def ensure_groups(self, dp, pp, tp):
+    def ensure_groups(self, dp, pp, tp, cp=1):
         raise Touched("ensure_groups")
 
     def _ready(self):

@@ -100,6 +100,36 @@ class LogitsNet(Net):
         return Output(logits, 0.01 * self.pos.pow(2).mean())
 
 
+class DeltaBlock(Block):
+    def forward(self, x):                # the update only: the caller adds the residual
+        h = self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(x + h))
+
+
+class KeywordNet(Net):
+    """Blocks called with keywords, the residual added outside them: no block's input is the
+    output of the one before, which ZeRO-3's backward gathers must not rely on."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(DeltaBlock(32, 2) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.tok_emb(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            x = x + layer(x=x)
+        return self.head(self.norm(x))
+
+
+class SplitHeadNet(Net):
+    """Hugging Face's plan names for the embedding and a head whose output is gathered."""
+
+    tp_plan = {**Net.tp_plan, "tok_emb": "embedding_rowwise", "head": "colwise_gather_output"}
+
+    def __init__(self):
+        super().__init__(vocab=DATA.vocab_size + DATA.vocab_size % 2)     # a vocabulary tp=2 divides
+
+
 KW = dict(data=DATA, loss="cross_entropy", batch=8, steps=3, lr=0.3, seed=0)
 _refs = {}
 
@@ -132,13 +162,28 @@ def test_a_plain_transformer_equals_one_process(lab2, strategy):
     check(lab2.run(s, model=Net, **KW), tol=tol)
 
 
+@pytest.mark.parametrize("tp_mode", ["megatron", "dtensor"])
+def test_hugging_face_plan_styles_split_the_embedding_and_head(lab2, tp_mode):
+    check(lab2.run(labkit.Strategy(tp=2, tp_mode=tp_mode), model=SplitHeadNet, **KW), model=SplitHeadNet)
+
+
 def test_bf16_within_its_tolerance(lab2):
     check(lab2.run(labkit.Strategy(dp=2, precision="bf16"), model=Net, **KW), tol=BF16_TOL)
 
 
-@pytest.mark.parametrize("model, strategy", [(TupleNet, dict(dp=2, zero=3)), (LogitsNet, dict(dp=2, microbatches=2))])
+@pytest.mark.parametrize("model, strategy", [(TupleNet, dict(dp=2, zero=3)), (LogitsNet, dict(dp=2, microbatches=2)),
+                                             (KeywordNet, dict(dp=2, zero=3, prefetch=1, microbatches=2))])
 def test_a_tuple_or_an_output_object_reaches_the_loss(lab2, model, strategy):
     check(lab2.run(labkit.Strategy(**strategy), model=model, blocks="layers", **KW), model=model)
+
+
+def test_zero3_times_the_blocks_and_the_modules_around_them(lab2):
+    run = lab2.run(labkit.Strategy(dp=2, zero=3), model=Net, **KW)
+    names = [(e["kind"], e["name"]) for e in run.timeline.events if e["rank"] == 0 and e["step"] == 2
+             and e["kind"] in ("fwd", "bwd")]
+    assert names == [("fwd", "F tok_emb"), ("fwd", "F block layers.0"), ("fwd", "F block layers.1"),
+                     ("fwd", "F norm"), ("fwd", "F head"), ("bwd", "Linear head"), ("bwd", "LayerNorm norm"),
+                     ("bwd", "Block layers.1"), ("bwd", "Block layers.0"), ("bwd", "Embedding tok_emb")]
 
 
 def test_drift_snapshots_name_the_modules_parameters(lab2):
@@ -269,3 +314,23 @@ def test_the_checks_read_a_factory_built_on_the_meta_device():
     validate(RunSpec(labkit.Strategy(dp=2, zero=3), Huge, DATA, "cross_entropy", batch=8, steps=1), 2)
     with pytest.raises(ValueError, match="no trainable parameters"):      # still read from the meta model
         validate(RunSpec(labkit.Strategy(dp=2), lambda: Huge().requires_grad_(False), DATA, batch=8), 2)
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=DATA.vocab_size + DATA.vocab_size % 2, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("strategy", [dict(dp=2, zero=3), dict(tp=2)], ids=["zero3", "tp2"])
+def test_a_hugging_face_model_as_users_bring_it(lab2, strategy):
+    """model.model.layers found as its blocks, its own tp_plan (embedding_rowwise, colwise_gather_output),
+    its CausalLMOutputWithPast read for .logits."""
+    pytest.importorskip("transformers")
+    run = lab2.run(labkit.Strategy(**strategy), model=hf_llama, **KW)
+    ref = reference(hf_llama)
+    assert sorted(run.parameters()) == sorted(ref.parameters())
+    assert run.max_diff(ref) < TOL

@@ -153,6 +153,8 @@ def drop_job(s: EngineSession) -> None:
     job, s.job, s.run_id = s.job, None, None
     if job is not None:
         job.close()
+    from ..parallel.context import deactivate
+    deactivate()                  # a cp job's attention context goes with it
 
 
 def _teardown(s: EngineSession) -> None:
@@ -164,10 +166,10 @@ def _teardown(s: EngineSession) -> None:
     s.store = None
 
 
-def ensure_groups(dp: int, pp: int, tp: int) -> bool:
+def ensure_groups(dp: int, pp: int, tp: int, cp: int = 1) -> bool:
     """Build the grid's groups unless the same degrees are already in place; True if rebuilt."""
     s = session()
-    dims = ParallelDims(dp, pp, tp)
+    dims = ParallelDims(dp, pp, tp, cp)
     if s.groups is not None and s.groups.dims == dims:
         return False
     drop_job(s)

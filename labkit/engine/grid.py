@@ -1,8 +1,9 @@
-"""The rank grid: which ranks form the data-, pipeline- and tensor-parallel groups.
+"""The rank grid: which ranks form the data-, pipeline-, context- and tensor-parallel groups.
 
-Ranks are laid out as ``arange(world).view(dp, pp, tp)`` (tp innermost, as Megatron does,
-so tensor-parallel peers are neighbours on one node). :class:`ParallelDims` is pure and
-validated once; :func:`build_groups` turns it into torch process groups on the engines, each
+Ranks are laid out as ``arange(world).view(dp, pp, cp, tp)`` (tp innermost, then cp, as
+Megatron does, so tensor-parallel peers are neighbours on one node and a ring of context-
+parallel ranks stays close; with cp = 1 it is the ``view(dp, pp, tp)`` of before).
+:class:`ParallelDims` is pure and validated once; :func:`build_groups` turns it into torch process groups on the engines, each
 with an explicit timeout, because sub-groups do not inherit the world group's. The drawing
 is notebook-side: :func:`labkit.view.grid.draw_grid`.
 
@@ -16,6 +17,9 @@ average those experts' gradients). They are built on first use, by :meth:`Proces
 ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
 >>> ParallelDims(dp=4).ep_groups(2), ParallelDims(dp=4).expert_dp_groups(2)
 ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+>>> dims = ParallelDims(dp=2, cp=2)
+>>> dims.cp_groups(), dims.dp_groups(), dims.dp_cp_groups()
+([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1, 2, 3]])
 """
 from __future__ import annotations
 
@@ -28,14 +32,15 @@ class ParallelDims:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        if min(self.dp, self.pp, self.tp) < 1:
-            raise ValueError(f"degrees must be ≥ 1, got dp={self.dp} pp={self.pp} tp={self.tp}")
+        if min(self.dp, self.pp, self.tp, self.cp) < 1:
+            raise ValueError(f"degrees must be ≥ 1, got dp={self.dp} pp={self.pp} tp={self.tp} cp={self.cp}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def dp_enabled(self) -> bool:
@@ -50,26 +55,53 @@ class ParallelDims:
         return self.tp > 1
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp index, pp stage, tp index) of ``rank``."""
+        """(dp index, pp stage, tp index) of ``rank``; its cp index is :meth:`cp_index`."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a grid of {self.world_size}")
-        dp_i, rest = divmod(rank, self.pp * self.tp)
-        pp_i, tp_i = divmod(rest, self.tp)
-        return dp_i, pp_i, tp_i
+        dp_i, rest = divmod(rank, self.pp * self.cp * self.tp)
+        pp_i, rest = divmod(rest, self.cp * self.tp)
+        return dp_i, pp_i, rest % self.tp
 
-    def rank_of(self, dp: int, pp: int, tp: int = 0) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def cp_index(self, rank: int) -> int:
+        """Which slice of every sequence ``rank`` holds (its place in its cp ring)."""
+        self.coords(rank)
+        return rank // self.tp % self.cp
+
+    def rank_of(self, dp: int, pp: int, tp: int = 0, cp: int = 0) -> int:
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+
+    def _cells(self):
+        return [(d, p, c, t) for d in range(self.dp) for p in range(self.pp) for c in range(self.cp)
+                for t in range(self.tp)]
+
+    def _groups(self, varying: str) -> list[list[int]]:
+        """Ranks that differ only along the axes in ``varying`` ("d", "p", "c", "t"), one group per
+        setting of the other axes, each group in rank order."""
+        groups: dict = {}
+        for d, p, c, t in self._cells():
+            key = tuple(v for v, axis in zip((d, p, c, t), "dpct") if axis not in varying)
+            groups.setdefault(key, []).append(self.rank_of(d, p, t, c))
+        return list(groups.values())
 
     def dp_groups(self) -> list[list[int]]:
-        """Ranks holding the same model part: they average gradients together."""
-        return [[self.rank_of(d, p, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        """Ranks holding the same model part and the same slice of the sequence."""
+        return self._groups("d")
 
     def pp_groups(self) -> list[list[int]]:
         """Ranks forming one pipeline, stage 0 first."""
-        return [[self.rank_of(d, p, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return self._groups("p")
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(d, p, t) for t in range(self.tp)] for d in range(self.dp) for p in range(self.pp)]
+        return self._groups("t")
+
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks holding the slices of the same sequences: the ring of context parallelism."""
+        return self._groups("c")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Ranks holding the same model part: they average gradients together (dp × cp; with
+        cp = 1, the dp groups)."""
+        return self._groups("dc")
 
     def ep_groups(self, ep: int) -> list[list[int]]:
         """Runs of ``ep`` consecutive ranks of each dp group: one MoE layer's experts are spread
@@ -92,8 +124,8 @@ class ParallelDims:
         embedding and head they hold the two copies, whose gradients are summed."""
         if self.pp == 1:
             return []
-        return [[self.rank_of(d, 0, t), self.rank_of(d, self.pp - 1, t)] for d in range(self.dp)
-                for t in range(self.tp)]
+        return [[self.rank_of(d, 0, t, c), self.rank_of(d, self.pp - 1, t, c)] for d in range(self.dp)
+                for c in range(self.cp) for t in range(self.tp)]
 
 
 @dataclass
@@ -113,6 +145,10 @@ class ProcessGroups:
     timeout_s: float = 60.0
     backend: str | None = None
     experts: dict = None          # ep → ExpertGroups, built on first use
+    cp: object = None             # this rank's context-parallel ring (cp > 1)
+    cp_ranks: list[int] | None = None
+    dp_cp: object = None          # the gradient-averaging group: dp × cp (cp > 1)
+    dp_cp_ranks: list[int] | None = None
 
     def expert(self, ep: int) -> "ExpertGroups":
         """This rank's ep and expert-dp groups for ``ep`` (built the first time it is asked,
@@ -127,21 +163,29 @@ class ProcessGroups:
     def coords(self) -> tuple[int, int, int]:
         return self.dims.coords(self.rank)
 
+    @property
+    def cp_index(self) -> int:
+        return self.dims.cp_index(self.rank)
+
 
 def build_groups(dims: ParallelDims, rank: int, timeout_s: float, backend: str | None = None) -> ProcessGroups:
     """Create every group of the grid (each rank must create all of them, in the same order)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    mine = {"embedding": (None, None)}
-    for kind, groups in (("dp", dims.dp_groups()), ("pp", dims.pp_groups()), ("tp", dims.tp_groups()),
-                         ("embedding", dims.embedding_groups())):
+    mine = {"embedding": (None, None), "cp": (None, None), "dp_cp": (None, None)}
+    kinds = [("dp", dims.dp_groups()), ("pp", dims.pp_groups()), ("tp", dims.tp_groups()),
+             ("embedding", dims.embedding_groups())]
+    if dims.cp > 1:           # cp = 1 builds exactly the groups it built before the axis existed
+        kinds += [("cp", dims.cp_groups()), ("dp_cp", dims.dp_cp_groups())]
+    for kind, groups in kinds:
         for ranks in groups:
             group = dist.new_group(ranks, timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[kind] = (group, ranks)
     return ProcessGroups(dims, rank, mine["dp"][0], mine["pp"][0], mine["tp"][0],
-                         mine["dp"][1], mine["pp"][1], mine["tp"][1], *mine["embedding"], timeout_s, backend)
+                         mine["dp"][1], mine["pp"][1], mine["tp"][1], *mine["embedding"], timeout_s, backend,
+                         cp=mine["cp"][0], cp_ranks=mine["cp"][1], dp_cp=mine["dp_cp"][0], dp_cp_ranks=mine["dp_cp"][1])
 
 
 @dataclass

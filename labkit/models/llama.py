@@ -37,21 +37,27 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
+from ..parallel import context
 from .moe import MoE, MoEOutput, SwiGLU
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor | int, head_dim: int, theta: float,
+                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position × frequency, (T, head_dim), for the "rotate half" layout.
+
+    ``positions`` are the tokens' global positions (T,): under context parallelism those of
+    the slice of the sequence this rank holds; an int T means ``arange(T)`` on ``device``.
 
     Recomputed in every attention layer (T·head_dim/2 products, nothing next to the matmuls)
     rather than kept in a buffer or passed along: the state dict holds only parameters, a
     model built on the ``meta`` device and materialised later needs no buffer re-initialised,
     and a block takes the hidden states alone.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -63,17 +69,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class AttentionCore(nn.Module):
-    """k/v heads repeated for their query groups, then causal softmax(q·kᵀ/√d)·v: the
-    parameter-free region that selective recomputation checkpoints (Korthikanti et al. 2022)."""
+    """Causal softmax(q·kᵀ/√d)·v with k/v heads repeated for their query groups: the
+    parameter-free region that selective recomputation checkpoints (Korthikanti et al. 2022).
+    It is :func:`labkit.parallel.context.attention`: torch's scaled_dot_product_attention, or
+    across the ranks of a context-parallel group (k and v travel with their n_kv_heads heads)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        group = q.shape[1] // k.shape[1]          # query heads per kv head: the same on every rank
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return context.attention(q, k, v, causal=True)
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE, through torch's scaled_dot_product_attention."""
+    """Causal grouped-query attention with RoPE. The softmax core is
+    :func:`labkit.parallel.context.attention`: torch's scaled_dot_product_attention, or across
+    the ranks of a context-parallel group (k and v travel with their n_kv_heads heads)."""
 
     def __init__(self, n_embd: int, n_head: int, n_kv_heads: int, rope_theta: float = 10000.0):
         super().__init__()
@@ -91,7 +99,8 @@ class Attention(nn.Module):
         if q.shape[-1] % self.head_dim or k.shape[-1] % self.head_dim:
             raise ValueError(f"llama: this rank holds {k.shape[-1]} k/v features, not whole heads of "
                              f"head_dim={self.head_dim}; use a tp that divides n_kv_heads={self.n_kv_heads}")
-        cos, sin = rope_cos_sin(t, self.head_dim, self.rope_theta, x.device)
+        # the tokens' global positions: arange(t), or this rank's slices under context parallelism
+        cos, sin = rope_cos_sin(context.positions(t, x.device), self.head_dim, self.rope_theta)
         # -1: the heads this rank holds (all of them without tensor parallelism)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))   # (B, h, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

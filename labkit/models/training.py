@@ -32,41 +32,32 @@ def model_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
     return output, aux if isinstance(aux, torch.Tensor) else None
 
 
-def with_aux(loss: Callable) -> Callable:
-    """``loss`` on the model's prediction, plus its ``aux_loss`` as it is."""
-    def built_in(output, target: torch.Tensor) -> torch.Tensor:
-        prediction, aux = model_output(output)
-        value = loss(prediction, target)
-        return value if aux is None else value + aux
-    built_in.__name__ = built_in.__qualname__ = loss.__name__
-    built_in.__doc__ = loss.__doc__
-    return built_in
+def _plus_aux(value: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+    return value if aux is None else value + aux
 
 
-def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if logits.dim() == target.dim() + 1 and logits.dim() > 2:
-        return F.cross_entropy(logits.flatten(0, -2), target.flatten())
-    return F.cross_entropy(logits, target)
-
-
-def _mse(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(prediction, target)
-
-
-_cross_entropy.__name__ = "cross_entropy"
-_mse.__name__ = "mse_loss"
-cross_entropy = with_aux(_cross_entropy)
-cross_entropy.__doc__ = """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
+def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: (N, C) logits with (N,) targets, or a language
     model's (B, T, V) logits with (B, T) targets (torch's own would read T as the class dim).
 
-    The model's output may be a tensor, a tuple/list (its first element) or an object with
-    ``.logits`` (Hugging Face's). If that object has an ``aux_loss`` tensor (a mixture-of-experts
-    router's load-balancing loss, already weighted by the model's coefficient), it is added as
-    it is: it is a mean over the sequences of the (micro-)batch, like this loss, so the sum stays
-    exact under data parallelism and micro-batches."""
-mse_loss = with_aux(_mse)
-mse_loss.__doc__ = """Mean squared error; the model's output read as :func:`cross_entropy` reads it (a tuple's
-    first element, ``.logits``), its ``aux_loss`` tensor added as it is."""
+    ``output`` is what the model's forward returned: a tensor, a tuple/list (its first
+    element) or an object with ``.logits`` (Hugging Face's). If it has an ``aux_loss`` tensor
+    (a mixture-of-experts router's load-balancing loss, already weighted by the model's
+    coefficient), that is added as it is: it is a mean over the sequences of the
+    (micro-)batch, like this loss, so the sum stays exact under data parallelism and
+    micro-batches."""
+    logits, aux = model_output(output)
+    if logits.dim() == target.dim() + 1 and logits.dim() > 2:
+        return _plus_aux(F.cross_entropy(logits.flatten(0, -2), target.flatten()), aux)
+    return _plus_aux(F.cross_entropy(logits, target), aux)
+
+
+def mse_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error; ``output`` read as :func:`cross_entropy` reads it, its ``aux_loss``
+    tensor added as it is."""
+    prediction, aux = model_output(output)
+    return _plus_aux(F.mse_loss(prediction, target), aux)
+
 
 LOSSES = {"mse": mse_loss, "cross_entropy": cross_entropy}
 

@@ -30,12 +30,13 @@ from torch import nn
 
 from ..config import Strategy
 from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
-from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward
+from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward, instrument_forward
+from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks
-from .blocks import blocks_path as find_path, units
+from .blocks import blocks_path as find_path, find_blocks, units
 from .precision import build_precision
 from .recompute import apply_recompute
 from .pipeline.tied import build_tied_sync
@@ -70,6 +71,7 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     dp_index, pp_index, tp_index = groups.coords
     full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
+    data = build_context_parallel(s, groups, data)        # cp > 1: this rank's tokens, attention across cp
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     if s.ep > 1:                                                          # 2. expert parallel
         from .expert.dispatch import build_expert_parallel
@@ -172,19 +174,32 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
         from .zero.sync import build_zero_sync
         sync = build_zero_sync(s, groups.dp, s.dp if has_grads else 1, recorder, path)
     else:
-        sync = build_grad_sync(s.dp_mode, groups.dp, s.dp if has_grads else 1, s.bucket_mb, s.compression,
+        # cp ranks hold the same parameters (and a slice of each sequence): they average with dp
+        group, size = (groups.dp_cp, s.dp * s.cp) if s.cp > 1 else (groups.dp, s.dp)
+        sync = build_grad_sync(s.dp_mode, group, size if has_grads else 1, s.bucket_mb, s.compression,
                                s.error_feedback)
     if s.ep > 1:                      # the experts averaged over their own replicas, the rest over dp
         from .expert.dispatch import ExpertSync
         sync = ExpertSync(sync, groups.expert(s.ep), s.dp)
-    span = None
-    if sync.times_backward:           # ZeRO-3 times its blocks itself, around its gathers
-        pass
+    span = _time_stage(module, blocks is None, path, sync, s, recorder)
+    return Stage(index, chunk, module, sync.wrap(module), sync, span)
+
+
+def _time_stage(module: nn.Module, whole: bool, path: str | None, sync, s: Strategy, recorder):
+    """Compute spans: per unit for the whole model (a sharded sync times its blocks itself,
+    around its gathers, and the modules around them, a model's embedding, norm and head, are
+    timed here), per micro-batch for a pipeline stage (returned)."""
+    named_blocks = {name for name, _ in find_blocks(module, path)}
+    around = [(n, m) for n, m in units(module, path) if n not in named_blocks] if whole else []
+    if sync.times_forward:
+        instrument_forward(around, recorder)
+    if sync.times_backward:
+        instrument_backward(module, recorder, around)
     elif s.pp == 1:
         instrument_backward(module, recorder, units(module, path))
     else:
-        span = _stage_span(module, recorder)
-    return Stage(index, chunk, module, sync.wrap(module), sync, span)
+        return _stage_span(module, recorder)
+    return None
 
 
 def _stage_span(module: nn.Module, recorder) -> BackwardSpan:

@@ -104,6 +104,25 @@ def instrument_backward(model: nn.Module, recorder, units: list[tuple[str, nn.Mo
     return handles
 
 
+def instrument_forward(units: list[tuple[str, nn.Module]], recorder) -> list:
+    """Record a ``fwd`` span per unit (``F name``); for the modules around the blocks (the
+    embedding, the norm, the head) when a sharded sync times the blocks' forwards itself."""
+    handles = []
+    if not recorder.enabled:
+        return handles
+    for name, module in units:
+        start = {}
+
+        def opened(_m, _args, start=start) -> None:
+            start["t"] = recorder.mark()
+
+        def closed(_m, _args, _out, name=name, start=start) -> None:      # None: the output stays
+            recorder.add("fwd", f"F {name}", start["t"], recorder.mark(),
+                         microbatch=getattr(recorder, "microbatch", None))
+        handles += [module.register_forward_pre_hook(opened), module.register_forward_hook(closed)]
+    return handles
+
+
 def remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()

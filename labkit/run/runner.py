@@ -31,6 +31,7 @@ from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
 from ..parallel.zero import check_model as check_zero_model
 from ..parallel.expert import check_model as check_expert_model, tokens_per_ep_rank
+from ..parallel.context import check_model as check_context_model
 
 
 def validate(spec: RunSpec, engines: int) -> None:
@@ -65,10 +66,11 @@ def validate(spec: RunSpec, engines: int) -> None:
                               getattr(spec.data, "block_size", None))
     check_model(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
-    resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
+    check_context_model(s, built, data)              # cp > 1: a sequence that splits, attention that opts in
     if s.pp > 1:
         from ..parallel.pipeline.stages import check_split
         check_split(s, len(built))
@@ -172,7 +174,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
     ship_by_value(spec.model, spec.data, spec.loss)
     s = spec.strategy
     with lab.hold(what):
-        rebuilt = lab.ensure_groups(s.dp, s.pp, s.tp)
+        rebuilt = lab.ensure_groups(s.dp, s.pp, s.tp, s.cp)
         if on_groups is not None:
             on_groups(rebuilt)
         run_id = uuid.uuid4().hex[:12]

@@ -482,7 +482,7 @@ class Lab:
         self._say(f"labkit: local cluster restarted ({time.monotonic() - t0:.0f} s)")
         return self
 
-    def ensure_groups(self, dp: int, pp: int, tp: int) -> list[bool]:
+    def ensure_groups(self, dp: int, pp: int, tp: int, cp: int = 1) -> list[bool]:
         """The engines' process groups for these degrees; a change of degrees starts on a fresh
         store. Returns, per rank, whether its groups were built anew.
 
@@ -490,10 +490,10 @@ class Lab:
         so any number of changes in a row starts from the same clean state.
         """
         self._ready("ensure_groups")        # after a failure: free blocked ranks, fresh store
-        if self._groups_key is not None and self._groups_key != (dp, pp, tp):
+        if self._groups_key is not None and self._groups_key != (dp, pp, tp, cp):
             self._init_distributed()
-        rebuilt = self.apply(engine.ensure_groups, dp, pp, tp)
-        self._groups_key = (dp, pp, tp)
+        rebuilt = self.apply(engine.ensure_groups, dp, pp, tp, cp)
+        self._groups_key = (dp, pp, tp, cp)
         return rebuilt
 
     # -- training ---------------------------------------------------------------------------

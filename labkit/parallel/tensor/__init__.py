@@ -102,6 +102,8 @@ def _parallelize_dtensor(model: nn.Module, matched: dict, tp_group) -> nn.Module
     for name, style in matched.items():
         if style == "colwise":
             plan[name] = ColwiseParallel()
+        elif style == "colwise_gather_output":       # the whole output on every rank
+            plan[name] = ColwiseParallel(output_layouts=Replicate())
         elif isinstance(model.get_submodule(name), nn.Embedding):
             plan[name] = RowwiseParallel(input_layouts=Replicate())    # token ids are whole on every rank
         else:

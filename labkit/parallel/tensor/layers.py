@@ -23,7 +23,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from .mappings import (all_reduce_grad, copy_to_tensor_parallel, gather_from_sequence_parallel,
-                       reduce_from_tensor_parallel, reduce_scatter_to_sequence_parallel)
+                       gather_from_tensor_parallel, reduce_from_tensor_parallel,
+                       reduce_scatter_to_sequence_parallel)
 
 
 def _shard(t: torch.Tensor | None, dim: int, rank: int, size: int) -> nn.Parameter | None:
@@ -55,6 +56,14 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (local), name={self.name!r}"
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel Linear whose output is gathered whole on every rank (Megatron's
+    ``gather_output=True``): a vocabulary-split head in front of a replicated loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_tensor_parallel(super().forward(x), self.group, self.name)
 
 
 class RowParallelLinear(nn.Module):
@@ -112,5 +121,6 @@ class VocabParallelEmbedding(nn.Module):
 
 
 MEGATRON_LAYERS = {(nn.Linear, "colwise"): ColumnParallelLinear, (nn.Linear, "rowwise"): RowParallelLinear,
+                   (nn.Linear, "colwise_gather_output"): GatheredColumnParallelLinear,
                    (nn.Embedding, "rowwise"): VocabParallelEmbedding}
 """(module type, plan style) → the layer that replaces it in megatron mode."""

@@ -156,6 +156,32 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group, name: str = "") 
     return _ReduceScatterToSequenceParallel.apply(x, group, name)
 
 
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """Every rank's slice of the last dim, concatenated forward (Megatron's ``gather_output``);
+    backward keeps this rank's slice: the consumer is replicated, so every rank holds the
+    same whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, name):
+        ctx.group = group
+        size = torch.distributed.get_world_size(group)
+        local = x.movedim(-1, 0).contiguous()
+        out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+        comm.all_gather(out, local, group=group, name=f"tp gather output {name}")
+        return out.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = torch.distributed.get_world_size(ctx.group), torch.distributed.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None, None
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group, name: str = "") -> torch.Tensor:
+    """The whole last dim from every rank's slice (after a column-parallel head, as Hugging
+    Face's ``colwise_gather_output`` and DTensor's ``ColwiseParallel(output_layouts=Replicate())``)."""
+    return _GatherFromTensorParallel.apply(x, group, name)
+
+
 def all_reduce_grad(group, name: str):
     """A tensor hook that sums a replicated parameter's gradient over tp: inside the sequence
     region each rank sees 1/t of the tokens, so its LayerNorm gradient is partial (Megatron

@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 TP_MODES = ("megatron", "dtensor")
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "colwise_gather_output")
+# Hugging Face's names for the same splits (``base_model_tp_plan``): an embedding split by rows
+# is labkit's vocabulary-parallel embedding.
+STYLE_ALIASES = {"embedding_rowwise": "rowwise"}
 SP_STYLES = ("scatter_output", "sequence", "gather_input")
 
 
@@ -35,7 +38,7 @@ def match_plan(model: nn.Module, plan: dict) -> dict[str, str]:
         for key, style in plan.items():
             atoms = key.split(".")
             if name and len(atoms) == len(parts) and all(fnmatchcase(p, a) for p, a in zip(parts, atoms)):
-                matched[name] = style
+                matched[name] = STYLE_ALIASES.get(style, style)
     return matched
 
 
@@ -68,8 +71,10 @@ def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | 
     plan = resolve_plan(model, plan if plan is not None else getattr(model_or_factory, "tp_plan", None))
     modules = dict(model.named_modules())
     for key, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"tp_plan[{key!r}]={style!r} is unknown; use 'colwise' or 'rowwise'")
+        if STYLE_ALIASES.get(style, style) not in STYLES:
+            raise ValueError(f"tp_plan[{key!r}]={style!r} is unknown; use 'colwise' or 'rowwise' (also "
+                             f"{', '.join(map(repr, STYLES[2:] + tuple(STYLE_ALIASES)))}), or pass "
+                             "lab.run(..., tp_plan=...) without that key")
         if not match_plan(model, {key: style}):
             names = [n for n in modules if n][:8]
             raise ValueError(f"tp_plan key {key!r} names no module of the model; its modules are named like "
@@ -96,6 +101,9 @@ def _check_sequence_parallel(model: nn.Module, matched: dict, tp: int, tp_mode: 
                          "use labkit.models.gpt, or switch sequence_parallel off")
     if set(sp_plan.values()) - set(SP_STYLES) or not all(match_plan(model, {k: v}) for k, v in sp_plan.items()):
         raise ValueError(f"sp_plan={sp_plan} must name modules of the model, each with one of {SP_STYLES}")
+    if "colwise_gather_output" in matched.values():
+        raise ValueError("sequence_parallel with a 'colwise_gather_output' layer is not built; make that layer "
+                         "'colwise' with a gather_input sp_plan entry, or switch sequence_parallel off")
     if any(isinstance(model.get_submodule(name), nn.Embedding) for name in matched):
         raise ValueError("sequence_parallel with a vocab-parallel embedding is not built; leave the embedding "
                          "out of tp_plan or switch sequence_parallel off")
@@ -114,9 +122,9 @@ def _built(model_or_factory) -> nn.Module:
 
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
     if isinstance(module, nn.Linear):
-        dim, size = ("out_features", module.out_features) if style == "colwise" else ("in_features", module.in_features)
+        dim, size = ("in_features", module.in_features) if style == "rowwise" else ("out_features", module.out_features)
     elif isinstance(module, nn.Embedding):
-        if style == "colwise":
+        if style != "rowwise":
             raise ValueError(f"tp_plan[{name!r}]='colwise' on an Embedding: labkit splits embeddings by "
                              f"vocabulary (Megatron's VocabParallelEmbedding); use 'rowwise'")
         dim, size = "num_embeddings", module.num_embeddings

@@ -68,9 +68,11 @@ class Zero3Sync(Zero2Sync):
             # at both ends of the model), freed once its gradient is sent: FSDP2 does not
             # reshard its root after forward, for the same reason.
             model.register_forward_pre_hook(lambda m, a: self._gather_root())
+        self.outputs, self.chained = {}, set()
         for name, block in self.blocks:
             block.register_forward_pre_hook(lambda m, a, n=name: self._before_forward(n))
-            block.register_forward_hook(lambda m, a, out, n=name: self._after_forward(n, a, out))
+            block.register_forward_hook(lambda m, a, kw, out, n=name: self._after_forward(n, a, kw, out),
+                                        with_kwargs=True)
         return model
 
     # -- forward: gather this block (and the next ``prefetch``), free after ----------------------
@@ -87,20 +89,38 @@ class Zero3Sync(Zero2Sync):
                 self._gather(j)             # issued now: runs beside this block's compute
         self._fwd_start = self.recorder.mark()
 
-    def _after_forward(self, name: str, args, out) -> None:
+    def _after_forward(self, name: str, args, kwargs, out) -> None:
         self.recorder.add("fwd", f"F block {name}", self._fwd_start, self.recorder.mark(),
                           microbatch=getattr(self.recorder, "microbatch", None))
         if name in self.unit_of:
             self._free(self.unit_of[name])
         span = self.spans[name]
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
         span.expects_input_grad = first is not None and first.requires_grad
         if span.expects_input_grad:
             first.register_hook(lambda _g, n=name: self._input_ready(n))
         if isinstance(out, (tuple, list)) and out:           # a layer that returns (hidden, …)
             out = out[0]
+        self._link(name, first)
         if name == self.last_block and getattr(out, "requires_grad", False):
             out.register_hook(lambda _g, n=name: self._begin_backward(n))
+        elif isinstance(out, torch.Tensor):
+            self.outputs[name] = out
+
+    def _link(self, name: str, first) -> None:
+        """How block ``name``'s predecessor starts its backward. When this block's input is the
+        predecessor's output (``x = layer(x)``), from this block's input gradient, one hook in a
+        fixed order (the module docstring); otherwise (a residual added outside the blocks) from
+        the predecessor's own output gradient, which autograd computes before that block's
+        backward needs its gathered parameters."""
+        before = self.previous.get(name)
+        held = self.outputs.pop(before, None) if before is not None else None
+        if held is None or held is first:
+            self.chained.add(name)
+            return
+        self.chained.discard(name)
+        if held.requires_grad:
+            held.register_hook(lambda _g, n=before: self._begin_backward(n))
 
     # -- backward: gather again (and the previous ``prefetch``), reduce-scatter, free ------------
     def _input_ready(self, name: str) -> None:
@@ -111,7 +131,7 @@ class Zero3Sync(Zero2Sync):
         otherwise stay open across the next block's gather and draw that wait as compute)."""
         self.spans[name].pending = 0
         self.spans[name].inputs_ready(None)
-        if name in self.previous:
+        if name in self.previous and name in self.chained:
             self._begin_backward(self.previous[name])
 
     def _begin_backward(self, name: str) -> None:
