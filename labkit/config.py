@@ -81,6 +81,11 @@ class Strategy:
     ep: int = setting(1, "Expert-parallel degree: each MoE layer's experts split over ep consecutive dp ranks, "
                          "tokens sent to them and back by all-to-all (DeepSeek-V3, Megatron-Core); divides dp "
                          "and takes no ranks of its own.", axis="degrees", label="ep={}")
+    ep_overlap: str = setting("none", "ep > 1: 'microbatch' cuts each MoE layer's tokens in two, one half's "
+                                      "all-to-all in flight while the other's experts compute, forward and "
+                                      "backward (DeepSeek-V3's two-micro-batch overlap).", axis="ep",
+                              choices=_expert.EP_OVERLAPS, title="ep overlap",
+                              label="ep_overlap={}", show="changed")
     cp: int = setting(1, "Context-parallel degree: every sequence cut over cp ranks, attention computed across "
                          "them (labkit.parallel.context); the model's attention must opt in.",
                       axis="degrees", label="cp={}")

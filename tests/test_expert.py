@@ -32,6 +32,8 @@ def moe(**kwargs):
     (dict(dp=2, ep=2, pp=2), "pp=2"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
+    (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
+    (dict(dp=2, ep=2, ep_overlap="dualpipe"), "ep_overlap='dualpipe' is unknown"),
 ])
 def test_strategy_checks_its_ep_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -68,7 +70,11 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
                                                                           shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=4, ep=2, recompute="full"), moe(top_k=2, aux_loss_coef=0.01)),   # all-to-alls again
-], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute"])
+    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=4, ep=4, ep_overlap="microbatch", dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False,
+                                                                            aux_loss_coef=0.01)),
+], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
+        "ep2-top2-overlap", "ep4-top1-overlap-ddp"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
@@ -126,3 +132,46 @@ def test_all_to_all_bytes_are_the_rows_that_leave_each_rank(lab4):
             assert events[f"layers.{layer}.mlp dispatch"] == int(home.sum()) * row_bytes
             assert events[f"layers.{layer}.mlp combine backward"] == int(home.sum()) * row_bytes
             assert events[f"layers.{layer}.mlp counts"] == (ep - 1) * (4 // ep) * 8
+
+
+# -- routing made visible --------------------------------------------------------------------
+def test_router_skew_sends_expert_0_more_tokens():
+    """One process: the skewed router's first forward is more uneven than the plain one's."""
+    from labkit.parallel.expert import imbalance
+    x, _ = DATA(0)
+    ratios = {}
+    for skew in (0.0, 0.5):
+        net = build_model(moe(top_k=2, router_skew=skew), 0)
+        with torch.no_grad():
+            net(x)
+        ratios[skew] = [imbalance(c.tolist()) for c in net.tokens_per_expert]
+        top = net.tokens_per_expert.argmax(1).tolist()
+    assert all(a > b for a, b in zip(ratios[0.5], ratios[0.0])) and top == [0, 0]
+    with pytest.raises(ValueError, match="router_skew"):
+        labkit.models.llama(**SIZES, router_skew=1.0)
+
+
+def test_tokens_per_expert_are_the_global_batch_routing(lab4):
+    """ep=2 with the overlap, two micro-batches and full recompute (a forward run twice): the
+    metric counts each routed token of the step once, as one process routes it; the plot draws
+    it; the overlap's dispatches carry the rows that leave each rank."""
+    import matplotlib
+    matplotlib.use("Agg")
+    model = moe(top_k=2, aux_loss_coef=0, router_skew=0.5)
+    strategy = labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch", microbatches=2, recompute="full")
+    run = lab4.run(strategy, model=model, **{**KW, "steps": 2})
+    steps = run.metrics["tokens_per_expert"]
+    assert len(steps) == 2 and all(sum(c) == KW["batch"] * 16 * 2 for s in steps for c in s.values())
+    for layer, chosen in enumerate(routed_rows(model, KW["seed"])):
+        expected = torch.bincount(chosen.reshape(-1), minlength=4).tolist()
+        assert steps[0][f"layers.{layer}.mlp"] == expected
+        for rank in range(4):   # the overlap's half-size dispatches carry the rows; recompute sends them twice
+            mine = chosen[rank * 2:(rank + 1) * 2]
+            sent = sum(e["bytes"] for e in run.timeline.events if e["rank"] == rank and e["step"] == 0
+                       and e["name"].startswith(f"layers.{layer}.mlp dispatch mb") and "backward" not in e["name"])
+            assert sent == 2 * int(((mine // 2) != rank % 2).sum()) * SIZES["n_embd"] * 4
+        ranks = run.metrics["tokens_per_ep_rank"][0][f"layers.{layer}.mlp"]
+        assert ranks == [expected[0] + expected[1], expected[2] + expected[3]] and ranks[0] > ranks[1]
+    from labkit.view.experts import plot_routing
+    axes = plot_routing(run, by="ep_rank")
+    assert len(axes) == 2 and axes[0].get_title().startswith("layers.0.mlp: max/mean")

@@ -1324,3 +1324,64 @@ def test_llama_tables_print_the_error_the_code_computes():
         assert r["error"] == pytest.approx((r["predicted"] - r["published"]) / r["published"])
         assert f"{100 * r['error']:+6.1f}%" in text
     assert "rows predicted; mean |error|" in text
+
+
+# -- expert parallelism ------------------------------------------------------------------------
+EP_BASE = dict(layers=8, hidden=1024, heads=8, kv_heads=2, vocab=32000, seq=1024)
+
+
+def test_ep_divides_the_experts_state_and_zero_shards_it_over_their_replicas():
+    moe = plan.Decoder(**EP_BASE, experts=8, top_k=2, expert_ffn=2048)
+    per_stage = 4 * 8 * 3 * 1024 * 2048                   # 4 MoE layers a stage, 8 experts of 3·h·f each
+    dense = max(moe.rank_params(2)) - per_stage           # the last stage: the head outweighs the embedding
+    assert moe.rank_expert_params(2) == [per_stage, per_stage]
+    mem = memory_breakdown(moe, ClusterStrategy(dp=4, pp=2, tp=2, ep=4), 64)
+    assert mem["weights"] == pytest.approx(2 * (dense + per_stage / 4) / 2)
+    assert mem["optimizer"] == pytest.approx(12 * (dense + per_stage / 4) / 2)
+    # ZeRO-1: dense state over dp=4, the experts' over the dp/ep = 2 ranks holding the same quarter
+    z1 = memory_breakdown(moe, ClusterStrategy(dp=8, pp=2, tp=2, ep=4, zero=1), 64)
+    assert z1["optimizer"] == pytest.approx(12 * (dense / 8 + per_stage / 4 / 2) / 2)
+    assert z1["weights"] == pytest.approx(2 * (dense + per_stage / 4) / 2)
+    # ep=1 is the replicated model, to the byte
+    assert memory_breakdown(moe, ClusterStrategy(dp=4, pp=2, tp=2, ep=1), 64)["weights"] == \
+        pytest.approx(2 * (dense + per_stage) / 2)
+
+
+@pytest.mark.parametrize("nodes, dp, tp, link", [(1, 4, 2, "nvlink"), (4, 16, 2, "ib")])
+def test_ep_prices_four_all_to_alls_per_moe_layer_on_the_groups_link(nodes, dp, tp, link):
+    from labkit.plan.step import layer_times
+
+    moe = plan.Decoder(**EP_BASE, experts=8, top_k=2, expert_ffn=2048)
+    cluster, ep = Cluster(nodes=nodes), 4 if link == "nvlink" else 8     # span ep·tp: 8 in a node, 16 across
+    wire = getattr(cluster.hardware, link)
+    tokens, nbytes = 2 * 1024, 2 * 2 * 1024 * 2 * 1024                  # mbs 2 · seq; bf16 · tokens · k · h
+    a2a = wire.alpha + (ep - 1) / ep * nbytes / wire.beta
+    one = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2)
+    f1, b1, *_ = layer_times(moe, cluster, one, "moe", 0.0)
+    f, b, _, exposed = layer_times(moe, cluster, ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep), "moe", 0.0)
+    assert (f - f1, b - b1, exposed) == pytest.approx((2 * a2a, 2 * a2a, 4 * a2a))
+    # the overlap hides them behind the routed experts' GEMMs (forward; backward twice those)
+    hw = cluster.hardware
+    d = min(2048 / tp, tokens * 2 / 8)
+    expert_f = 2 * tokens * 2 * 3 * 1024 * 2048 / tp / (hw.peak_flops * hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim))
+    hidden = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep, ep_overlap=True)
+    f, b, _, exposed = layer_times(moe, cluster, hidden, "moe", 0.0)
+    assert (f - f1, b - b1) == pytest.approx((max(0, 2 * a2a - expert_f), max(0, 2 * a2a - 2 * expert_f)))
+    p = predict(moe, cluster, 64, hidden)
+    assert p.parts["ep_comm_s"] == pytest.approx(p.parts["microbatches"] * 8 * exposed)
+
+
+def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
+    moe = plan.Decoder(**EP_BASE, experts=8, top_k=2, expert_ffn=2048)
+    cluster = Cluster(nodes=1)
+    eps = {p.strategy.ep for p in search(moe, cluster, 64, pp=1, tp=1, zero=(0,), recompute=("none",)).ranked}
+    assert eps == {1, 2, 4, 8}
+    assert {p.strategy.ep for p in search(GPT(layers=24, hidden=2048, heads=16), Cluster(nodes=2), 64).ranked} == {1}
+    with pytest.raises(ValueError, match="ep=3 must divide dp=8"):
+        ClusterStrategy(dp=8, ep=3)
+    with pytest.raises(ValueError, match="ep=1 has none"):
+        ClusterStrategy(dp=8, ep_overlap=True)
+    with pytest.raises(ValueError, match="experts=0"):
+        predict(GPT(layers=24, hidden=2048, heads=16), cluster, 64, ClusterStrategy(dp=8, ep=8))
+    with pytest.raises(ValueError, match="experts=8"):
+        predict(moe, Cluster(nodes=2), 64, ClusterStrategy(dp=16, ep=16))

@@ -24,6 +24,7 @@ from .grid import ParallelDims, build_groups
 from .placement import choose_device, rank_from_env
 from ..errors import NonFiniteLoss
 from ..record.recorder import Recorder
+from ..parallel.expert import counting_routes
 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
@@ -206,7 +207,9 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         raise RuntimeError(f"rank {s.rank}: step {step} belongs to run {run_id} but run {s.run_id} is set up "
                            f"here; a step never runs another run's job")
     s.recorder.step = step
-    with capture_warnings() as caught:
+    job = s.job
+    with capture_warnings() as caught, counting_routes([st.module for st in getattr(job, "stages", [])],
+                                                       getattr(job, "tp_index", 0) == 0) as routed:
         batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
         comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
         s.recorder.start_step(step)
@@ -223,6 +226,8 @@ def run_step(step: int, run_id: str | None = None) -> dict:
     if s.snapshots is not None:
         result["snapshot"] = s.snapshots.pop()
     result["warnings"] = caught
+    if routed:
+        result["tokens_per_expert"] = routed          # MoE routing, for labkit.view.experts
     if result.get("loss_weight", 0) > 0 and not math.isfinite(result["loss"]) and not s.job.spec.allow_nonfinite:
         # after the step, so every rank has finished its collectives: the lab stays in step
         raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, or a NaN "

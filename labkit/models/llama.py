@@ -187,6 +187,10 @@ class Llama:
     """Weight of the sequence-wise load-balancing loss; 0 turns it off."""
     norm_topk_prob: bool = True
     """Renormalise the top-k gates to sum to 1 (Mixtral, Qwen3-MoE); False: raw softmax probs."""
+    router_skew: float = 0.0
+    """A router bias (trainable, one per layer) starting at ``router_skew`` for expert 0 and 0 for
+    the rest: > 0 sends expert 0 more tokens than its share, so under expert parallelism the
+    rank holding it is a straggler, until the balance loss (``aux_loss_coef``) pulls it back."""
     tie: bool = False
     """The LM head reuses the token embedding's weight (then tp_plan cannot split either)."""
     rope_theta: float = 10000.0
@@ -211,6 +215,10 @@ class Llama:
                              f"use top_k ≤ {self.n_experts}")
         if not self.aux_loss_coef >= 0:
             raise ValueError(f"llama: aux_loss_coef={self.aux_loss_coef!r} must be ≥ 0 (0 turns it off)")
+        if not (isinstance(self.router_skew, (int, float)) and self.router_skew >= 0) or \
+                (self.router_skew and not self.n_experts):
+            raise ValueError(f"llama: router_skew={self.router_skew!r} must be a number ≥ 0, and needs experts "
+                             "(n_experts > 0); use router_skew=0 for a dense model")
 
     @property
     def kv_heads(self) -> int:
@@ -266,6 +274,13 @@ class Llama:
                     nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.n_layer))
         if self.tie:
             model.head.weight = model.tok_emb.weight
+        if self.router_skew:
+            for layer in model.layers:
+                router = layer.mlp.router
+                biased = nn.Linear(router.in_features, router.out_features, bias=True)
+                biased.weight.data.copy_(router.weight.data)
+                biased.bias.data.zero_()[0] = self.router_skew
+                layer.mlp.router = biased
         return model
 
     def check_data(self, data) -> None:
@@ -298,7 +313,7 @@ def llama(n_layer: int = 4, n_head: int = 4, n_embd: int = 128, block_size: int 
           n_kv_heads: int | None = None, ffn_hidden: int | None = None, n_experts: int = 0, top_k: int = 2,
           shared_expert: bool = False, aux_loss_coef: float = 0.01, tie: bool = False, **more) -> Llama:
     """A Llama-family factory; ``n_experts > 0`` makes every MLP a mixture of experts.
-    ``more``: ``norm_topk_prob``, ``rope_theta``, ``norm_eps`` (see :class:`Llama`).
+    ``more``: ``norm_topk_prob``, ``router_skew``, ``rope_theta``, ``norm_eps`` (see :class:`Llama`).
 
     >>> data = labkit.data.text(batch=8, block_size=64)
     >>> model = labkit.models.llama(n_kv_heads=2, n_experts=4, vocab_size=data.vocab_size)

@@ -39,9 +39,15 @@ class ClusterStrategy:
     dp_overlap: bool = False
     """Gradient all-reduce overlapped with the last micro-batch's backward (DDP buckets);
     Megatron-LM in 2021 reduced after backward, so the published table uses False."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ep dp ranks (the ranks
+    ``pp·tp`` apart, so the group spans ep·pp·tp consecutive GPUs), tokens sent to them and
+    back by two all-to-alls per layer and pass (DeepSeek-V3, Megatron-Core)."""
+    ep_overlap: bool = False
+    """The all-to-alls hidden behind the experts' compute (DeepSeek-V3's two-micro-batch overlap)."""
 
     def __post_init__(self):
-        for field in ("dp", "pp", "tp", "microbatch_size", "chunks"):
+        for field in ("dp", "pp", "tp", "microbatch_size", "chunks", "ep"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterStrategy.{field}={value!r} must be a whole number ≥ 1")
@@ -51,6 +57,12 @@ class ClusterStrategy:
             raise ValueError(f"ClusterStrategy.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"ClusterStrategy.recompute={self.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
+        if self.dp % self.ep:
+            raise ValueError(f"ClusterStrategy.ep={self.ep} must divide dp={self.dp}: experts are spread over dp "
+                             f"ranks; use an ep dividing {self.dp}")
+        if self.ep_overlap and self.ep == 1:
+            raise ValueError("ClusterStrategy.ep_overlap=True hides the experts' all-to-alls, and ep=1 has none; "
+                             "use ep > 1, or ep_overlap=False")
         if (self.chunks > 1) != (self.schedule == "interleaved" and self.pp > 1):
             raise ValueError(f"ClusterStrategy.chunks={self.chunks} with schedule={self.schedule!r}, pp={self.pp}: "
                              "chunks ≥ 2 goes with schedule='interleaved' and pp > 1, chunks=1 otherwise")
@@ -77,6 +89,9 @@ class ClusterStrategy:
             how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, GPT)
                    else "stages of at least one layer; choose pp*chunks ≤ the layer count")
             raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} {how}")
+        if self.ep > 1 and (not getattr(model, "experts", 0) or model.experts % self.ep):
+            raise ValueError(f"ep={self.ep} needs a model whose MoE layers' experts divide over {self.ep} ranks "
+                             f"(experts={getattr(model, 'experts', 0)}); use an ep dividing the experts, or ep=1")
         if not isinstance(global_batch, int) or global_batch < 1:
             raise ValueError(f"global_batch={global_batch!r} must be a whole number ≥ 1")
         if global_batch % (self.dp * self.microbatch_size):
@@ -91,5 +106,6 @@ class ClusterStrategy:
 
     def label(self) -> str:
         extra = (f" v{self.chunks}" if self.chunks > 1 else "") + (" sp" if self.sequence_parallel else "")
+        ep = f" ep{self.ep}" + (" a2a-overlap" if self.ep_overlap else "") if self.ep > 1 else ""
         return (f"dp{self.dp} pp{self.pp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
-                f"{self.schedule}{extra} rc:{self.recompute}")
+                f"{self.schedule}{extra} rc:{self.recompute}{ep}")

@@ -28,6 +28,11 @@ query width, kv·d the key/value width, f the MLP width):
 
 with sequence parallelism dividing every term by t, and full recomputation keeping 2 (/ t).
 
+Expert parallelism (``ep`` > 1) keeps 1/ep of each MoE layer's routed experts on a GPU; ZeRO
+shards those over the dp/ep ranks that hold the same experts (Megatron-Core's expert-data-
+parallel group), the rest over dp. Activations do not change on average: a rank receives as
+many routed rows as it sends.
+
 A pipeline rank holds its L/p layers for every micro-batch in flight: p on the first stage
 for 1F1B (Megatron's warm-up) and zb-h1 (its first stage's W follow its I closely enough that
 p are held until W, as labkit's schedule counts them), ×(1 + (p−1)/(p·v)) for the interleaved schedule (§4.2.3), all
@@ -94,6 +99,27 @@ def stage_params(model: GPT, s: ClusterStrategy) -> float:
     return max(model.rank_params(s.pp, s.chunks)) / s.tp
 
 
+def expert_split(model, s: ClusterStrategy) -> tuple[float, float]:
+    """(dense, expert) parameters per tp shard on the heaviest pipeline rank, the routed experts
+    divided by ep (a GPT or a dense Decoder: all dense)."""
+    total = model.rank_params(s.pp, s.chunks)
+    experts = model.rank_expert_params(s.pp, s.chunks) if getattr(model, "experts", 0) else [0.0] * s.pp
+    held = [(t - e, e / s.ep) for t, e in zip(total, experts)]
+    dense, expert = max(held, key=sum)
+    return dense / s.tp, expert / s.tp
+
+
+def model_state_bytes(model, s: ClusterStrategy) -> tuple[float, float, float]:
+    """Weights, gradients and optimizer state per GPU (module docstring): the dense parameters
+    sharded by ZeRO over dp, the experts (1/ep of them) over dp/ep."""
+    dense, expert = expert_split(model, s)
+    edp = s.dp // s.ep
+
+    def part(per_param: float, stage: int) -> float:
+        return per_param * (dense / (s.dp if s.zero >= stage else 1) + expert / (edp if s.zero >= stage else 1))
+    return part(2, 3), part(2, 2), part(12, 1)
+
+
 def _rank_activations(model, s: ClusterStrategy, rank: int) -> tuple[float, float]:
     """Activations one micro-batch leaves on pipeline ``rank``'s layers, and its largest layer's
     (full recomputation re-materialises one layer at a time)."""
@@ -112,11 +138,14 @@ def _rank_activations(model, s: ClusterStrategy, rank: int) -> tuple[float, floa
 
 def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
     """Bytes per GPU on the heaviest rank: weights, gradients, optimizer, activations, total."""
-    n = stage_params(model, s)
-    dp = s.dp
-    weights = 2 * n / (dp if s.zero >= 3 else 1)
-    grads = 2 * n / (dp if s.zero >= 2 else 1)
-    optimizer = 12 * n / (dp if s.zero >= 1 else 1)
+    if s.ep > 1:
+        weights, grads, optimizer = model_state_bytes(model, s)
+    else:
+        n = stage_params(model, s)
+        dp = s.dp
+        weights = 2 * n / (dp if s.zero >= 3 else 1)
+        grads = 2 * n / (dp if s.zero >= 2 else 1)
+        optimizer = 12 * n / (dp if s.zero >= 1 else 1)
     m = s.microbatches(global_batch)
     first, _ = _rank_activations(model, s, 0)
     acts = first * in_flight(s, m)

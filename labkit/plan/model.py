@@ -24,8 +24,10 @@ through: the top_k routed experts, not all of them (DeepSeek-V3, arXiv 2412.1943
 parameters with 37B activated for each token"), and without the input embedding table (a
 lookup, not a matmul).
 
-Experts are replicated over dp here (no expert parallelism yet): every dp replica keeps and
-updates all of them, and tp splits each expert's matrices as it splits the dense MLP.
+Experts are replicated over dp unless the strategy sets ``ep`` (:class:`~labkit.plan.layout.
+ClusterStrategy`): then each dp replica keeps and updates 1/ep of them (:meth:`rank_expert_params`
+is what ep divides), and tokens travel by all-to-all (:mod:`labkit.plan.step`); tp splits each
+expert's matrices as it splits the dense MLP.
 """
 from __future__ import annotations
 
@@ -175,6 +177,15 @@ class Decoder:
             if g == stages - 1:
                 held += self.head_params + (self.embedding_params if self.tie and pp > 1 else 0)
             out[g % pp] += held
+            first += n
+        return out
+
+    def rank_expert_params(self, pp: int, chunks: int = 1) -> list[float]:
+        """Of :meth:`rank_params`, the routed experts' parameters on each pipeline rank (what
+        expert parallelism divides by ep)."""
+        stages, out, first = pp * chunks, [0.0] * pp, 0
+        for g, n in enumerate(self.stage_layers(stages)):
+            out[g % pp] += self.kinds(first, n).get("moe", 0) * self.experts * 3 * self.hidden * self.expert_ffn
             first += n
         return out
 

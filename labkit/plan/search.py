@@ -5,7 +5,8 @@
 
 Candidates: every (dp, pp, tp) with dp·pp·tp = GPUs, tp a power of two within a node, pp
 dividing the layers; every ZeRO stage, micro-batch size, schedule (GPipe, 1F1B, zb-h1, and
-interleaved with 2 or 4 chunks where they divide the layers) and recomputation. Each is predicted by
+interleaved with 2 or 4 chunks where they divide the layers) and recomputation; for a model with
+experts every ep dividing dp and the experts (the all-to-alls overlapped). Each is predicted by
 :func:`labkit.plan.step.predict`; those that do not fit in memory are counted and left out
 of the ranking; a model that fits no strategy gives a result whose table says so.
 """
@@ -38,8 +39,12 @@ def _schedules(pp: int, model, m: int):
 
 def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
-               dp_overlap: bool = True, schedules=None, sequence_parallel=(False,)):
-    """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these)."""
+               dp_overlap: bool = True, schedules=None, sequence_parallel=(False,), ep=None,
+               ep_overlap=(True,)):
+    """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these).
+    A model with experts also tries every ep dividing both dp and its experts, with the
+    all-to-all overlap (``ep_overlap``: the settings tried; the model never prices the overlap
+    slower, so by default only on)."""
     n = cluster.gpus
     tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
            and model.heads % t == 0 and model.hidden % t == 0]
@@ -58,9 +63,20 @@ def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3
                     for z in (zero if d > 1 else (0,)):
                         for rc in recompute:
                             for sp in (sequence_parallel if t > 1 else (False,)):
-                                yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs,
-                                                      schedule=schedule, chunks=v, recompute=rc,
-                                                      dp_overlap=dp_overlap, sequence_parallel=sp)
+                                for e, overlap in _expert_degrees(model, d, ep, ep_overlap):
+                                    yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs,
+                                                          schedule=schedule, chunks=v, recompute=rc,
+                                                          dp_overlap=dp_overlap, sequence_parallel=sp,
+                                                          ep=e, ep_overlap=overlap)
+
+
+def _expert_degrees(model, dp: int, ep, ep_overlap):
+    """(ep, ep_overlap) pairs for ``dp`` replicas: ep=1 alone for a dense model (or ``ep`` given)."""
+    experts = getattr(model, "experts", 0)
+    for e in ([ep] if ep else [e for e in _divisors(dp) if experts and experts % e == 0] or [1]):
+        if dp % e == 0:
+            for overlap in (ep_overlap if e > 1 else (False,)):
+                yield e, overlap
 
 
 @dataclass
@@ -169,7 +185,8 @@ def lab_strategy(s: ClusterStrategy, global_batch: int):
 
     return Strategy(dp=s.dp, pp=s.pp, tp=s.tp, zero=s.zero, schedule=s.schedule, chunks=s.chunks,
                     microbatches=global_batch // (s.dp * s.microbatch_size), recompute=s.recompute,
-                    sequence_parallel=s.sequence_parallel, dp_mode="overlap" if s.dp_overlap else "bucketed")
+                    sequence_parallel=s.sequence_parallel, dp_mode="overlap" if s.dp_overlap else "bucketed",
+                    ep=s.ep, ep_overlap="microbatch" if s.ep_overlap else "none")
 
 
 def verify_one(lab, model: GPT, global_batch: int, s: ClusterStrategy, steps: int) -> dict:

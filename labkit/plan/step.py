@@ -13,6 +13,15 @@ does 2 all-reduces of b·s·h in forward and 2 in backward (the f and g operator
 the forward is recomputed. Pipeline neighbours exchange b·s·h activations, split over the tp
 ranks and all-gathered over NVLink (Megatron's scatter/gather optimisation, §4.1).
 
+Expert parallelism (``ep`` > 1): each MoE layer sends every token's top_k rows (bf16, k·h each)
+to its experts' ranks and back, two all-to-alls in forward and their two mirrors in backward
+(two more when full recomputation runs the forward again), each α + (ep−1)/ep · S/β with S = 2·b·s·k·h on the
+ep group's link (NVLink while ep·pp·tp consecutive GPUs fit in a node, else InfiniBand; the
+per-GPU bandwidth bounds a personalised exchange as it bounds a ring). ``ep_overlap`` hides
+them behind the routed experts' GEMMs of the same pass (DeepSeek-V3 §3.2.2): only
+max(0, all-to-all − expert compute) is exposed. The routed experts' gradients are
+all-reduced over the dp/ep replicas of each expert, the rest over dp.
+
 Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
 Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
 (p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). zb-h1 splits backward into I (input gradients:
@@ -33,7 +42,7 @@ from dataclasses import dataclass, field
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import GPT, Cluster, Link
 from .layout import ClusterStrategy
-from .memory import fits, gb, memory_breakdown
+from .memory import expert_split, fits, gb, memory_breakdown
 
 ADAM_BYTES_PER_PARAM = 32
 """HBM traffic of one mixed-precision Adam update per parameter: read fp32 weight, momentum,
@@ -53,6 +62,23 @@ def _efficiency(cluster: Cluster, d: float) -> float:
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce: α + 2(n−1)/n · S / β (0 for one rank)."""
     return 0.0 if n <= 1 else link.alpha + 2 * (n - 1) / n * nbytes / link.beta
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all of a buffer S spread over n ranks: α + (n−1)/n · S / β (0 for one rank)."""
+    return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
+
+
+def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: float) -> tuple[float, float]:
+    """Exposed seconds of one MoE layer's all-to-alls for one micro-batch: (forward, backward);
+    ``expert_fwd``: the routed experts' forward GEMMs, what ``ep_overlap`` hides them behind."""
+    if s.ep == 1:
+        return 0.0, 0.0
+    a2a = all_to_all_time(2 * s.microbatch_size * model.seq * model.top_k * model.hidden, s.ep,
+                          cluster.link(s.ep * s.pp * s.tp))
+    if not s.ep_overlap:
+        return 2 * a2a, 2 * a2a
+    return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
@@ -81,6 +107,7 @@ class StageCosts:
     dp_sync: float               # gradient all-reduce (or ZeRO's reduce-scatter + all-gather)
     optimizer: float
     tp_comm: float = 0.0         # of fwd + bwd, the part that is tp all-reduces (one micro-batch, one stage)
+    ep_comm: float = 0.0         # of fwd + bwd, the exposed expert all-to-alls (one micro-batch, heaviest stage)
     bwd_weight: list[float] = field(default_factory=list)   # of bwd, the weight-gradient GEMMs (W)
 
     @property
@@ -90,21 +117,24 @@ class StageCosts:
 
 
 def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_ar: float) -> tuple:
-    """Seconds of one layer of ``kind`` for one micro-batch: forward, backward, and of backward
-    the weight-gradient GEMMs (W). Each GEMM group runs at its own efficiency."""
+    """Seconds of one layer of ``kind`` for one micro-batch: forward, backward, of backward the
+    weight-gradient GEMMs (W), and of forward and backward the exposed expert all-to-alls.
+    Each GEMM group runs at its own efficiency."""
     rate = cluster.hardware.peak_flops
     tokens = s.microbatch_size * model.seq
     groups = model.gemms(kind, tokens, s.tp)
     gemm_f = sum(f / s.tp / (rate * _efficiency(cluster, d)) for f, _, d in groups)
     gemm_w = sum(w / s.tp / (rate * _efficiency(cluster, d)) for _, w, d in groups)
     memory_bound = elementwise_time(model, cluster, s, kind)
-    f = gemm_f + memory_bound + 2 * tp_ar
-    b = 2 * (gemm_f + memory_bound) + 2 * tp_ar
+    expert_f = sum(fl / s.tp / (rate * _efficiency(cluster, d)) for fl, _, d in groups[1:])   # routed experts
+    ep_f, ep_b = expert_comm_times(model, cluster, s, expert_f) if kind == "moe" else (0.0, 0.0)
+    f = gemm_f + memory_bound + 2 * tp_ar + ep_f
+    b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b
     if s.recompute == "full":
         b += f
     elif s.recompute == "selective":        # the attention core again
         b += model.attention_core_flops(tokens) / s.tp / (rate * _efficiency(cluster, groups[0][2]))
-    return f, b, gemm_w
+    return f, b, gemm_w, ep_f + ep_b + (ep_f if s.recompute == "full" else 0.0)
 
 
 def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
@@ -141,8 +171,19 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     # are replicated over dp (no expert parallelism), so their gradients are all-reduced too.
     dp_sync = all_reduce_time(grads, s.dp, dp_link) * (1.5 if s.zero >= 3 else 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * params_local / (s.dp if s.zero >= 1 else 1) / hw.hbm_bandwidth
+    ep_comm = 0.0
+    if s.ep > 1:           # dense gradients over dp, each expert's over its dp/ep replicas
+        dense, expert = expert_split(model, s)
+        edp = s.dp // s.ep
+        dp_sync = (all_reduce_time(2 * dense, s.dp, dp_link) + all_reduce_time(2 * expert, edp, dp_link)) \
+            * (1.5 if s.zero >= 3 else 1.0)
+        optimizer = ADAM_BYTES_PER_PARAM * (dense / (s.dp if s.zero >= 1 else 1)
+                                            + expert / (edp if s.zero >= 1 else 1)) / hw.hbm_bandwidth
+        ep_comm = max(model.kinds(sum(model.stage_layers(stages)[:g]), n).get("moe", 0)
+                      for g, n in enumerate(model.stage_layers(stages))) * per_kind["moe"][3]
     layers = max(model.stage_layers(stages))
-    return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar, bwd_weight=bwd_weight)
+    return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar, bwd_weight=bwd_weight,
+                      ep_comm=ep_comm)
 
 
 def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
@@ -215,5 +256,7 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
     parts = {"pipeline_s": pipe, "compute_s": ideal, "bubble_and_p2p_s": pipe - ideal, "dp_comm_s": dp_exposed,
              "optimizer_s": c.optimizer, "tp_comm_s": m * c.tp_comm * strategy.chunks,
              "gemm_efficiency": gemm_efficiency(model, cluster, strategy), "microbatches": m}
+    if strategy.ep > 1:
+        parts["ep_comm_s"] = m * c.ep_comm * strategy.chunks
     return Prediction(model, cluster, strategy, global_batch, step, mfu, tflops, memory,
                       fits(memory["total"], cluster.hardware.hbm_bytes), parts)

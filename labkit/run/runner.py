@@ -30,7 +30,7 @@ from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
 from ..parallel.zero import check_model as check_zero_model
-from ..parallel.expert import check_model as check_expert_model
+from ..parallel.expert import check_model as check_expert_model, tokens_per_ep_rank
 from ..parallel.context import check_model as check_context_model
 
 
@@ -219,9 +219,26 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
         mine = [e for e in step_events if e["step"] == s] if s == step else \
             [e for e in run.timeline.events if e["step"] == s]
         run.step_entries[s] = step_entry(mine, len(peak))
+    routed = (run.metrics or {}).get("tokens_per_expert", [])
     run.metrics = _metrics(run.step_entries, len(peak), spec, list(peak), step)
+    _routing_metrics(run, results, routed, spec.strategy.ep)
     _precision_metrics(run, results)
     run.metrics["memory_bytes"] = _memory(results)      # per rank, after this step
+
+
+def _routing_metrics(run: Run, results: list[dict], before: list, ep: int) -> None:
+    """MoE routing, one entry per step: ``tokens_per_expert`` {layer: tokens per expert, over
+    the global batch} and ``tokens_per_ep_rank`` {layer: tokens each rank of an ep group
+    receives, summed over the groups} (labkit.view.experts plots them)."""
+    layers: dict = {}
+    for r in results:
+        for name, counts in r.get("tokens_per_expert", {}).items():
+            layers[name] = [a + b for a, b in zip(layers[name], counts)] if name in layers else list(counts)
+    if not layers:
+        return
+    run.metrics["tokens_per_expert"] = before + [layers]
+    run.metrics["tokens_per_ep_rank"] = [{name: tokens_per_ep_rank(c, ep) for name, c in step.items()}
+                                         for step in run.metrics["tokens_per_expert"]]
 
 
 def _precision_metrics(run: Run, results: list[dict]) -> None:

@@ -13,10 +13,18 @@ heavy, so a notebook can validate a strategy without torch.distributed.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+
+EP_OVERLAPS = ("none", "microbatch")
+
 
 def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible expert-parallel setting."""
     if s.ep == 1:
+        if s.ep_overlap != "none":
+            raise ValueError(f"Strategy.ep_overlap={s.ep_overlap!r} hides the experts' all-to-alls, and ep=1 has "
+                             "none; use ep > 1, or ep_overlap='none'")
         return
     if s.dp % s.ep:
         raise ValueError(f"Strategy.ep={s.ep} must divide dp={s.dp}: the experts are spread over runs of ep "
@@ -49,3 +57,53 @@ def check_model(s, built) -> None:
             raise ValueError(f"Strategy.ep={s.ep}: layer {name} has n_experts={moe.n_experts}, which does not "
                              f"divide over {s.ep} ranks; use an ep that divides {moe.n_experts}, or "
                              f"n_experts a multiple of {s.ep}")
+
+
+@contextmanager
+def counting_routes(modules, report: bool = True):
+    """Count, per MoE layer of ``modules``, the tokens this rank routes to each expert in the
+    forwards run inside (every micro-batch), into the dict yielded: {layer name: [count per
+    expert]}. A forward run again by activation recomputation runs inside backward and is
+    not counted twice. ``report`` False (a tensor-parallel rank other than 0, whose tokens
+    rank 0 already counts) yields an empty dict."""
+    import torch
+
+    counts: dict = {}
+    if not report:
+        yield counts
+        return
+
+    def hook(name):
+        def count(moe, args, out):
+            # -1 outside backward: the recomputed forward runs inside a backward graph task
+            if moe.tokens_per_expert is not None and torch._C._current_graph_task_id() == -1:
+                seen = moe.tokens_per_expert.cpu()
+                counts[name] = (counts[name] + seen) if name in counts else seen
+        return count
+
+    handles = [moe.register_forward_hook(hook(_plain_name(name))) for m in modules for name, moe in moe_layers(m)]
+    try:
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+        for name in counts:
+            counts[name] = [int(c) for c in counts[name].tolist()]
+
+
+def _plain_name(name: str) -> str:
+    while name.startswith("module."):          # DDP's and the like's wrapper
+        name = name[len("module."):]
+    return name
+
+
+def tokens_per_ep_rank(tokens_per_expert: list[int], ep: int) -> list[int]:
+    """Tokens each rank of an ep group receives, from one layer's tokens per expert (rank i holds
+    experts [i·E/ep, (i+1)·E/ep))."""
+    local = len(tokens_per_expert) // ep
+    return [sum(tokens_per_expert[i * local:(i + 1) * local]) for i in range(ep)]
+
+
+def imbalance(counts: list[int]) -> float:
+    """max / mean of a list of token counts: 1 is perfectly balanced, E (top-1) all on one."""
+    return max(counts) * len(counts) / sum(counts) if sum(counts) else 1.0

@@ -17,6 +17,13 @@ The backward of an all-to-all is the all-to-all with the sizes swapped (:class:`
 both exchanges appear on the timeline forward and backward. Nothing is dropped (no capacity
 factor): the result is the single-process layer's, up to float32 summation order.
 
+With ``Strategy(ep_overlap="microbatch")`` the layer's tokens are cut into two micro-batches
+that take turns (DeepSeek-V3 §3.2.2, its two-micro-batch overlap; Megatron-Core's "EP A2A
+overlap"): micro-batch B's dispatch is in flight while A's experts compute, and A's combine
+while B's experts compute. The exchanges are issued async (:class:`_Start` / :class:`_Wait`),
+and their backward is the same pattern reversed: autograd runs the later micro-batch's nodes
+first, so one micro-batch's gradient all-to-all travels under the other's expert backward.
+
 Gradients: a rank's expert gradient sums what every sender of its ep group contributed, so
 summing it over the dp/ep ranks that hold the same experts and dividing by dp gives the
 gradient of the global mean loss; the dense parameters stay averaged over all of dp
@@ -56,17 +63,74 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, name: st
     return out
 
 
+class _Start(torch.autograd.Function):
+    """Issue the exchange of ``x`` async; returns the (not yet filled) receive buffer, the
+    handle kept in ``box`` for :class:`_Wait`. Backward waits the gradient's return trip."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group, name: str, box: dict):
+        ctx.box = box
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        box["x"] = x.contiguous()                      # alive until the exchange completes
+        box["handle"] = comm.all_to_all_single(out, box["x"], recv, send, group=group, name=name, async_op=True)
+        box.update(send=send, recv=recv, group=group, name=name)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        box = ctx.box
+        _wait(box.pop("back_handle"))
+        box.pop("grad")
+        return box.pop("back"), None, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for :class:`_Start`'s exchange; backward issues the gradient's exchange async."""
+
+    @staticmethod
+    def forward(ctx, out, box: dict):
+        ctx.box = box
+        _wait(box.pop("handle"))
+        box.pop("x")
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        box = ctx.box
+        grad = grad.contiguous()
+        back = grad.new_empty((sum(box["send"]), *grad.shape[1:]))
+        box["back"], box["grad"] = back, grad
+        box["back_handle"] = comm.all_to_all_single(back, grad, box["send"], box["recv"], group=box["group"],
+                                                    name=f"{box['name']} backward", async_op=True)
+        return grad, None                # _Start's backward hands on what comes back
+
+
+def _wait(handle) -> None:
+    """Wait for an async exchange; the time blocked is exposed comm, cut out of the compute
+    span around it, as a blocking call's is (labkit.comm)."""
+    recorder = comm.context().recorder
+    start = recorder.mark()
+    handle.wait()
+    recorder.blocked(start, recorder.mark())
+
+
+def _start(x, send, recv, group, name):
+    box: dict = {}
+    return _Start.apply(x, send, recv, group, name, box), box
+
+
 class ExpertParallelMoE(MoE):
     """A :class:`~labkit.models.moe.MoE` holding only its ep rank's experts (``experts`` keyed
     by their global index, so state_dict keys stay the whole model's) and routing by all-to-all."""
 
+    overlap = "none"
+
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        if self.overlap == "microbatch" and len(x) > 1:
+            return self._routed_overlapped(x, chosen, gates)
         ep, local = self.ep, len(self.experts)
         # 1. one row per (token, choice), sorted by expert: grouped by destination rank, then expert
-        flat = chosen.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // self.top_k
-        per_expert = torch.bincount(flat, minlength=self.n_experts)
+        order, token, per_expert = self._sort(chosen)
         # 2. sizes first: [sender, my local expert] → rows coming
         counts = torch.empty_like(per_expert)
         comm.all_to_all_single(counts, per_expert, group=self.ep_group, name=f"{self.layer_name} counts")
@@ -74,28 +138,65 @@ class ExpertParallelMoE(MoE):
         send, recv = per_expert.view(ep, local).sum(1).tolist(), counts.sum(1).tolist()
         # 3. dispatch
         arrived = AllToAll.apply(x.index_select(0, token), send, recv, self.ep_group, f"{self.layer_name} dispatch")
-        # 4. each local expert on its rows from every sender (every expert runs, on zero rows if none came)
-        expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(counts.reshape(-1))
+        # 4. the local experts; 5. combine, then weight by the gates where they were computed
+        y = self._experts(arrived, counts)
+        back = AllToAll.apply(y, recv, send, self.ep_group, f"{self.layer_name} combine")
+        return self._unpermute(x, back, gates, order, token)
+
+    def _sort(self, chosen):
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        return order, order // self.top_k, torch.bincount(flat, minlength=self.n_experts)
+
+    def _experts(self, arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each local expert on its rows from every sender (every expert runs, on zero rows if
+        none came); ``counts``: [sender, local expert]. The result is in arrival order."""
+        ep, local = counts.shape
+        expert_of_row = torch.arange(local, device=arrived.device).repeat(ep).repeat_interleave(counts.reshape(-1))
         by_expert = expert_of_row.argsort(stable=True)
         rows = arrived.index_select(0, by_expert).split(counts.sum(0).tolist())
         y = torch.cat([expert(r) for expert, r in zip(self.experts.values(), rows)])
-        y = y.index_select(0, by_expert.argsort())           # back in arrival order
-        # 5. combine, then weight by the gates where they were computed
-        back = AllToAll.apply(y, recv, send, self.ep_group, f"{self.layer_name} combine")
+        return y.index_select(0, by_expert.argsort())
+
+    def _unpermute(self, x, back, gates, order, token):
         weighted = back * gates.reshape(-1).index_select(0, order).unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token, weighted)
 
+    def _routed_overlapped(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Two micro-batches of tokens, A and B, each exchange async under the other's experts:
+        dispatch A, B; wait A, experts A, combine A; wait B, experts B, combine B; wait both."""
+        ep, local, name = self.ep, len(self.experts), self.layer_name
+        parts = [(xs, cs, gs) for xs, cs, gs in zip(x.tensor_split(2), chosen.tensor_split(2), gates.tensor_split(2))]
+        sorted_ = [self._sort(cs) for _, cs, _ in parts]
+        # sizes of both micro-batches in one exchange: [destination, micro-batch, its local expert]
+        mine = torch.stack([pe.view(ep, local) for *_, pe in sorted_], dim=1).contiguous()
+        counts = torch.empty_like(mine)
+        comm.all_to_all_single(counts, mine, group=self.ep_group, name=f"{name} counts")
+        plans = []
+        for m, ((xs, _, _), (order, token, _)) in enumerate(zip(parts, sorted_)):
+            send, recv = mine[:, m].sum(1).tolist(), counts[:, m].sum(1).tolist()
+            arrived, box = _start(xs.index_select(0, token), send, recv, self.ep_group, f"{name} dispatch mb{m}")
+            plans.append((send, recv, arrived, box))
+        combined = []
+        for m, (send, recv, arrived, box) in enumerate(plans):
+            y = self._experts(_Wait.apply(arrived, box), counts[:, m])     # the other's exchange in flight
+            combined.append(_start(y, recv, send, self.ep_group, f"{name} combine mb{m}"))
+        out = [self._unpermute(xs, _Wait.apply(back, box), gs, order, token)
+               for (xs, _, gs), (order, token, _), (back, box) in zip(parts, sorted_, combined)]
+        return torch.cat(out)
 
-def build_expert_parallel(model: nn.Module, groups, ep: int) -> nn.Module:
+
+def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "none") -> nn.Module:
     """Keep only this rank's slice of every MoE layer's experts (cut from the whole, seeded
-    model) and route through the ep group. ``groups``: :class:`~labkit.engine.grid.ExpertGroups`."""
+    model) and route through the ep group, two micro-batches in turn when ``overlap`` is
+    "microbatch". ``groups``: :class:`~labkit.engine.grid.ExpertGroups`."""
     i = groups.index
     for name, moe in moe_layers(model):
         local = moe.n_experts // ep
         mine = range(i * local, (i + 1) * local)
         moe.experts = nn.ModuleDict({str(e): moe.experts[e] for e in mine})
         moe.__class__ = ExpertParallelMoE
-        moe.ep, moe.ep_group, moe.layer_name = ep, groups.ep, name
+        moe.ep, moe.ep_group, moe.layer_name, moe.overlap = ep, groups.ep, name, overlap
     return model
 
 
