@@ -52,6 +52,13 @@ EXERCISES = {
         lambda: 12,
         "(p−1)/(m+p−1) = 3/(m+3) = 0.2 gives m = 12.",
         "solve (p−1)/(m+p−1) = 0.2 for m.", rel=0.0),
+    "interleaved": Exercise(
+        "p = 4 stages, m = 8 micro-batches, interleaved with v = 2 chunks per rank: the ideal bubble, "
+        "as a fraction of the step?",
+        lambda: _ideal("interleaved", 4, 8, 2),
+        "(p−1)/(v·m+p−1) = 3/19 ≈ 0.158 (Megatron-LM 2021), against GPipe's and 1F1B's 3/11 ≈ 0.27 "
+        "at the same p and m: each chunk is half a stage, so the fill and drain are half as long.",
+        "the interleaved formula multiplies m by the chunks per rank.", rel=0.03),
     "megatron_dp": Exercise(
         "8 ranks, tp = 2, dp = 2, pp = 2, in Megatron's default order (tp fastest, then dp, then pp): "
         "which ranks average gradients with rank 0? (a list)",
