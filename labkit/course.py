@@ -68,7 +68,7 @@ EXERCISES = {
         "write the rank as tp_index + tp·dp_index + tp·dp·pp_index and vary dp_index alone."),
     "timeout": Exercise(
         "Notebook 06's straggler is late by 6.5 s at step 1; the lab's collective timeout is 5 s. "
-        "How many seconds does rank 0 wait in the all-reduce before it gives up?",
+        "How many seconds does rank 0 wait for rank 1 before it gives up?",
         lambda: 5.0,
         "Rank 0 waits the timeout, 5 s, then reports; it never learns how late rank 1 would have "
         "been. Any timeout above 6.5 s would have let the run go on (in practice leave minutes).",
