@@ -168,10 +168,10 @@ def _check_bubble(dash) -> str:
     if live is None or live.state != "done":
         return "no finished run yet: press Run (or wait for the one in flight) and check again"
     s, metrics = live.spec.strategy, live.run.metrics
+    if s.pp < 2:
+        return f"run {live.number}: dp={s.dp}, pp={s.pp}. Not a pipeline yet: set dp = 1 and pp = 2."
     bubble = metrics.get("bubble_fraction", float("nan"))
     where = f"run {live.number}: pp={s.pp} {s.schedule}, microbatches={s.microbatches}, bubble {bubble:.0%}"
-    if s.pp < 2:
-        return f"{where}. Not a pipeline yet: set dp = 1 and pp = 2."
     if s.schedule not in ("gpipe", "1f1b"):
         return f"{where}. The tour is about gpipe and 1f1b: pick one of them."
     formula = _ideal(s.schedule, s.pp, s.microbatches)
