@@ -202,3 +202,14 @@ def test_06_the_straggler_text_names_what_the_report_names():
     nb, _ = notebook("06_troubleshooting")
     text = cell_text(nb, "def slow_data")
     assert "start of step 1" in text and "straggler" in text and "rank 1" in text, text
+
+
+def test_05_run_all_leaves_the_tours_answers_to_the_reader():
+    """05: Run All prints no tour verdict, no sweep and no answer; the checks only ask."""
+    nb, _ = notebook("05_playground")
+    shown = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                    and ("course.check(" in c.source or "bucket_sweep" in c.source)
+                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    for answer in ("Goal reached", "Right", "bucketed ms", "Overlap stops helping", "GPipe idles"):
+        assert answer not in shown, shown
+    assert "Make a guess first" in shown and "Put your answer in" in shown
