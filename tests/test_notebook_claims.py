@@ -204,6 +204,25 @@ def test_06_the_straggler_text_names_what_the_report_names():
     assert "start of step 1" in text and "straggler" in text and "rank 1" in text, text
 
 
+STRAY_REPR = re.compile(r"^(<[\w.]+ (object )?at 0x|<matplotlib|Text\(|\(-?\d+\.\d+, -?\d+\.\d+\)$|\[<matplotlib)")
+COURSE = ["00_start_here", "02_pipeline", "03_hybrid", "05_playground", "06_troubleshooting",
+          "07_tensor_parallel", "08_sharding", "10_precision", "11_bubbles_and_memory"]
+
+
+@pytest.mark.parametrize("stem", COURSE)
+def test_no_cell_shows_a_figure_twice_or_a_stray_repr(stem):
+    """A cell shows each figure once (no returned Figure beside the inline one) and no repr of
+    a matplotlib artist, an axis limit or a generator left as its last expression."""
+    nb, _ = notebook(stem)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        images = sum("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+        stray = [o["data"].get("text/plain", "")[:60] for o in cell.get("outputs", [])
+                 if o.get("output_type") == "execute_result" and STRAY_REPR.search(o["data"].get("text/plain", ""))]
+        assert images <= 1 and not stray, (i, images, stray)
+
+
 def test_05_run_all_leaves_the_tours_answers_to_the_reader():
     """05: Run All prints no tour verdict, no sweep and no answer; the checks only ask."""
     nb, _ = notebook("05_playground")
