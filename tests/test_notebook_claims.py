@@ -171,15 +171,14 @@ def test_10_int8_pays_on_a_slow_link():
     assert v["beta_star"] > 1e7, v["beta_star"]
 
 
-def test_11_zero_bubble_schedules_idle_less_and_zbv_pays_in_messages():
+def test_11_zero_bubble_schedules_idle_less_and_zbv_sends_twice_the_bytes():
     """11's text: with this run's own costs and free messages the zero-bubble schedules idle
-    less than 1F1B (ZB-V least); ZB-V's two chunks send twice 1F1B's bytes, and its exposed
-    comm is the largest of the three."""
+    less than 1F1B (ZB-V least); ZB-V's two chunks send twice 1F1B's bytes. (That its exposed
+    comm is the largest held 9 times in 10: counted by benchmarks/bench_claims.py.)"""
     _, v = notebook("11_bubbles_and_memory")
     sim, m = v["simulated"], v["runs.metrics"]
     assert sim["zbv"] < sim["zb-h1"] < sim["1f1b"], sim
     assert m["zbv"]["bytes_sent"][0] == pytest.approx(2 * m["1f1b"]["bytes_sent"][0], rel=0.01)
-    assert m["zbv"]["exposed_comm_fraction"] > max(m[s]["exposed_comm_fraction"] for s in ("1f1b", "zb-h1"))
 
 
 def cell_text(nb, marker: str) -> str:
