@@ -1,10 +1,11 @@
-"""How often the course's claims about measured times hold: raw gloo against an emulated link.
+"""How often the course's claims about measured numbers hold: raw gloo against an emulated link.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py              # 10 trials, ~3 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py              # 10 trials, ~15 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py --trials 3 --claims overlap
 
 Each trial measures a claim once on this machine's own gloo and once on the emulated link the
-notebook uses, with the notebook's settings; the table says in how many trials each held.
+notebook uses, with the notebook's settings; the table says in how many trials each held ("—":
+not claimed there).
 
 * overlap (notebook 01): dp=2, an MLP of width 256 and depth 8, batch 1024, 0.5 MiB buckets:
   ``overlap``'s step time (median over the run's steps) is below ``bucketed``'s, and its
