@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # root (a container, a fresh VM) needs jupyter's explicit consent
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test bench clean
+.PHONY: setup lab test bench wheelhouse clean
 
 setup:
 	@bash scripts/setup.sh
@@ -18,6 +18,10 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/bench_data_parallel.py
+
+# a workshop: every wheel the lab needs in wheelhouse/, for laptops that install offline (docs/workshop.md)
+wheelhouse:
+	@bash scripts/wheelhouse.sh
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -1,10 +1,11 @@
-"""How often the course's claims about measured times hold: raw gloo against an emulated link.
+"""How often the course's claims about measured numbers hold: raw gloo against an emulated link.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py              # 10 trials, ~3 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py              # 10 trials, ~15 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py --trials 3 --claims overlap
 
 Each trial measures a claim once on this machine's own gloo and once on the emulated link the
-notebook uses, with the notebook's settings; the table says in how many trials each held.
+notebook uses, with the notebook's settings; the table says in how many trials each held ("—":
+not claimed there).
 
 * overlap (notebook 01): dp=2, an MLP of width 256 and depth 8, batch 1024, 0.5 MiB buckets:
   ``overlap``'s step time (median over the run's steps) is below ``bucketed``'s, and its
@@ -16,14 +17,27 @@ notebook uses, with the notebook's settings; the table says in how many trials e
 * ring α-β (notebook 04): on the emulated link the server's time is within [1, 1.10] of its α-β
   prediction and the ring's within [1, 1.25] (α-β leaves out the CPU work of each of the ring's
   steps; not claimed on raw gloo: there is no link to predict).
+* bubble (notebook 02): GPipe, pp=2, Linear(16→1024) + 8×Linear(1024), batch 1024: the bubble
+  falls from m = 1 to 4 to 16 (raw gloo only: the pipeline's messages are small).
+* tp vs pp (notebook 07): a 4-layer GPT at widths 64 and 256 on 4 engines: TP's exposed comm
+  share is above PP's at both widths and falls with the width (raw gloo only).
+* prefetch (notebook 08): ZeRO-3 on an MLP of width 256 and depth 6: prefetch=1 overlaps more
+  than prefetch=0. Emulated: 200 MB/s, 50 µs.
+* compression (notebook 10): an MLP of width 256 and depth 8, dp=2 bucketed: int8's step is
+  shorter than fp32's at 10 MB/s, and at 30 MB/s (emulated only: raw gloo has no bandwidth to
+  lower).
+* zero bubble (notebook 11): pp=2, m=8: ZB-V's exposed comm is the largest of 1f1b, zb-h1 and
+  zbv, and the simulator fed with the run's own costs ranks zbv < zb-h1 < 1f1b (raw gloo only).
 """
 from __future__ import annotations
 
 import argparse
 from statistics import median
 
+from torch import nn
+
 import labkit
-from labkit import collectives
+from labkit import collectives, schedules
 
 RING_LINK = labkit.Link(bandwidth=50e6, latency=100e-6)
 
@@ -66,33 +80,113 @@ def ring_trial(lab) -> dict:
             f"server, ring within +10%, +25% of α-β, n={n} (04)": (None, within)}
 
 
+def bubble_trial(lab) -> dict:
+    """Whether GPipe's bubble falls from m = 1 to 4 to 16 (notebook 02's model and batch)."""
+    big = labkit.models.mlp(width=1024, depth=9, in_features=16)
+    bubble = [lab.run(labkit.Strategy(pp=2, schedule="gpipe", microbatches=m), model=big, batch=1024,
+                      steps=5, seed=0).metrics["bubble_fraction"] for m in (1, 4, 16)]
+    return {"bubble falls with m, 1→4→16 (02)": (bubble[0] > bubble[1] > bubble[2], None)}
+
+
+def tp_pp_trial(lab) -> dict:
+    """Whether TP's exposed comm is above PP's at widths 64 and 256 and falls with the width."""
+    data = labkit.data.text(batch=16, block_size=32)
+    exposed = {}
+    for width in (64, 256):
+        gpt = labkit.models.gpt(n_layer=4, n_head=4, n_embd=width, block_size=32, vocab_size=data.vocab_size)
+        for name, s in (("tp", labkit.Strategy(dp=2, tp=2)), ("pp", labkit.Strategy(dp=2, pp=2, microbatches=4))):
+            exposed[width, name] = lab.run(s, model=gpt, data=data, loss="cross_entropy", batch=16, steps=4,
+                                           lr=0.1).metrics["exposed_comm_fraction"]
+    held = all(exposed[w, "tp"] > exposed[w, "pp"] for w in (64, 256)) and exposed[256, "tp"] < exposed[64, "tp"]
+    return {"TP exposes more comm than PP, less as h grows (07)": (held, None)}
+
+
+def prefetch_trial(lab) -> dict:
+    """Whether ZeRO-3 with prefetch=1 overlaps more of its comm than prefetch=0."""
+    args = dict(model=labkit.models.mlp(width=256, depth=6), batch=32, steps=4, lr=1e-3, optimizer="adamw")
+    held = []
+    for link in (None, labkit.Link(bandwidth=200e6, latency=50e-6)):
+        lab.link = link
+        overlap = [lab.run(labkit.Strategy(dp=2, zero=3, prefetch=k), **args).metrics["overlap_fraction"]
+                   for k in (0, 1)]
+        held.append(overlap[1] > overlap[0])
+    lab.link = None
+    return {"prefetch overlaps more of ZeRO-3's gathers (08)": tuple(held)}
+
+
+def compression_trial(lab) -> dict:
+    """Whether int8's step beats fp32's at 10 and 30 MB/s (bucketed, dp=2, 2 MiB of gradients)."""
+    kw = dict(model=labkit.models.mlp(width=256, depth=8), batch=64, steps=4, lr=0.1, seed=0)
+    held = {}
+    for beta in (1e7, 3e7):
+        lab.link = labkit.Link(bandwidth=beta, latency=50e-6)
+        t = {c: lab.run(labkit.Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5, compression=c), **kw)
+             .metrics["step_time_s"] for c in ("none", "int8")}
+        held[f"int8's step shorter than fp32's at {beta / 1e6:g} MB/s (10)"] = (None, t["int8"] < t["none"])
+    lab.link = None
+    return held
+
+
+def zero_bubble_trial(lab) -> dict:
+    """Whether ZB-V's exposed comm is the largest and the simulated bubbles rank zbv < zb-h1 < 1f1b."""
+    def model():
+        return nn.Sequential(*[nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512))
+                               for _ in range(8)])
+    exposed, simulated = {}, {}
+    for name, v in {"1f1b": 1, "zb-h1": 1, "zbv": 2}.items():
+        run = lab.run(labkit.Strategy(pp=2, schedule=name, microbatches=8, chunks=v), model=model, batch=256,
+                      steps=4, lr=0.01, seed=0)
+        exposed[name] = run.metrics["exposed_comm_fraction"]
+        kinds = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
+        spans: dict[str, list[float]] = {}
+        for e in run.timeline.events:
+            if e["kind"] in kinds and e["step"] > 0:
+                spans.setdefault(kinds[e["kind"]], []).append(e["end"] - e["start"])
+        costs = {op: sorted(d)[len(d) // 2] for op, d in spans.items()}
+        sim = schedules.simulate(schedules.build_schedule(name, 2, 8, v), costs=costs)
+        simulated[name] = labkit.step_metrics(sim, 2, 256)["bubble_fraction"]
+    return {"ZB-V's exposed comm is the largest (11)": (exposed["zbv"] > max(exposed["1f1b"], exposed["zb-h1"]), None),
+            "simulated bubble zbv < zb-h1 < 1f1b (11)": (simulated["zbv"] < simulated["zb-h1"] < simulated["1f1b"], None)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--steps", type=int, default=10, help="steps per data-parallel run")
-    parser.add_argument("--claims", nargs="+", default=["overlap", "ring"], choices=["overlap", "ring"])
+    claims = ["overlap", "ring", "bubble", "tp_pp", "prefetch", "compression", "zero_bubble"]
+    parser.add_argument("--claims", nargs="+", default=claims, choices=claims)
     args = parser.parse_args()
     counts: dict[str, list[int]] = {}
 
     def tally(result: dict) -> None:
         for claim, pair in result.items():
-            row = counts.setdefault(claim, [0, None if pair[0] is None else 0, 0])
+            row = counts.setdefault(claim, [0] + [None if p is None else 0 for p in pair])
             row[0] += 1
-            if pair[0] is not None:
-                row[1] += bool(pair[0])
-            row[2] += bool(pair[1])
+            for i, p in enumerate(pair, start=1):
+                if p is not None:
+                    row[i] += bool(p)
     if "overlap" in args.claims:
         with labkit.Lab.start(engines=2, progress=False) as lab:
             for _ in range(args.trials):
                 tally(overlap_trial(lab, args.steps))
-    if "ring" in args.claims:
+    two = [(name, trial) for name, trial in (("bubble", bubble_trial), ("prefetch", prefetch_trial),
+                                             ("compression", compression_trial), ("zero_bubble", zero_bubble_trial))
+           if name in args.claims]
+    if two:
+        with labkit.Lab.start(engines=2, progress=False) as lab:
+            for _ in range(args.trials):
+                for _, trial in two:
+                    tally(trial(lab))
+    four = [(name, trial) for name, trial in (("ring", ring_trial), ("tp_pp", tp_pp_trial)) if name in args.claims]
+    if four:
         with labkit.Lab.start(engines=4, progress=False) as lab:
             for _ in range(args.trials):
-                tally(ring_trial(lab))
-    print(f"{'claim':<48} {'raw gloo':>9} {'emulated':>9}")
+                for _, trial in four:
+                    tally(trial(lab))
+    print(f"{'claim':<52} {'raw gloo':>9} {'emulated':>9}")
     for claim, (trials, raw, emulated) in counts.items():
-        raw_text = "—" if raw is None else f"{raw}/{trials}"
-        print(f"{claim:<48} {raw_text:>9} {f'{emulated}/{trials}':>9}")
+        shown = ["—" if k is None else f"{k}/{trials}" for k in (raw, emulated)]
+        print(f"{claim:<52} {shown[0]:>9} {shown[1]:>9}")
 
 
 if __name__ == "__main__":

@@ -1,30 +1,119 @@
-"""Answers the course's tours hold back until the reader asks for them.
+"""Exercises at the end of each notebook, checked here, with answers held back until asked.
 
-A tour asks a question ("where does overlap stop helping?"); Run All must not print the
-answer before the reader has tried. ``check`` reads the reader's own settings or answer and
+A tour or exercise asks a question ("where does overlap stop helping?"); Run All must not print
+the answer before the reader has tried. ``check`` reads the reader's own settings or answer and
 says whether it holds, with a hint, never the answer itself; ``answer`` says it outright.
 
 >>> from labkit import course
->>> course.check("bubble", dash)            # is the dashboard's last run under 20% bubble?
+>>> course.check("bubble", dash)            # is the dashboard's last run past the formula's 20%?
 >>> course.check("bucket", dash, answer=1)  # "overlap stops helping from 1 MiB buckets"?
->>> course.answer("bucket", dash)
+>>> course.check("busbw", answer=1.75)      # a notebook's closing exercise: a number to work out
+>>> course.answer("busbw")
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 MiB = 1024 * 1024
 
 
-def check(question: str, dash, answer=None) -> str:
-    """Judge the reader's settings (``"bubble"``) or ``answer`` (``"bucket"``); print and return it."""
-    checks = {"bubble": _check_bubble, "bucket": _check_bucket}
-    if question not in checks:
-        raise ValueError(f"question={question!r} is unknown; use one of {sorted(checks)}")
-    text = checks[question](dash, answer)
+@dataclass(frozen=True)
+class Exercise:
+    """A question with one numeric (or ranks) answer: ``expected()`` computes it, never stored."""
+
+    prompt: str
+    expected: Callable[[], object]
+    why: str                     # the answer's reasoning, shown by ``answer``
+    hint: str                    # shown with a wrong answer: where to look, not the value
+    rel: float = 0.02            # relative tolerance of a numeric answer
+
+
+def _ideal(schedule: str, p: int, m: int, v: int = 1) -> float:
+    from .parallel.pipeline.schedules import ideal_bubble
+    return ideal_bubble(schedule, p, m, v)
+
+
+def _megatron_dp_group(rank: int, tp: int, dp: int, pp: int) -> list[int]:
+    """Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1): tp fastest, then dp, then pp."""
+    tp_i, pp_i = rank % tp, rank // (tp * dp)
+    return [tp_i + tp * d + tp * dp * pp_i for d in range(dp)]
+
+
+EXERCISES = {
+    "busbw": Exercise(
+        "An all-reduce over n = 8 ranks: by what factor is its bus bandwidth above its algorithm bandwidth?",
+        lambda: 2 * (8 - 1) / 8,
+        "busbw = algbw · 2(n−1)/n: each rank sends and receives 2(n−1)/n of the payload in a ring; "
+        "for n = 8 that is 1.75.",
+        "the factor is the share of the payload a ring puts on each rank's wire (notebook 00, nccl-tests)."),
+    "gpipe_p4": Exercise(
+        "GPipe with p = 4 stages: how many micro-batches make the ideal bubble exactly 20% of the step?",
+        lambda: 12,
+        "(p−1)/(m+p−1) = 3/(m+3) = 0.2 gives m = 12.",
+        "solve (p−1)/(m+p−1) = 0.2 for m.", rel=0.0),
+    "interleaved": Exercise(
+        "p = 4 stages, m = 8 micro-batches, interleaved with v = 2 chunks per rank: the ideal bubble, "
+        "as a fraction of the step?",
+        lambda: _ideal("interleaved", 4, 8, 2),
+        "(p−1)/(v·m+p−1) = 3/19 ≈ 0.158 (Megatron-LM 2021), against GPipe's and 1F1B's 3/11 ≈ 0.27 "
+        "at the same p and m: each chunk is half a stage, so the fill and drain are half as long.",
+        "the interleaved formula multiplies m by the chunks per rank.", rel=0.03),
+    "megatron_dp": Exercise(
+        "8 ranks, tp = 2, dp = 2, pp = 2, in Megatron's default order (tp fastest, then dp, then pp): "
+        "which ranks average gradients with rank 0? (a list)",
+        lambda: _megatron_dp_group(0, tp=2, dp=2, pp=2),
+        "rank = tp_index + 2·dp_index + 4·pp_index, so rank 0's dp group is [0, 2]; in labkit's "
+        "layout (tp, then pp, then dp) it would be [0, 4].",
+        "write the rank as tp_index + tp·dp_index + tp·dp·pp_index and vary dp_index alone."),
+    "timeout": Exercise(
+        "Notebook 06's straggler is late by 6.5 s at step 1; the lab's collective timeout is 5 s. "
+        "How many seconds does rank 0 wait for rank 1 before it gives up?",
+        lambda: 5.0,
+        "Rank 0 waits the timeout, 5 s, then reports; it never learns how late rank 1 would have "
+        "been. Any timeout above 6.5 s would have let the run go on (in practice leave minutes).",
+        "rank 0 cannot know when rank 1 will come; what bounds its wait?", rel=0.05),
+    "tp_bytes": Exercise(
+        "Megatron TP on t = 2 ranks, L = 4 layers, b = 8 rows, s = 32 tokens, h = 64, fp32: how many "
+        "bytes does each rank put on the wire per step for f and g?",
+        lambda: 4 * 4 * 8 * 32 * 64 * 4 * 2 * (2 - 1) / 2,
+        "L · 4 all-reduces · b·s·h values · 4 bytes · 2(t−1)/t = 4·4·8·32·64·4·1 = 1 MiB.",
+        "4 all-reduces per layer (2 forward, 2 backward), each of b·s·h values; a ring moves 2(t−1)/t of it."),
+    "zero3_bytes": Exercise(
+        "ZeRO-3, fp32 with AdamW (K = 8), Ψ = 10⁶ parameters, dp = 4: bytes of model state per rank?",
+        lambda: (4 + 4 + 8) * 1e6 / 4,
+        "(4 + 4 + K)·Ψ / N_d = 16·10⁶ / 4 = 4·10⁶ bytes: stage 3 divides every term by dp.",
+        "the paper's (4 + 4 + K)·Ψ, and which terms stage 3 divides by N_d (notebook 08)."),
+    "zbv_p4": Exercise(
+        "p = 4 stages, m = 8 micro-batches: the ideal bubble of ZB-V (2 chunks per rank), as a fraction?",
+        lambda: _ideal("zbv", 4, 8, 2),
+        "(p−1)/(6m+p−1) = 3/51 ≈ 0.059, against 1F1B's 3/11 ≈ 0.27 at the same p and m.",
+        "notebook 11: ZB-V's formula has 6m where 1F1B's has m.", rel=0.03),
+    "drift_kind": Exercise(
+        "labkit.drift reports that the dp replicas agree with each other but not with the reference. "
+        "Is it a 'sync' bug or 'math or precision'? (a string)",
+        lambda: "math or precision",
+        "Replicas that agree all received the same average: the average itself is off (a wrong "
+        "factor, or compression), not its distribution.",
+        "a sync bug makes one replica differ from the others."),
+}
+
+
+def check(question: str, dash=None, answer=None) -> str:
+    """Judge the reader's settings (``"bubble"``) or ``answer`` (the others); print and return it."""
+    if question == "bubble":
+        text = _check_bubble(dash)
+    elif question == "bucket":
+        text = _check_bucket(dash, answer)
+    elif question in EXERCISES:
+        text = _check_exercise(EXERCISES[question], answer, question)
+    else:
+        raise ValueError(f"question={question!r} is unknown; use one of {sorted(questions())}")
     print(text)
     return text
 
 
-def answer(question: str, dash) -> str:
+def answer(question: str, dash=None) -> str:
     """The answer, for a reader who asks for it."""
     if question == "bucket":
         total = gradient_bytes(dash.model) / MiB
@@ -33,11 +122,19 @@ def answer(question: str, dash) -> str:
                 f"cannot leave any earlier than bucketed's does.")
     elif question == "bubble":
         text = ("GPipe idles (p−1)/(m+p−1) of the step: with p = 2 that is below 20% from m = 5 on "
-                "(1/6 ≈ 17%), as long as each micro-batch's compute dominates its fixed costs.")
+                "(1/6 ≈ 17%). The measured bubble adds the lab's own work per action and any exposed "
+                "comm, so on a busy laptop it reads a few points above the formula.")
+    elif question in EXERCISES:
+        text = f"{_shown(EXERCISES[question].expected())}: {EXERCISES[question].why}"
     else:
-        raise ValueError(f"question={question!r} is unknown; use 'bubble' or 'bucket'")
+        raise ValueError(f"question={question!r} is unknown; use one of {sorted(questions())}")
     print(text)
     return text
+
+
+def questions() -> list[str]:
+    """Every question ``check`` knows."""
+    return ["bubble", "bucket", *EXERCISES]
 
 
 def gradient_bytes(model) -> int:
@@ -46,17 +143,44 @@ def gradient_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in built.parameters() if p.requires_grad)
 
 
-def _check_bubble(dash, _answer) -> str:
+def _shown(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _check_exercise(ex: Exercise, given, name: str) -> str:
+    if given is None:
+        return f"{ex.prompt}\nPut your answer in: course.check({name!r}, answer=...)"
+    want = ex.expected()
+    if isinstance(want, str):
+        right = str(given).strip().lower() == want
+    elif isinstance(want, list):
+        right = isinstance(given, (list, tuple)) and sorted(given) == sorted(want)
+    else:
+        try:
+            right = abs(float(given) - want) <= ex.rel * abs(want) + 1e-12
+        except (TypeError, ValueError):
+            return f"{given!r} is not a number: answer with one."
+    return f"Right: {ex.why}" if right else f"Not yet ({given!r}). Hint: {ex.hint}"
+
+
+def _check_bubble(dash) -> str:
     live = dash.wait()
     if live is None or live.state != "done":
         return "no finished run yet: press Run (or wait for the one in flight) and check again"
-    s, bubble = live.spec.strategy, live.run.metrics.get("bubble_fraction", float("nan"))
-    where = f"run {live.number}: pp={s.pp} {s.schedule}, microbatches={s.microbatches}, bubble {bubble:.0%}"
+    s, metrics = live.spec.strategy, live.run.metrics
     if s.pp < 2:
-        return f"{where}. Not a pipeline yet: set dp = 1 and pp = 2."
-    if bubble < 0.2:
-        return f"{where}. Goal reached (< 20%)."
-    return f"{where}. Not yet: more micro-batches shorten the fill and drain relative to the step."
+        return f"run {live.number}: dp={s.dp}, pp={s.pp}. Not a pipeline yet: set dp = 1 and pp = 2."
+    bubble = metrics.get("bubble_fraction", float("nan"))
+    where = f"run {live.number}: pp={s.pp} {s.schedule}, microbatches={s.microbatches}, bubble {bubble:.0%}"
+    if s.schedule not in ("gpipe", "1f1b"):
+        return f"{where}. The tour is about gpipe and 1f1b: pick one of them."
+    formula = _ideal(s.schedule, s.pp, s.microbatches)
+    if formula >= 0.2:
+        return f"{where}. Not yet: more micro-batches shorten the fill and drain relative to the step."
+    schedule = metrics.get("schedule_bubble_fraction", float("nan"))
+    return (f"{where}. Goal reached: the schedule now idles {formula:.0%} of the step in theory "
+            f"(measured: {schedule:.0%} waiting for the neighbour, the rest the lab's own work per "
+            f"action and exposed comm, which grow with the number of micro-batches).")
 
 
 def _check_bucket(dash, answer) -> str:

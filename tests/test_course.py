@@ -33,6 +33,67 @@ def test_bucket_check_judges_the_answer_by_the_models_own_buckets():
     assert f"{total:.2f} MiB" in course.answer("bucket", dash)
 
 
+def test_bubble_goal_is_reached_by_the_hints_m_whatever_the_machine_adds():
+    """m = 5 is the hint: the formula's 1/6 decides, the measured share is reported beside it."""
+    assert "Goal reached" in course.check("bubble", fake_dash(microbatches=5, bubble=0.26))
+    assert "Not yet" in course.check("bubble", fake_dash(microbatches=4, bubble=0.15))
+    assert "gpipe and 1f1b" in course.check("bubble", fake_dash(schedule="zb-h1", microbatches=8))
+
+
+@pytest.mark.parametrize("question, right, wrong", [
+    ("busbw", 1.75, 2.0), ("gpipe_p4", 12, 13), ("interleaved", 3 / 19, 3 / 11), ("megatron_dp", [0, 2], [0, 4]),
+    ("timeout", 5, 6.5), ("tp_bytes", 2**20, 2**21), ("zero3_bytes", 4e6, 16e6),
+    ("zbv_p4", 3 / 51, 3 / 11), ("drift_kind", "Math or precision", "sync")])
+def test_exercises_judge_the_answer_and_hold_it_back(question, right, wrong):
+    prompt = course.check(question)
+    assert "answer=" in prompt and course.EXERCISES[question].why not in prompt
+    assert course.check(question, answer=right).startswith("Right")
+    wrong_text = course.check(question, answer=wrong)
+    assert wrong_text.startswith("Not yet") and "Hint" in wrong_text
+    assert course.answer(question).startswith(course._shown(course.EXERCISES[question].expected()))
+
+
+def test_a_non_number_is_refused_by_name():
+    assert "not a number" in course.check("busbw", answer="lots")
+
+
+def test_the_megatron_exercise_follows_megatrons_order_not_labkits():
+    """Megatron: tp fastest, then dp, then pp; labkit's grid puts pp before dp."""
+    from labkit.grid import ParallelDims
+    assert course._megatron_dp_group(0, tp=2, dp=2, pp=2) == [0, 2]
+    assert course._megatron_dp_group(5, tp=2, dp=2, pp=2) == [5, 7]
+    assert [0, 4] in ParallelDims(dp=2, pp=2, tp=2).dp_groups()
+
+
 def test_unknown_question_names_the_choices():
     with pytest.raises(ValueError, match="bubble"):
         course.check("nope", fake_dash())
+
+
+class ClosingLab:
+    """A lab the test closes by hand; its engines are never called."""
+
+    world_size, ranks, closed = 2, [], False
+
+    @property
+    def view(self):
+        raise AssertionError("the dashboard reached the engines")
+
+
+def test_dashboard_shows_a_closed_lab_without_a_click():
+    """Notebook 05 ends with lab.close(): the status line says so at once, and Run goes off."""
+    import time
+
+    from labkit.widgets import Dashboard
+
+    lab = ClosingLab()
+    dash = Dashboard(lab, model=labkit.models.mlp(width=32, depth=2), batch=32, auto=True, plot="image")
+    try:
+        assert not dash.run_button.disabled
+        lab.closed = True                                  # what lab.close() leaves
+        deadline = time.monotonic() + 5
+        while not dash.run_button.disabled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dash.run_button.disabled and dash.status_text == "the lab is closed: start a new one"
+    finally:
+        dash.close()

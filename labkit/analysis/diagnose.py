@@ -143,10 +143,6 @@ ENV_VARS = {
 
 # (variable, bad value or None for "any", what it does to a run)
 OVERLAP_KILLERS = (
-    ("CUDA_DEVICE_MAX_CONNECTIONS", "1",
-     "one hardware work queue per GPU: kernels from the compute and comm streams are serialised in "
-     "launch order, so gradient all-reduces cannot overlap backward (Megatron sets it on purpose, "
-     "for its tensor-parallel ordering, and then relies on other overlap tricks)"),
     ("CUDA_LAUNCH_BLOCKING", "1",
      "every kernel launch waits for the kernel to finish: nothing overlaps, and step times are "
      "those of a debugging run"),

@@ -127,6 +127,11 @@ def init_distributed(master_addr: str, port: int, world_size: int, timeout_s: fl
     info = s.describe()
     s.device = torch.device(info["device"])
     if s.device.type == "cuda":
+        # One hardware work queue: kernels reach the GPU in launch order, so a comm kernel launched
+        # before the compute it should hide behind gets its SMs first and runs beside it (what
+        # Megatron-LM asks for). Read when the CUDA context is created, hence before set_device;
+        # a value the job script set is kept.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         torch.cuda.set_device(s.device)
     s.timeout_s, s.world_size = timeout_s, world_size
     dist.init_process_group(info["backend"], store=s.store, rank=s.rank, world_size=world_size,

@@ -61,6 +61,8 @@ class Dashboard:
         self._build_views(plot)
         self.widget = self._layout()
         self._check()
+        self._closing = threading.Event()
+        threading.Thread(target=self._watch_lab, name="labkit-dashboard-watch", daemon=True).start()
 
     # -- what a notebook or test calls --------------------------------------------------------
     def run(self, *_) -> str | None:
@@ -149,6 +151,7 @@ class Dashboard:
                        self.controls["steps"].value, self.lr, 0.0, self.seed)
 
     def close(self) -> None:
+        self._closing.set()
         self.runner.stop()
         self._painter.close()
         self.widget.close()
@@ -226,6 +229,14 @@ class Dashboard:
             return None
         self._set_problem("")
         return spec
+
+    def _watch_lab(self, every: float = 0.5) -> None:
+        """Show "the lab is closed" as soon as ``lab.close()`` ran, wherever it was called: the
+        status line must not promise a Run that would fail (a notebook's last cell closes it)."""
+        while not self._closing.wait(every):
+            if getattr(self.lab, "closed", False):
+                self._check()
+                return
 
     def _set_problem(self, text: str) -> None:
         self.run_button.disabled = bool(text)
