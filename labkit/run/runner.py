@@ -65,15 +65,16 @@ def validate(spec: RunSpec, engines: int) -> None:
         check_tensor_parallel(s.tp, s.tp_mode, built, plan, s.sequence_parallel,
                               getattr(spec.data, "block_size", None))
     check_model(built, s)
-    check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
+    check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a chain
     data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
     check_context_model(s, built, data)              # cp > 1: a sequence that splits, attention that opts in
     if s.pp > 1:
+        from ..parallel.pipeline.modules import unit_count
         from ..parallel.pipeline.stages import check_split
-        check_split(s, len(built))
+        check_split(s, unit_count(built))
         _check_tied_split_backward(s, built)
 
 
@@ -96,7 +97,7 @@ def model_for_checks(model, seed: int) -> nn.Module:
         return build_model(model, seed)
 
 
-def _check_tied_split_backward(s: Strategy, built: nn.Sequential) -> None:
+def _check_tied_split_backward(s: Strategy, built: nn.Module) -> None:
     """ZB-V puts the first and last stage on rank 0, so a tied embedding and head are one
     Parameter there, reached by two stages' split backward: not built (it fails on the engines)."""
     if s.schedule != "zbv":

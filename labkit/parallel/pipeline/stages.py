@@ -1,8 +1,9 @@
-"""Pipeline parallelism: an nn.Sequential cut into stages across ranks.
+"""Pipeline parallelism: a model cut into stages across ranks (an nn.Sequential's children, or
+any other decoder's chain of layers, :mod:`.modules`).
 
 Two parts, top to bottom:
 
-* the **stage split** — top-level blocks into p·v contiguous stages, balanced by parameter
+* the **stage split** — top-level blocks (or units) into p·v contiguous stages, balanced by parameter
   count (interleaved: equal block counts, as Megatron does), or at ``Strategy.split_at``;
 * the **link** — activations and gradients between neighbour stages with labkit.comm's
   isend/irecv, so every transfer is on the comm lane. Each channel's first activation is
@@ -24,9 +25,22 @@ from torch import nn
 
 from ... import comm
 from ...errors import CommFailure
+from .modules import PipelineStage, pipeline_units, unit_weights
 
 
 # -- the stage split ---------------------------------------------------------------------------
+def stage_module(model: nn.Module, blocks: range, microbatches: int) -> nn.Module:
+    """One stage's blocks: a Sequential of the model's children keeping their indices, or a
+    :class:`.modules.PipelineStage` of its units; either way the model's state_dict keys."""
+    if not isinstance(model, nn.Sequential):
+        units = pipeline_units(model)
+        return PipelineStage(model, [units[i] for i in blocks], aux_scale=1 / microbatches)
+    module = nn.Sequential()
+    for i in blocks:               # keep the full model's indices: same state_dict keys
+        module.add_module(str(i), model[i])
+    return module
+
+
 def check_split(strategy, blocks: int) -> None:
     """Raise ValueError (naming the fix) unless ``blocks`` split into the strategy's stages."""
     stages = strategy.pp * strategy.chunks
@@ -84,9 +98,13 @@ def _balanced_bounds(weights: list[int], stages: int) -> list[int]:
     return bounds[::-1]
 
 
-def stage_blocks(model: nn.Sequential, strategy) -> list[range]:
-    """Every global stage's block indices for ``strategy`` (stage g lives on rank g mod pp)."""
-    weights = [sum(p.numel() for p in block.parameters()) for block in model]
+def stage_blocks(model: nn.Module, strategy) -> list[range]:
+    """Every global stage's block indices for ``strategy`` (stage g lives on rank g mod pp): an
+    ``nn.Sequential``'s children, or any other model's units (:mod:`.modules`)."""
+    if isinstance(model, nn.Sequential):
+        weights = [sum(p.numel() for p in block.parameters()) for block in model]
+    else:
+        weights = unit_weights(model)
     return split_blocks(weights, strategy.pp * strategy.chunks, strategy.split_at,
                         equal=strategy.schedule == "interleaved")
 
