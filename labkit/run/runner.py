@@ -72,9 +72,9 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
     check_context_model(s, built, data)              # cp > 1: a sequence that splits, attention that opts in
     if s.pp > 1:
-        from ..parallel.pipeline.modules import unit_count
+        from ..parallel.pipeline.modules import layer_span, unit_count
         from ..parallel.pipeline.stages import check_split
-        check_split(s, unit_count(built))
+        check_split(s, unit_count(built), len(layer_span(built)))
         _check_tied_split_backward(s, built)
 
 

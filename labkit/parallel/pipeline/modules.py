@@ -56,6 +56,7 @@ class Unit:
     path: str
     kind: str = "plain"
     rotary: str | None = None
+    layer: bool = False       # an item of the model's layer list (interleaved splits those evenly)
 
 
 def pipeline_units(model: nn.Module) -> list[Unit]:
@@ -90,7 +91,7 @@ def _planned(model: nn.Module, plan) -> list[Unit]:
             raise ValueError(f"{type(model).__name__}.pp_plan names {name!r}, which is not a submodule of the "
                              f"model; its children are {[n for n, _ in model.named_children()]}")
         if isinstance(module, nn.ModuleList):
-            units += [Unit(f"{name}.{i}") for i, _ in module.named_children()]
+            units += [Unit(f"{name}.{i}", layer=True) for i, _ in module.named_children()]
         else:
             units.append(Unit(name))
     return units
@@ -109,7 +110,7 @@ def _hf_units(model: nn.Module) -> list[Unit] | None:
     for name in plan:
         module = base.get_submodule(name)
         if isinstance(module, nn.ModuleList):
-            units += [Unit(f"{prefix}.{name}.{i}", "hf_layer", rotary) for i, _ in module.named_children()]
+            units += [Unit(f"{prefix}.{name}.{i}", "hf_layer", rotary, layer=True) for i, _ in module.named_children()]
         else:
             units.append(Unit(f"{prefix}.{name}"))
     return units + [Unit("lm_head")]
@@ -118,6 +119,14 @@ def _hf_units(model: nn.Module) -> list[Unit] | None:
 def unit_weights(model: nn.Module) -> list[int]:
     """Each unit's parameter count (what the balanced split weighs)."""
     return [sum(p.numel() for p in model.get_submodule(u.path).parameters()) for u in pipeline_units(model)]
+
+
+def layer_span(model: nn.Module) -> range:
+    """The unit indices of the model's layers (a Sequential: all its children)."""
+    if isinstance(model, nn.Sequential):
+        return range(len(model))
+    at = [i for i, u in enumerate(pipeline_units(model)) if u.layer]
+    return range(at[0], at[-1] + 1) if at else range(0)
 
 
 def unit_parameters(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:

@@ -1,0 +1,143 @@
+"""Pipelines for decoders that are not an nn.Sequential: llama and Hugging Face models cut along
+their chain of layers (labkit.parallel.pipeline.modules), every schedule equal to one process.
+
+Pure tests of the chain and of bad input first (no engines); then one 2-engine lab for the
+schedules, MoE, a tied head and a Hugging Face llama; then dp×pp and pp×tp on 4 engines.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+import labkit
+from labkit.job import RunSpec
+from labkit.parallel.pipeline.modules import PipelineStage, merge_stages, pipeline_units
+from labkit.parallel.pipeline.stages import stage_blocks
+from labkit.runner import validate
+
+HF = pathlib.Path(__file__).parent / "data" / "hf"
+SIZES = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=2)
+DENSE = labkit.models.llama(**SIZES)
+MOE = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0.05)
+TIED = labkit.models.llama(**SIZES, tie=True)
+STEPS = 3
+
+
+def kw():
+    # SGD: AdamW divides by √v, which turns float32 rounding of tiny gradients into ~1e-5
+    # differences (dp=2 alone, no pipeline, measured 9e-6 on the tied llama here)
+    return dict(data=labkit.data.text(batch=8, block_size=16), loss="cross_entropy", batch=8, steps=STEPS,
+                lr=0.1, seed=5)
+
+
+class Plain(nn.Module):
+    """Two linear layers with no layer list: nothing to cut without a pp_plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+# -- the chain, one process --------------------------------------------------------------------
+@pytest.mark.parametrize("make", [DENSE, MOE, TIED], ids=["dense", "moe", "tied"])
+def test_stages_chain_to_the_models_forward_with_its_own_keys(make):
+    torch.manual_seed(0)
+    model = make()
+    units = pipeline_units(model)
+    assert [u.path for u in units] == ["tok_emb", *(f"layers.{i}" for i in range(4)), "norm", "head"]
+    stages = [PipelineStage(model, [units[i] for i in r]) for r in stage_blocks(model, labkit.Strategy(pp=2))]
+    x = torch.randint(0, 94, (2, 16))
+    out = model(x)
+    h = x
+    for stage in stages:
+        h = stage(h)
+    assert torch.equal(h, getattr(out, "logits", out))
+    assert set(merge_stages(stages).state_dict()) == set(model.state_dict())
+
+
+def test_a_pp_plan_attribute_names_the_chain():
+    model = Plain()
+    model.pp_plan = ["a", "b"]
+    assert [u.path for u in pipeline_units(model)] == ["a", "b"]
+    model.pp_plan = ["a", "c"]
+    with pytest.raises(ValueError, match="pp_plan names 'c'"):
+        pipeline_units(model)
+
+
+def test_no_chain_under_pp_is_refused_naming_the_fix():
+    spec = RunSpec(labkit.Strategy(pp=2, microbatches=2), Plain, batch=8)
+    with pytest.raises(ValueError, match="pp_plan"):
+        validate(spec, 2)
+
+
+def test_fp16_with_a_balance_loss_under_pp_is_refused():
+    spec = RunSpec(labkit.Strategy(pp=2, microbatches=2, precision="fp16"), MOE, batch=8, **{
+        k: v for k, v in kw().items() if k not in ("batch",)})
+    with pytest.raises(ValueError, match="fp16"):
+        validate(spec, 2)
+
+
+# -- exact on engines ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def refs():
+    return {}
+
+
+def reference(refs, make):
+    if make not in refs:
+        refs[make] = labkit.reference(make, **kw())
+    return refs[make]
+
+
+SCHEDULES = {
+    "gpipe": dict(schedule="gpipe"),
+    "1f1b": dict(schedule="1f1b"),
+    "interleaved": dict(schedule="interleaved", chunks=2),
+    "zb-h1": dict(schedule="zb-h1"),
+    "zbv": dict(schedule="zbv", chunks=2),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_llama_every_schedule_equals_one_process(lab2, refs, name):
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=4, **SCHEDULES[name]), model=DENSE, **kw())
+    ref = reference(refs, DENSE)
+    assert set(run.parameters()) == set(DENSE().state_dict())
+    assert run.max_diff(ref) < 1e-5
+
+
+@pytest.mark.parametrize("make", [MOE, TIED], ids=["moe", "tied"])
+def test_llama_moe_and_tied_equal_one_process(lab2, refs, make):
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=4, schedule="1f1b"), model=make, **kw())
+    assert set(run.parameters()) == set(make().state_dict())
+    assert run.max_diff(reference(refs, make)) < 1e-5
+
+
+def test_moe_balance_loss_reaches_the_routers_of_the_first_stage(lab2, refs):
+    """Without its balance loss the first stage's routers would train differently: the run
+    must differ from one process trained with aux_loss_coef=0."""
+    without = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0.0)
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=4, schedule="zb-h1"), model=MOE, **kw())
+    exact, missing = run.max_diff(reference(refs, MOE)), run.max_diff(reference(refs, without))
+    assert exact < 1e-5 and missing > 100 * max(exact, 1e-8), (exact, missing)
+
+
+def test_hugging_face_llama_pp2(lab2):
+    pytest.importorskip("transformers")
+    make = labkit.models.from_hf(HF / "llama.json")
+    args = dict(kw(), data=labkit.data.text(batch=8, block_size=16))
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=4, schedule="1f1b"), model=make, **args)
+    assert set(run.parameters()) == set(make().state_dict())
+    assert run.max_diff(labkit.reference(make, **args)) < 1e-5
+
+
+@pytest.mark.parametrize("degrees", [dict(dp=2, pp=2), dict(pp=2, tp=2)], ids=["dp2pp2", "pp2tp2"])
+def test_llama_dp_pp_and_pp_tp_equal_one_process(lab4, refs, degrees):
+    run = lab4.run(labkit.Strategy(**degrees, microbatches=2, schedule="1f1b"), model=DENSE, **kw())
+    assert run.max_diff(reference(refs, DENSE)) < 1e-5
