@@ -83,6 +83,21 @@ def test_fp16_with_a_balance_loss_under_pp_is_refused():
         validate(spec, 2)
 
 
+def test_zbv_with_a_head_tied_across_stages_is_refused():
+    spec = RunSpec(labkit.Strategy(pp=2, microbatches=4, schedule="zbv", chunks=2), TIED,
+                   **{k: v for k, v in kw().items()})
+    with pytest.raises(ValueError, match="zbv"):
+        validate(spec, 2)
+
+
+def test_interleaved_shares_the_layers_out_evenly_and_split_at_names_units():
+    model = DENSE()
+    # units: tok_emb 0, layers 1..4, norm 5, head 6
+    assert stage_blocks(model, labkit.Strategy(pp=2, chunks=2, schedule="interleaved", microbatches=4)) == \
+        [range(0, 2), range(2, 3), range(3, 4), range(4, 7)]
+    assert stage_blocks(model, labkit.Strategy(pp=2, split_at=(3,))) == [range(0, 3), range(3, 7)]
+
+
 # -- exact on engines ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def refs():
@@ -126,6 +141,11 @@ def test_moe_balance_loss_reaches_the_routers_of_the_first_stage(lab2, refs):
     run = lab2.run(labkit.Strategy(pp=2, microbatches=4, schedule="zb-h1"), model=MOE, **kw())
     exact, missing = run.max_diff(reference(refs, MOE)), run.max_diff(reference(refs, without))
     assert exact < 1e-5 and missing > 100 * max(exact, 1e-8), (exact, missing)
+
+
+def test_recompute_full_on_the_stages_layers(lab2, refs):
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=4, schedule="1f1b", recompute="full"), model=DENSE, **kw())
+    assert run.max_diff(reference(refs, DENSE)) < 1e-5
 
 
 def test_hugging_face_llama_pp2(lab2):
