@@ -33,6 +33,29 @@ def kw():
                 lr=0.1, seed=5)
 
 
+class Planned(nn.Module):
+    """A hand-written model whose chain is its pp_plan (a ModuleList between two Linears)."""
+
+    pp_plan = ("inp", "hidden", "out")
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(16, 4)                  # registered first: the plan, not the order, rules
+        self.inp = nn.Linear(8, 16)
+        self.hidden = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.hidden:
+            x = layer(x)
+        return self.out(x)
+
+
+def planned_data(step):
+    g = torch.Generator().manual_seed(7 + step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
 class Plain(nn.Module):
     """Two linear layers with no layer list: nothing to cut without a pp_plan."""
 
@@ -58,6 +81,23 @@ def test_stages_chain_to_the_models_forward_with_its_own_keys(make):
     for stage in stages:
         h = stage(h)
     assert torch.equal(h, getattr(out, "logits", out))
+    assert set(merge_stages(stages).state_dict()) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
+def test_hugging_face_stages_chain_to_its_forward(family):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = labkit.models.from_hf(HF / f"{family}.json")()
+    units = pipeline_units(model)
+    assert [u.path for u in units] == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm",
+                                       "lm_head"]
+    stages = [PipelineStage(model, [units[i] for i in r]) for r in stage_blocks(model, labkit.Strategy(pp=2))]
+    x = torch.randint(0, 64, (2, 16))
+    h = x
+    for stage in stages:
+        h = stage(h)
+    assert torch.equal(h, model(x).logits)
     assert set(merge_stages(stages).state_dict()) == set(model.state_dict())
 
 
@@ -125,6 +165,7 @@ def test_llama_every_schedule_equals_one_process(lab2, refs, name):
     ref = reference(refs, DENSE)
     assert set(run.parameters()) == set(DENSE().state_dict())
     assert run.max_diff(ref) < 1e-5
+    assert max(abs(a - b) for a, b in zip(run.losses, ref.losses)) < 1e-5
 
 
 @pytest.mark.parametrize("make", [MOE, TIED], ids=["moe", "tied"])
@@ -141,6 +182,13 @@ def test_moe_balance_loss_reaches_the_routers_of_the_first_stage(lab2, refs):
     run = lab2.run(labkit.Strategy(pp=2, microbatches=4, schedule="zb-h1"), model=MOE, **kw())
     exact, missing = run.max_diff(reference(refs, MOE)), run.max_diff(reference(refs, without))
     assert exact < 1e-5 and missing > 100 * max(exact, 1e-8), (exact, missing)
+
+
+def test_a_pp_plan_model_equals_one_process(lab2):
+    args = dict(data=planned_data, batch=8, steps=STEPS, lr=0.1, seed=3)
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=2, schedule="1f1b"), model=Planned, **args)
+    assert set(run.parameters()) == set(Planned().state_dict())
+    assert run.max_diff(labkit.reference(Planned, **args)) < 1e-6
 
 
 def test_recompute_full_on_the_stages_layers(lab2, refs):

@@ -23,7 +23,12 @@ rotary cos/sin of ``model.rotary_emb`` and the causal mask of ``create_causal_ma
 parameters, so nothing to send). A mixture-of-experts layer's balance loss (a module with
 ``pop_aux_loss``) is added to the training loss where it is made: its gradient is injected
 in backward on the stage that computed it, scaled as the micro-batch's loss is (Megatron's
-``MoEAuxLossAutoScaler``, ``megatron/core/transformer/moe/moe_utils.py``).
+``MoEAuxLossAutoScaler``, ``megatron/core/transformer/moe/moe_utils.py``). The parameters
+equal one process's; the loss a pipeline reports is its last stage's, the cross-entropy
+without the balance loss (whose value stays on the stages that made it).
+
+``Strategy.split_at`` names unit indices; the interleaved schedule gives each stage an equal
+share of the layers, the embedding with the first and the norm and head with the last.
 
 A stage is a :class:`PipelineStage`: the model's own submodules under their own dotted
 names (``layers.3.attn.q_proj.weight``; ``model.layers.3...`` for Hugging Face), so its
