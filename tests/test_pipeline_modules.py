@@ -116,6 +116,13 @@ def test_no_chain_under_pp_is_refused_naming_the_fix():
         validate(spec, 2)
 
 
+def test_a_chain_that_leaves_parameters_out_is_refused():
+    model = Planned()
+    model.scale = nn.Parameter(torch.ones(4))            # on the root: no unit holds it
+    with pytest.raises(ValueError, match=r"leaves out parameters \['scale'\]"):
+        pipeline_units(model)
+
+
 def test_fp16_with_a_balance_loss_under_pp_is_refused():
     spec = RunSpec(labkit.Strategy(pp=2, microbatches=2, precision="fp16"), MOE, batch=8, **{
         k: v for k, v in kw().items() if k not in ("batch",)})

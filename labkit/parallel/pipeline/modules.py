@@ -66,20 +66,27 @@ class Unit:
 
 def pipeline_units(model: nn.Module) -> list[Unit]:
     """The model's units in forward order (module docstring); ValueError naming the fix when
-    there is no chain to cut."""
-    hf = _hf_units(model)        # before pp_plan: transformers' own model.pp_plan is a dict by name
-    if hf is not None:
-        return hf
-    plan = getattr(model, "pp_plan", None)
-    if plan is not None:
-        return _planned(model, plan)
-    path = blocks_path(model)
-    children = [name for name, _ in model.named_children()]
-    if not path or "." in path or children.index(path) != 1 or any(True for _ in model.parameters(recurse=False)):
-        raise ValueError(f"Strategy.pp > 1 cuts the model into stages along its chain of layers, and "
-                         f"{type(model).__name__} has no chain labkit can read (one embedding, then its list of "
-                         f"repeated blocks, then the modules after it); {PP_PLAN_FIX}")
-    return _planned(model, children)
+    there is no chain to cut, or when the chain leaves some of the model's parameters out."""
+    units = _hf_units(model)      # before pp_plan: transformers' own model.pp_plan is a dict by name
+    if units is None and getattr(model, "pp_plan", None) is not None:
+        units = _planned(model, model.pp_plan)
+    if units is None:
+        path = blocks_path(model)
+        children = [name for name, _ in model.named_children()]
+        if not path or "." in path or children.index(path) != 1:
+            raise ValueError(f"Strategy.pp > 1 cuts the model into stages along its chain of layers, and "
+                             f"{type(model).__name__} has no chain labkit can read (one embedding, then its list "
+                             f"of repeated blocks, then the modules after it); {PP_PLAN_FIX}")
+        units = _planned(model, children)
+    held = {id(p) for u in units for p in model.get_submodule(u.path).parameters()}
+    left = [name for name, p in model.named_parameters() if id(p) not in held]
+    if left:
+        chain = ", ".join(u.path for u in units[:3])
+        raise ValueError(f"Strategy.pp > 1: {type(model).__name__}'s chain of layers ({chain}…) leaves out "
+                         f"parameters {left[:4]}, so no stage would hold them; move them into a "
+                         f"submodule the chain calls (e.g. one embedding module that adds token and position "
+                         f"embeddings), or write the model as an nn.Sequential")
+    return units
 
 
 def _planned(model: nn.Module, plan) -> list[Unit]:
