@@ -86,11 +86,14 @@ def units(model: nn.Module, path: str | None) -> list[tuple[str, nn.Module]]:
 
 def check_blocks(model: nn.Module, strategy, path: str | None = None) -> None:
     """The sharded strategies need blocks (ValueError naming the fix); pipelines need an
-    ``nn.Sequential`` (its stage split is by block index)."""
+    ``nn.Sequential`` or a chain of layers to cut (:mod:`.pipeline.modules`)."""
     if strategy.pp > 1 and not isinstance(model, nn.Sequential):
-        raise ValueError(f"Strategy.pp={strategy.pp}: pipeline stages are cut from an nn.Sequential's blocks, and "
-                         f"model is a {type(model).__name__}; write the model as an nn.Sequential "
-                         "(embedding, blocks…, norm, head) for pp > 1, or use pp=1")
+        from .pipeline.modules import aux_losses, pipeline_units
+        pipeline_units(model)
+        if strategy.precision == "fp16" and aux_losses(model):
+            raise ValueError("Strategy.precision='fp16' with pp > 1: a balance loss's gradient is injected on the "
+                             "stage that made it, outside fp16's loss scale; use precision='bf16' or 'fp32', "
+                             "or aux_loss_coef=0")
     if path is not None:
         blocks_path(model, path)
     sharded = strategy.zero == 3 or (strategy.zero and strategy.zero_mode == "fsdp2")

@@ -35,7 +35,7 @@ from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
-from .pipeline.stages import Link, stage_blocks
+from .pipeline.stages import Link, stage_blocks, stage_module
 from .blocks import blocks_path as find_path, find_blocks, units
 from .precision import build_precision
 from .recompute import apply_recompute
@@ -158,12 +158,7 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
     ``backward()`` returns: DDP waits for its all-reduces inside ``backward()``, and that wait
     is comm, not compute.
     """
-    if blocks is None:
-        module = full
-    else:
-        module = nn.Sequential()
-        for i in blocks:               # keep the full model's indices: same state_dict keys
-            module.add_module(str(i), full[i])
+    module = full if blocks is None else stage_module(full, blocks, s.microbatches)
     module = module.to(device)
     path = find_path(module, blocks_path)
     # Activation recomputation, per stage, before any wrapper sees the blocks (torchtitan

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..models.training import TokenLoss
 from .buffers import warn_written_buffers, written_buffers
+from .pipeline.modules import merge_stages
 from .pipeline.split_backward import backward_input, backward_weight
 from .precision import Precision
 from .zero.memory import measure_memory
@@ -101,9 +102,9 @@ class Executor:
         self.tied = tied                   # the embedding group's sync (tied weights across stages)
         self.tp_group, self.tp_index = tp_group, tp_index     # tp_group None: no tensor split
         # Same keys as the full model's state_dict: one stage is the model itself (its root's own
-        # parameters included); pipeline stages' blocks keep their indices ("6.weight").
+        # parameters included); pipeline stages' blocks keep their names ("6.weight", "layers.3.…").
         self.model = stages[0].module if len(stages) == 1 and last_stage == 0 else \
-            nn.ModuleDict({name: block for st in stages for name, block in st.module.named_children()})
+            merge_stages([st.module for st in stages])
         # The reduction is armed for each stage's last gradient accumulation: its last B, or
         # its last W when the schedule splits backward (parameter gradients appear in W).
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.op in ("B", "W")}

@@ -66,7 +66,7 @@ def validate(spec: RunSpec, engines: int) -> None:
                               getattr(spec.data, "block_size", None))
     check_model(built, s)
     warn_dropout(built, s)
-    check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a Sequential
+    check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a chain
     data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
     if callable(spec.loss):
         check_loss(loss, built, data, spec.batch)    # a user's loss: a mean over the rows, or refused
@@ -75,8 +75,9 @@ def validate(spec: RunSpec, engines: int) -> None:
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
     check_context_model(s, built, data)              # cp > 1: a sequence that splits, attention that opts in
     if s.pp > 1:
+        from ..parallel.pipeline.modules import layer_span, unit_count
         from ..parallel.pipeline.stages import check_split
-        check_split(s, len(built))
+        check_split(s, unit_count(built), len(layer_span(built)))
         _check_tied_split_backward(s, built)
 
 
@@ -99,7 +100,7 @@ def model_for_checks(model, seed: int) -> nn.Module:
         return build_model(model, seed)
 
 
-def _check_tied_split_backward(s: Strategy, built: nn.Sequential) -> None:
+def _check_tied_split_backward(s: Strategy, built: nn.Module) -> None:
     """ZB-V puts the first and last stage on rank 0, so a tied embedding and head are one
     Parameter there, reached by two stages' split backward: not built (it fails on the engines)."""
     if s.schedule != "zbv":

@@ -1,8 +1,9 @@
-"""Pipeline parallelism: an nn.Sequential cut into stages across ranks.
+"""Pipeline parallelism: a model cut into stages across ranks (an nn.Sequential's children, or
+any other decoder's chain of layers, :mod:`.modules`).
 
 Two parts, top to bottom:
 
-* the **stage split** — top-level blocks into p·v contiguous stages, balanced by parameter
+* the **stage split** — top-level blocks (or units) into p·v contiguous stages, balanced by parameter
   count (interleaved: equal block counts, as Megatron does), or at ``Strategy.split_at``;
 * the **link** — activations and gradients between neighbour stages with labkit.comm's
   isend/irecv, so every transfer is on the comm lane. Each channel's first activation is
@@ -24,12 +25,27 @@ from torch import nn
 
 from ... import comm
 from ...errors import CommFailure
+from .modules import PipelineStage, layer_span, pipeline_units, unit_weights
 
 
 # -- the stage split ---------------------------------------------------------------------------
-def check_split(strategy, blocks: int) -> None:
-    """Raise ValueError (naming the fix) unless ``blocks`` split into the strategy's stages."""
+def stage_module(model: nn.Module, blocks: range, microbatches: int) -> nn.Module:
+    """One stage's blocks: a Sequential of the model's children keeping their indices, or a
+    :class:`.modules.PipelineStage` of its units; either way the model's state_dict keys."""
+    if not isinstance(model, nn.Sequential):
+        units = pipeline_units(model)
+        return PipelineStage(model, [units[i] for i in blocks], aux_scale=1 / microbatches)
+    module = nn.Sequential()
+    for i in blocks:               # keep the full model's indices: same state_dict keys
+        module.add_module(str(i), model[i])
+    return module
+
+
+def check_split(strategy, blocks: int, layers: int | None = None) -> None:
+    """Raise ValueError (naming the fix) unless ``blocks`` split into the strategy's stages
+    (``layers``: how many of them the interleaved split shares out evenly; default all)."""
     stages = strategy.pp * strategy.chunks
+    layers = blocks if layers is None else layers
     if blocks < stages:
         raise ValueError(f"the model has {blocks} top-level blocks but pp*chunks = {stages} stages need "
                          f"at least one each; use pp*chunks ≤ {blocks} or a model with more blocks")
@@ -37,8 +53,8 @@ def check_split(strategy, blocks: int) -> None:
         if strategy.split_at[-1] >= blocks:
             raise ValueError(f"Strategy.split_at={strategy.split_at} names block {strategy.split_at[-1]} "
                              f"but the model has blocks 0..{blocks - 1}; every boundary must be < {blocks}")
-    elif strategy.schedule == "interleaved" and blocks % stages:
-        raise ValueError(f"interleaved splits the model's {blocks} blocks into pp*chunks = {stages} equal "
+    elif strategy.schedule == "interleaved" and layers % stages:
+        raise ValueError(f"interleaved splits the model's {layers} blocks into pp*chunks = {stages} equal "
                          f"stages; use a model whose block count is a multiple of {stages}, other "
                          f"pp/chunks, or give the boundaries with Strategy(split_at=...)")
 
@@ -84,11 +100,21 @@ def _balanced_bounds(weights: list[int], stages: int) -> list[int]:
     return bounds[::-1]
 
 
-def stage_blocks(model: nn.Sequential, strategy) -> list[range]:
-    """Every global stage's block indices for ``strategy`` (stage g lives on rank g mod pp)."""
-    weights = [sum(p.numel() for p in block.parameters()) for block in model]
-    return split_blocks(weights, strategy.pp * strategy.chunks, strategy.split_at,
-                        equal=strategy.schedule == "interleaved")
+def stage_blocks(model: nn.Module, strategy) -> list[range]:
+    """Every global stage's block indices for ``strategy`` (stage g lives on rank g mod pp): an
+    ``nn.Sequential``'s children, or any other model's units (:mod:`.modules`)."""
+    stages = strategy.pp * strategy.chunks
+    if isinstance(model, nn.Sequential):
+        weights = [sum(p.numel() for p in block.parameters()) for block in model]
+    else:
+        weights = unit_weights(model)
+        if strategy.schedule == "interleaved" and not strategy.split_at:
+            # Megatron's interleaving: equal decoder layers per stage, the embedding joining the
+            # first stage and the final norm and head the last
+            span = layer_span(model)
+            bounds = [0, *(span.start + k * len(span) // stages for k in range(1, stages)), len(weights)]
+            return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return split_blocks(weights, stages, strategy.split_at, equal=strategy.schedule == "interleaved")
 
 
 # -- the link between neighbour stages ---------------------------------------------------------

@@ -18,22 +18,20 @@ import torch
 from torch import nn
 
 from ... import comm
+from .modules import unit_parameters
 
 
-def tied_across_stages(full: nn.Sequential, blocks: list[range]) -> list[str]:
+def tied_across_stages(full: nn.Module, blocks: list[range]) -> list[str]:
     """Names (in the first stage) of parameters that the first and the last stage share."""
     if len(blocks) < 2:
         return []
-    first, last = set(blocks[0]), set(blocks[-1])
-    where: dict[int, list[str]] = {}
-    for name, p in full.named_parameters(remove_duplicate=False):
-        where.setdefault(id(p), []).append(name)
-    tied = []
-    for names in where.values():
-        blocks_of = {int(n.split(".")[0]) for n in names}
-        if blocks_of & first and blocks_of & last:
-            tied.append(next(n for n in names if int(n.split(".")[0]) in first))
-    return tied
+    per_unit = unit_parameters(full)
+    first: dict[int, str] = {}
+    for i in blocks[0]:
+        for name, p in per_unit[i]:
+            first.setdefault(id(p), name)
+    last = {id(p) for i in blocks[-1] for _, p in per_unit[i]}
+    return [name for key, name in first.items() if key in last]
 
 
 class TiedGradSync:
@@ -49,7 +47,7 @@ class TiedGradSync:
             comm.all_reduce(p.grad, group=self.group, name=f"embedding grad {name}")
 
 
-def build_tied_sync(full: nn.Sequential, blocks: list[range], held: list[int], groups) -> TiedGradSync | None:
+def build_tied_sync(full: nn.Module, blocks: list[range], held: list[int], groups) -> TiedGradSync | None:
     """The embedding group's sync for this rank, or None (nothing tied, or both copies here).
 
     ``held``: the global stages this rank holds. The group is the first and last pipeline
