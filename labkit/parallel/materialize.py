@@ -30,6 +30,9 @@ instead.
 """
 from __future__ import annotations
 
+import math
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -106,6 +109,12 @@ class Trace(TorchDispatchMode):
                 e.writes.add(key(t))                                   # a new storage
         self.seen |= e.reads | e.writes
         return e
+
+
+def _nbytes(piece: torch.Tensor) -> int:
+    """Bytes a kept piece holds: its storage, or a ZeRO-3 carrier's slice."""
+    inner = getattr(piece, "labkit_piece", None)
+    return piece.untyped_storage().nbytes() + (0 if inner is None else inner.untyped_storage().nbytes())
 
 
 def _covers(t: torch.Tensor) -> bool:
@@ -234,8 +243,9 @@ class Replay:
                     self.owned.add(s)
                     self.kept_bytes += whole.nbytes()
             else:
-                self.kept_bytes += piece.untyped_storage().nbytes()
-                self._count(piece.untyped_storage().nbytes())
+                nbytes = _nbytes(piece)
+                self.kept_bytes += nbytes
+                self._count(nbytes)
 
     def _drop(self, s: int) -> None:
         storage = self.storages.pop(s, None)
@@ -248,29 +258,228 @@ class Replay:
 
 
 def install(model: nn.Module, kept: dict[str, torch.Tensor | None], device=None) -> nn.Module:
-    """Put each kept piece in the meta model, in place: a Parameter stays a Parameter (tied
-    names share one), a buffer a buffer; what is not kept stays on ``meta``."""
-    made: dict[int, torch.Tensor] = {}
+    """Put each kept piece in the meta model, in place, on ``device``: a Parameter stays a
+    Parameter (the names of a tied one share it, kept if any name is), a buffer a buffer;
+    what no name keeps stays on ``meta`` (another stage's block)."""
+    slots, by_tensor = [], {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for attr in list(module._parameters) + list(module._buffers) + [
-                a for a, v in vars(module).items() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]:
+        attrs = list(module._parameters) + list(module._buffers) + [
+            a for a, v in vars(module).items() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
+        for attr in attrs:
             old = module._parameters.get(attr, module._buffers.get(attr, getattr(module, attr, None)))
-            name = f"{prefix}.{attr}" if prefix else attr
-            piece = kept.get(name)
-            if old is None or piece is None:
+            if old is None:
                 continue
-            if id(old) not in made:
-                value = piece if device is None else piece.to(device)
+            slots.append((module, attr, old))
+            piece = kept.get(f"{prefix}.{attr}" if prefix else attr)
+            if piece is not None and id(old) not in by_tensor:
+                value = _moved(piece, device)
                 if isinstance(old, nn.Parameter):
-                    value = nn.Parameter(value, requires_grad=old.requires_grad)
-                    for tag in ("labkit_shard", "labkit_piece"):
-                        if hasattr(piece, tag):
-                            setattr(value, tag, getattr(piece, tag))
-                made[id(old)] = value
-            if attr in module._parameters:
-                module._parameters[attr] = made[id(old)]
-            elif attr in module._buffers:
-                module._buffers[attr] = made[id(old)]
-            else:
-                setattr(module, attr, made[id(old)])
+                    value = _tagged(nn.Parameter(value, requires_grad=old.requires_grad), piece)
+                by_tensor[id(old)] = value
+    for module, attr, old in slots:
+        value = by_tensor.get(id(old))
+        if value is None:
+            continue
+        if attr in module._parameters:
+            module._parameters[attr] = value
+        elif attr in module._buffers:
+            module._buffers[attr] = value
+        else:
+            setattr(module, attr, value)
     return model
+
+
+def _moved(piece: torch.Tensor, device) -> torch.Tensor:
+    """``piece`` on ``device``; a ZeRO-3 carrier (no values of its own) as a new empty one."""
+    if device is None:
+        return piece
+    if hasattr(piece, "labkit_piece"):
+        carrier = torch.empty(piece.shape, dtype=piece.dtype, device=device)
+        carrier.untyped_storage().resize_(0)
+        carrier.labkit_piece = piece.labkit_piece.to(device)
+        return _tagged(carrier, piece)
+    return _tagged(piece.to(device), piece)
+
+
+def _tagged(value: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    for tag in ("labkit_shard", "labkit_piece"):
+        if hasattr(piece, tag) and not hasattr(value, tag):
+            setattr(value, tag, getattr(piece, tag))
+    return value
+
+
+# -- what this rank holds --------------------------------------------------------------------
+def pieces_for_rank(meta: nn.Module, spec, groups) -> Callable:
+    """``keep(name, whole)`` for this rank of ``spec``: None for a parameter of another
+    pipeline stage's block; a Megatron tp layer's chunk (marked ``labkit_shard``); for
+    hand-written ZeRO-3, an empty tensor of the parameter's (tp-local) shape carrying this
+    rank's slice of its unit's flat shard (``labkit_piece``, read by ``FlatUnit``); otherwise
+    the whole tensor. The same splits the eager path makes afterwards, made before any whole
+    model exists (``parallel/tensor/layers.py``, ``parallel/zero/shard.py``)."""
+    s = spec.strategy
+    held = _held_names(meta, s, groups)
+    tp = _tp_chunks(meta, s, groups, spec.tp_plan)
+    shapes = {n: _chunk_shape(p.shape, *tp[n]) if n in tp else tuple(p.shape)
+              for n, p in meta.named_parameters(remove_duplicate=False)}
+    flat = _zero3_slices(meta, s, groups, held, shapes, spec.blocks)
+
+    def keep(name: str, whole: torch.Tensor):
+        if held is not None and name not in held:
+            return None
+        t = whole
+        if name in tp:
+            dim, rank, size = tp[name]
+            t = t.chunk(size, dim=dim)[rank].clone()
+            t.labkit_shard = tp[name]
+        if name in flat:
+            start, stop = flat[name]
+            carrier = torch.empty(t.shape, dtype=t.dtype)
+            carrier.untyped_storage().resize_(0)         # no values: FlatUnit's views take its place
+            carrier.labkit_piece = t.reshape(-1)[start:stop].clone()
+            if name in tp:
+                carrier.labkit_shard = tp[name]
+            t = carrier
+        return t
+    return keep
+
+
+def _chunk_shape(shape, dim: int, rank: int, size: int) -> tuple:
+    return tuple(torch.empty(shape, device="meta").chunk(size, dim=dim)[rank].shape)
+
+
+def _held_names(meta: nn.Module, s, groups) -> set[str] | None:
+    """The parameter and buffer names of this rank's pipeline stages (None: every name)."""
+    if s.pp == 1:
+        return None
+    from .build import my_stages
+    from .pipeline.stages import stage_blocks
+    blocks = stage_blocks(meta, s)
+    mine = {str(i) for g in my_stages(s, groups.coords[1]) for i in blocks[g]}
+    return {name for name, _ in final_tensors(meta) if name.split(".")[0] in mine}
+
+
+def _tp_chunks(meta: nn.Module, s, groups, plan) -> dict[str, tuple[int, int, int]]:
+    """name → (dim, tp rank, tp) for each parameter a Megatron tp layer keeps a chunk of."""
+    if s.tp == 1 or s.tp_mode != "megatron":      # dtensor distributes from whole tensors
+        return {}
+    from .tensor.layers import MEGATRON_LAYERS
+    from .tensor.plan import match_plan, resolve_plan
+    out = {}
+    for name, style in match_plan(meta, resolve_plan(meta, plan)).items():
+        module = meta.get_submodule(name)
+        kind = nn.Embedding if isinstance(module, nn.Embedding) else nn.Linear
+        for pname, dim in MEGATRON_LAYERS[kind, style].shard_dims.items():
+            if getattr(module, pname, None) is not None:
+                out[f"{name}.{pname}"] = (dim, groups.coords[2], s.tp)
+    return out
+
+
+def _zero3_slices(meta: nn.Module, s, groups, held, shapes: dict, blocks_path) -> dict[str, tuple[int, int]]:
+    """name → (start, stop) of the parameter's flattened (tp-local) values that fall in this
+    dp rank's shard of its ZeRO-3 unit: the layout ``Zero3Sync.build_units`` makes, one unit
+    per block with parameters, then the root's group, each padded to a multiple of dp."""
+    if s.zero != 3 or s.zero_mode == "fsdp2" or s.dp == 1:
+        return {}
+    from .blocks import blocks_path as find_path, find_blocks, outside_blocks
+    from .build import my_stages
+    if s.pp == 1:
+        stages = [(meta, find_path(meta, blocks_path))]
+    else:
+        from .pipeline.stages import stage_blocks
+        blocks = stage_blocks(meta, s)
+        stages = []
+        for g in my_stages(s, groups.coords[1]):
+            module = nn.Sequential()
+            for i in blocks[g]:
+                module.add_module(str(i), meta[i])
+            stages.append((module, find_path(module, None)))
+    out, rank = {}, groups.coords[0]
+    for module, path in stages:
+        if not any(p.requires_grad for p in module.parameters()):
+            continue                                    # no sync at all: kept whole
+        found = find_blocks(module, path)
+        units = [[(f"{name}.{n}", p) for n, p in block.named_parameters() if p.requires_grad]
+                 for name, block in found]
+        units = [u for u in units if u] + [outside_blocks(module, found)]
+        for members in units:
+            numel = sum(math.prod(shapes[n]) for n, _ in members)
+            shard = -(-numel // s.dp)
+            lo, hi, offset = rank * shard, (rank + 1) * shard, 0
+            for name, _ in members:
+                n = math.prod(shapes[name])
+                out[name] = (min(max(lo - offset, 0), n), max(min(hi - offset, n), 0))
+                offset += n
+    return out
+
+
+def whole_bytes(model: nn.Module) -> int:
+    """Bytes of a (meta) model's parameters and buffers, a tied weight once."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in final_tensors(model)}.values())
+
+
+INITS = ("auto", "whole", "per_rank")
+AUTO_FRACTION = 0.25
+"""``init="auto"`` materialises per rank when the whole model would take more than this
+fraction of the memory available on the engine's machine (and the strategy splits it)."""
+
+LAST: dict = {}
+"""The last build on this engine: {"path": "whole" | "per_rank", "peak_bytes", "kept_bytes",
+"whole_bytes"} (what ``labkit.parallel.materialize`` counted; the tests read it)."""
+
+
+def check_init(init) -> None:
+    if init not in INITS:
+        raise ValueError(f"init={init!r} is unknown; use one of {', '.join(map(repr, INITS))} ('per_rank': each "
+                         "engine materialises only the parameters it holds)")
+
+
+def splits(s) -> bool:
+    """Whether the strategy leaves a rank less than the whole model (what per-rank saves)."""
+    return s.pp > 1 or (s.tp > 1 and s.tp_mode == "megatron") or (s.zero == 3 and s.zero_mode != "fsdp2"
+                                                                    and s.dp > 1)
+
+
+def available_bytes() -> int:
+    """Memory this machine has free now (Linux's MemAvailable; sysconf elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_rank_model(spec, groups, device) -> nn.Module:
+    """Step 1 of ``build_job``: the model under the run's seed, whole (``init="whole"``, an
+    instance, or a strategy that holds it all anyway), or with only this rank's pieces
+    (``init="per_rank"``; ``"auto"``: when the whole model would exceed
+    :data:`AUTO_FRACTION` of the free memory). Either way the values are the eager build's."""
+    from ..models.training import build_model
+
+    init = getattr(spec, "init", "auto")
+    check_init(init)
+    LAST.clear()
+    if init == "whole" or isinstance(spec.model, nn.Module) or not callable(spec.model) or \
+            not splits(spec.strategy):
+        LAST["path"] = "whole"
+        return build_model(spec.model, spec.seed)
+    try:
+        meta, events = record(spec.model)
+    except NotReplayable as err:
+        if init == "per_rank":
+            warnings.warn(f"init='per_rank': the model's build could not be replayed per rank ({err}); "
+                          "building it whole")
+        LAST["path"] = "whole"
+        return build_model(spec.model, spec.seed)
+    size = whole_bytes(meta)
+    if init == "auto" and size <= AUTO_FRACTION * available_bytes():
+        LAST.update(path="whole", whole_bytes=size)
+        return build_model(spec.model, spec.seed)
+    keep = pieces_for_rank(meta, spec, groups)
+    torch.manual_seed(spec.seed)                    # the stream the eager build draws from
+    replay = Replay(events, final_tensors(meta), keep).run()
+    install(meta, replay.kept, device)
+    LAST.update(path="per_rank", peak_bytes=replay.peak_bytes, kept_bytes=replay.kept_bytes, whole_bytes=size)
+    return meta
