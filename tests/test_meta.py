@@ -111,12 +111,7 @@ def test_per_rank_runs_equal_one_process(lab2, model, strategy):
         _refs[model] = labkit.reference(MODELS[model], **kw)
     spec = RunSpec(labkit.Strategy(**strategy), MODELS[model], init="per_rank", **kw)
     run = execute(lab2, spec)
-    paths = lab2.apply(_last_path)
+    paths = lab2.apply(lambda: __import__("labkit.parallel.materialize").parallel.materialize.LAST["path"])
     assert paths == ["per_rank", "per_rank"]
     assert run.losses == pytest.approx(_refs[model].losses, abs=1e-5)
     assert run.max_diff(_refs[model]) < 1e-5
-
-
-def _last_path():
-    from labkit.parallel import materialize
-    return materialize.LAST.get("path")

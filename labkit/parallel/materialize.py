@@ -412,6 +412,17 @@ def _zero3_slices(meta: nn.Module, s, groups, held, shapes: dict, blocks_path) -
     return out
 
 
+def _on_meta(factory) -> nn.Module:
+    """The factory's model on ``meta`` without recording (cheap), or an empty module."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                built = factory()
+        except Exception:
+            return nn.Module()
+    return built if isinstance(built, nn.Module) else nn.Module()
+
+
 def whole_bytes(model: nn.Module) -> int:
     """Bytes of a (meta) model's parameters and buffers, a tied weight once."""
     return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in final_tensors(model)}.values())
@@ -465,18 +476,16 @@ def build_rank_model(spec, groups, device) -> nn.Module:
             not splits(spec.strategy):
         LAST["path"] = "whole"
         return build_model(spec.model, spec.seed)
+    if init == "auto" and whole_bytes(_on_meta(spec.model)) <= AUTO_FRACTION * available_bytes():
+        LAST["path"] = "whole"           # small enough (or not buildable on meta): as it always was
+        return build_model(spec.model, spec.seed)
     try:
         meta, events = record(spec.model)
     except NotReplayable as err:
-        if init == "per_rank":
-            warnings.warn(f"init='per_rank': the model's build could not be replayed per rank ({err}); "
-                          "building it whole")
+        warnings.warn(f"init={init!r}: the model's build could not be replayed per rank ({err}); building it whole")
         LAST["path"] = "whole"
         return build_model(spec.model, spec.seed)
     size = whole_bytes(meta)
-    if init == "auto" and size <= AUTO_FRACTION * available_bytes():
-        LAST.update(path="whole", whole_bytes=size)
-        return build_model(spec.model, spec.seed)
     keep = pieces_for_rank(meta, spec, groups)
     torch.manual_seed(spec.seed)                    # the stream the eager build draws from
     replay = Replay(events, final_tensors(meta), keep).run()
