@@ -3,6 +3,7 @@ are the eager build's, bit for bit, and a rank never holds more than its pieces 
 whole parameter while building."""
 from __future__ import annotations
 
+import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -35,11 +36,17 @@ def build(make, strategy, coords, init="per_rank", tp_plan=None):
     return materialize.build_rank_model(spec, SimpleNamespace(coords=coords), "cpu"), dict(materialize.LAST)
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "moe"])
+def hf(family: str):
+    pytest.importorskip("transformers")
+    return labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / f"{family}.json")
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "moe", "hf:mixtral"])
 def test_the_replay_draws_the_eager_values_and_leaves_the_rng_where_eager_does(name):
-    eager = build_model(MODELS[name], 1)
+    make = hf(name[3:]) if name.startswith("hf:") else MODELS[name]
+    eager = build_model(make, 1)
     after_eager = torch.rand(4)
-    meta, events = materialize.record(MODELS[name])
+    meta, events = materialize.record(make)
     torch.manual_seed(1)
     replay = materialize.Replay(events, materialize.final_tensors(meta), lambda n, t: t).run()
     after = torch.rand(4)
@@ -102,7 +109,7 @@ _refs: dict = {}
 
 
 @pytest.mark.parametrize("model, strategy", [
-    ("llama", dict(dp=2, zero=3)), ("moe", dict(tp=2)), ("gpt", dict(tp=2)), ("gpt", dict(pp=2)),
+    ("llama", dict(dp=2, zero=3)), ("llama", dict(tp=2)), ("gpt", dict(tp=2)), ("gpt", dict(pp=2)),
     ("mlp", dict(pp=2, schedule="1f1b", microbatches=2)), ("mlp", dict(dp=2, zero=3)),
 ], ids=str)
 def test_per_rank_runs_equal_one_process(lab2, model, strategy):

@@ -81,7 +81,9 @@ class Trace(TorchDispatchMode):
         self.seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs = dict(kwargs or {})
+        if any(a.name == "device" for a in func._schema.arguments):   # a factory (or .to): made on meta
+            kwargs["device"] = torch.device("meta")
         out = func(*args, **kwargs)
         self.events.append(self._event(func, args, kwargs, out))
         return out
@@ -126,7 +128,10 @@ def record(factory: Callable[[], nn.Module]) -> tuple[nn.Module, list[Event]]:
     """``factory()`` built on ``meta`` (the caller's RNG untouched), with its record."""
     with torch.random.fork_rng(devices=[]):
         try:
-            with torch.device("meta"), Trace() as trace:
+            # factories are sent to meta by the mode, not by torch.device("meta"): code that asks
+            # for the default device (transformers' init_weights skips every init under a meta
+            # one) then builds as it does eagerly
+            with Trace() as trace:
                 model = factory()
         except NotReplayable:
             raise
