@@ -100,6 +100,12 @@ def test_a_factory_that_reads_values_while_building_is_built_whole():
     with pytest.warns(UserWarning, match="building it whole"):
         model, counted = build(reads, labkit.Strategy(pp=2), (0, 0, 0))
     assert counted["path"] == "whole" and torch.equal(model[0].weight, build_model(reads, 1)[0].weight)
+    def seeds():
+        torch.manual_seed(5)                        # not an aten call: the replay would miss it
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match="seeds torch's generator"):
+        model, counted = build(seeds, labkit.Strategy(pp=2), (0, 1, 0))
+    assert counted["path"] == "whole" and torch.equal(model[1].weight, build_model(seeds, 1)[1].weight)
     with pytest.raises(ValueError, match="init='lazy' is unknown"):
         build(reads, labkit.Strategy(pp=2), (0, 0, 0), init="lazy")
 

@@ -3,8 +3,10 @@ composes the axes into a job, in one commented order.
 
 Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → compile → FSDP):
 
-1. the whole model, built under the run's seed (so every rank starts from the reference's weights),
-   its batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
+1. the model, built under the run's seed (so every rank starts from the reference's weights):
+   whole, or, for a model too big to build whole on every engine, on ``meta`` with only this
+   rank's pieces materialised, the same values (:mod:`.materialize`, ``RunSpec.init``); its
+   batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
 2. the tensor-parallel split (``tp == 1``: the model as it is), then the expert-parallel one
    (``ep > 1``: each MoE layer keeps this rank's experts and routes by all-to-all, :mod:`.expert`);
 3. the pipeline split: which blocks form each stage, and which stages live on this rank

@@ -5,9 +5,11 @@ Why replay, not a per-parameter seed: a model's random initialisation draws from
 stream in the order its construction calls the random ops (``nn.Linear``'s Kaiming draw,
 then a factory's ``model.apply(init)`` drawing again over it). A rank that drew only its own
 parameters would see another stream, and "equals one process" would stop being exact. So
-the factory runs once on ``meta`` (no memory) under a dispatch mode that records every aten
-call it makes (:class:`Trace`); the record is then replayed on real CPU tensors in the same
-order (:func:`replay`), which consumes the generator exactly as the eager build did. Every
+the factory runs once under a dispatch mode that sends every tensor it creates to ``meta``
+(no memory) and records every aten call it makes (:class:`Trace`); the record is then
+replayed on real CPU tensors in the same order (:class:`Replay`), which consumes the
+generator exactly as the eager build did (the tests compare every value and the generator's
+state after, for labkit's models and Hugging Face ones). Every
 random op is replayed, even one whose result is overwritten later (its draws move the
 stream); everything else is replayed only if its result is used.
 
@@ -24,9 +26,9 @@ torchtitan builds on ``meta`` too, then calls ``model.init_weights()`` per rank 
 ``to_empty`` (torchtitan/train.py); its values differ from an eager build's, which is fine
 there but not here, where every rank must equal :func:`labkit.reference`.
 
-A factory that cannot be recorded (it reads a tensor's value while building, or calls an op
-the record cannot replay) raises :class:`NotReplayable`; the caller builds the whole model
-instead.
+A factory that cannot be recorded (it reads a tensor's value while building, seeds or draws
+from torch's generator on a real tensor, or calls an op the record cannot replay) raises
+:class:`NotReplayable`; the caller builds the whole model instead.
 """
 from __future__ import annotations
 
@@ -131,8 +133,11 @@ def record(factory: Callable[[], nn.Module]) -> tuple[nn.Module, list[Event]]:
             # factories are sent to meta by the mode, not by torch.device("meta"): code that asks
             # for the default device (transformers' init_weights skips every init under a meta
             # one) then builds as it does eagerly
+            start = torch.get_rng_state()
             with Trace() as trace:
                 model = factory()
+            if not torch.equal(torch.get_rng_state(), start):    # meta ops never draw
+                raise NotReplayable("the factory seeds torch's generator or draws from it on a real tensor")
         except NotReplayable:
             raise
         except Exception as err:                    # it read a value, or needs a real device
