@@ -491,14 +491,14 @@ def build_rank_model(spec, groups, device) -> nn.Module:
         return build_model(spec.model, spec.seed)
     try:
         meta, events = record(spec.model)
+        keep = pieces_for_rank(meta, spec, groups)
+        torch.manual_seed(spec.seed)                # the stream the eager build draws from
+        replay = Replay(events, final_tensors(meta), keep).run()
     except NotReplayable as err:
         warnings.warn(f"init={init!r}: the model's build could not be replayed per rank ({err}); building it whole")
         LAST["path"] = "whole"
         return build_model(spec.model, spec.seed)
     size = whole_bytes(meta)
-    keep = pieces_for_rank(meta, spec, groups)
-    torch.manual_seed(spec.seed)                    # the stream the eager build draws from
-    replay = Replay(events, final_tensors(meta), keep).run()
     install(meta, replay.kept, device)
     LAST.update(path="per_rank", peak_bytes=replay.peak_bytes, kept_bytes=replay.kept_bytes, whole_bytes=size)
     return meta
