@@ -91,6 +91,16 @@ def test_tp_chunks_and_pipeline_stages_are_the_eager_ones():
     assert model[0].wte.weight is model[-1].lm_head.weight                    # and still one Parameter
 
 
+def test_auto_materialises_per_rank_only_past_its_share_of_free_memory(monkeypatch):
+    make, s = MODELS["mlp"], labkit.Strategy(pp=2)
+    assert build(make, s, (0, 0, 0), init="auto")[1]["path"] == "whole"           # small: as it always was
+    assert build(make, labkit.Strategy(dp=2), (0, 0, 0), init="per_rank")[1]["path"] == "whole"   # nothing split
+    monkeypatch.setattr(materialize, "available_bytes", lambda: 4 * materialize.whole_bytes(make()) - 4)
+    model, counted = build(make, s, (0, 1, 0), init="auto")
+    assert counted["path"] == "per_rank" and model[0].weight.is_meta
+    assert torch.equal(model[-1].weight, build_model(make, 1)[-1].weight)
+
+
 def test_a_factory_that_reads_values_while_building_is_built_whole():
     def reads():
         net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))

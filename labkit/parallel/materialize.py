@@ -388,8 +388,8 @@ def _zero3_slices(meta: nn.Module, s, groups, held, shapes: dict, blocks_path) -
     """name → (start, stop) of the parameter's flattened (tp-local) values that fall in this
     dp rank's shard of its ZeRO-3 unit: the layout ``Zero3Sync.build_units`` makes, one unit
     per block with parameters, then the root's group, each padded to a multiple of dp."""
-    if s.zero != 3 or s.zero_mode == "fsdp2" or s.dp == 1:
-        return {}
+    if s.zero != 3 or s.zero_mode == "fsdp2" or s.dp == 1 or s.ep > 1 or (s.tp > 1 and s.tp_mode != "megatron"):
+        return {}       # FSDP2, DTensor and the expert split read whole tensors, or change the units
     from .blocks import blocks_path as find_path, find_blocks, outside_blocks
     from .build import my_stages
     if s.pp == 1:
@@ -455,7 +455,9 @@ def check_init(init) -> None:
 
 
 def splits(s) -> bool:
-    """Whether the strategy leaves a rank less than the whole model (what per-rank saves)."""
+    """Whether the strategy leaves a rank less than the whole model in a way per-rank builds
+    (pipeline stages, Megatron tp chunks, hand-written ZeRO-3 shards; FSDP2, DTensor and the
+    expert split take whole tensors and keep them whole here)."""
     return s.pp > 1 or (s.tp > 1 and s.tp_mode == "megatron") or (s.zero == 3 and s.zero_mode != "fsdp2"
                                                                     and s.dp > 1)
 
