@@ -358,8 +358,10 @@ def _chunk_shape(shape, dim: int, rank: int, size: int) -> tuple:
 
 
 def _held_names(meta: nn.Module, s, groups) -> set[str] | None:
-    """The parameter and buffer names of this rank's pipeline stages (None: every name)."""
-    if s.pp == 1:
+    """The parameter and buffer names of this rank's pipeline stages (None: every name). A
+    stage of an ``nn.Sequential`` is its children by index; any other model's stages are held
+    whole here (correct values, no saving)."""
+    if s.pp == 1 or not isinstance(meta, nn.Sequential):
         return None
     from .build import my_stages
     from .pipeline.stages import stage_blocks
