@@ -3,8 +3,10 @@ composes the axes into a job, in one commented order.
 
 Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → compile → FSDP):
 
-1. the whole model, built under the run's seed (so every rank starts from the reference's weights),
-   its batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
+1. the model, built under the run's seed (so every rank starts from the reference's weights):
+   whole, or, for a model too big to build whole on every engine, on ``meta`` with only this
+   rank's pieces materialised, the same values (:mod:`.materialize`, ``RunSpec.init``); its
+   batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
 2. the tensor-parallel split (``tp == 1``: the model as it is), then the expert-parallel one
    (``ep > 1``: each MoE layer keeps this rank's experts and routes by all-to-all, :mod:`.expert`);
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
@@ -29,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from ..config import Strategy
-from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..models.training import build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward, instrument_forward
 from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
@@ -37,6 +39,7 @@ from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch:
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import Link, stage_blocks, stage_module
 from .blocks import blocks_path as find_path, find_blocks, units
+from .materialize import build_rank_model
 from .precision import build_precision
 from .recompute import apply_recompute
 from .pipeline.tied import build_tied_sync
@@ -63,13 +66,14 @@ class RunSpec:
     tp_plan: dict | None = None   # tensor-parallel plan (DTensor's convention); None: the model's tp_plan
     optimizer: str = "sgd"        # "sgd" | "adamw": torch's own, torch's defaults, this lr
     blocks: str | None = None     # the dotted name of the ModuleList of repeated blocks; None: found
+    init: str = "auto"            # "whole" | "per_rank": each rank materialises what it holds (.materialize)
 
 
 def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None) -> Executor:
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     s = spec.strategy
     dp_index, pp_index, tp_index = groups.coords
-    full = build_batchnorm(build_model(spec.model, spec.seed), s, groups)  # 1. whole, under the seed
+    full = build_batchnorm(build_rank_model(spec, groups, device), s, groups)   # 1. under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     data = build_context_parallel(s, groups, data)        # cp > 1: this rank's tokens, attention across cp
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel

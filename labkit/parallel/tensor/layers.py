@@ -28,9 +28,26 @@ from .mappings import (all_reduce_grad, copy_to_tensor_parallel, gather_from_seq
 
 
 def _shard(t: torch.Tensor | None, dim: int, rank: int, size: int) -> nn.Parameter | None:
+    """Chunk ``rank`` of ``t`` along ``dim``; a tensor materialised as that chunk already
+    (``labkit_shard``, :mod:`labkit.parallel.materialize`) is taken as it is."""
     if t is None:
         return None
+    if getattr(t, "labkit_shard", None) == (dim, rank, size):
+        return _whole(t)
     return nn.Parameter(t.detach().chunk(size, dim=dim)[rank].clone(), requires_grad=t.requires_grad)
+
+
+def _whole(t: torch.Tensor) -> nn.Parameter:
+    """A copy of a parameter kept whole on every tp rank; one materialised per rank
+    (:mod:`labkit.parallel.materialize`, a ZeRO-3 carrier without values of its own) is
+    taken as it is, its tags kept."""
+    if not any(hasattr(t, tag) for tag in ("labkit_shard", "labkit_piece")):
+        return nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
+    out = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    for tag in ("labkit_shard", "labkit_piece"):
+        if hasattr(t, tag):
+            setattr(out, tag, getattr(t, tag))
+    return out
 
 
 class ColumnParallelLinear(nn.Module):
@@ -79,7 +96,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.name, self.sequence_parallel = group, name, sequence_parallel
         self.in_features, self.out_features = linear.in_features // size, linear.out_features
         self.weight = _shard(linear.weight, 1, rank, size)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = None if linear.bias is None else _whole(linear.bias)
         if sequence_parallel and self.bias is not None:
             self.bias.register_hook(all_reduce_grad(group, f"{name}.bias"))
 

@@ -50,18 +50,34 @@ class FlatUnit:
         self.numel = sum(p.numel() for p in params)
         self.shard_numel = -(-self.numel // dp)                 # ceil: padding evens the shards
         self.padded = self.shard_numel * dp
-        self.flat = torch.zeros(self.padded, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
+        pieces = [getattr(p, "labkit_piece", None) for p in params]
+        presharded = any(piece is not None for piece in pieces)
+        if presharded and not all(piece is not None for piece in pieces):
+            raise RuntimeError(f"zero: {name} mixes parameters materialised per rank with whole ones")
+        # materialised per rank (labkit.parallel.materialize): parameters without values, each
+        # carrying its slice of this rank's shard; the buffer only gives them their views
+        make = torch.empty if presharded else torch.zeros
+        self.flat = make(self.padded, dtype=params[0].dtype, device=params[0].device)
+        shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
+        offset, lo = 0, rank * self.shard_numel
+        for p, piece in zip(params, pieces):
             n = p.numel()
-            self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
+            if piece is not None:
+                start = max(lo - offset, 0) + offset - lo
+                shard[start:start + piece.numel()].copy_(piece)
+                del p.labkit_piece
+            else:
+                self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = self.flat[offset:offset + n].view_as(p)
             offset += n
-        mine = self.flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
-        self.shard = nn.Parameter(mine.clone())
+        if not presharded:
+            shard.copy_(self.flat[lo:lo + self.shard_numel])
+        self.shard = nn.Parameter(shard)
         self.shard.grad = torch.zeros_like(self.shard)
         self.nbytes = self.padded * self.flat.element_size()
         self.gathered = True
+        if presharded:
+            self.free()                  # never whole here: the first gather fills it
         self.handle = None               # an all-gather in flight
         self.grad_handles = []           # reduce-scatters in flight: (handle, output)
         self.ready = 0                   # members whose gradient exists this micro-batch
