@@ -13,7 +13,7 @@ import labkit
 from labkit.models.training import build_model
 from labkit.parallel import materialize
 from labkit.parallel.build import RunSpec
-from labkit.run.runner import execute
+
 
 DATA = labkit.data.text(batch=8, block_size=16)
 LM = dict(data=DATA, loss="cross_entropy", batch=8, steps=2, lr=0.3, seed=1)
@@ -132,9 +132,14 @@ def test_per_rank_runs_equal_one_process(lab2, model, strategy):
     kw = kwargs(model)
     if model not in _refs:
         _refs[model] = labkit.reference(MODELS[model], **kw)
-    spec = RunSpec(labkit.Strategy(**strategy), MODELS[model], init="per_rank", **kw)
-    run = execute(lab2, spec)
+    run = lab2.run(labkit.Strategy(**strategy), MODELS[model], init="per_rank", **kw)
     paths = lab2.apply(lambda: __import__("labkit.parallel.materialize").parallel.materialize.LAST["path"])
     assert paths == ["per_rank", "per_rank"]
     assert run.losses == pytest.approx(_refs[model].losses, abs=1e-5)
     assert run.max_diff(_refs[model]) < 1e-5
+
+
+def test_lab_run_refuses_an_unknown_init_before_any_engine():
+    from labkit.run.runner import validate
+    with pytest.raises(ValueError, match="init='lazy' is unknown"):
+        validate(RunSpec(labkit.Strategy(), MODELS["mlp"], init="lazy"), 1)

@@ -24,6 +24,7 @@ from .result import Run
 from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
+from ..parallel.materialize import check_init
 from .checks import check_loss, check_model, check_number, warn_dropout
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
@@ -50,6 +51,7 @@ def validate(spec: RunSpec, engines: int) -> None:
     loss = resolve_loss(spec.loss)
     check_snapshots(spec.extra.get("snapshots", False))
     check_optimizer(spec.optimizer, spec.momentum)
+    check_init(spec.init)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
         raise TypeError(f"model must be an nn.Module or a zero-argument callable returning one (model=Net or "
                         f"model=Net()), got {type(spec.model).__name__}")

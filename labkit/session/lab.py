@@ -500,16 +500,20 @@ class Lab:
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
-            tp_plan: dict | None = None, optimizer: str = "sgd", blocks: str | None = None) -> Run:
+            tp_plan: dict | None = None, optimizer: str = "sgd", blocks: str | None = None,
+            init: str = "auto") -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
         ``tp_plan`` (tp > 1): which modules tensor parallelism splits, in DTensor's convention
         (``{"*.attn.qkv": "colwise", ...}``); default: the model's own ``tp_plan``.
         ``optimizer``: "sgd" or "adamw" (torch's own, torch's defaults, this ``lr``).
-        ``model``: any ``nn.Module`` or a zero-argument callable returning one (pp > 1: an
-        ``nn.Sequential``). ``blocks``: the dotted name of its ``nn.ModuleList`` of repeated
+        ``model``: any ``nn.Module`` or a zero-argument callable returning one (pp > 1: a chain
+        of layers, see labkit.parallel.pipeline.modules). ``blocks``: the dotted name of its ``nn.ModuleList`` of repeated
         blocks (``"layers"``), which zero=3, fsdp2 and recompute="full" work block by block;
-        default: the largest such list, found.
+        default: the largest such list, found. ``init``: "whole" builds the whole model on every
+        engine, "per_rank" builds it on ``meta`` and materialises only what the rank holds (the
+        same values), "auto" the latter when a split model would not fit comfortably
+        (labkit.parallel.materialize).
 
         ``snapshots=True`` records every rank's parameters and gradient norms after each step,
         for ``labkit.drift`` and ``run.grad_norms()`` (see labkit.analysis.drift for the cost).
@@ -521,7 +525,7 @@ class Lab:
         self._check_open()
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
                        extra={"snapshots": snapshots}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
-                       optimizer=optimizer, blocks=blocks)
+                       optimizer=optimizer, blocks=blocks, init=init)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)
 
