@@ -3,7 +3,6 @@ by torch.profiler in two gloo processes, and the bad inputs each named in an err
 import gzip
 import json
 import os
-import socket
 
 import pytest
 
@@ -153,14 +152,14 @@ def test_different_step_counts_and_an_empty_step_warn_naming_the_file(tmp_path):
 # --- a CPU trace, recorded -------------------------------------------------------------------
 
 
-def _profile_rank(rank, world, port, out):
+def _profile_rank(rank, world, store, out):
     """One gloo process: a tiny model, three steps under torch.profiler (one warm-up, two recorded)."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no port to pick (a port bound, closed and reused can be taken meanwhile)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(rank)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -180,10 +179,7 @@ def _profile_rank(rank, world, port, out):
 def test_a_cpu_trace_recorded_by_torch_profiler_on_two_gloo_processes(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_profile_rank, args=(2, port, str(tmp_path)), nprocs=2)
+    mp.spawn(_profile_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     tl = Timeline.from_profiler(sorted(tmp_path.glob("rank*.json")))
     assert tl.world_size == 2 and len(tl.steps) == 2
     for rank in (0, 1):
