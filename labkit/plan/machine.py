@@ -136,15 +136,19 @@ class Machine:
 MATMUL_SHAPES = ((16, 128, 128), (64, 256, 256), (64, 512, 512), (128, 1024, 1024), (256, 1024, 2048))
 
 
-def _loop(fn, seconds: float) -> float:
-    """Seconds per call of ``fn`` over ~``seconds`` (after one warm-up call)."""
+def _loop(fn, seconds: float, chunks: int = 5) -> float:
+    """Seconds per call of ``fn``: the best of ``chunks`` timed runs over ~``seconds`` in all
+    (timeit's rule: on a shared host the fastest run is the one least disturbed)."""
     import time
     fn()
-    n, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
-        fn()
-        n += 1
-    return elapsed / n
+    best = math.inf
+    for _ in range(chunks):
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds / chunks or n < 2:
+            fn()
+            n += 1
+        best = min(best, elapsed / n)
+    return best
 
 
 def _alone(seconds: float, rank_only: int | None = 0):
@@ -176,37 +180,85 @@ def _alone(seconds: float, rank_only: int | None = 0):
 
 def _together(seconds: float, with_comm: bool):
     """On every engine at once: a 64×512×512 product's rate, with an all-reduce beside it or not."""
+    import time
+
     import torch
     import torch.distributed as dist
 
     a, b = torch.randn(64, 512), torch.randn(512, 512)
     dist.barrier()
     if not with_comm:
-        return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds)
+        return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds, chunks=1)
     buf = torch.zeros(1 << 18)          # 1 MiB: a bucket's size
-    import time
-    t0, n, work = time.perf_counter(), 0, None
-    while time.perf_counter() - t0 < seconds:
-        if work is None or work.is_completed():
-            work = dist.all_reduce(buf, async_op=True)
-        a @ b
-        n += 1
-    work.wait()
+    rounds = max(4, int(seconds / 2e-3))     # a fixed count: every rank issues the same calls
+    t0, n = time.perf_counter(), 0
+    for _ in range(rounds):
+        work = dist.all_reduce(buf, async_op=True)
+        while not work.is_completed():
+            a @ b
+            n += 1
+        work.wait()
     rate = 2.0 * 64 * 512 * 512 * n / (time.perf_counter() - t0)
     dist.barrier()
     return rate
 
 
-def measure(lab, seconds: float = 0.1) -> Machine:
-    """Measure this lab's :class:`Machine` (a few seconds; no model, no strategy)."""
-    from .. import bench
+COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
 
+
+def _comm(seconds: float):
+    """On every engine: best seconds per call of each family at each of COMM_SIZES (labkit.comm's
+    calls, recording off), the slowest rank's."""
+    import time
+
+    import torch.distributed as dist
+
+    from ..bench import _operation
+    from ..engine import session
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    rec = session().recorder
+    was, rec.enabled = rec.enabled, False
+    out = {}
+    try:
+        for family in FAMILIES:
+            for nbytes in COMM_SIZES:
+                call, _ = _operation("sendrecv" if family == "send" else family, "torch", nbytes, n, me)
+                call()
+                best = math.inf
+                for _ in range(5):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        call()
+                    best = min(best, (time.perf_counter() - t0) / 3)
+                out[(family, nbytes)] = best
+    finally:
+        rec.enabled = was
+    return out
+
+
+def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
+    """(α per ring step, β) by least squares on t = steps·α + bus·S/β, relative errors."""
+    rows = [(ring_steps(family, n), bus_factor(family, n) * s, t) for (f, s), t in times.items() if f == family]
+    import numpy as np
+    a = np.array([[k / t, x / t] for k, x, t in rows])
+    coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    alpha, inv_beta = float(coef[0]), float(coef[1])
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(sum(t * x for _, x, t in rows) / sum(x * x for _, x, _ in rows))
+    if inv_beta <= 0:
+        alpha, inv_beta = float(min(t / k for k, _, t in rows)), 1e-12
+    return alpha, 1.0 / inv_beta
+
+
+def measure(lab, seconds: float = 0.2) -> Machine:
+    """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
     table, memory, op_s = next(r for r in lab.apply(_alone, seconds) if r is not None)
-    alone = [r for r in lab.apply(_alone, seconds, None)]     # every engine at once
-    shared = sum(r[0][2][1] for r in alone) / table[2][1]          # engines' worth of alone rate
-    cores = max(0.25, min(float(world), shared))
-    comm, link_name, load = {}, "", 0.0
+    together = lab.apply(_together, seconds, False)
+    cores = max(0.25, min(float(world), sum(together) / table[2][1]))    # engines' worth of one alone
+    comm, link_name, load = {f: (0.0, 1e12) for f in FAMILIES}, "", 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:
@@ -214,20 +266,13 @@ def measure(lab, seconds: float = 0.1) -> Machine:
             comm = {f: (alpha, beta) for f in FAMILIES}
             link_name = str(link)
         else:
-            sweep = bench.comm_sweep(lab, sizes=[4 ** k for k in range(2, 11)],
-                                     collectives=("all_reduce", "all_gather", "reduce_scatter", "sendrecv"),
-                                     algorithms=())
-            for (c, _), (alpha, beta) in sweep.fit().items():
-                family = "send" if c == "sendrecv" else c
-                comm[family] = (alpha / ring_steps(family, world), beta if math.isfinite(beta) else 1e12)
-        plain = sum(lab.apply(_together, seconds, False))
+            per_rank = lab.apply(_comm, seconds)
+            times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+            comm = {f: _fit(f, world, times) for f in FAMILIES}
         beside = sum(lab.apply(_together, seconds, True))
-        # each engine's compute thread plus a transfer of load c: engines·(1+c) threads on the cores
-        per_plain, per_beside = plain / world, beside / world
-        if per_beside < per_plain:
-            load = max(0.0, min(1.0, (per_plain / per_beside) * min(world, cores) / world - 1))
-    else:
-        comm = {f: (0.0, 1e12) for f in FAMILIES}
+        # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
+        if beside < sum(together):
+            load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
     machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, engines=world, link=link_name)
     action_s, step_s = _host_costs(lab, machine)
     from dataclasses import replace
