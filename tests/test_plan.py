@@ -1324,3 +1324,169 @@ def test_llama_tables_print_the_error_the_code_computes():
         assert r["error"] == pytest.approx((r["predicted"] - r["published"]) / r["published"])
         assert f"{100 * r['error']:+6.1f}%" in text
     assert "rows predicted; mean |error|" in text
+
+
+# -- the machine model: a few measured numbers, one simulator, any model's counted operations ----
+from labkit.plan.des import Compute, Issue, Sim, Wait   # noqa: E402
+from labkit.plan.machine import FAMILIES, Machine   # noqa: E402
+
+
+def _machine(**kw) -> Machine:
+    base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
+                step_s=1e-3, comm={f: (20e-6, 1e9) for f in FAMILIES}, comm_load=0.25, engines=2)
+    return Machine(**(base | kw))
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_core_runs_a_two_stage_gpipe_with_the_ideal_bubble(m):
+    """GPipe on p = 2 stages of F = 1, B = 2 with free messages: bubble (p−1)/(m+p−1)."""
+    p, programs = 2, []
+    for r, actions in enumerate(build_schedule("gpipe", stages=p, microbatches=m)):
+        prog = []
+        for a in actions:
+            if a.op in ("F", "B"):
+                prog.append(Compute(1.0 if a.op == "F" else 2.0, "fwd" if a.op == "F" else "bwd", str(a), a.microbatch))
+            else:
+                src = a.stage if a.op.startswith("SEND") else a.stage + (-1 if a.op.endswith("F") else 1)
+                key = (a.op[-1], src, a.microbatch)
+                group = (r, a.peer) if a.op.startswith("SEND") else (a.peer, r)
+                kind = "send" if a.op.startswith("SEND") else "recv"
+                prog.append(Issue(key, group, 0.0, kind, str(a), ordered=False))
+                if kind == "recv":
+                    prog.append(Wait(key))
+        programs.append(prog)
+    events = Sim(programs, cores=p).run()
+    metrics = plan.physical.step_metrics(events, p, m)
+    assert metrics["step_time_s"] == pytest.approx((m + p - 1) * 3.0)
+    assert metrics["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_a_ring_all_reduce_takes_alpha_beta_and_the_vocabulary_is_the_links():
+    import labkit
+
+    machine, n, nbytes = _machine(), 4, 8 << 20
+    alpha, beta = machine.comm["all_reduce"]
+    expected = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+    assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(expected)
+    assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(
+        labkit.Link(bandwidth=beta, latency=alpha).seconds("all_reduce", nbytes, n))
+    group = tuple(range(n))
+    programs = [[Issue("g", group, expected, "allreduce", "grads", nbytes), Wait("g")] for _ in group]
+    events = Sim(programs, cores=n).run()
+    assert [e["end"] - e["start"] for e in events] == pytest.approx([expected] * n)
+
+
+def test_processor_sharing_two_threads_on_one_core_take_twice_as_long():
+    two = [[Compute(1.0, "fwd")], [Compute(1.0, "fwd")]]
+    assert max(e["end"] for e in Sim(two, cores=1.0).run()) == pytest.approx(2.0)
+    assert max(e["end"] for e in Sim(two, cores=2.0).run()) == pytest.approx(1.0)
+    # a transfer in flight asks for `load` cores per member: beside one compute on one core
+    # (1 + 2·0.5 = 2 asks) both progress at half speed
+    beside = [[Issue("x", (0, 1), 1.0, "allreduce"), Compute(1.0, "bwd"), Wait("x")], [Issue("x", (0, 1), 1.0, "allreduce"), Wait("x")]]
+    ends = {e["kind"]: e["end"] for e in Sim(beside, cores=1.0, load=0.5).run() if e["rank"] == 0}
+    assert ends == pytest.approx({"bwd": 2.0, "allreduce": 2.0})
+
+
+def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
+    late = [[Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")],
+            [Compute(3.0, "fwd"), Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")]]
+    spans = sorted(x for e in Sim(late, cores=4).run() if e["rank"] == 0 for x in (e["start"], e["end"]))
+    assert spans == pytest.approx([3.0, 4.0, 4.0, 5.0])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        Sim([[Issue("x", (0, 1), 1.0, "allreduce"), Wait("x")], []]).run()
+
+
+def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
+    machine = _machine()
+    machine.save(tmp_path / "m.json")
+    assert Machine.load(tmp_path / "m.json") == machine
+    assert machine.rate(1e5) == 2e9 and machine.rate(1e9) == 2e10
+    assert 2e9 < machine.rate(3e6) < 2e10
+    with pytest.raises(ValueError, match="cores"):
+        _machine(cores=0)
+    with pytest.raises(ValueError, match="comm lacks"):
+        _machine(comm={"all_reduce": (1e-5, 1e9)})
+
+
+def test_a_models_work_is_its_counted_operations():
+    import labkit
+    from labkit.plan.work import count
+
+    work = count(labkit.models.mlp(width=64, depth=3), batch=8)
+    linear = 2 * 8 * 64 * 64
+    assert [b.fwd.flops for b in work.blocks] == [linear, 0, linear, 0, linear]
+    assert [b.bwd.flops for b in work.blocks] == [linear, 0, 2 * linear, 0, 2 * linear]   # block 0: no input grad
+    assert all(sum(o.flops for o in b.bwd.ops if o.weight_grad) == linear for b in work.blocks[::2])
+    assert work.blocks[0].params == [64 * 64, 64] and work.blocks[0].out_numel == 64
+
+
+STRATEGIES = [dict(dp=2, dp_mode=m) for m in ("naive", "bucketed", "overlap", "ddp")] + \
+    [dict(dp=2, zero=z) for z in (1, 2, 3)] + [dict(dp=2, zero=3, prefetch=1), dict(tp=2), dict(dp=2, tp=2)] + \
+    [dict(pp=2, schedule=s, chunks=c, microbatches=4) for s, c in
+     (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))] + \
+    [dict(dp=2, pp=2, schedule="1f1b", microbatches=4, dp_mode="overlap"), dict(dp=2, pp=2, zero=1, microbatches=4)]
+
+
+@pytest.mark.parametrize("kw", STRATEGIES, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_every_strategy_simulates_with_the_runs_event_kinds(kw):
+    import labkit
+
+    s = labkit.Strategy(**kw)
+    model = labkit.models.mlp(width=64, depth=4)
+    tp_plan = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+    pred = plan.simulate(s, _machine(), model=model, batch=32, tp_plan=tp_plan)
+    kinds = {e["kind"] for e in pred.timeline.events}
+    assert pred.metrics["step_time_s"] > 0 and {r for r in range(s.world_size)} == set(pred.timeline.ranks)
+    assert {"fwd", "optimizer"} <= kinds
+    if s.zero == 3:
+        assert {"allgather", "reduce_scatter"} <= kinds and "allreduce" not in kinds
+    elif s.zero:
+        assert {"allgather", "reduce_scatter"} <= kinds
+    elif s.dp > 1 or s.tp > 1:
+        assert "allreduce" in kinds
+    if s.pp > 1:
+        assert {"send", "recv"} <= kinds
+        assert ("bwd_input" in kinds) == (s.schedule in ("zb-h1", "zbv"))
+
+
+def test_overlap_hides_what_bucketed_exposes_and_a_slower_link_costs_more():
+    import labkit
+
+    model, m = labkit.models.mlp(width=256, depth=8), _machine()
+    x = {mode: plan.simulate(labkit.Strategy(dp=2, dp_mode=mode), m, model=model, batch=64).metrics
+         for mode in ("bucketed", "overlap")}
+    assert x["overlap"]["exposed_comm_fraction"] < x["bucketed"]["exposed_comm_fraction"]
+    assert x["overlap"]["step_time_s"] < x["bucketed"]["step_time_s"]
+    slow = _machine(comm={f: (20e-6, 1e8) for f in FAMILIES})
+    assert plan.simulate(labkit.Strategy(dp=2, dp_mode="bucketed"), slow, model=model, batch=64).metrics[
+        "step_time_s"] > x["bucketed"]["step_time_s"]
+    with pytest.raises(ValueError, match="model"):
+        plan.simulate(labkit.Strategy(dp=2), m, batch=64)
+
+
+def test_the_new_planner_modules_sit_in_no_import_cycle():
+    from test_layout import closure, imports_of, MODULES
+
+    for name in ("des", "machine", "work", "physical", "measure"):
+        mod = f"labkit.plan.{name}"
+        reached = set()
+        for m in imports_of(MODULES[mod]):
+            if m.startswith("labkit.") and m in MODULES and m != "labkit.plan":
+                reached |= closure(m)
+        assert mod not in reached, f"{mod} imports itself back"
+
+
+def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
+    import labkit
+
+    machine = plan.measure(lab2, seconds=0.05)
+    assert machine.engines == 2 and machine.cores > 0 and machine.op_s > 0
+    assert all(r > 0 for _, r in machine.matmul) and set(machine.comm) == set(FAMILIES)
+    machine.save(tmp_path / "machine.json")
+    again = Machine.load(tmp_path / "machine.json")
+    assert again == machine
+    s, model = labkit.Strategy(dp=2, dp_mode="overlap"), labkit.models.mlp(width=128, depth=4)
+    pred = plan.simulate(s, again, model=model, batch=32)
+    run = lab2.run(s, model=model, batch=32, steps=4)
+    assert {e["kind"] for e in pred.timeline.events} == {e["kind"] for e in run.timeline.events}
+    assert 0.2 < pred.metrics["step_time_s"] / run.metrics["step_time_s"] < 5      # gross errors only

@@ -27,13 +27,30 @@ from .layout import ClusterStrategy
 from .model import Decoder, from_hf_config
 from .local import LabSearch, search_lab
 from .search import SearchResult, best_at, search
-from .machine import Machine, measure
+from .machine import Machine
+from .measure import measure
 
-from .physical import Simulated, simulate
-from .simulation import overlay
+from .physical import Simulated, overlay
+from .physical import simulate as _simulate
 from .step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
            "Decoder", "from_hf_config",
            "Prediction", "predict", "search", "best_at", "SearchResult", "CostTable", "calibrate", "Simulated", "Machine", "measure",
            "simulate", "overlay", "search_lab", "LabSearch"]
+
+
+def simulate(strategy, machine, model=None, batch: int = 64, **kwargs) -> Simulated:
+    """Predict one step of ``strategy`` on ``machine`` (:func:`labkit.plan.physical.simulate`).
+
+    A :class:`CostTable` in place of the machine runs the fitted planner it came from, with a
+    DeprecationWarning: it is to be removed by 2027-03-01.
+    """
+    if isinstance(machine, CostTable):
+        import warnings
+
+        from .simulation import simulate as fitted
+        warnings.warn("simulate(strategy, CostTable) is the fitted planner, to be removed by 2027-03-01; use "
+                      "simulate(strategy, labkit.plan.measure(lab), model=...)", DeprecationWarning, stacklevel=2)
+        return fitted(strategy, machine, batch=batch, model=model)
+    return _simulate(strategy, machine, model=model, batch=batch, **kwargs)

@@ -70,14 +70,6 @@ def check(strategy, machine: Machine, model) -> None:
 def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None, loss="mse",
              tp_plan: dict | None = None, optimizer: str = "sgd") -> Simulated:
     """Predict one step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments)."""
-    from .costs import CostTable
-    if isinstance(machine, CostTable):         # the fitted cost table, until it is removed
-        import warnings
-
-        from .simulation import simulate as fitted
-        warnings.warn("simulate(strategy, CostTable) is the fitted planner, to be removed by 2027-03-01; "
-                      "use simulate(strategy, labkit.plan.measure(lab), model=...)", DeprecationWarning, stacklevel=2)
-        return fitted(strategy, machine, batch=batch, model=model)
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
@@ -378,3 +370,28 @@ def _act_bytes(work, ranges, stage: int, direction: str, size: int) -> int:
 
 def _matches(qualified: str, plan: dict, style: str) -> bool:
     return any(v == style and (fnmatch(qualified, k) or qualified == k) for k, v in plan.items())
+
+
+def overlay(predicted, measured, step=None, figsize=None):
+    """Measured spans filled, predicted spans as dashed outlines in the same lanes; the Figure.
+
+    ``predicted``: a Simulated or Timeline; ``measured``: a Run or Timeline. step: the
+    measured step to draw (default its last); the prediction is one step.
+    """
+    from ..view.timeline import _lane
+
+    pred = getattr(predicted, "timeline", predicted)
+    meas = getattr(measured, "timeline", measured)
+    fig = meas.plot(step=step, figsize=figsize, labels=False)
+    ax = fig.axes[0]
+    for e in pred.events:
+        if e["rank"] not in meas.ranks:
+            continue
+        y = _lane(meas.ranks, e["rank"], e["stream"])
+        ax.broken_barh([(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)], (y - 0.45, 0.9),
+                       facecolors="none", edgecolors="black", linestyles="--", linewidth=0.8)
+    right = max([ax.get_xlim()[1]] + [e["end"] * 1e3 for e in pred.events])
+    ax.set_xlim(0, right)
+    t_pred = max((e["end"] for e in pred.events), default=0.0)
+    ax.set_title(f"{ax.get_title()} — predicted (dashed) {t_pred * 1e3:.2f} ms")
+    return fig

@@ -81,6 +81,7 @@ from ..analysis.timeline import Timeline
 from .costs import CostTable
 from .replay import Message, StageProgram, replay
 from .sharded import Block, Call, ShardedProgram, Unit, replay_sharded
+from .physical import overlay  # noqa: F401 (drawn the same for both planners)
 
 MiB = 1024 * 1024
 
@@ -406,28 +407,3 @@ def simulate_scale(prediction, max_microbatches: int | None = None) -> Timeline:
     if s.dp > 1:        # one replica drawn, but its collectives span dp of them
         events = [dict(e, name=f"{e['name']} (dp={s.dp})") if e["kind"] == "allreduce" else e for e in events]
     return Timeline(events, s.pp, title=f"{prediction.model.layers}-layer GPT, {s.label()}")
-
-
-def overlay(predicted, measured, step=None, figsize=None):
-    """Measured spans filled, predicted spans as dashed outlines in the same lanes; the Figure.
-
-    ``predicted``: a Simulated or Timeline; ``measured``: a Run or Timeline. step: the
-    measured step to draw (default its last); the prediction is one step.
-    """
-    from ..view.timeline import _lane
-
-    pred = getattr(predicted, "timeline", predicted)
-    meas = getattr(measured, "timeline", measured)
-    fig = meas.plot(step=step, figsize=figsize, labels=False)
-    ax = fig.axes[0]
-    for e in pred.events:
-        if e["rank"] not in meas.ranks:
-            continue
-        y = _lane(meas.ranks, e["rank"], e["stream"])
-        ax.broken_barh([(e["start"] * 1e3, (e["end"] - e["start"]) * 1e3)], (y - 0.45, 0.9),
-                       facecolors="none", edgecolors="black", linestyles="--", linewidth=0.8)
-    right = max([ax.get_xlim()[1]] + [e["end"] * 1e3 for e in pred.events])
-    ax.set_xlim(0, right)
-    t_pred = max((e["end"] for e in pred.events), default=0.0)
-    ax.set_title(f"{ax.get_title()} — predicted (dashed) {t_pred * 1e3:.2f} ms")
-    return fig
