@@ -7,7 +7,7 @@ matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a
 step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
 the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
 (:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
-are the machine's, as the link imposes them.
+are the machine's where the link is the slower, as the link imposes them.
 
     >>> machine = labkit.plan.measure(lab)
     >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
@@ -41,7 +41,7 @@ class Machine:
     against one engine alone. The simulator shares them among runnable threads."""
     matmul: tuple = ((1e6, 1e9),)
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending: the rate of a product is
-    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone."""
+    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
     memory_Bps: float = 5e9
     """Bytes per second one thread reads plus writes in an elementwise op. Measured: add_ on
     4 MiB tensors, one engine alone."""
@@ -55,8 +55,8 @@ class Machine:
     """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
     comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
     """family → (α seconds per ring step, β bytes/s per rank): a call of S bytes on n ranks
-    takes steps(n)·α + bus(n)·S/β. Measured: labkit.bench.comm_sweep on every engine, or the
-    emulated link's latency and bandwidth when the lab has one."""
+    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine; on an
+    emulated link, the link's latency and bandwidth where they are slower than gloo's own."""
     comm_load: float = 0.5
     """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
     CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce

@@ -1,6 +1,6 @@
 """Measure a :class:`~labkit.plan.machine.Machine` on the lab's engines: its own micro-benchmarks.
 
-Each number is timed alone, best of a few runs (timeit's rule on a shared host): matmuls of a
+Each number is the median of a few timed runs: matmuls of a
 few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
 the host cost per op; the same product on every engine at once for the cores they share; the
 four families of collectives at three sizes (or the emulated link's α and β); an all-reduce
@@ -19,18 +19,20 @@ MATMUL_SHAPES = ((16, 128, 128), (64, 256, 256), (64, 512, 512), (128, 1024, 102
 
 
 def _loop(fn, seconds: float, chunks: int = 5) -> float:
-    """Seconds per call of ``fn``: the best of ``chunks`` timed runs over ~``seconds`` in all
-    (timeit's rule: on a shared host the fastest run is the one least disturbed)."""
+    """Seconds per call of ``fn``: the median of ``chunks`` timed runs over ~``seconds`` in all.
+    The median, not the best: on a host shared with other work a step meets the typical share
+    of the cores, not the quietest moment's."""
     import time
+    from statistics import median
     fn()
-    best = math.inf
+    runs = []
     for _ in range(chunks):
         n, t0 = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - t0) < seconds / chunks or n < 2:
             fn()
             n += 1
-        best = min(best, elapsed / n)
-    return best
+        runs.append(elapsed / n)
+    return median(runs)
 
 
 def _alone(seconds: float, rank_only: int | None = 0):
@@ -89,7 +91,7 @@ COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
 
 
 def _comm(seconds: float):
-    """On every engine: best seconds per call of each family at each of COMM_SIZES (labkit.comm's
+    """On every engine: the median seconds per call of each family at each of COMM_SIZES (labkit.comm's
     calls, recording off), the slowest rank's."""
     import time
 
@@ -107,14 +109,14 @@ def _comm(seconds: float):
             for nbytes in COMM_SIZES:
                 call, _ = _operation("sendrecv" if family == "send" else family, "torch", nbytes, n, me)
                 call()
-                best = math.inf
+                runs = []
                 for _ in range(5):
                     dist.barrier()
                     t0 = time.perf_counter()
                     for _ in range(3):
                         call()
-                    best = min(best, (time.perf_counter() - t0) / 3)
-                out[(family, nbytes)] = best
+                    runs.append((time.perf_counter() - t0) / 3)
+                out[(family, nbytes)] = sorted(runs)[2]
     finally:
         rec.enabled = was
     return out
@@ -142,15 +144,14 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     cores = max(0.25, min(float(world), sum(together) / table[2][1]))    # engines' worth of one alone
     comm, link_name, load = {f: (0.0, 1e12) for f in FAMILIES}, "", 0.0
     if world > 1:
+        per_rank = lab.apply(_comm, seconds)
+        times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        comm = {f: _fit(f, world, times) for f in FAMILIES}
         link = getattr(lab, "link", None)
-        if link is not None:
+        if link is not None:         # a call takes the link's time or gloo's own, whichever is longer
             alpha, beta = link.alpha_beta("intra")
-            comm = {f: (alpha, beta) for f in FAMILIES}
+            comm = {f: (max(alpha, a), min(beta, b)) for f, (a, b) in comm.items()}
             link_name = str(link)
-        else:
-            per_rank = lab.apply(_comm, seconds)
-            times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-            comm = {f: _fit(f, world, times) for f in FAMILIES}
         beside = sum(lab.apply(_together, seconds, True))
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
