@@ -21,7 +21,6 @@ or a Hugging Face config.json::
     labkit.plan.predict(model, labkit.plan.Cluster(nodes=64, hardware="h100"), 512, strategy)
     $ labkit plan --model-config config.json --seq 8192 --gpus 512 --hardware h100 --global-batch 512
 """
-from .costs import CostTable, calibrate
 from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
 from .layout import ClusterStrategy
 from .model import Decoder, from_hf_config
@@ -30,27 +29,11 @@ from .search import SearchResult, best_at, search
 from .machine import Machine
 from .measure import measure
 
-from .physical import Simulated, overlay
-from .physical import simulate as _simulate
+from .physical import Simulated, overlay, simulate
 from .step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
            "Decoder", "from_hf_config",
-           "Prediction", "predict", "search", "best_at", "SearchResult", "CostTable", "calibrate", "Simulated", "Machine", "measure",
+           "Prediction", "predict", "search", "best_at", "SearchResult", "Simulated", "Machine", "measure",
            "simulate", "overlay", "search_lab", "LabSearch"]
 
-
-def simulate(strategy, machine, model=None, batch: int = 64, **kwargs) -> Simulated:
-    """Predict one step of ``strategy`` on ``machine`` (:func:`labkit.plan.physical.simulate`).
-
-    A :class:`CostTable` in place of the machine runs the fitted planner it came from, with a
-    DeprecationWarning: it is to be removed by 2027-03-01.
-    """
-    if isinstance(machine, CostTable):
-        import warnings
-
-        from .simulation import simulate as fitted
-        warnings.warn("simulate(strategy, CostTable) is the fitted planner, to be removed by 2027-03-01; use "
-                      "simulate(strategy, labkit.plan.measure(lab), model=...)", DeprecationWarning, stacklevel=2)
-        return fitted(strategy, machine, batch=batch, model=model)
-    return _simulate(strategy, machine, model=model, batch=batch, **kwargs)

@@ -13,6 +13,7 @@ A :class:`~labkit.plan.machine.Machine` prices the counts (:meth:`Machine.op_sec
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -159,7 +160,9 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
         out = net(x)
         value = lossfn(out, y)
         counter.sink = sink("post", "bwd")
-        value.backward()
+        with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
+            warnings.simplefilter("ignore", UserWarning)
+            value.backward()
         for h in hooks:
             h.remove()
         from ..models.training import build_optimizer
