@@ -4,16 +4,16 @@ two engines (slow)."""
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 
 import pytest
 
 from labkit import plan
 from labkit.plan import GPT, Cluster, ClusterStrategy, predict, search
+from labkit.plan.des import Compute, Issue, Sim, Wait
+from labkit.plan.machine import FAMILIES, Machine
 from labkit.plan.memory import in_flight, layer_activation_bytes, memory_breakdown
 from labkit.plan.step import pipeline_time, stage_costs
 from labkit.schedules import build_schedule, ideal_bubble
-from labkit.schedules import simulate as schedule_simulate
 
 GPT3 = GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
 
@@ -87,7 +87,7 @@ def test_published_table_within_the_bound_we_reach():
     assert {r["prediction"].strategy.schedule for r in rows} <= {"1f1b", "interleaved"}
 
 
-# -- the replay ---------------------------------------------------------------------------------
+# -- the at-scale timeline -----------------------------------------------------------------------
 
 
 def test_closed_form_step_time_matches_the_replay_at_scale():
@@ -147,14 +147,7 @@ def test_cli_bad_input_is_a_message_and_exit_1(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-# -- tensor parallelism and ZeRO in the replay ---------------------------------------------------
-
-
-def _spans(pred, rank=0, kinds=None):
-    return sorted((e for e in pred.timeline.events if e["rank"] == rank and (kinds is None or e["kind"] in kinds)),
-                  key=lambda e: e["start"])
-
-
+# -- search on the lab ----------------------------------------------------------------------------
 def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():
     from labkit.plan.layout import ClusterStrategy
     from labkit.plan.search import lab_strategy
@@ -257,7 +250,9 @@ def test_a_decoder_splits_unevenly_as_llama_3_did_and_a_gpt_does_not():
 
 
 def test_decoder_activations_count_flash_attention_and_swiglu_tensors():
-    from labkit.plan.memory import decoder_activation_bytes
+    from labkit.plan.des import Compute, Issue, Sim, Wait
+from labkit.plan.machine import FAMILIES, Machine
+from labkit.plan.memory import decoder_activation_bytes
 
     m = plan.Decoder(layers=2, hidden=1024, heads=16, kv_heads=4, ffn_hidden=4096, vocab=1000, seq=512)
     sbh = 512 * 2 * 1024
@@ -296,8 +291,6 @@ def test_llama_tables_print_the_error_the_code_computes():
 
 
 # -- the machine model: a few measured numbers, one simulator, any model's counted operations ----
-from labkit.plan.des import Compute, Issue, Sim, Wait   # noqa: E402
-from labkit.plan.machine import FAMILIES, Machine   # noqa: E402
 
 
 def _machine(**kw) -> Machine:

@@ -10,7 +10,6 @@ and no strategy it will predict runs.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from .machine import FAMILIES, Machine, bus_factor, ring_steps

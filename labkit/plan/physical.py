@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from functools import lru_cache
 
 from ..analysis.metrics import step_metrics
 from ..analysis.timeline import Timeline
