@@ -148,6 +148,8 @@ def test_cli_bad_input_is_a_message_and_exit_1(extra, message, capsys):
 
 
 # -- search on the lab ----------------------------------------------------------------------------
+
+
 def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():
     from labkit.plan.layout import ClusterStrategy
     from labkit.plan.search import lab_strategy
@@ -250,9 +252,7 @@ def test_a_decoder_splits_unevenly_as_llama_3_did_and_a_gpt_does_not():
 
 
 def test_decoder_activations_count_flash_attention_and_swiglu_tensors():
-    from labkit.plan.des import Compute, Issue, Sim, Wait
-from labkit.plan.machine import FAMILIES, Machine
-from labkit.plan.memory import decoder_activation_bytes
+    from labkit.plan.memory import decoder_activation_bytes
 
     m = plan.Decoder(layers=2, hidden=1024, heads=16, kv_heads=4, ffn_hidden=4096, vocab=1000, seq=512)
     sbh = 512 * 2 * 1024
