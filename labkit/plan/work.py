@@ -85,6 +85,7 @@ class _Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.sink, self.linear, self.weights = [], "", set()
+        self.by_storage, self.by_shape = {}, {}     # a Linear's weight → its name (backward has no hooks)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -99,8 +100,20 @@ class _Counter(TorchDispatchMode):
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         wgrad = flops > 0 and any(tuple(t.shape) in self.weights for t in outs)
-        self.sink.append(Op(name, flops, nbytes, self.linear, wgrad))
+        linear = self.linear
+        if not linear and flops:        # backward: the product that reads a weight, or makes its gradient
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            linear = next((self.by_storage[p] for t in ins if (p := _storage(t)) in self.by_storage), "")
+            linear = linear or next((self.by_shape[tuple(t.shape)] for t in outs if tuple(t.shape) in self.by_shape), "")
+        self.sink.append(Op(name, flops, nbytes, linear, wgrad))
         return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
 
 
 def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None) -> ModelWork:
@@ -116,6 +129,10 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     x, y = x[:batch], y[:batch]
     counter = _Counter()
     counter.weights = {tuple(p.shape) for p in net.parameters() if p.dim() >= 2}
+    for qual, mod in net.named_modules():
+        if isinstance(mod, nn.Linear):
+            counter.by_storage.setdefault(_storage(mod.weight), qual)
+            counter.by_shape.setdefault(tuple(mod.weight.shape), qual)
     hooks, where = [], {"piece": "pre"}
     for qual, mod in net.named_modules():
         if isinstance(mod, nn.Linear):
