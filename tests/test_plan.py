@@ -478,3 +478,13 @@ def test_search_lab_ranks_every_runnable_strategy_of_a_model_on_the_machine():
         "naive", "bucketed", "overlap", "ddp"}
     assert {"gpipe", "1f1b", "zb-h1", "zbv"} <= {s.schedule for s in strategies}
     assert "predicted ms" in result.table()
+
+
+def test_on_an_emulated_link_a_call_takes_the_longer_of_the_links_time_and_gloos():
+    import labkit
+
+    link = labkit.Link(bandwidth=50e6, latency=2e-4)
+    machine = _machine(link_alpha_beta=(link.latency, link.bandwidth), link=str(link))
+    for nbytes in (1 << 10, 1 << 22):
+        gloo = _machine().comm_s("all_reduce", nbytes, 2)
+        assert machine.comm_s("all_reduce", nbytes, 2) == pytest.approx(max(gloo, link.seconds("all_reduce", nbytes, 2)))

@@ -7,7 +7,7 @@ matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a
 step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
 the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
 (:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
-are the machine's where the link is the slower, as the link imposes them.
+are the machine's too: a call takes the link's time or gloo's, whichever is longer.
 
     >>> machine = labkit.plan.measure(lab)
     >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
@@ -56,7 +56,7 @@ class Machine:
     comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
     """family → (α seconds per ring step, β bytes/s per rank): a call of S bytes on n ranks
     takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine; on an
-    emulated link, the link's latency and bandwidth where they are slower than gloo's own."""
+    emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
     comm_load: float = 0.5
     """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
     CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
@@ -64,7 +64,10 @@ class Machine:
     engines: int = 1
     """Engines the measurement ran on."""
     link: str = ""
-    """The emulated link the comm figures came from ("" for gloo as it is)."""
+    """The emulated link the lab ran on ("" for gloo as it is)."""
+    link_alpha_beta: tuple = ()
+    """(α seconds per message, β bytes/s per rank) of that link, as it imposes them: a call takes
+    the link's time or gloo's own (``comm``), whichever is longer (labkit.Link)."""
 
     def __post_init__(self):
         if not self.cores > 0:
@@ -108,7 +111,11 @@ class Machine:
         if family != "send" and n <= 1:
             return 0.0
         alpha, beta = self.comm[family]
-        return ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta
+        t = ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta
+        if self.link_alpha_beta:
+            alpha, beta = self.link_alpha_beta
+            t = max(t, ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta)
+        return t
 
     # -- files -------------------------------------------------------------------------------
     def save(self, path) -> None:
@@ -121,6 +128,7 @@ class Machine:
             d = json.load(f)
         d["matmul"] = tuple(tuple(r) for r in d["matmul"])
         d["comm"] = {k: tuple(v) for k, v in d["comm"].items()}
+        d["link_alpha_beta"] = tuple(d.get("link_alpha_beta", ()))
         return cls(**d)
 
     def __str__(self) -> str:

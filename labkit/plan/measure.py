@@ -141,21 +141,25 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     table, memory, op_s = next(r for r in lab.apply(_alone, seconds) if r is not None)
     together = lab.apply(_together, seconds, False)
     cores = max(0.25, min(float(world), sum(together) / table[2][1]))    # engines' worth of one alone
-    comm, link_name, load = {f: (0.0, 1e12) for f in FAMILIES}, "", 0.0
+    comm, link_name, link_ab, load = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0
     if world > 1:
-        per_rank = lab.apply(_comm, seconds)
+        link = getattr(lab, "link", None)
+        if link is not None:        # gloo's own calls, timed without the link; the link's are known
+            link_ab, link_name = link.alpha_beta("intra"), str(link)
+            lab.link = None
+        try:
+            per_rank = lab.apply(_comm, seconds)
+        finally:
+            if link is not None:
+                lab.link = link
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
-        link = getattr(lab, "link", None)
-        if link is not None:         # a call takes the link's time or gloo's own, whichever is longer
-            alpha, beta = link.alpha_beta("intra")
-            comm = {f: (max(alpha, a), min(beta, b)) for f, (a, b) in comm.items()}
-            link_name = str(link)
         beside = sum(lab.apply(_together, seconds, True))
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
             load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
-    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, engines=world, link=link_name)
+    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, engines=world, link=link_name,
+                      link_alpha_beta=tuple(link_ab))
     action_s, step_s = _host_costs(lab, machine)
     return replace(machine, action_s=action_s, step_s=step_s)
 
