@@ -38,7 +38,7 @@ class Machine:
     cores: float
     """Cores the engines' threads share (may be fractional on a loaded host): how many engines
     multiplying at once keep each one's alone rate. Measured: matmuls on every engine at once
-    against one engine alone. The simulator shares them among runnable threads."""
+    against one engine alone (at most the engines, and the CPUs they may run on). The simulator shares them among runnable threads."""
     matmul: tuple = ((1e6, 1e9),)
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending: the rate of a product is
     interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""

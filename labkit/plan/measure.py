@@ -58,7 +58,8 @@ def _alone(seconds: float, rank_only: int | None = 0):
     counter = _Counter()
     with counter:
         chain()
-    return table, memory, _loop(chain, seconds) / len(counter.sink)
+    import os
+    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0))
 
 
 def _together(seconds: float, with_comm: bool):
@@ -138,9 +139,10 @@ def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
 def measure(lab, seconds: float = 0.2) -> Machine:
     """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
-    table, memory, op_s = next(r for r in lab.apply(_alone, seconds) if r is not None)
+    table, memory, op_s, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
     together = lab.apply(_together, seconds, False)
-    cores = max(0.25, min(float(world), sum(together) / table[2][1]))    # engines' worth of one alone
+    # engines' worth of one alone, at most the engines and the CPUs they may run on
+    cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
     comm, link_name, link_ab, load = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0
     if world > 1:
         link = getattr(lab, "link", None)
