@@ -1,6 +1,6 @@
 """Predicted against measured step time on local CPU engines, out of sample: the planner's accuracy here.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2               # ~3 minutes
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2               # ~5 minutes
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2 --link 50e6,200e-6
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --cases pp
 
