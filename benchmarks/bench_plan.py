@@ -1,22 +1,20 @@
-"""Predicted against measured step time on local CPU engines: the planner's accuracy here.
+"""Predicted against measured step time on local CPU engines, out of sample: the planner's accuracy here.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2          # ~8 minutes
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --rounds 8 --cases pp
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2               # ~5 minutes
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 2 --link 50e6,200e-6
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan.py --engines 4 --cases pp
 
-For each round: calibrate (per-block costs and α-β on these engines), then run every case
-for 20 steps and simulate it from the cost table just measured; calibration and runs
-alternate so that a change of machine load moves both. Prints, per case, the medians over
-rounds of measured and predicted step time, their ratio, and the bubble and exposed-comm
-fractions measured/predicted; with ``--repeat`` each case is measured twice, and the
-second measurement over the first (its median and range over rounds) shows how closely one
-measurement predicts another of the same code: the floor under the ratio. The last lines count
-the cases within the targets (step time ±10 %, bubble and exposed comm ±0.05, medians over
-rounds), for the prediction and, with ``--repeat``, for the second measurement against the
-first, taken straight after it (so a floor on the noise, not its whole). The figures are
-noisy on a shared 2-core machine (one round's ratio swings by ±30 %, and one step of a run can
-take 1.7× the next): each case runs 20 steps (the calibration's own runs take 24), a round
-takes ~40 s on 2 engines with ``--repeat``, ~65 s on 4; read the median with the ratio's spread
-over rounds (``--json`` keeps every round).
+The machine is measured once (``labkit.plan.measure``: matmuls, an elementwise loop, tiny
+autograd ops, collectives, a trivial model's host costs; no model of the cases, no strategy of
+the cases); then every case (strategies, model widths and depths, micro-batch counts, degrees
+and a Llama model that no measurement ran) is simulated from it and run on the lab, twice.
+Every case is held out. Prints, per case, the measured step time (median of the two runs), the
+predicted, their ratio, the second run over the first (how far a measurement predicts itself:
+the floor under the ratio), and the exposed-comm fraction measured/predicted; then how many
+cases meet the targets (step time within 15 % on 2 engines, 20 % on 4; exposed comm within
+0.07), and the host's load average (``os.getloadavg``), since the engines share their cores
+with whatever else runs. ``--link bandwidth,latency``: the lab runs on an emulated link
+(``labkit.Link``), whose α and β the machine takes as they are imposed.
 """
 from __future__ import annotations
 
@@ -31,119 +29,122 @@ import labkit  # noqa: E402
 from labkit import plan  # noqa: E402
 
 
-def mlp_tp_plan(depth: int = 8) -> dict:
+def mlp_tp_plan(depth: int) -> dict:
     """Megatron's MLP split for labkit.models.mlp: Linear layers (even blocks) alternately
     column- and row-parallel, so each pair needs one g forward and one f backward."""
     return {str(2 * i): "colwise" if i % 2 == 0 else "rowwise" for i in range(depth)}
 
 
-def cases(engines: int) -> list[tuple[str, labkit.Strategy]]:
-    out = [(f"dp{engines} {m}", labkit.Strategy(dp=engines, dp_mode=m)) for m in ("naive", "bucketed", "overlap", "ddp")]
-    out += [(f"dp{engines} zero{z}", labkit.Strategy(dp=engines, zero=z)) for z in (1, 2, 3)]
-    out.append((f"dp{engines} zero3 prefetch1", labkit.Strategy(dp=engines, zero=3, prefetch=1)))
-    if engines == 2:
-        out.append(("tp2", labkit.Strategy(tp=2)))
-    else:
-        out += [(f"dp{engines // 2} tp2 overlap", labkit.Strategy(dp=engines // 2, tp=2, dp_mode="overlap")),
-                (f"pp2 tp2{f' dp{engines // 4}' if engines > 4 else ''} 1f1b m4",
-                 labkit.Strategy(dp=engines // 4, pp=2, tp=2, schedule="1f1b", microbatches=4))]
-    pp = 2
-    dp = engines // pp
-    for schedule in ("gpipe", "1f1b"):
-        out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} {schedule} m4",
-                    labkit.Strategy(dp=dp, pp=pp, schedule=schedule, microbatches=4, dp_mode="overlap")))
-    out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} interleaved v2 m4",
-                labkit.Strategy(dp=dp, pp=pp, schedule="interleaved", chunks=2, microbatches=4,
-                                split_at=(4, 8, 12), dp_mode="overlap")))
-    for schedule, chunks in (("zb-h1", 1), ("zbv", 2)):     # backward split into I and W
-        out.append((f"pp{pp}{f' dp{dp}' if dp > 1 else ''} {schedule} m4",
-                    labkit.Strategy(dp=dp, pp=pp, schedule=schedule, chunks=chunks, microbatches=4, dp_mode="overlap",
-                                    split_at=(4, 8, 12) if chunks > 1 else ())))
-    if engines >= 4:
-        out.append(("pp4 1f1b m8", labkit.Strategy(pp=4, schedule="1f1b", microbatches=8)))
+def _mlp(width: int, depth: int, batch: int = 64) -> dict:
+    return {"model": labkit.models.mlp(width=width, depth=depth), "batch": batch, "tp_plan": mlp_tp_plan(depth),
+            "label": f"mlp{width}x{depth}"}
+
+
+def _llama(batch: int = 8) -> dict:
+    data = labkit.data.text(batch=batch, block_size=64)
+    model = labkit.models.llama(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=data.vocab_size)
+    return {"model": model, "batch": batch, "data": data, "loss": "cross_entropy", "label": "llama4x128"}
+
+
+def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
+    S, out = labkit.Strategy, []
+    base, wide, deep = _mlp(512, 8), _mlp(1024, 4), _mlp(256, 16)
+    n = engines
+    for m in ("naive", "bucketed", "overlap", "ddp"):
+        out.append((f"dp{n} {m}", S(dp=n, dp_mode=m), base))
+    for z in (1, 2, 3):
+        out.append((f"dp{n} zero{z}", S(dp=n, zero=z), base))
+    out.append((f"dp{n} zero3 prefetch1", S(dp=n, zero=3, prefetch=1), base))
+    dp = n // 2
+    pre = f" dp{dp}" if dp > 1 else ""
+    for sched, chunks, split in (("gpipe", 1, ()), ("1f1b", 1, ()), ("interleaved", 2, (4, 8, 12)),
+                                 ("zb-h1", 1, ()), ("zbv", 2, (4, 8, 12))):
+        out.append((f"pp2{pre} {sched} m4", S(dp=dp, pp=2, schedule=sched, chunks=chunks, microbatches=4,
+                                               split_at=split, dp_mode="overlap"), base))
+    out.append(("tp2" if n == 2 else f"dp{dp} tp2 overlap", S(dp=dp, tp=2, dp_mode="overlap"), base))
+    # other widths, depths and micro-batch counts
+    out += [(f"dp{n} overlap", S(dp=n, dp_mode="overlap"), wide),
+            (f"pp2{pre} 1f1b m8", S(dp=dp, pp=2, schedule="1f1b", microbatches=8, dp_mode="overlap"), wide),
+            (f"dp{n} bucketed", S(dp=n, dp_mode="bucketed"), deep),
+            (f"pp2{pre} gpipe m2", S(dp=dp, pp=2, schedule="gpipe", microbatches=2, dp_mode="overlap"), deep),
+            (f"dp{n} zero3", S(dp=n, zero=3), deep),
+            (f"dp{n} overlap", S(dp=n, dp_mode="overlap"), _llama()),
+            ("tp2" if n == 2 else f"dp{dp} tp2", S(dp=dp, tp=2, dp_mode="overlap"), _llama())]
+    if n >= 4:
+        out += [("pp4 1f1b m8", S(pp=4, schedule="1f1b", microbatches=8), base),
+                ("pp2 tp2 1f1b m4", S(dp=n // 4, pp=2, tp=2, schedule="1f1b", microbatches=4), base)]
     return out
 
 
-def one_round(lab, model, batch: int, steps: int, plan_tp: dict, only: str = "", repeat: bool = False) -> list[dict]:
-    costs = plan.calibrate(lab, model=model, batch=batch, tp=(2,), tp_plan=plan_tp)
-    rows = []
-    for name, s in cases(lab.world_size):
-        if only not in name:
-            continue
-        measure = lambda: lab.run(s, model=model, batch=batch, steps=steps, tp_plan=plan_tp if s.tp > 1 else None)
-        run = measure()
-        pred = plan.simulate(s, costs, batch=batch, model=model)
-        rows.append({"case": name, **{f"measured_{k}": run.metrics[k] for k in KEYS},
-                     **{f"predicted_{k}": pred.metrics[k] for k in KEYS}})
-        if repeat:      # the same case measured again at once: how far a measurement predicts itself
-            again = measure().metrics
-            rows[-1].update({f"remeasured_{k}": again[k] for k in KEYS})
-    return rows
+KEYS = ("step_time_s", "exposed_comm_fraction", "bubble_fraction")
 
 
-KEYS = ("step_time_s", "bubble_fraction", "exposed_comm_fraction")
-TARGET = {"step_time_s": 0.10, "bubble_fraction": 0.05, "exposed_comm_fraction": 0.05}
+def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
+    kw = {k: spec[k] for k in ("data", "loss") if k in spec}
+    tp_plan = spec.get("tp_plan") if strategy.tp > 1 else None
+    pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
+    runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
+            for _ in range(2)]
+    row = {f"predicted_{k}": pred.metrics[k] for k in KEYS}
+    for k in KEYS:
+        row[f"measured_{k}"] = median(r[k] for r in runs)
+        row[f"runs_{k}"] = [r[k] for r in runs]
+    row["load"] = os.getloadavg()[0]
+    return row
 
 
-def summarise(rounds: list[list[dict]]) -> str:
-    """The table, then how many cases meet each target: the prediction against the measurement
-    and, with ``--repeat``, the second measurement against the first (the same medians over
-    rounds, the same bounds), which is how often the measurement misses itself."""
-    repeat = "remeasured_step_time_s" in rounds[0][0]
-    whos = ("predicted", "remeasured") if repeat else ("predicted",)
-    lines = [f"{'case':>26} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'ratio range':>12} "
-             f"{'bubble m/p':>11} {'exposed m/p':>11}"
-             + (f" {'repeat':>6} {'repeat range':>12} {'bubble r':>8} {'exposed r':>9}" if repeat else "")]
-    hits = {who: dict.fromkeys(KEYS, 0) for who in whos}
-    for i, row in enumerate(rounds[0]):
-        per = [r[i] for r in rounds]
-        med = {k: median(r[k] for r in per) for k in per[0] if k != "case"}
-        ratios = {who: [r[f"{who}_step_time_s"] / r["measured_step_time_s"] for r in per] for who in whos}
-        lines.append(f"{row['case']:>26} {1e3 * med['measured_step_time_s']:>11.2f} "
-                     f"{1e3 * med['predicted_step_time_s']:>12.2f}{_spread(ratios['predicted'])} "
-                     f"{med['measured_bubble_fraction']:>5.2f}/{med['predicted_bubble_fraction']:<5.2f} "
-                     f"{med['measured_exposed_comm_fraction']:>5.2f}/{med['predicted_exposed_comm_fraction']:<5.2f}"
-                     + (_spread(ratios["remeasured"])
-                        + f" {med['remeasured_bubble_fraction']:>8.2f} {med['remeasured_exposed_comm_fraction']:>9.2f}"
-                        if repeat else ""))
-        for who in whos:
-            hits[who]["step_time_s"] += abs(median(ratios[who]) - 1) <= TARGET["step_time_s"]
-            for k in KEYS[1:]:
-                hits[who][k] += abs(med[f"{who}_{k}"] - med[f"measured_{k}"]) <= TARGET[k]
-    for who in whos:
-        h = hits[who]
-        lines.append(f"{who} within target, of {len(rounds[0])} cases: step time (±10 %) {h['step_time_s']}, "
-                     f"bubble (±0.05) {h['bubble_fraction']}, exposed comm (±0.05) {h['exposed_comm_fraction']}")
+def summarise(rows: list[dict], engines: int) -> str:
+    target = 0.15 if engines <= 2 else 0.20
+    lines = [f"{'case':>34} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'2nd/1st':>7} "
+             f"{'exposed m/p':>11} {'bubble m/p':>11} {'load':>5}"]
+    hit_t = hit_x = floor_t = 0
+    for r in rows:
+        ratio = r["predicted_step_time_s"] / r["measured_step_time_s"]
+        a, b = r["runs_step_time_s"]
+        again = b / a
+        lines.append(f"{r['case']:>34} {1e3 * r['measured_step_time_s']:>11.2f} {1e3 * r['predicted_step_time_s']:>12.2f} "
+                     f"{ratio:>6.2f} {again:>7.2f} {r['measured_exposed_comm_fraction']:>5.2f}/"
+                     f"{r['predicted_exposed_comm_fraction']:<5.2f} {r['measured_bubble_fraction']:>5.2f}/"
+                     f"{r['predicted_bubble_fraction']:<5.2f} {r['load']:>5.1f}")
+        hit_t += abs(ratio - 1) <= target
+        floor_t += abs(again - 1) <= target
+        hit_x += abs(r["measured_exposed_comm_fraction"] - r["predicted_exposed_comm_fraction"]) <= 0.07
+    lines.append(f"held out (all {len(rows)} cases): step time within ±{100 * target:.0f} %: {hit_t}; exposed comm "
+                 f"within ±0.07: {hit_x}; the second run within ±{100 * target:.0f} % of the first: {floor_t}")
     return "\n".join(lines)
-
-
-def _spread(ratios: list[float]) -> str:
-    return f" {median(ratios):>6.2f} {min(ratios):>5.2f}–{max(ratios):<5.2f}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--cases", default="", help="only the cases whose name contains this, e.g. 'dp2'")
-    p.add_argument("--repeat", action="store_true",
-                   help="measure each case twice per round: the repeat column (second ÷ first) is the noise "
-                        "floor the ratio is read against")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--cases", default="", help="only the cases whose name (or model label) contains this")
+    p.add_argument("--link", default="", help="bandwidth,latency of an emulated link, e.g. 50e6,200e-6")
+    p.add_argument("--machine", help="load this saved Machine instead of measuring")
     p.add_argument("--json")
     args = p.parse_args()
-    model = labkit.models.mlp(width=args.width, depth=8)
-    with labkit.Lab.start(engines=args.engines, timeout=120, progress=False) as lab:
-        rounds = [one_round(lab, model, args.batch, args.steps, mlp_tp_plan(8), args.cases, args.repeat)
-                  for _ in range(args.rounds)]
-    print(f"{args.engines} engines, mlp(width={args.width}, depth=8), batch {args.batch}, "
-          f"{args.rounds} rounds, medians over rounds")
-    print(summarise(rounds))
+    link = None
+    if args.link:
+        bw, lat = (float(x) for x in args.link.split(","))
+        link = labkit.Link(bandwidth=bw, latency=lat)
+    with labkit.Lab.start(engines=args.engines, timeout=120, progress=False, link=link) as lab:
+        load0 = os.getloadavg()[0]
+        machine = plan.Machine.load(args.machine) if args.machine else plan.measure(lab)
+        print(machine)
+        print(f"load average at measurement: {load0:.1f} on {os.cpu_count()} CPUs")
+        rows = []
+        for name, s, spec in cases(lab.world_size):
+            name = f"{spec['label']} {name}"
+            if args.cases not in name:
+                continue
+            rows.append({"case": name, **one_case(lab, machine, s, spec, args.steps)})
+            print(f"  {name}: measured {[round(1e3 * t, 1) for t in rows[-1]['runs_step_time_s']]} ms, "
+                  f"predicted {1e3 * rows[-1]['predicted_step_time_s']:.1f} ms", flush=True)
+    print(f"{args.engines} engines{f', link {link}' if link else ''}, {args.steps} steps per run, two runs per case")
+    print(summarise(rows, args.engines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rounds, f, indent=1)
+            json.dump({"machine": str(machine), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The planner: predict a strategy's timeline, memory and step time, here and at scale.
 
-Here (calibrated on the lab's own engines)::
+Here (a few measured numbers of the lab's machine, any model priced from its own operations)::
 
-    costs = labkit.plan.calibrate(lab, model=labkit.models.mlp(width=256, depth=8), batch=64)
-    pred = labkit.plan.simulate(labkit.Strategy(dp=2, dp_mode="overlap"), costs, batch=64)
+    machine = labkit.plan.measure(lab)                  # no model: matmuls, collectives, host costs
+    pred = labkit.plan.simulate(labkit.Strategy(dp=2, dp_mode="overlap"), machine,
+                                model=labkit.models.mlp(width=256, depth=8), batch=64)
     pred.metrics["step_time_s"], pred.timeline.plot()
 
 At scale (pure arithmetic, no engines)::
@@ -20,16 +21,19 @@ or a Hugging Face config.json::
     labkit.plan.predict(model, labkit.plan.Cluster(nodes=64, hardware="h100"), 512, strategy)
     $ labkit plan --model-config config.json --seq 8192 --gpus 512 --hardware h100 --global-batch 512
 """
-from .costs import CostTable, calibrate
 from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
 from .layout import ClusterStrategy
 from .model import Decoder, from_hf_config
 from .local import LabSearch, search_lab
 from .search import SearchResult, best_at, search
-from .simulation import Simulated, overlay, simulate
+from .machine import Machine
+from .measure import measure
+
+from .physical import Simulated, overlay, simulate
 from .step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
            "Decoder", "from_hf_config",
-           "Prediction", "predict", "search", "best_at", "SearchResult", "CostTable", "calibrate", "Simulated",
+           "Prediction", "predict", "search", "best_at", "SearchResult", "Simulated", "Machine", "measure",
            "simulate", "overlay", "search_lab", "LabSearch"]
+

@@ -1,12 +1,12 @@
-"""Rank labkit Strategies on this lab by their calibrated prediction, then confirm the top ones.
+"""Rank labkit Strategies on this lab by their predicted step, then confirm the top ones.
 
 Tuning on a cluster is: predict, confirm, pick. Here the same loop runs on the lab's own
 engines: every Strategy the lab can run (dp·pp = engines; schedules; micro-batches; dp modes)
-is simulated from a cost table, and with ``verify=lab`` the ``top`` fastest are run for a few
-steps, predicted beside measured.
+is simulated on the measured :class:`~labkit.plan.machine.Machine`, and with ``verify=lab`` the
+``top`` fastest are run for a few steps, predicted beside measured.
 
-    >>> costs = labkit.plan.calibrate(lab, model=model, batch=64)
-    >>> result = labkit.plan.search_lab(costs, batch=64, engines=2, verify=lab, model=model, top=3)
+    >>> machine = labkit.plan.measure(lab)
+    >>> result = labkit.plan.search_lab(machine, model=model, batch=64, engines=2, verify=lab, top=3)
     >>> print(result.table())
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import DP_MODES, Strategy
-from .simulation import simulate
+from .physical import simulate
 
 
 def lab_candidates(engines: int, batch: int, blocks: int, microbatches=(1, 2, 4, 8), split: bool = True):
     """Every Strategy with dp·pp = engines the executor accepts for a model of ``blocks`` blocks
-    (``split``: the zero-bubble schedules too, which need a table that timed backward's halves)."""
+    (``split``: the zero-bubble schedules too)."""
     for pp in [p for p in range(1, engines + 1) if engines % p == 0 and p <= blocks]:
         dp = engines // pp
         modes = DP_MODES if dp > 1 else ("overlap",)
@@ -54,15 +54,20 @@ class LabSearch:
         return "\n".join(lines)
 
 
-def search_lab(costs, batch: int, engines: int, verify=None, model=None, top: int = 3, steps: int = 4) -> LabSearch:
-    """Simulate every runnable Strategy; with ``verify=lab`` (and ``model``) run the ``top`` fastest."""
-    if verify is not None and model is None:
-        raise ValueError("search_lab(verify=lab) runs the strategies: pass model= (the one calibrated)")
-    if model is not None:
-        costs.check(model)
+def search_lab(machine, model, batch: int, engines: int, verify=None, top: int = 3, steps: int = 4) -> LabSearch:
+    """Simulate every runnable Strategy of ``model`` on ``machine``; with ``verify=lab`` run the ``top`` fastest."""
+    from torch.nn import Sequential
+
+    from ..models.training import build_model
+    from ..parallel.blocks import find_blocks
+
+    if model is None:
+        raise ValueError("search_lab(machine, model=...): pass the model whose strategies to rank")
+    net = build_model(model, 0)
+    blocks = len(find_blocks(net)) if isinstance(net, Sequential) else 1      # pipelines cut a Sequential
     result = LabSearch()
-    for s in lab_candidates(engines, batch, len(costs.blocks), split=costs.times_halves()):
-        result.ranked.append((s, simulate(s, costs, batch=batch)))
+    for s in lab_candidates(engines, batch, blocks):
+        result.ranked.append((s, simulate(s, machine, model=model, batch=batch)))
     result.ranked.sort(key=lambda row: row[1].metrics["step_time_s"])
     if verify is not None:
         for i, (s, _) in enumerate(result.ranked[:top]):

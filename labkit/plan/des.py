@@ -1,0 +1,176 @@
+"""One event-driven simulator: ranks' programs on shared cores, with one place that matches calls.
+
+Each rank runs a program, a list of items, on its compute thread:
+
+* :class:`Compute` — work of ``seconds`` on one core (a span of ``kind``, or host time with
+  ``kind=None``: no span, as the recorder sees none);
+* :class:`Issue` — post a call (a collective or one side of a point-to-point message) on the
+  rank's comm stream and go on; the calls of a stream run one after another, in order;
+* :class:`Wait` — block until a posted call has finished on this rank.
+
+A call is identified by its ``key``; it starts when every member of its ``group`` has posted
+it and it is at the head of each member's stream (:meth:`Sim._start_ready`, the one place where
+sends meet receives and collectives meet their members), and it takes ``seconds``.
+
+The cores are shared by processor sharing (Kleinrock 1967; Calculon's ``processor_usage``
+plays the same part for transfers): a running compute span asks for one core, a transfer in
+flight for ``load`` cores per member; when the asks exceed ``cores`` every job progresses at
+cores / asks of its speed. A waiting thread asks for nothing.
+
+Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
+read a simulated step as a measured one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Compute:
+    seconds: float
+    kind: str | None = None
+    name: str = ""
+    microbatch: int | None = None
+
+
+@dataclass(frozen=True)
+class Issue:
+    key: object
+    group: tuple
+    seconds: float
+    kind: str                    # the comm kind drawn (allreduce, send, recv, ...)
+    name: str = ""
+    bytes: int = 0               # bytes this rank puts on the wire
+    peer: int | None = None
+    microbatch: int | None = None
+    ordered: bool = True
+    """In order on the rank's comm stream (collectives); False: matched by key alone, as
+    point-to-point messages are matched by tag."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    key: object
+
+
+@dataclass
+class _Job:
+    remaining: float
+    ask: float
+    start: float
+    what: object                  # ("compute", rank, item) or ("call", key)
+
+
+@dataclass
+class Sim:
+    """Run ``programs`` (one list of items per rank) on ``cores`` shared cores."""
+
+    programs: list
+    cores: float = 1.0
+    load: float = 0.0
+    events: list = field(default_factory=list)
+
+    def run(self) -> list[dict]:
+        n = len(self.programs)
+        self.t, self.pc = 0.0, [0] * n
+        self.busy = [None] * n                     # the compute job of each rank
+        self.streams = [[] for _ in range(n)]      # posted, unfinished calls, in order
+        self.posts, self.done, self.calls, self.loose = {}, set(), {}, {}
+        self.running: list[_Job] = []
+        while True:
+            self._advance()
+            self._start_ready()
+            if not self.running:
+                break
+            self._step()
+        stuck = [r for r in range(n) if self.pc[r] < len(self.programs[r])]
+        if stuck:
+            r = stuck[0]
+            raise RuntimeError(f"simulate: deadlock, rank {r} waits at {self.programs[r][self.pc[r]]} "
+                               f"(its stream holds {[c for c in self.streams[r]][:3]})")
+        return self.events
+
+    # -- the ranks' threads ------------------------------------------------------------------
+    def _advance(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for r, prog in enumerate(self.programs):
+                while self.busy[r] is None and self.pc[r] < len(prog):
+                    item = prog[self.pc[r]]
+                    if isinstance(item, Compute):
+                        if item.seconds > EPS:
+                            self.busy[r] = _Job(item.seconds, 1.0, self.t, ("compute", r, item))
+                            self.running.append(self.busy[r])
+                    elif isinstance(item, Issue):
+                        if item.ordered:
+                            self.streams[r].append(item.key)
+                        else:
+                            self.loose.setdefault(item.key, set()).add(r)
+                        self.posts[(item.key, r)] = (self.t, item)
+                        self.calls.setdefault(item.key, item)
+                    elif isinstance(item, Wait):
+                        if (item.key, r) not in self.done:
+                            break
+                    self.pc[r] += 1
+                    moved = True
+
+    def _start_ready(self) -> None:
+        """Start every call whose members have all posted it and hold it at their streams' head."""
+        for key, posted in list(self.loose.items()):
+            if posted.issuperset(self.calls[key].group):
+                del self.loose[key]
+                self.running.append(_Job(self.calls[key].seconds, self.load * len(posted), self.t, ("call", key)))
+        started = True
+        while started:
+            started = False
+            for r in range(len(self.programs)):
+                if not self.streams[r] or self.streams[r][0] is None:
+                    continue
+                key = self.streams[r][0]
+                call = self.calls[key]
+                group = call.group
+                if all(self.streams[m] and self.streams[m][0] == key for m in group):
+                    for m in group:
+                        self.streams[m][0] = None          # in flight: the stream is busy
+                    job = _Job(call.seconds, self.load * len(group), self.t, ("call", key))
+                    self.running.append(job)
+                    started = True
+
+    # -- time --------------------------------------------------------------------------------
+    def _step(self) -> None:
+        asks = sum(j.ask for j in self.running)
+        speed = min(1.0, self.cores / asks) if asks > 0 else 1.0
+        dt = min(j.remaining for j in self.running) / speed
+        self.t += dt
+        finished = [j for j in self.running if j.remaining - dt * speed <= EPS * max(1.0, j.remaining)]
+        for j in self.running:
+            j.remaining -= dt * speed
+        self.running = [j for j in self.running if j not in finished]
+        for j in finished:
+            self._finish(j)
+
+    def _finish(self, job: _Job) -> None:
+        if job.what[0] == "compute":
+            _, r, item = job.what
+            self.busy[r] = None
+            if item.kind is not None:
+                self.events.append(_event(r, "compute", item.kind, item.name, item.microbatch, job.start, self.t))
+            return
+        key = job.what[1]
+        for m in self.calls[key].group:
+            if self.calls[key].ordered:
+                self.streams[m].pop(0)
+            self.done.add((key, m))
+            posted, item = self.posts[(key, m)]
+            if item.kind == "recv" and job.start > posted + EPS:      # a receive before its sender posted
+                self.events.append(_event(m, "comm", "wait", item.name, item.microbatch, posted, job.start))
+            self.events.append(_event(m, "comm", item.kind, item.name, item.microbatch, job.start, self.t,
+                                      item.bytes, item.peer))
+
+
+def _event(rank, stream, kind, name, microbatch, start, end, nbytes=0, peer=None) -> dict:
+    return {"rank": rank, "stream": stream, "kind": kind, "name": name, "step": 0, "microbatch": microbatch,
+            "start": start, "end": end, "bytes": int(nbytes), "peer": peer}

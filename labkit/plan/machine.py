@@ -1,0 +1,140 @@
+"""The machine the lab's engines run on, as a handful of measured physical numbers.
+
+In the shape of Calculon's system description (compute rate with a size → efficiency table,
+per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :class:`Machine`
+is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines (square-ish
+matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a few sizes, a
+step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
+the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
+(:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
+are the machine's too: a call takes the link's time or gloo's, whichever is longer.
+
+    >>> machine = labkit.plan.measure(lab)
+    >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def ring_steps(family: str, n: int) -> int:
+    """Messages each rank sends, one after another, in the ring algorithm of ``family`` on n ranks."""
+    return 1 if family == "send" else (2 * (n - 1) if family == "all_reduce" else n - 1)
+
+
+def bus_factor(family: str, n: int) -> float:
+    """Bytes each rank sends per byte of the call (nccl-tests' bus factor)."""
+    return 1.0 if family == "send" else (2 * (n - 1) / n if family == "all_reduce" else (n - 1) / n)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one step costs on this machine; every field a physical quantity, measured alone."""
+
+    cores: float
+    """Cores the engines' threads share (may be fractional on a loaded host): how many engines
+    multiplying at once keep each one's alone rate. Measured: matmuls on every engine at once
+    against one engine alone (at most the engines, and the CPUs they may run on). The simulator shares them among runnable threads."""
+    matmul: tuple = ((1e6, 1e9),)
+    """(FLOPs of one product, FLOP/s of one thread) rows, ascending: the rate of a product is
+    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
+    memory_Bps: float = 5e9
+    """Bytes per second one thread reads plus writes in an elementwise op. Measured: add_ on
+    4 MiB tensors, one engine alone."""
+    op_s: float = 5e-6
+    """Host seconds per aten op (dispatch, autograd bookkeeping). Measured: forward and backward
+    of a chain of one-element ops, divided by the ops counted."""
+    action_s: float = 1e-4
+    """Host seconds the executor adds per action (a forward or backward of a micro-batch):
+    hooks, recording, Python. Measured: a trivial model's step at 1 and 8 micro-batches."""
+    step_s: float = 1e-3
+    """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
+    comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
+    """family → (α seconds per ring step, β bytes/s per rank): a call of S bytes on n ranks
+    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine; on an
+    emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
+    comm_load: float = 0.5
+    """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
+    CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
+    runs beside them on every engine, against without."""
+    engines: int = 1
+    """Engines the measurement ran on."""
+    link: str = ""
+    """The emulated link the lab ran on ("" for gloo as it is)."""
+    link_alpha_beta: tuple = ()
+    """(α seconds per message, β bytes/s per rank) of that link, as it imposes them: a call takes
+    the link's time or gloo's own (``comm``), whichever is longer (labkit.Link)."""
+
+    def __post_init__(self):
+        if not self.cores > 0:
+            raise ValueError(f"Machine.cores={self.cores!r} must be > 0")
+        if not self.matmul or any(len(r) != 2 or r[1] <= 0 for r in self.matmul):
+            raise ValueError("Machine.matmul must be (FLOPs, FLOP/s > 0) rows")
+        missing = [f for f in FAMILIES if f not in self.comm]
+        if missing:
+            raise ValueError(f"Machine.comm lacks {missing}; give (α seconds, β bytes/s) for each of {FAMILIES}")
+
+    # -- prices ------------------------------------------------------------------------------
+    def rate(self, flops: float) -> float:
+        """FLOP/s of one thread on a product of ``flops``: the table, interpolated in log size."""
+        rows = sorted(self.matmul)
+        if flops <= rows[0][0]:
+            return rows[0][1]
+        if flops >= rows[-1][0]:
+            return rows[-1][1]
+        for (f0, r0), (f1, r1) in zip(rows, rows[1:]):
+            if flops <= f1:
+                w = math.log(flops / f0) / math.log(f1 / f0)
+                return r0 + w * (r1 - r0)
+        return rows[-1][1]
+
+    def op_seconds(self, op) -> float:
+        """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`)."""
+        body = op.flops / self.rate(op.flops) if op.flops else op.bytes / self.memory_Bps
+        return self.op_s + body
+
+    def seconds(self, ops, scale=lambda op: 1.0) -> float:
+        """Seconds of a list of ops, each op's FLOPs and bytes scaled by ``scale(op)``."""
+        total = 0.0
+        for op in ops:
+            k = scale(op)
+            body = op.flops * k / self.rate(op.flops * k) if op.flops else op.bytes * k / self.memory_Bps
+            total += self.op_s + body
+        return total
+
+    def comm_s(self, family: str, nbytes: float, n: int) -> float:
+        """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks."""
+        if family != "send" and n <= 1:
+            return 0.0
+        alpha, beta = self.comm[family]
+        t = ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta
+        if self.link_alpha_beta:
+            alpha, beta = self.link_alpha_beta
+            t = max(t, ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta)
+        return t
+
+    # -- files -------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "Machine":
+        with open(path) as f:
+            d = json.load(f)
+        d["matmul"] = tuple(tuple(r) for r in d["matmul"])
+        d["comm"] = {k: tuple(v) for k, v in d["comm"].items()}
+        d["link_alpha_beta"] = tuple(d.get("link_alpha_beta", ()))
+        return cls(**d)
+
+    def __str__(self) -> str:
+        rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
+        comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
+        return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
+                f"{self.memory_Bps / 1e9:.1f} GB/s; host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
+                f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core"
+                + (f"; link {self.link}" if self.link else "") + ")")

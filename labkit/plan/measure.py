@@ -1,0 +1,186 @@
+"""Measure a :class:`~labkit.plan.machine.Machine` on the lab's engines: its own micro-benchmarks.
+
+Each number is the median of a few timed runs: matmuls of a
+few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
+the host cost per op; the same product on every engine at once for the cores they share; the
+four families of collectives at three sizes (or the emulated link's α and β); an all-reduce
+beside a product for the cores a transfer takes; a trivial model's step at 1 and 8
+micro-batches for the executor's host costs per action and per step. No model of the user's
+and no strategy it will predict runs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .machine import FAMILIES, Machine, bus_factor, ring_steps
+
+MATMUL_SHAPES = ((16, 128, 128), (64, 256, 256), (64, 512, 512), (128, 1024, 1024), (256, 1024, 2048))
+
+
+def _loop(fn, seconds: float, chunks: int = 5) -> float:
+    """Seconds per call of ``fn``: the median of ``chunks`` timed runs over ~``seconds`` in all.
+    The median, not the best: on a host shared with other work a step meets the typical share
+    of the cores, not the quietest moment's."""
+    import time
+    from statistics import median
+    fn()
+    runs = []
+    for _ in range(chunks):
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds / chunks or n < 2:
+            fn()
+            n += 1
+        runs.append(elapsed / n)
+    return median(runs)
+
+
+def _alone(seconds: float, rank_only: int | None = 0):
+    """On one engine (the others return at once): matmul table, memory rate, op host cost."""
+    import torch
+    import torch.distributed as dist
+
+    if rank_only is not None and dist.get_rank() != rank_only:
+        return None
+    table = []
+    for m, k, n in MATMUL_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        table.append((2.0 * m * k * n, 2.0 * m * k * n / _loop(lambda: a @ b, seconds)))
+    x, y = torch.zeros(1 << 20), torch.zeros(1 << 20)
+    memory = 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds)
+    w = torch.ones(1, requires_grad=True)
+
+    def chain():
+        h = w
+        for _ in range(20):
+            h = h * 1.0001 + 0.0
+        h.sum().backward()
+    from .work import _Counter
+    counter = _Counter()
+    with counter:
+        chain()
+    import os
+    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0))
+
+
+def _together(seconds: float, with_comm: bool):
+    """On every engine at once: a 64×512×512 product's rate, with an all-reduce beside it or not."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(64, 512), torch.randn(512, 512)
+    dist.barrier()
+    if not with_comm:
+        return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds, chunks=1)
+    buf = torch.zeros(1 << 18)          # 1 MiB: a bucket's size
+    rounds = max(4, int(seconds / 2e-3))     # a fixed count: every rank issues the same calls
+    t0, n = time.perf_counter(), 0
+    for _ in range(rounds):
+        work = dist.all_reduce(buf, async_op=True)
+        while not work.is_completed():
+            a @ b
+            n += 1
+        work.wait()
+    rate = 2.0 * 64 * 512 * 512 * n / (time.perf_counter() - t0)
+    dist.barrier()
+    return rate
+
+
+COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
+
+
+def _comm(seconds: float):
+    """On every engine: the median seconds per call of each family at each of COMM_SIZES (labkit.comm's
+    calls, recording off), the slowest rank's."""
+    import time
+
+    import torch.distributed as dist
+
+    from ..bench import _operation
+    from ..engine import session
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    rec = session().recorder
+    was, rec.enabled = rec.enabled, False
+    out = {}
+    try:
+        for family in FAMILIES:
+            for nbytes in COMM_SIZES:
+                call, _ = _operation("sendrecv" if family == "send" else family, "torch", nbytes, n, me)
+                call()
+                runs = []
+                for _ in range(5):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        call()
+                    runs.append((time.perf_counter() - t0) / 3)
+                out[(family, nbytes)] = sorted(runs)[2]
+    finally:
+        rec.enabled = was
+    return out
+
+
+def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
+    """(α per ring step, β) by least squares on t = steps·α + bus·S/β, relative errors."""
+    rows = [(ring_steps(family, n), bus_factor(family, n) * s, t) for (f, s), t in times.items() if f == family]
+    import numpy as np
+    a = np.array([[k / t, x / t] for k, x, t in rows])
+    coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    alpha, inv_beta = float(coef[0]), float(coef[1])
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(sum(t * x for _, x, t in rows) / sum(x * x for _, x, _ in rows))
+    if inv_beta <= 0:
+        alpha, inv_beta = float(min(t / k for k, _, t in rows)), 1e-12
+    return alpha, 1.0 / inv_beta
+
+
+def measure(lab, seconds: float = 0.2) -> Machine:
+    """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
+    world = lab.world_size
+    table, memory, op_s, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
+    together = lab.apply(_together, seconds, False)
+    # engines' worth of one alone, at most the engines and the CPUs they may run on
+    cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
+    comm, link_name, link_ab, load = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0
+    if world > 1:
+        link = getattr(lab, "link", None)
+        if link is not None:        # gloo's own calls, timed without the link; the link's are known
+            link_ab, link_name = link.alpha_beta("intra"), str(link)
+            lab.link = None
+        try:
+            per_rank = lab.apply(_comm, seconds)
+        finally:
+            if link is not None:
+                lab.link = link
+        times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        comm = {f: _fit(f, world, times) for f in FAMILIES}
+        beside = sum(lab.apply(_together, seconds, True))
+        # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
+        if beside < sum(together):
+            load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
+    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, engines=world, link=link_name,
+                      link_alpha_beta=tuple(link_ab))
+    action_s, step_s = _host_costs(lab, machine)
+    return replace(machine, action_s=action_s, step_s=step_s)
+
+
+def _host_costs(lab, machine: Machine) -> tuple[float, float]:
+    """The executor's host seconds per action and per step: a trivial model (one Linear of width
+    8) run at 1 and 8 micro-batches, against the simulator's price of its ops alone."""
+    from ..config import Strategy
+    from ..models import mlp
+    from .physical import simulate
+
+    model, world = mlp(width=8, depth=2), lab.world_size
+    bare = replace(machine, action_s=0.0, step_s=0.0)
+    measured, simulated = [], []
+    for m in (1, 8):
+        s = Strategy(dp=world, microbatches=m, dp_mode="bucketed") if world > 1 else Strategy(microbatches=m)
+        measured.append(lab.run(s, model=model, batch=8 * world, steps=12, record=True).metrics["step_time_s"])
+        simulated.append(simulate(s, bare, model=model, batch=8 * world).metrics["step_time_s"])
+    slow = max(1.0, world / machine.cores)            # the engines share the cores
+    action_s = max(0.0, (measured[1] - measured[0]) - (simulated[1] - simulated[0])) / (2 * 7 * slow)
+    step_s = max(0.0, measured[0] - simulated[0] - 2 * action_s * slow) / slow
+    return action_s, step_s

@@ -1,0 +1,209 @@
+"""What a model asks of the machine: its operations, counted at the batch's shapes, never timed.
+
+A forward and a backward of the model run once on this process under a dispatch mode that
+records every aten operation with its FLOPs (torch's own formulas,
+``torch.utils.flop_counter``) and the bytes it reads and writes. Each operation is charged to
+the block it ran in (the executor's blocks: :func:`labkit.parallel.blocks.units`), to the
+part outside them (embedding before, head and loss after), or to the optimizer's step, and
+to the ``nn.Linear`` it belongs to, so tensor parallelism can shard the right products.
+A :class:`~labkit.plan.machine.Machine` prices the counts (:meth:`Machine.op_seconds`).
+
+    >>> work = count(labkit.models.mlp(width=512, depth=8), batch=16)
+    >>> work.blocks[0].fwd.flops, len(work.blocks[0].fwd.ops)
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from ..models.training import build_model, resolve_data, resolve_loss
+
+MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution", "convolution_backward")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One aten call: its FLOPs (0 for memory-bound ones), its bytes, and the Linear it serves."""
+
+    name: str
+    flops: float
+    bytes: float
+    linear: str = ""
+    weight_grad: bool = False
+    """A product whose output is a weight's gradient (the W half of a split backward)."""
+
+
+@dataclass
+class Ops:
+    """The operations of one piece of work (a block's forward, its backward, ...)."""
+
+    ops: list = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return sum(o.flops for o in self.ops)
+
+    def where(self, keep) -> "Ops":
+        return Ops([o for o in self.ops if keep(o)])
+
+
+@dataclass
+class BlockWork:
+    """One block at one micro-batch size: its forward's and backward's operations, its
+    parameters (numel per tensor), its output's numel and its Linear layers' names."""
+
+    name: str
+    fwd: Ops
+    bwd: Ops
+    params: list[int]
+    out_numel: int
+    linears: dict = field(default_factory=dict)      # qualified name → (in_features, out_features)
+
+
+@dataclass
+class ModelWork:
+    """A model's work per micro-batch of ``size`` samples (see the module docstring)."""
+
+    size: int
+    blocks: list[BlockWork]
+    pre: BlockWork               # outside the blocks, before them (an embedding); may be empty
+    post: BlockWork              # after them: final norm, head and the loss
+    optimizer: Ops               # one optimizer step over every parameter (sgd or adamw)
+    optimizer_params: int
+
+
+class _Counter(TorchDispatchMode):
+    """Records each aten call into ``self.sink`` (a list), with the Linear ``self.linear`` names."""
+
+    def __init__(self):
+        super().__init__()
+        self.sink, self.linear, self.weights = [], "", set()
+        self.by_storage, self.by_shape = {}, {}     # a Linear's weight → its name (backward has no hooks)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in ("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided",
+                    "unsqueeze", "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh"):
+            return out               # views and metadata: no work
+        formula = flop_registry.get(func.overloadpacket)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        wgrad = flops > 0 and any(tuple(t.shape) in self.weights for t in outs)
+        linear = self.linear
+        if not linear and flops:        # backward: the product that reads a weight, or makes its gradient
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            linear = next((self.by_storage[p] for t in ins if (p := _storage(t)) in self.by_storage), "")
+            linear = linear or next((self.by_shape[tuple(t.shape)] for t in outs if tuple(t.shape) in self.by_shape), "")
+        self.sink.append(Op(name, flops, nbytes, linear, wgrad))
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
+
+
+def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None) -> ModelWork:
+    """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's)."""
+    from ..parallel.blocks import find_blocks
+
+    net = build_model(model, 0)
+    found = find_blocks(net, blocks)
+    if not found:
+        raise ValueError(f"count: {type(net).__name__} has no blocks (an nn.Sequential's children or an "
+                         "nn.ModuleList of layers); the planner prices a model block by block")
+    x, y = resolve_data(data, net, batch, 0)(0)
+    x, y = x[:batch], y[:batch]
+    counter = _Counter()
+    counter.weights = {tuple(p.shape) for p in net.parameters() if p.dim() >= 2}
+    for qual, mod in net.named_modules():
+        if isinstance(mod, nn.Linear):
+            counter.by_storage.setdefault(_storage(mod.weight), qual)
+            counter.by_shape.setdefault(tuple(mod.weight.shape), qual)
+    hooks, where = [], {"piece": "pre"}
+    for qual, mod in net.named_modules():
+        if isinstance(mod, nn.Linear):
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, q=qual: counter.__setattr__("linear", q)))
+            hooks.append(mod.register_forward_hook(lambda m, a, o: counter.__setattr__("linear", "")))
+    pieces: dict = {}
+    outputs: dict = {}
+
+    def sink(piece: str, phase: str) -> list:
+        return pieces.setdefault((piece, phase), [])
+
+    def enter(i):
+        def pre(m, a):
+            counter.sink = sink(i, "fwd")
+        return pre
+
+    def leave(i):
+        def post(m, a, o):
+            counter.sink = sink("post", "fwd")
+            outputs[i] = o[0] if isinstance(o, (tuple, list)) else o
+        return post
+
+    def enter_b(i):
+        def pre(m, g):
+            counter.sink = sink(i, "bwd")
+        return pre
+
+    def leave_b(i):
+        def post(m, gi, go):
+            # with an input that needs no gradient torch calls this before the block's own
+            # backward has run: keep charging the block then
+            if any(g is not None for g in gi):
+                counter.sink = sink(i - 1 if i > 0 else "pre", "bwd")
+        return post
+
+    for i, (_, block) in enumerate(found):
+        hooks += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i)),
+                  block.register_full_backward_pre_hook(enter_b(i)), block.register_full_backward_hook(leave_b(i))]
+    lossfn = resolve_loss(loss)
+    with counter:
+        counter.sink = sink("pre", "fwd")
+        out = net(x)
+        value = lossfn(out, y)
+        counter.sink = sink("post", "bwd")
+        with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
+            warnings.simplefilter("ignore", UserWarning)
+            value.backward()
+        for h in hooks:
+            h.remove()
+        from ..models.training import build_optimizer
+        opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
+        counter.sink = sink("opt", "fwd")
+        opt.step()
+        opt.zero_grad()
+    linears = {q: (m.in_features, m.out_features) for q, m in net.named_modules() if isinstance(m, nn.Linear)}
+    in_blocks = set()
+
+    def block_work(i: int, name: str, module) -> BlockWork:
+        quals = {f"{name}.{q}" if q else name for q, m in module.named_modules() if isinstance(m, nn.Linear)}
+        in_blocks.update(quals)
+        o = outputs.get(i)
+        return BlockWork(name, Ops(pieces.get((i, "fwd"), [])), Ops(pieces.get((i, "bwd"), [])),
+                         [p.numel() for p in module.parameters()], 0 if o is None else o[0].numel(),
+                         {q: linears[q] for q in quals})
+
+    works = [block_work(i, n, b) for i, (n, b) in enumerate(found)]
+    inside = {id(p) for _, b in found for p in b.parameters()}
+    outside = [p.numel() for p in net.parameters() if id(p) not in inside]
+    rest = {q: v for q, v in linears.items() if q not in in_blocks}
+    pre = BlockWork("pre", Ops(pieces.get(("pre", "fwd"), [])), Ops(pieces.get(("pre", "bwd"), [])), outside, 0, rest)
+    post = BlockWork("post", Ops(pieces.get(("post", "fwd"), [])), Ops(pieces.get(("post", "bwd"), [])), [],
+                     0, {})
+    n_params = sum(p.numel() for p in net.parameters())
+    return ModelWork(batch, works, pre, post, Ops(pieces.get(("opt", "fwd"), [])), n_params)
