@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import time
+import traceback
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -213,15 +214,27 @@ def run_step(step: int, run_id: str | None = None) -> dict:
                            f"here; a step never runs another run's job")
     s.recorder.step = step
     job = s.job
-    with capture_warnings() as caught, counting_routes([st.module for st in getattr(job, "stages", [])],
-                                                       getattr(job, "tp_index", 0) == 0) as routed:
-        batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
-        comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
-        s.recorder.start_step(step)
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = s.job.step(step, batch)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize()
+    try:
+        with capture_warnings() as caught, counting_routes([st.module for st in getattr(job, "stages", [])],
+                                                           getattr(job, "tp_index", 0) == 0) as routed:
+            batch = s.job.batch(step)       # this rank's share of the step's data, made before the clock starts
+            comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
+            s.recorder.start_step(step)
+            t0, c0 = time.perf_counter(), time.process_time()
+            result = s.job.step(step, batch)
+            if s.device.type == "cuda":
+                torch.cuda.synchronize()
+    except BaseException as error:
+        # The engine's kernel keeps the error it reports; its frames' locals (this one's too)
+        # would keep the failed job (stages, syncs, groups) alive after it is replaced. The text
+        # of the traceback stays.
+        job = None
+        seen = set()
+        while error is not None and id(error) not in seen:       # and the errors it was raised from
+            seen.add(id(error))
+            traceback.clear_frames(error.__traceback__)
+            error = error.__cause__ or error.__context__
+        raise
     result["step_s"] = time.perf_counter() - t0       # wall time, recorded or not
     result["cpu_s"] = time.process_time() - c0        # CPU time of every thread (gloo's too)
     result["memory"] = s.job.memory()
