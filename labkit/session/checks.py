@@ -58,15 +58,9 @@ def check_capacity(engines: int, cpus: int | None = None, memory_bytes: int | No
 
 
 def _available_memory() -> int | None:
-    """MemAvailable (free plus reclaimable cache) where Linux says it, else free pages."""
+    """Memory free now (labkit.parallel.materialize.available_bytes), None where it cannot be read."""
+    from ..parallel.materialize import available_bytes
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return available_bytes()
     except (ValueError, OSError, AttributeError):
         return None
