@@ -202,13 +202,16 @@ class Timeline:
         return cls.from_profiler([path])
 
     @classmethod
-    def from_profiler(cls, paths, title: str | None = None, ranks=None) -> "Timeline":
+    def from_profiler(cls, paths, title: str | None = None, ranks=None, grid=None) -> "Timeline":
         """Torch profiler (Kineto) Chrome traces, one per rank, plain or gzipped, as one
         Timeline (labkit.analysis.traces.read_profiler). ranks: each path's rank, for
-        traces without distributedInfo."""
+        traces without distributedInfo; grid: the job's rank grid (anything with dp, pp, tp),
+        so lanes name each rank's place and stragglers compare dp peers."""
         from .traces import read_profiler
 
-        return read_profiler(paths, title=title, ranks=ranks)
+        tl = read_profiler(paths, title=title, ranks=ranks)
+        tl.grid = None if grid is None else Grid(grid.dp, grid.pp, grid.tp)
+        return tl
 
     def temporal_breakdown(self) -> list[dict]:
         """Per rank: compute, non-compute and idle seconds in its own window, comparable with

@@ -14,7 +14,7 @@ import socket
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -46,6 +46,7 @@ class EngineSession:
         self.run_id = None           # the run the job was built for; every step names it
         self.recorder = None
         self.snapshots = None        # per-step parameter snapshots, when the run asks (labkit.drift)
+        self.profiler = None         # the run's StepProfiler, when it asks (lab.run(..., profile=True))
         self.link = None             # the emulated link (labkit.Link), kept across re-initialisations
 
     def describe(self) -> dict:
@@ -159,6 +160,9 @@ def drop_job(s: EngineSession) -> None:
     job, s.job, s.run_id = s.job, None, None
     if job is not None:
         job.close()
+    if s.profiler is not None:          # a profiled run replaced before its trace was taken
+        s.profiler.close()
+        s.profiler = None
     from ..parallel.context import deactivate
     deactivate()                  # a cp job's attention context goes with it
 
@@ -195,6 +199,9 @@ def setup_run(spec, run_id: str | None = None) -> dict:
     s.run_id = run_id
     from ..analysis.drift import build_step_snapshots
     s.snapshots = build_step_snapshots(s.job) if spec.extra.get("snapshots") else None
+    if spec.extra.get("profile"):
+        from ..record.profiler import StepProfiler
+        s.profiler = StepProfiler(s.device)
     local = [getattr(p, "_local_tensor", p) for p in s.job.model.parameters()]    # a DTensor: its shard
     return {"rank": s.rank, "params": sum(t.numel() for t in local),
             "parameter_bytes": sum(t.numel() * t.element_size() for t in local), "warnings": caught}
@@ -221,9 +228,10 @@ def run_step(step: int, run_id: str | None = None) -> dict:
             comm.barrier(name=f"start of step {step}")      # logged, so a rank that never arrives is named
             s.recorder.start_step(step)
             t0, c0 = time.perf_counter(), time.process_time()
-            result = s.job.step(step, batch)
-            if s.device.type == "cuda":
-                torch.cuda.synchronize()
+            with _profiled(s.profiler, step):
+                result = s.job.step(step, batch)
+                if s.device.type == "cuda":
+                    torch.cuda.synchronize()
     except BaseException as error:
         # The engine's kernel keeps the error it reports; its frames' locals (this one's too)
         # would keep the failed job (stages, syncs, groups) alive after it is replaced. The text
@@ -251,6 +259,20 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, or a NaN "
                             f"or inf in the model or data); lab.run(..., allow_nonfinite=True) carries on")
     return result
+
+
+def _profiled(profiler, step: int):
+    """The profiler's window around the step (labkit.record.profiler), or nothing."""
+    return profiler.step(step) if profiler is not None else nullcontext()
+
+
+def finish_profile() -> dict:
+    """Stop the run's profiler; its Chrome trace, gzipped, for the notebook to save."""
+    s = session()
+    if s.profiler is None:
+        raise RuntimeError(f"rank {s.rank}: this run was not profiled (lab.run(..., profile=True))")
+    profiler, s.profiler = s.profiler, None
+    return {"rank": s.rank, "trace_gz": profiler.finish()}
 
 
 @contextmanager

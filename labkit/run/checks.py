@@ -6,6 +6,7 @@ warns where the run would work but silently differ from one process.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Callable
 
@@ -17,6 +18,15 @@ def check_number(name: str, value, rule: str, ok: Callable[[float], bool]) -> No
     """``value`` must be a finite real number (not a bool, not a string) satisfying ``ok``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise ValueError(f"{name}={value!r} must be a finite number {rule}")
+
+
+def check_profile(profile) -> None:
+    """``lab.run(profile=...)``: False, True (a new temporary folder) or a folder's path."""
+    if not isinstance(profile, (bool, str, os.PathLike)):
+        raise TypeError(f"profile={profile!r} must be True, False or a folder to save the traces in "
+                        f"(profile='traces/')")
+    if not isinstance(profile, bool) and os.path.isfile(profile):
+        raise ValueError(f"profile={str(profile)!r} is a file; name a folder for the per-rank traces")
 
 
 def check_model(model: nn.Module, strategy) -> None:

@@ -43,6 +43,21 @@ class Run:
     step_entries: dict = field(default_factory=dict, repr=False)
     """Per recorded step, its part of the metrics (analysis.metrics.step_entry), so the metrics
     are refreshed after each step from the new step's events alone."""
+    profile_paths: list[str] = field(default_factory=list, repr=False)
+    """With ``lab.run(..., profile=True)``: each rank's torch profiler trace, in rank order."""
+
+    @property
+    def profile(self):
+        """The profiler traces as a Timeline (``Timeline.from_profiler``), with the run's grid:
+        the same metrics, plots and straggler report as ``run.timeline``, from torch's own ops
+        (and kernels on a GPU). Read once, then kept."""
+        if not self.profile_paths:
+            raise ValueError("this run was not profiled; run it with lab.run(..., profile=True)")
+        if getattr(self, "_profile", None) is None:
+            from ..analysis.timeline import Timeline
+            self._profile = Timeline.from_profiler(self.profile_paths, grid=self.strategy,
+                                                   title=f"torch profiler · {self.strategy.label()}")
+        return self._profile
 
     def grad_norms(self, reference=None):
         """The gradient check: every parameter's gradient norm per step and rank (and the reference's)."""

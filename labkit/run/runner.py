@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import uuid
 from typing import Callable
 
@@ -25,7 +26,7 @@ from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from ..parallel.materialize import check_init
-from .checks import check_loss, check_model, check_number, warn_dropout
+from .checks import check_loss, check_model, check_number, check_profile, warn_dropout
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -50,6 +51,7 @@ def validate(spec: RunSpec, engines: int) -> None:
         raise ValueError(f"seed={spec.seed!r} must be a whole number that fits in 64 bits")
     loss = resolve_loss(spec.loss)
     check_snapshots(spec.extra.get("snapshots", False))
+    check_profile(spec.extra.get("profile", False))
     check_optimizer(spec.optimizer, spec.momentum)
     check_init(spec.init)
     if not (isinstance(spec.model, nn.Module) or callable(spec.model)):
@@ -202,8 +204,24 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             if stop is not None and stop() and step < spec.steps - 1:
                 run.interrupted = True
                 break
+        if spec.extra.get("profile"):
+            run.profile_paths = save_profiles(lab.apply(engine.finish_profile), spec.extra["profile"], run_id)
         run.params = gather_parameters(lab)
     return run
+
+
+def save_profiles(traces: list[dict], where, run_id: str) -> list[str]:
+    """Each rank's gzipped profiler trace as ``rank{N}.json.gz`` in ``where`` (True: a new
+    temporary folder named after the run); the paths, in rank order."""
+    folder = tempfile.mkdtemp(prefix=f"labkit-profile-{run_id}-") if where is True else str(where)
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for t in sorted(traces, key=lambda t: t["rank"]):
+        path = os.path.join(folder, f"rank{t['rank']}.json.gz")
+        with open(path, "wb") as f:
+            f.write(t["trace_gz"])
+        paths.append(path)
+    return paths
 
 
 def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], step: int) -> None:

@@ -501,7 +501,7 @@ class Lab:
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
             tp_plan: dict | None = None, optimizer: str = "sgd", blocks: str | None = None,
-            init: str = "auto") -> Run:
+            init: str = "auto", profile=False) -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
         ``tp_plan`` (tp > 1): which modules tensor parallelism splits, in DTensor's convention
@@ -520,11 +520,16 @@ class Lab:
         A NaN or infinite loss stops the run with a LabError naming the step and ranks, unless
         ``allow_nonfinite=True``. ``tp_plan`` overrides the model's own ``tp_plan`` (DTensor's
         convention) when tp > 1.
+
+        ``profile=True`` records a torch profiler trace per engine over the steps (CPU ops; on
+        a GPU kernels and memcpys too), saved as ``rank{N}.json.gz`` in a new temporary folder,
+        or in the folder ``profile`` names; ``run.profile`` reads them back as a Timeline
+        (labkit.record.profiler, labkit.analysis.traces).
         """
         from ..run.runner import execute
         self._check_open()
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
-                       extra={"snapshots": snapshots}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
+                       extra={"snapshots": snapshots, "profile": profile}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
                        optimizer=optimizer, blocks=blocks, init=init)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)
