@@ -5,14 +5,15 @@
 
 Parts, in order, each bounded by a timeout and printed as one line PASS / FAIL (why) / SKIP (why):
 device · tests (tests/test_gpu.py) · lab (one engine: NCCL world of one on a GPU, gloo on CPU) ·
-dp (naive, bucketed, overlap, ddp against one process) · backend (the world's backend, a lone
+dp (naive, bucketed, overlap, ddp against one process) · profile (a profiled run's kernels read back
+with Timeline.from_profiler) · backend (the world's backend, a lone
 all-reduce) · cuda_events (compute and comm spans from CUDA events, comm spans against the lone
 all-reduce) · pipeline (1F1B and GPipe at pp=1 through the pipeline executor) · tp · tp_dtensor ·
 gpt (a GPT step on the engine: TFLOP/s, MFU, overlap) · gpt_events (its CUDA-event spans) · gpt_plain (the same step in plain torch) ·
 stall (sync_debug + stall_report) · env (env_check).
 On CPU the same parts run at small sizes and the GPU-only ones are skipped, each with its reason.
 Writes report.txt, report.json, timeline.png + trace.json (GPT step), timeline_dp.png +
-trace_dp.json (DP overlap), test_gpu.log. Exit status 1 if any part failed, naming each.
+trace_dp.json (DP overlap), timeline_profile.png + profile/rank0.json.gz, test_gpu.log. Exit status 1 if any part failed, naming each.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ matplotlib.use("Agg")
 import cloudpickle  # noqa: E402
 import torch  # noqa: E402
 
-from labkit.timeline import Timeline  # noqa: E402
+from labkit.analysis.timeline import Timeline  # noqa: E402
 
 import gpu_engine  # noqa: E402  (beside this file)
 import gpu_model  # noqa: E402
@@ -54,7 +55,7 @@ SIZES = {   # GPU: a GPT of ~0.7 B matmul parameters, 16 k tokens a step; CPU: e
             "gpt": dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128), "gpt_batch": 4,
             "gpt_steps": 3},
 }
-TIMEOUTS = {"device": 30, "tests": 150, "lab": 180, "dp": 120, "backend": 60, "cuda_events": 10, "pipeline": 90,
+TIMEOUTS = {"device": 30, "tests": 150, "lab": 180, "dp": 120, "profile": 90, "backend": 60, "cuda_events": 10, "pipeline": 90,
             "tp": 5, "tp_dtensor": 60, "gpt": 150, "gpt_events": 30, "gpt_plain": 90, "stall": 60, "env": 30}
 
 

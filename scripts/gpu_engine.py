@@ -12,7 +12,7 @@ import torch
 
 from labkit import engine
 from labkit.run.runner import ship_by_value
-from labkit.waits import split_waits
+from labkit.analysis.waits import split_waits
 
 
 def drive(lab, spec, setup=engine.setup_run):

@@ -19,7 +19,7 @@ import torch
 import labkit
 from labkit import engine, gpu
 from labkit.parallel.build import RunSpec
-from labkit.metrics import step_metrics
+from labkit.analysis.metrics import step_metrics
 from labkit.parallel.data.sync import MiB, make_buckets
 
 import gpu_model
@@ -200,6 +200,29 @@ def part_tp_dtensor(check):
             f"(max diff {max(info['out_diff'], info['grad_diff']):.1e})"), info
 
 
+def part_profile(check):
+    """A profiled run on the GPU (lab.run(..., profile=True)): its Kineto trace read back as a
+    Timeline of kernels, each step's kernels inside the step, beside the run's CUDA-event timeline."""
+    check.require_gpu("a profiled step's kernels need a GPU (the CPU path is tests/test_profile.py)")
+    s = labkit.Strategy(dp=1, dp_mode="overlap", bucket_mb=check.sizes["bucket_mb"])
+    run = check.lab.run(s, model=labkit.models.mlp(**check.sizes["mlp"]), batch=check.sizes["batch"], steps=3,
+                        profile=check.out / "profile")
+    tl = run.profile
+    kernels = [e for e in tl.events if e["stream"] == "compute" and e["kind"] != "memcpy"]
+    if not kernels or any(e["name"].startswith("aten::") for e in kernels):
+        raise RuntimeError(f"the trace holds no kernels as compute (names: {sorted({e['name'] for e in tl.events})[:8]})")
+    if tl.steps != run.timeline.steps:
+        raise RuntimeError(f"profiler steps {tl.steps} against the run's {run.timeline.steps}")
+    ends = tl.step_durations()
+    if not all(0 <= e["start"] <= e["end"] <= ends[e["step"]] for e in tl.events):
+        raise RuntimeError("a kernel lies outside its step's window")
+    tl.plot().savefig(check.out / "timeline_profile.png", dpi=110, bbox_inches="tight")
+    m, own = tl.metrics(check.sizes["batch"]), run.metrics
+    return (f"{len(tl.events)} kernels/memcpys over {len(tl.steps)} steps, e.g. {kernels[0]['name'][:40]}; step "
+            f"{m['step_time_s'] * 1e3:.2f} ms from kernels vs {own['step_time_s'] * 1e3:.2f} ms from CUDA events"), \
+        {"kernels": len(kernels), "metrics": m, "paths": run.profile_paths}
+
+
 def part_gpt(check):
     """A GPT step on the engine (DP overlap, dp=1): TFLOP/s, MFU and overlap from the recorded step."""
     dims, batch, steps = check.sizes["gpt"], check.sizes["gpt_batch"], check.sizes["gpt_steps"]
@@ -286,6 +309,7 @@ def part_env(check):
 
 
 PARTS = [("device", part_device), ("tests", part_tests), ("lab", part_lab), ("dp", part_dp),
+         ("profile", part_profile),
          ("backend", part_backend), ("cuda_events", part_cuda_events), ("pipeline", part_pipeline),
          ("tp", part_tp), ("tp_dtensor", part_tp_dtensor), ("gpt", part_gpt), ("gpt_events", part_gpt_events),
          ("gpt_plain", part_gpt_plain),

@@ -183,7 +183,7 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())
     status = {p["part"]: p["status"] for p in report["parts"]}
-    assert status == {"device": "SKIP", "tests": "SKIP", "lab": "PASS", "dp": "PASS", "backend": "PASS",
+    assert status == {"device": "SKIP", "tests": "SKIP", "lab": "PASS", "dp": "PASS", "profile": "SKIP", "backend": "PASS",
                       "cuda_events": "SKIP", "pipeline": "PASS", "tp": "SKIP", "tp_dtensor": "PASS", "gpt": "PASS",
                       "gpt_events": "SKIP", "gpt_plain": "PASS", "stall": "PASS", "env": "PASS"}
     skipped = [p for p in report["parts"] if p["status"] == "SKIP"]
