@@ -30,8 +30,8 @@ def torch_pipelining(schedule: str, model, batch: int, microbatches: int, steps:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from labkit.engine import session
-    from labkit.strategies.pipeline import stage_blocks
-    from labkit.training import build_model, resolve_data
+    from labkit.parallel.pipeline.stages import stage_blocks
+    from labkit.models.training import build_model, resolve_data
 
     s = session()
     pp, stage_index = s.groups.dims.pp, s.groups.coords[1]

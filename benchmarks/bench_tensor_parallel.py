@@ -38,7 +38,7 @@ TP_MODES = {"megatron": ("megatron", False), "megatron SP": ("megatron", True), 
 def build(args, tp_mode: str | None, rank: int, world: int):
     import labkit
     from labkit.parallel.tensor import build_tensor_parallel
-    from labkit.training import build_model
+    from labkit.models.training import build_model
 
     data = labkit.data.text(batch=args.batch, block_size=args.block)
     make = labkit.models.gpt(n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.block,
@@ -51,7 +51,7 @@ def build(args, tp_mode: str | None, rank: int, world: int):
 
 
 def time_steps(model, data, steps: int, barrier: bool) -> list[float]:
-    from labkit.training import resolve_loss
+    from labkit.models.training import resolve_loss
 
     loss_fn = resolve_loss("cross_entropy")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -86,7 +86,7 @@ def tp_bytes(args, rank: int, world: int) -> dict:
     ctx.recorder.enabled = False
     model, data, _ = build(args, "dtensor", rank, world)
     x, y = data(0)
-    from labkit.training import resolve_loss
+    from labkit.models.training import resolve_loss
     with CommDebugMode() as counter:
         resolve_loss("cross_entropy")(model(x), y).backward()
     params = sum(p.numel() * p.element_size() for p in build(args, "megatron", rank, world)[0].parameters())
@@ -104,7 +104,7 @@ def worker(rank: int, world: int, port: int, args, orders, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     from labkit import comm
-    from labkit.recorder import Recorder
+    from labkit.record.recorder import Recorder
 
     # labkit.comm outside the lab: this process's context, recording off while timing
     comm.bind(comm.CommContext(rank, Recorder(rank, enabled=False), 120.0))

@@ -8,7 +8,7 @@ comparators labkit's own schedules are held against. On the same model and batch
 
 * torch's ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB-H1,
   the paper's ZB1P) and ``ScheduleZBVZeroBubble`` (two stages per rank in a V). The model is
-  cut by labkit's balanced split (``labkit.strategies.pipeline.split_blocks``) into pp stages,
+  cut by labkit's balanced split (``labkit.parallel.pipeline.stages.split_blocks``) into pp stages,
   or 2·pp for ZB-V; beside each, labkit's simulated bubble for equal F/I/W costs;
 * ``Schedule1F1B`` with each stage under ``apply_recompute(stage, "none" | "full")``, on an
   MLP whose blocks hold several ops (Linear, GELU, Linear), where recompute frees memory:
@@ -55,8 +55,8 @@ def build_pipe(schedule: str, model, rank: int, pp: int, microbatches: int, reco
                                               ScheduleZBVZeroBubble)
 
     from labkit.parallel.recompute import apply_recompute
-    from labkit.schedules import global_stage, placement_of
-    from labkit.strategies.pipeline import split_blocks
+    from labkit.parallel.pipeline.schedules import global_stage, placement_of
+    from labkit.parallel.pipeline.stages import split_blocks
 
     n = 2 * pp if schedule == "zbv" else pp
     bounds = split_blocks([sum(p.numel() for p in b.parameters()) for b in model], n)
@@ -178,7 +178,7 @@ def report_labkit(args, results, times) -> None:
 
 
 def report(args, results) -> None:
-    from labkit.schedules import ideal_bubble
+    from labkit.parallel.pipeline.schedules import ideal_bubble
 
     def step_ms(key):     # slowest rank per step, median over rounds × steps
         per_rank = [sum(results[r][key], []) for r in results]

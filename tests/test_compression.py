@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.compression import dequantize_int8, int8_wire_bytes, quantize_int8
-from labkit.strategies.data_parallel import make_buckets
+from labkit.comm.compression import dequantize_int8, int8_wire_bytes, quantize_int8
+from labkit.parallel.data.sync import make_buckets
 
 MODEL = labkit.models.mlp(width=48, depth=3)
 STEPS = 4
@@ -18,7 +18,7 @@ def _bucket_numels(bucket_mb: float) -> list[int]:
 
 
 def _sent_per_step(run, rank=0, step=STEPS - 1) -> int:
-    from labkit.metrics import SEND_KINDS
+    from labkit.analysis.metrics import SEND_KINDS
     return sum(e["bytes"] for e in run.timeline.events
                if e["rank"] == rank and e["step"] == step and e["kind"] in SEND_KINDS)
 

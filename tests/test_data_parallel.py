@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.strategies.data_parallel import make_buckets
+from labkit.parallel.data.sync import make_buckets
 
 MODES = ["naive", "bucketed", "overlap", "ddp"]
 STEPS = 5

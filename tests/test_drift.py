@@ -12,7 +12,7 @@ import torch
 
 import labkit
 from labkit.analysis.drift import GradNorms, grad_norms
-from labkit.runner import ship_by_value
+from labkit.run.runner import ship_by_value
 
 MODEL = labkit.models.mlp(width=48, depth=3)        # Linear layers 0, 2, 4
 STEPS = 4
@@ -29,7 +29,7 @@ def plant(fault: str, bucket: int, from_step: int) -> None:
     "factor": every rank divides the bucket's sum by 2·dp instead of dp.
     """
     from labkit import engine
-    from labkit.strategies import data_parallel
+    from labkit.parallel.data import sync as data_parallel
 
     cls = data_parallel._Bucket
     original = getattr(cls, "_unplanted", cls.complete)
@@ -50,7 +50,7 @@ def plant(fault: str, bucket: int, from_step: int) -> None:
 
 
 def unplant() -> None:
-    from labkit.strategies import data_parallel
+    from labkit.parallel.data import sync as data_parallel
 
     cls = data_parallel._Bucket
     if hasattr(cls, "_unplanted"):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import labkit
-from labkit.compression import FP8_DTYPES, dequantize_fp8, int8_wire_bytes, quantize_fp8
-from labkit.metrics import SEND_KINDS
-from labkit.strategies.data_parallel import make_buckets
+from labkit.comm.compression import FP8_DTYPES, dequantize_fp8, int8_wire_bytes, quantize_fp8
+from labkit.analysis.metrics import SEND_KINDS
+from labkit.parallel.data.sync import make_buckets
 
 MODEL = labkit.models.mlp(width=48, depth=3)
 STEPS = 4

@@ -19,7 +19,7 @@ import torch
 
 import labkit
 from labkit import gpu
-from labkit.recorder import SYNC_DEBUG_ENV, Recorder
+from labkit.record.recorder import SYNC_DEBUG_ENV, Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

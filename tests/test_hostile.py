@@ -261,7 +261,7 @@ def test_cli_ctrl_c_prints_one_line(monkeypatch, capsys):
 
 # -- the dashboard ----------------------------------------------------------------------------------
 def test_dashboard_set_with_a_value_the_control_does_not_offer():
-    from labkit.view.dashboard import Dashboard
+    from labkit.widgets import Dashboard
 
     class NoEngines:
         world_size, ranks = 2, []

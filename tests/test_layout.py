@@ -25,7 +25,7 @@ from labkit.parallel.pipeline.schedules import SCHEDULES, build_schedule, simula
 
 ROOT = Path(labkit.__file__).parent
 ENGINE_SIDE = ("engine", "parallel", "comm", "record", "models", "data")
-NOTEBOOK_SIDE = ("session", "run", "view", "plan", "cli")
+NOTEBOOK_SIDE = ("session", "run", "view", "plan", "cli", "widgets")
 FORBIDDEN_IN_PURE = ("torch.distributed", "ipyparallel")
 
 
@@ -34,10 +34,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in the file (also inside functions), resolved."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+def imports_of(path: Path, package: str | None = None) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (also inside functions), resolved
+    (relative imports against ``package``, by default the file's own)."""
+    if package is None:
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -90,15 +92,54 @@ def test_engine_side_never_imports_notebook_side(name):
     assert not bad, f"{name} reaches notebook-side {bad}"
 
 
-def test_old_flat_names_are_the_very_same_modules():
-    from labkit import _moved
+def _layer(name: str) -> str:
+    return name.split(".")[1] if name.startswith("labkit.") else ""
 
-    for old, new in _moved.MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
+
+def run_view_crossings(name: str, found: set[str]) -> list[str]:
+    """The imports of module ``name`` (in run/ or view/) that reach the other of the two."""
+    other = {"run": "view", "view": "run"}.get(_layer(name))
+    return sorted(m for m in found if other and _layer(m) == other)
+
+
+def matplotlib_imports(found: set[str]) -> list[str]:
+    return sorted(m for m in found if m.split(".")[0] == "matplotlib")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _layer(n) in ("run", "view")))
+def test_run_and_view_never_import_each_other(name):
+    """The run driver and the views are separate layers: what both need lives below them
+    (analysis/, config), and what wires them together above them (widgets.py, cli.py)."""
+    bad = run_view_crossings(name, imports_of(MODULES[name]))
+    assert not bad, f"{name} imports {bad}: move what both need below them or the wiring above them"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _layer(n) == "analysis"))
+def test_analysis_never_imports_matplotlib(name):
+    """analysis/ is data: it draws through labkit.view (imported where a plot is asked for)."""
+    bad = matplotlib_imports(imports_of(MODULES[name]))
+    assert not bad, f"{name} imports {bad}; draw in labkit.view and call it from a plot() method"
+
+
+def test_the_scans_fire_on_a_bad_import(tmp_path):
+    """Both scans find what they look for, inside a function and relative too."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    import matplotlib.pyplot as plt\n    from ..run.live import LiveRunner\n")
+    found = imports_of(bad, package="labkit.view")
+    assert run_view_crossings("labkit.view.bad", found) == ["labkit.run.live", "labkit.run.live.LiveRunner"]
+    assert matplotlib_imports(found) == ["matplotlib.pyplot"]
+
+
+def test_the_old_flat_names_are_gone_and_the_public_ones_stay():
+    old = ("labkit._moved", "labkit.strategies", "labkit.grid", "labkit.job", "labkit.runner",
+           "labkit.metrics", "labkit.timeline")
+    assert not set(old) & set(MODULES)
+    users = [*MODULES.values(), *(p for d in ("tests", "benchmarks", "scripts") for p in (ROOT.parent / d).glob("*.py"))]
+    for path in users:
+        assert not {m for m in imports_of(path) if m.startswith(old)}, path
     assert labkit.schedules is importlib.import_module("labkit.parallel.pipeline.schedules")
-    assert labkit.widgets.Dashboard.__module__ == "labkit.view.dashboard"
-    from labkit.grid import ParallelDims, draw_grid          # notebook 03's import  # noqa: F401
-    from labkit.strategies.pipeline import stage_blocks      # notebook 02's import  # noqa: F401
+    assert labkit.diagnose is importlib.import_module("labkit.analysis.diagnose")
+    assert labkit.widgets is importlib.import_module("labkit.widgets")
 
 
 # -- the kind table -------------------------------------------------------------------------------
@@ -144,7 +185,7 @@ def test_every_strategy_field_has_a_cli_flag_and_round_trips():
 
 def test_dashboard_controls_and_labels_come_from_the_field_metadata():
     pytest.importorskip("ipywidgets")
-    from labkit.view.dashboard import STRATEGY_FIELDS
+    from labkit.widgets import STRATEGY_FIELDS
 
     assert STRATEGY_FIELDS == tuple(f.name for f in strategy_fields() if f.metadata["control"])
     assert "error_feedback" in STRATEGY_FIELDS

@@ -1,9 +1,9 @@
-"""Metric maths on hand-made events with answers worked out by hand (labkit.metrics)."""
+"""Metric maths on hand-made events with answers worked out by hand (labkit.analysis.metrics)."""
 
 import pytest
 
-from labkit import metrics
-from labkit.metrics import per_rank_metrics, speedup, step_metrics
+from labkit.analysis import metrics
+from labkit.analysis.metrics import per_rank_metrics, speedup, step_metrics
 
 DESIGN_KEYS = {"step_time_s", "throughput_samples_s", "comm_fraction", "exposed_comm_fraction",
                "overlap_fraction", "bubble_fraction", "bytes_sent", "peak_activation_bytes"}

@@ -11,9 +11,9 @@ from torch import nn
 
 import labkit
 from labkit.errors import LabError
-from labkit.job import RunSpec
-from labkit.runner import validate
-from labkit.strategies.pipeline import check_split, split_blocks, stage_blocks
+from labkit.parallel.build import RunSpec
+from labkit.run.runner import validate
+from labkit.parallel.pipeline.stages import check_split, split_blocks, stage_blocks
 
 STEPS = 5
 MLP = labkit.models.mlp(width=24, depth=4)          # 7 blocks: Linear, GELU, ..., Linear
@@ -93,7 +93,7 @@ def test_schedules_match_reference_pp2(lab2, schedule, mlp_ref):
     assert {(e["rank"], e["peer"]) for e in sends} == {(0, 1), (1, 0)} and len(sends) == 8
     assert all(e["stream"] == "comm" for e in step if e["kind"] in ("send", "recv", "wait"))
     assert any(e["kind"] == "wait" for e in step)      # stage 1 waits for stage 0's first forward
-    from labkit.metrics import step_metrics                 # kept per step, the same as from every event
+    from labkit.analysis.metrics import step_metrics                 # kept per step, the same as from every event
     measured = [e for e in run.timeline.events if e["step"] >= 1]
     whole = step_metrics(measured, 2, 16, peak_activation_bytes=run.metrics["peak_activation_bytes"])
     assert {k: run.metrics[k] for k in whole} == whole

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.job import RunSpec
+from labkit.parallel.build import RunSpec
 from labkit.parallel.pipeline.modules import PipelineStage, merge_stages, pipeline_units
 from labkit.parallel.pipeline.stages import stage_blocks
-from labkit.runner import validate
+from labkit.run.runner import validate
 
 HF = pathlib.Path(__file__).parent / "data" / "hf"
 SIZES = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=94, n_kv_heads=2)

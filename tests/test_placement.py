@@ -10,7 +10,7 @@ import pytest
 
 from labkit import engine
 from labkit.session.ranks import assign_ranks
-from labkit.placement import RANK_SOURCES, check_device_map, choose_device, rank_from_env
+from labkit.engine.placement import RANK_SOURCES, check_device_map, choose_device, rank_from_env
 
 NODES, GPUS = 2, 4
 WORLD = NODES * GPUS

@@ -13,7 +13,7 @@ from labkit.plan.des import Compute, Issue, Sim, Wait
 from labkit.plan.machine import FAMILIES, Machine
 from labkit.plan.memory import in_flight, layer_activation_bytes, memory_breakdown
 from labkit.plan.step import pipeline_time, stage_costs
-from labkit.schedules import build_schedule, ideal_bubble
+from labkit.parallel.pipeline.schedules import build_schedule, ideal_bubble
 
 GPT3 = GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit.config import COMPRESSIONS, DP_MODES, SCHEDULES
-from labkit.job import RunSpec
-from labkit.runner import execute
-from labkit.training import build_optimizer
+from labkit.parallel.build import RunSpec
+from labkit.run.runner import execute
+from labkit.models.training import build_optimizer
 
 TOUCHED = []      # examples that got past validation (the test checks there are some)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.instrument import ActivationMeter
+from labkit.record.instrument import ActivationMeter
 from labkit.parallel.recompute import apply_recompute, held_activation_bytes
 
 

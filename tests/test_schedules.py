@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from labkit.schedules import (Action, build_schedule, ideal_bubble, in_flight, parse_action,
+from labkit.parallel.pipeline.schedules import (Action, build_schedule, ideal_bubble, in_flight, parse_action,
                               simulate, validate)
 
 GRID = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in range(1, 5) for m in range(1, 9)]

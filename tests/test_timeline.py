@@ -11,8 +11,9 @@ import pytest  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from labkit.metrics import step_metrics  # noqa: E402
-from labkit.timeline import STREAM_TIDS, Timeline, compare  # noqa: E402
+from labkit.analysis.metrics import step_metrics  # noqa: E402
+from labkit.analysis.timeline import STREAM_TIDS, Timeline  # noqa: E402
+from labkit.view.timeline import compare  # noqa: E402
 
 
 def ev(rank, stream, kind, start, end, step=0, microbatch=None, nbytes=0, peer=None):

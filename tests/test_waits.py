@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.metrics import per_rank_metrics
-from labkit.schedules import build_schedule, simulate
-from labkit.waits import split_waits
+from labkit.analysis.metrics import per_rank_metrics
+from labkit.parallel.pipeline.schedules import build_schedule, simulate
+from labkit.analysis.waits import split_waits
 
 
 def ev(rank, kind, start, end, peer=None, step=0, stream=None, name="", nbytes=0):

@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import pytest
 
-from labkit.schedules import (build_schedule, global_stage, ideal_bubble, in_flight, parse_action,
+from labkit.parallel.pipeline.schedules import (build_schedule, global_stage, ideal_bubble, in_flight, parse_action,
                               simulate, stage_rank, validate)
 
 GRID = [("zb-h1", p, m, 1) for p in range(1, 5) for m in range(1, 10)]

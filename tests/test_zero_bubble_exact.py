@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from labkit.parallel.pipeline.split_backward import backward_input, backward_weight
-from labkit.schedules import build_schedule, placement_of, stage_rank
+from labkit.parallel.pipeline.schedules import build_schedule, placement_of, stage_rank
 
 
 def make_model():

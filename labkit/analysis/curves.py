@@ -70,27 +70,11 @@ class Curves(CellTable):
         return heads, body
 
     def plot(self):
-        """Loss (solid) and validation loss (dashed) against the reference, the parameters'
-        departure from the reference per step, and bytes per step."""
-        import matplotlib.pyplot as plt
+        """Loss and validation loss beside the reference, the parameters' departure, bytes per
+        step (:func:`labkit.view.curves.plot_curves`)."""
+        from ..view.curves import plot_curves
 
-        fig, (ax_loss, ax_gap, ax_bytes) = plt.subplots(1, 3, figsize=(14, 3.8))
-        steps = range(len(self.reference_losses))
-        ax_loss.plot(steps, self.reference_losses, "k-", lw=2, label="reference")
-        ax_loss.plot(steps, self.reference_val_losses, "k--", lw=2)
-        for c in self.curves:
-            line, = ax_loss.plot(steps, c.losses, lw=1, label=c.label)
-            ax_loss.plot(steps, c.val_losses, "--", lw=1, color=line.get_color())
-            ax_gap.semilogy(steps, [max(g, 1e-10) for g in c.param_gaps], color=line.get_color(), label=c.label)
-        ax_bytes.bar([c.label for c in self.curves], [c.bytes_per_step[-1] / 1024 for c in self.curves],
-                     color=[line.get_color() for line in ax_gap.get_lines()])
-        ax_loss.set(xlabel="step", ylabel="loss (dashed: validation)", title="loss")
-        ax_gap.set(xlabel="step", ylabel="max |parameter − reference|", title="departure from fp32")
-        ax_bytes.set(ylabel="KiB sent per step (busiest rank)", title="bytes on the wire")
-        ax_bytes.tick_params(axis="x", rotation=45)
-        ax_loss.legend(fontsize=8)
-        fig.tight_layout()
-        return fig
+        return plot_curves(self)
 
 
 def _strategy(setting, dp: int, bucket_mb: float) -> Strategy:

@@ -2,7 +2,7 @@
 
 A span is ``with rec.span("fwd", "block 3", microbatch=2): ...``; comm spans are opened
 only by :mod:`labkit.comm`. Times are seconds from the step's start. Merging ranks, metrics
-and plots happen later, elsewhere (:mod:`labkit.timeline`, :mod:`labkit.metrics`).
+and plots happen later, elsewhere (:mod:`labkit.analysis.timeline`, :mod:`labkit.analysis.metrics`).
 
 On CPU a span is two ``perf_counter`` readings. On a GPU, compute and comm spans are CUDA
 events recorded on the stream doing the work and resolved once per step, so asynchronous

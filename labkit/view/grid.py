@@ -1,11 +1,11 @@
 """The rank grid drawn: which ranks form the pipeline and data-parallel groups.
 
->>> from labkit.grid import ParallelDims, draw_grid     # the old flat name reaches this module
+>>> from labkit.view.grid import ParallelDims, draw_grid
 >>> draw_grid(ParallelDims(dp=2, pp=2))
 """
 from __future__ import annotations
 
-from ..engine.grid import ParallelDims, ProcessGroups, build_groups  # noqa: F401  (labkit.grid's names)
+from ..engine.grid import ParallelDims  # what draw_grid draws, here for notebooks to import beside it
 from .timeline import _new_figure
 
 
@@ -15,7 +15,7 @@ def draw_grid(dims: ParallelDims, ax=None):
     right), each dp group by a dashed band (its gradients are averaged together), each tp
     group framed in green (its ranks split every layer). Returns the Figure.
 
-    >>> labkit.grid.draw_grid(ParallelDims(dp=2, pp=2))
+    >>> draw_grid(ParallelDims(dp=2, pp=2))
     """
     from matplotlib.patches import FancyBboxPatch
 

@@ -31,7 +31,7 @@ from matplotlib.patches import Patch
 
 from ..analysis.events import KINDS, OTHER_COLOR, STREAMS
 from ..analysis.table import EventTable, reach_before
-from ..analysis.timeline import STREAM_TIDS, Timeline  # noqa: F401  (labkit.timeline's names)
+from ..analysis.timeline import Timeline
 from ..analysis.traces import TRACE_COLORS
 
 # Colours come from the kind table (labkit.analysis.events), in its order for the legend.

@@ -23,7 +23,7 @@ def simulate(actions_per_rank: list[list], fwd_cost=1.0, bwd_cost=2.0,
     comm_cost more. The blocked part is a ``wait`` (bubble), the transfer part a ``recv``
     (exposed comm). Costs may be Fractions for exact arithmetic.
 
-    >>> from labkit.schedules import build_schedule
+    >>> from labkit.parallel.pipeline.schedules import build_schedule
     >>> ev = simulate(build_schedule("gpipe", stages=2, microbatches=1), 1, 1)
     >>> max(e["end"] for e in ev)
     4

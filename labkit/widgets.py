@@ -11,8 +11,10 @@ step loop as ``lab.run`` on a worker thread: one at a time, the latest settings 
 at the next step boundary. The kernel never waits, and one painter thread does all the
 drawing, so a slow redraw never holds up the next step and only the newest timeline is drawn.
 
-The parts: the form (:mod:`.form`, controls from Strategy's field metadata), the status line
-and tables (:mod:`.status`), the canvas and painter (:mod:`.canvas`), and this app wiring them.
+The parts: the form (:mod:`labkit.view.form`, controls from Strategy's field metadata), the
+status line and tables (:mod:`labkit.view.status`), the canvas and painter
+(:mod:`labkit.view.canvas`), and this app wiring them to the runner. It sits above both
+``run/`` and ``view/``, as the CLI does: the views never import the run driver, nor it them.
 
 Pin keeps the latest run; the Compare tab then shows it above the newest run on one time
 axis, with the metric differences. From code (tests, a guided tour)::
@@ -28,14 +30,14 @@ import time
 
 import ipywidgets as W
 
-from ..config import Strategy
-from ..parallel.build import RunSpec
-from ..run.live import LiveRun, LiveRunner, describe_error
-from ..run.runner import validate
-from . import form
-from .canvas import Painter, WidgetFigure, use_ipympl
-from .form import STRATEGY_FIELDS
-from .status import diff_table, labels, metrics_table, status_html
+from .config import Strategy
+from .parallel.build import RunSpec
+from .run.live import LiveRun, LiveRunner, describe_error
+from .run.runner import validate
+from .view import form
+from .view.canvas import Painter, WidgetFigure, use_ipympl
+from .view.form import STRATEGY_FIELDS
+from .view.status import diff_table, labels, metrics_table, status_html
 
 _READ = object()     # Dashboard._choice: read, do not replace
 
@@ -300,7 +302,7 @@ class Dashboard:
         names = labels(a, b)
         view = self.compare_view
         right = 0.0
-        for ax, live, label in zip(view.axes, (a, b), names):   # as labkit.timeline.compare
+        for ax, live, label in zip(view.axes, (a, b), names):   # as labkit.view.timeline.compare
             ax.clear()
             if live is None:
                 ax.set_title("run again with other settings to compare", fontsize="medium")
