@@ -106,3 +106,17 @@ def test_a_planted_slow_rank_on_four_engines_is_named(lab4):
     assert found.ranks()[:1] == [2], repr(found)
     assert found[0].cause == "compute", repr(found)
     assert found[0].coords == {"dp": 2, "pp": 0, "tp": 0}
+
+
+def test_a_rank_that_only_waited_comes_after_the_rank_it_waited_on():
+    """Pipeline partners: rank 1 waited on rank 0 and entered its collective later still;
+    the report names rank 0 first, its waiter right after it, then the others."""
+    from labkit.analysis.stragglers import Straggler, _roots_first
+
+    parts = lambda c, w: {"compute": c, "wait": w, "comm": 0.0, "other": 0.0}  # noqa: E731
+    waiter = Straggler(1, {}, 0.040, parts(0.0, 0.039), peer=0)
+    slow = Straggler(0, {}, 0.035, parts(0.034, 0.0))
+    other = Straggler(6, {}, 0.020, parts(0.019, 0.0))
+    assert waiter.cause == "waiting on rank 0" and slow.cause == "compute"
+    assert [s.rank for s in _roots_first([waiter, slow, other])] == [0, 1, 6]
+    assert [s.rank for s in _roots_first([other, waiter])] == [1, 6]      # its peer not named: by lateness

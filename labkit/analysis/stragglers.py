@@ -18,6 +18,10 @@ the cause: ``compute``, ``waiting on rank p``, ``a late collective`` (its earlie
 longer than its peers': a slow link or a late collective upstream), or ``other`` (gaps
 between recorded spans: host-side work the recorder does not see).
 
+The report lists the slowest first, except that a rank late only because it waited on
+another named straggler comes right after that rank (in a pipeline the slow stage's partner
+enters its collective about as late as the slow rank itself).
+
 A run with no collectives (a pipeline alone) has nothing to enter late; there a rank's
 score is its compute time beyond its group's median.
 
@@ -91,7 +95,8 @@ class Stragglers(list):
 
 def find(tl, top: int = 3, threshold: float = 0.1) -> Stragglers:
     """The `top` ranks whose score (time they made peers wait per step, see the module
-    docstring) is at least `threshold` × the median step time, slowest first."""
+    docstring) is at least `threshold` × the median step time, slowest first (a waiter right
+    after the rank it waited on)."""
     groups = _groups(tl)
     late = np.zeros(tl.world_size)
     excess = np.zeros((tl.world_size, len(PARTS)))
@@ -106,11 +111,27 @@ def find(tl, top: int = 3, threshold: float = 0.1) -> Stragglers:
     durations = list(tl.step_durations().values())
     step_time = float(np.median(durations)) if durations else 0.0
     order = [r for r in np.argsort(-late, kind="stable").tolist() if late[r] > 0 and late[r] >= threshold * step_time]
-    out = Stragglers(scores=dict(enumerate(late.tolist())), step_time_s=step_time)
-    for r in order[:top]:
+    found = []
+    for r in order:
         peer = max(set(peers.get(r, [])), key=peers[r].count) if peers.get(r) else None
-        out.append(Straggler(r, tl.coords(r), float(late[r]), dict(zip(PARTS, excess[r].tolist())), peer))
-    return out
+        found.append(Straggler(r, tl.coords(r), float(late[r]), dict(zip(PARTS, excess[r].tolist())), peer))
+    return Stragglers(_roots_first(found)[:top], scores=dict(enumerate(late.tolist())), step_time_s=step_time)
+
+
+def _roots_first(found: list[Straggler]) -> list[Straggler]:
+    """Slowest first, except that a rank late only because it waited on another straggler
+    comes right after that rank: in a pipeline the slow stage's partner enters its collective
+    about as late as the slow rank itself (sometimes later), but the cause is the one it waited on."""
+    by_rank = {s.rank: s for s in found}
+
+    def root(s: Straggler) -> Straggler:
+        seen = {s.rank}
+        while s.cause.startswith("waiting on rank") and s.peer in by_rank and s.peer not in seen:
+            s = by_rank[s.peer]
+            seen.add(s.rank)
+        return s
+
+    return sorted(found, key=lambda s: (-root(s).late_s, root(s).rank, root(s) is not s, -s.late_s))
 
 
 def _groups(tl) -> list[list[int]]:

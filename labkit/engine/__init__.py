@@ -47,6 +47,7 @@ class EngineSession:
         self.recorder = None
         self.snapshots = None        # per-step parameter snapshots, when the run asks (labkit.drift)
         self.profiler = None         # the run's StepProfiler, when it asks (lab.run(..., profile=True))
+        self.straggler = None        # a planted straggler's forward hook (lab.straggler)
         self.link = None             # the emulated link (labkit.Link), kept across re-initialisations
 
     def describe(self) -> dict:
@@ -259,6 +260,26 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, or a NaN "
                             f"or inf in the model or data); lab.run(..., allow_nonfinite=True) carries on")
     return result
+
+
+def plant_straggler(rank: int, seconds: float) -> None:
+    """On ``rank`` only, make every forward of a layer with weights sleep ``seconds`` (0: remove).
+
+    torch's global forward hook, so no labkit code is patched and any model slows; the sleep
+    lies inside the executor's forward span, so the timeline counts it as the rank's compute.
+    """
+    s = session()
+    if s.straggler is not None:
+        s.straggler.remove()
+        s.straggler = None
+    if s.rank != rank or seconds <= 0:
+        return
+
+    def slow(module, args, output):
+        if next(module.parameters(recurse=False), None) is not None:
+            time.sleep(seconds)
+
+    s.straggler = torch.nn.modules.module.register_module_forward_hook(slow)
 
 
 def _profiled(profiler, step: int):

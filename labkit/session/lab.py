@@ -245,6 +245,27 @@ class Lab:
         finally:
             self._limit = previous
 
+    @contextmanager
+    def straggler(self, rank: int, seconds: float):
+        """A planted straggler: inside the block, every forward of a layer with weights on
+        ``rank`` takes ``seconds`` longer (the engine sleeps in a forward hook, so the time counts
+        as that rank's compute). ``run.timeline.stragglers()`` should then name it.
+
+            >>> with lab.straggler(rank=5, seconds=0.01):
+            ...     run = lab.run(labkit.Strategy(dp=8), model=..., steps=3)
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"lab.straggler(rank={rank!r}): give a rank from 0 to {self.world_size - 1}")
+        check_seconds = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        if not check_seconds or not 0 <= seconds < 60:
+            raise ValueError(f"lab.straggler(seconds={seconds!r}): give the extra seconds per layer forward, "
+                             f"0 ≤ seconds < 60 (e.g. 0.01)")
+        self.apply(engine.plant_straggler, rank, float(seconds))
+        try:
+            yield self
+        finally:
+            self.apply(engine.plant_straggler, rank, 0.0)
+
     def trace(self, fn: Callable, *args, **kwargs):
         """Like ``apply``, but also record the comm calls ``fn`` makes: ``(results, Timeline)``."""
         from ..analysis.timeline import Timeline
