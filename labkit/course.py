@@ -66,6 +66,15 @@ EXERCISES = {
         "rank = tp_index + 2·dp_index + 4·pp_index, so rank 0's dp group is [0, 2]; in labkit's "
         "layout (tp, then pp, then dp) it would be [0, 4].",
         "write the rank as tp_index + tp·dp_index + tp·dp·pp_index and vary dp_index alone."),
+    "straggler_wait": Exercise(
+        "8 dp ranks: rank 5 computes 30 ms a step, the other seven 20 ms, and the gradient all-reduce "
+        "takes 5 ms once every rank has joined. How many ms per step do the other seven spend, "
+        "together, waiting for rank 5?",
+        lambda: 7 * (30 - 20),
+        "Each of the seven enters the all-reduce 10 ms before rank 5 and waits inside it: 7 × 10 = "
+        "70 ms a step. Every rank's step is 35 ms, so step times alone cannot tell who was slow; "
+        "the entry times can (timeline.stragglers()).",
+        "a synchronous all-reduce ends for everyone together; who waits, and how long, before it starts?"),
     "timeout": Exercise(
         "Notebook 06's straggler is late by 6.5 s at step 1; the lab's collective timeout is 5 s. "
         "How many seconds does rank 0 wait for rank 1 before it gives up?",

@@ -205,7 +205,7 @@ def test_06_the_straggler_text_names_what_the_report_names():
 
 STRAY_REPR = re.compile(r"^(<[\w.]+ (object )?at 0x|<matplotlib|Text\(|\(-?\d+\.\d+, -?\d+\.\d+\)$|\[<matplotlib)")
 COURSE = ["00_start_here", "02_pipeline", "03_hybrid", "05_playground", "06_troubleshooting",
-          "07_tensor_parallel", "08_sharding", "10_precision", "11_bubbles_and_memory"]
+          "07_tensor_parallel", "08_sharding", "10_precision", "11_bubbles_and_memory", "15_reading_a_big_run"]
 
 
 @pytest.mark.parametrize("stem", COURSE)
@@ -231,3 +231,21 @@ def test_05_run_all_leaves_the_tours_answers_to_the_reader():
     for answer in ("Goal reached", "Right", "bucketed ms", "Overlap stops helping", "GPipe idles"):
         assert answer not in shown, shown
     assert "Make a guess first" in shown and "Put your answer in" in shown
+
+
+def test_15_the_big_run_is_exact_and_the_planted_straggler_is_named_by_both_lenses():
+    """15's text: the 16-rank run is exact; stage 0's replicas end together though rank 10
+    computed far longer; the report names rank 10 first (compute), a waiter right after it;
+    the profiler's report names rank 10 as well; the synthetic GPU trace names rank 5 (compute),
+    whose non-compute time is short while the others wait."""
+    _, g = notebook("15_reading_a_big_run")
+    assert g["exact"] < 1e-5
+    assert g["end_spread_ms"] < g["extra_compute_ms"] / 4, (g["end_spread_ms"], g["extra_compute_ms"])
+    assert g["slowest_stage0"] == 10
+    assert (g["named"], g["cause"]) == (10, "compute"), (g["found_ranks"], g["found_causes"])
+    if 11 in g["found_ranks"]:
+        assert g["found_ranks"].index(11) == 1 and g["found_causes"][1] == "waiting on rank 10"
+    assert g["prof_named"][:1] == [10], g["prof_named"]
+    assert (g["gpu_named"], g["gpu_cause"]) == (5, "compute")
+    waits = {int(r): ms for r, ms in g["wait_ms"].items()}
+    assert waits[5] < min(ms for r, ms in waits.items() if r != 5) / 3, waits

@@ -194,3 +194,36 @@ def test_a_cpu_trace_recorded_by_torch_profiler_on_two_gloo_processes(tmp_path):
         pytest.approx(sum(b["window_s"] for b in tl.temporal_breakdown()))
     tl.stragglers()
     tl.plot()
+
+
+# --- the synthetic 8-GPU trace in tests/data (notebook 15 reads it) ----------------------------
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def test_the_synthetic_gpu_traces_are_what_their_script_writes(tmp_path):
+    import sys
+
+    sys.path.insert(0, DATA)
+    try:
+        import make_kineto_gpu
+    finally:
+        sys.path.remove(DATA)
+    for path in make_kineto_gpu.write(tmp_path):
+        with open(path, "rb") as fresh, open(os.path.join(DATA, "kineto_gpu", path.name), "rb") as kept:
+            assert fresh.read() == kept.read(), path.name
+
+
+def test_an_eight_gpu_trace_names_its_slow_gpu_though_every_step_ends_together():
+    paths = sorted(os.path.join(DATA, "kineto_gpu", f) for f in os.listdir(os.path.join(DATA, "kineto_gpu")))
+    tl = Timeline.from_profiler(paths)
+    assert tl.world_size == 8 and tl.steps == [10, 11, 12]
+    assert {e["kind"] for e in tl.events} == {"compute", "memcpy", "allreduce"}
+    last = tl.step(12).table
+    ends = [float(last["end"][last["rank"] == r].max()) for r in range(8)]
+    assert max(ends) - min(ends) < 50e-6                      # the all-reduce equalises the step
+    found = tl.stragglers()
+    assert found.ranks() == [5] and found[0].cause == "compute", repr(found)
+    waits = {b["rank"]: b["non_compute_s"] for b in tl.temporal_breakdown()}
+    assert waits[5] < min(w for r, w in waits.items() if r != 5) / 3        # the others wait in NCCL
+    m = tl.metrics(global_batch=64)
+    assert 0 < m["overlap_fraction"] < 1 and m["bubble_fraction"] < 0.01

@@ -109,9 +109,10 @@ def plot_stragglers(found, ax=None):
     slow = set(found.ranks())
     ax.bar(ranks, late_ms, width=1.0 if len(ranks) > 64 else 0.8,
            color=["#D55E00" if r in slow else "#999999" for r in ranks])
-    for s in found:
-        ax.annotate(f"rank {s.rank}: {s.cause}", (s.rank, s.late_s * 1e3), xytext=(0, 3),
+    for i, s in enumerate(found):       # stacked, so neighbouring stragglers' names never overlap
+        ax.annotate(f"rank {s.rank}: {s.cause}", (s.rank, s.late_s * 1e3), xytext=(0, 3 + 12 * i),
                     textcoords="offset points", ha="center", fontsize="small")
+    ax.margins(y=0.12 + 0.1 * len(found))
     ax.set_xlabel("rank")
     ax.set_ylabel("late per step (ms)")
     ax.set_title(repr(found).splitlines()[0] if found else repr(found), fontsize="medium")
