@@ -8,6 +8,7 @@ settings, three round trips to the engines (groups, set-up, step), metrics and t
 Target: ≤ 1 s.
 
     .venv/bin/python benchmarks/bench_dashboard.py [--changes 12] [--width 256] [--depth 8]
+    .venv/bin/python benchmarks/bench_dashboard.py --engines 32 --batch 128 --changes 6 --views image
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def time_change(dash: Dashboard, name: str, value, timeout: float = 60.0) -> dic
             "check": t_submitted - t0, "draw": t_drawn - live.step_done_at[0]}
 
 
-def bench(lab, plot: str, changes: int, model) -> list[dict]:
-    dash = Dashboard(lab, model=model, batch=64, steps=1, plot=plot)
+def bench(lab, plot: str, changes: int, model, batch: int = 64) -> list[dict]:
+    dash = Dashboard(lab, model=model, batch=batch, steps=1, plot=plot)
     dash.run()
     dash.wait()                                        # warm: groups built, first draw done
     rows = [time_change(dash, *CHANGES[i % len(CHANGES)]) for i in range(changes)]
@@ -64,11 +65,14 @@ def main() -> None:
     p.add_argument("--changes", type=int, default=12)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--engines", type=int, default=2, help="local CPU engines (dp = engines)")
+    p.add_argument("--batch", type=int, default=64, help="global batch (a multiple of engines × 4)")
+    p.add_argument("--views", nargs="+", default=["image", "ipympl"], choices=("image", "ipympl"))
     args = p.parse_args()
     model = labkit.models.mlp(width=args.width, depth=args.depth)
-    with labkit.Lab.start(engines=2, timeout=60, progress=False) as lab:
-        results = {plot: bench(lab, plot, args.changes, model) for plot in ("image", "ipympl")}
-    print(f"dashboard latency, 2 CPU engines, mlp({args.width}, {args.depth}), batch 64, "
+    with labkit.Lab.start(engines=args.engines, timeout=60, progress=False) as lab:
+        results = {plot: bench(lab, plot, args.changes, model, args.batch) for plot in args.views}
+    print(f"dashboard latency, {args.engines} CPU engines, mlp({args.width}, {args.depth}), batch {args.batch}, "
           f"{args.changes} changes per view; ms, median and p90")
     print(f"{'view':8} {'part':34} {'median':>8} {'p90':>8}")
     parts = [("latency", "slider change → timeline drawn"), ("step", "  the step itself (T)"),

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --cases 64x100 256x400
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --every-lane   # no aggregation
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_timeline.py --redraw 32    # the dashboard's redraw only
 
 Synthetic events in the event schema (labkit.analysis.events), no engines: each rank of a
 dp × pp grid (pp = 4 when ranks allow) runs `spans` spans per step — forward/backward
@@ -15,6 +16,11 @@ One step per case. Columns:
     metrics_s tl.metrics(global_batch=...)
     trace_s   tl.to_chrome_trace() serialised with json.dumps
     height_in the figure's height in inches
+
+After the table, the dashboard's redraw at 32 ranks (``--redraw``): what its painter does
+after each step (labkit.widgets.Dashboard._draw_timeline: clear the Axes, ``tl.plot(ax=ax,
+step=...)``, render the figure to PNG), median of 5, on a 32-rank step of the same shape.
+The dashboard's whole latency beyond the step, engines included, is benchmarks/bench_dashboard.py.
 
 Past 32 ranks plot() aggregates (labkit.view.timeline); ``--every-lane`` draws all lanes
 anyway, to show the cost per span. Targets: 256 × 400 plotted in ≤ 2 s; plot_s growing no faster than linearly in spans from
@@ -82,12 +88,33 @@ def measure(ranks: int, spans: int, every_lane: bool = False) -> dict:
             "metrics_s": t3 - t2, "trace_s": t4 - t3, "height_in": float(fig.get_size_inches()[1])}
 
 
+def redraw_s(ranks: int, spans: int, repeats: int = 5) -> float:
+    """Median seconds of the dashboard painter's redraw of one `ranks`-rank step (see above)."""
+    from labkit.view.canvas import WidgetFigure
+
+    tl = labkit.Timeline(synthetic_events(ranks, spans), ranks)
+    view = WidgetFigure((8, 1.2 + 0.6 * ranks), 1, False)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ax = view.axes[0]
+        ax.clear()
+        tl.plot(ax=ax, step=0)
+        view.show()                    # the dashboard shows it: PNG at 90 dpi into the widget
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=["8x400", "64x100", "64x400", "256x400", "1024x400"],
+    parser.add_argument("--cases", nargs="+",
+                        default=["8x400", "32x400", "64x100", "64x400", "128x400", "256x400", "512x400", "1024x400"],
                         help="ranks x spans per rank")
     parser.add_argument("--every-lane", action="store_true",
                         help="draw every rank's lanes (no aggregation past 32 ranks)")
+    parser.add_argument("--redraw", type=int, default=32, metavar="RANKS",
+                        help="ranks of the dashboard redraw measured after the table (0: skip)")
+    parser.add_argument("--redraw-spans", type=int, default=100, help="spans per rank of that step")
     args = parser.parse_args()
     print(f"{'ranks':>6} {'spans':>6} {'events':>8} {'build_s':>8} {'plot_s':>8} {'metrics_s':>9} "
           f"{'trace_s':>8} {'height_in':>9} {'plot_s/1e5 ev':>13}")
@@ -97,6 +124,9 @@ def main() -> None:
         per = r["plot_s"] / r["events"] * 1e5
         print(f"{r['ranks']:>6} {r['spans']:>6} {r['events']:>8} {r['build_s']:>8.2f} {r['plot_s']:>8.2f} "
               f"{r['metrics_s']:>9.2f} {r['trace_s']:>8.2f} {r['height_in']:>9.1f} {per:>13.2f}", flush=True)
+    if args.redraw:
+        print(f"dashboard redraw, {args.redraw} ranks × {args.redraw_spans} spans: "
+              f"{redraw_s(args.redraw, args.redraw_spans):.2f} s (median of 5)")
 
 
 if __name__ == "__main__":

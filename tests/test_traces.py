@@ -32,7 +32,7 @@ KERNELS = {0: {5: [("ampere_sgemm_128x64_nn", 7, 100, 400), ("ncclDevKernel_AllR
                6: [("ampere_sgemm_128x64_nn", 7, 100, 400), ("ncclDevKernel_AllGather_RING_LL", 20, 500, 600)]}}
 
 
-def kineto(rank, kernels=None, steps=(5, 6), info=True, base=None):
+def kineto(rank, kernels=None, steps=(5, 6), info=True, base=None, world=2):
     """A Kineto-format trace of one rank (see the table above)."""
     base = base if base is not None else 1e6 * (rank + 3)
     events, corr = [], 0
@@ -49,7 +49,7 @@ def kineto(rank, kernels=None, steps=(5, 6), info=True, base=None):
                            "dur": end - start, "args": {"device": 0, "stream": stream, "correlation": corr}})
     trace = {"schemaVersion": 1, "traceEvents": events, "displayTimeUnit": "ms"}
     if info:
-        trace["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": 2}
+        trace["distributedInfo"] = {"backend": "nccl", "rank": rank, "world_size": world}
     return trace
 
 
@@ -100,7 +100,7 @@ def test_the_trace_gives_the_same_views_and_straggler_report(tmp_path):
 
 def test_a_kernel_belongs_to_the_step_that_launched_it(tmp_path):
     late = {5: [("ampere_sgemm_128x64_nn", 7, 1100, 1300)], 6: [("ampere_sgemm_128x64_nn", 7, 300, 400)]}
-    tl = Timeline.load(write(tmp_path / "r0.json", kineto(0, late)))     # load() knows a Kineto trace
+    tl = Timeline.load(write(tmp_path / "r0.json", kineto(0, late, world=1)))     # load() knows a Kineto trace
     assert sorted((e["step"], round(e["start"] * 1e6), round(e["end"] * 1e6)) for e in tl.events) == \
         [(5, 1100, 1300), (6, 300, 400)]            # ran after step 6's host start, still step 5's
 
@@ -122,7 +122,8 @@ def test_a_trace_without_distributed_info_is_named_and_ranks_can_be_given(tmp_pa
     path = write(tmp_path / "single.json", kineto(0, info=False))
     with pytest.raises(ValueError, match="single.json.*ranks="):
         Timeline.from_profiler([path])
-    assert Timeline.from_profiler([path], ranks=[3]).world_size == 4
+    with pytest.warns(UserWarning, match="none of these files is rank 0–2"):
+        assert Timeline.from_profiler([path], ranks=[3]).world_size == 4
 
 
 def test_truncated_and_non_trace_json_are_named(tmp_path):
@@ -144,7 +145,7 @@ def test_different_step_counts_and_an_empty_step_warn_naming_the_file(tmp_path):
     with pytest.warns(UserWarning, match="short.json: steps \\[5\\]"):
         tl = Timeline.from_profiler([write(tmp_path / "full.json", kineto(0)), short])
     assert tl.steps == [5, 6] and {e["rank"] for e in tl.events if e["step"] == 6} == {0}
-    empty = write(tmp_path / "empty.json", kineto(0, kernels={5: KERNELS[0][5]}))
+    empty = write(tmp_path / "empty.json", kineto(0, kernels={5: KERNELS[0][5]}, world=1))
     with pytest.warns(UserWarning, match="empty.json: ProfilerStep \\[6\\] hold no kernel"):
         Timeline.from_profiler([empty])
 
@@ -227,3 +228,20 @@ def test_an_eight_gpu_trace_names_its_slow_gpu_though_every_step_ends_together()
     assert waits[5] < min(w for r, w in waits.items() if r != 5) / 3        # the others wait in NCCL
     m = tl.metrics(global_batch=64)
     assert 0 < m["overlap_fraction"] < 1 and m["bubble_fraction"] < 0.01
+
+
+def test_a_missing_rank_and_a_labkit_trace_given_as_a_profiler_trace_are_named(tmp_path):
+    with pytest.warns(UserWarning, match="world of 3 ranks but none of these files is rank 1–2; "):
+        tl = Timeline.from_profiler([write(tmp_path / "r0.json", kineto(0, world=3))])
+    assert tl.world_size == 3
+    saved = tmp_path / "own.json"
+    tl.save_trace(saved)
+    with pytest.raises(ValueError, match="own.json: a trace that Timeline.save_trace wrote.*Timeline.load"):
+        Timeline.from_profiler([saved])
+    assert len(Timeline.load(saved)) == len(tl)
+
+
+def test_rank_ranges_are_short():
+    from labkit.analysis.traces import _ranges
+
+    assert _ranges([2, 3, 4, 7]) == "2–4, 7" and _ranges([5]) == "5"

@@ -106,13 +106,31 @@ def read_profiler(paths, title: str | None = None, ranks=None):
         steps_of[rank] = (path, steps)
         world = max(world, size, rank + 1)
     _check_steps(steps_of)
+    missing = sorted(set(range(world)) - set(steps_of))
+    if missing:
+        warnings.warn(f"the traces name a world of {world} ranks but none of these files is rank "
+                      f"{_ranges(missing)}; those ranks are empty and the metrics count them idle "
+                      f"(pass every rank's trace)", stacklevel=3)
     return Timeline(EventTable.concat(parts), world, title or "profiler trace")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[2, 3, 4, 7] → "2–4, 7"."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}–{a}")
+            start = b
+    return ", ".join(out)
 
 
 def _rank_of(trace, path: Path, given) -> tuple[int, int]:
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError(f"{path}: not a Chrome trace (no 'traceEvents' list); "
                          "write one with torch.profiler's export_chrome_trace")
+    if "labkit" in (trace.get("otherData") or {}):
+        raise ValueError(f"{path}: a trace that Timeline.save_trace wrote, not a profiler trace; "
+                         "read it with Timeline.load(path)")
     if given is not None:
         return int(given), int(given) + 1
     info = trace.get("distributedInfo")
