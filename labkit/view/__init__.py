@@ -1,1 +1,1 @@
-"""What the notebook shows: timeline plots and trace files, tables, the dashboard."""
+"""What the notebook shows: timeline plots, tables, the rank grid, the dashboard's parts (the app itself: labkit.widgets)."""
