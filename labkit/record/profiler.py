@@ -42,6 +42,9 @@ class StepProfiler:
         self._collect(False)          # nothing until the first step starts
 
     def _collect(self, on: bool) -> None:
+        # CPU and CUDA together: toggling CUDA alone can mismatch the kernels' correlation ids
+        # with their launches (pytorch#140285); toggling off syncs the device and flushes
+        # CUPTI's buffers (kineto#1105), so a step's last kernels stay in that step.
         self.prof.toggle_collection_dynamic(on, self.activities)
 
     @contextmanager
