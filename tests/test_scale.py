@@ -12,7 +12,7 @@ from conftest import lab_with
 
 pytestmark = pytest.mark.slow           # starts 16, then 8 engines of its own
 KW = dict(model=labkit.models.mlp(width=16, depth=4), batch=32, steps=3, lr=0.1, seed=0)
-SLEEP_S = 0.01                          # per forward of a layer with weights on the planted rank
+SLEEP_S = 0.02                          # per forward of a layer with weights on the planted rank
 
 
 def started(engines: int):
@@ -50,6 +50,12 @@ def test_sixteen_engines_dp_pp_exact_aggregated_and_a_planted_straggler_named():
 
 def test_eight_engines_name_the_planted_straggler():
     lab = started(8)
+    with pytest.raises(ValueError, match=r"rank=8\): give a rank from 0 to 7"):
+        with lab.straggler(rank=8, seconds=SLEEP_S):
+            pass
+    with pytest.raises(ValueError, match=r"seconds=-1\): give the extra seconds"):
+        with lab.straggler(rank=0, seconds=-1):
+            pass
     with lab.straggler(rank=5, seconds=SLEEP_S):
         run = lab.run(labkit.Strategy(dp=8), **KW)
     found = run.timeline.stragglers()
