@@ -235,9 +235,10 @@ def test_05_run_all_leaves_the_tours_answers_to_the_reader():
 
 def test_15_the_big_run_is_exact_and_the_planted_straggler_is_named_by_both_lenses():
     """15's text: the 16-rank run is exact; stage 0's replicas enter the all-reduce far apart
-    and leave it close together, rank 10 having computed longest; the report names rank 10 first (compute), a waiter right after it;
-    the profiler's report names rank 10 as well; the synthetic GPU trace names rank 5 (compute),
-    whose non-compute time is short while the others wait."""
+    and leave it close together, rank 10 having computed longest; the report names rank 10
+    first (compute), a waiter right after it; the profiler's report names ranks 10 and 11; the
+    synthetic GPU trace names rank 5 (compute), whose non-compute time is short while the
+    others wait."""
     _, g = notebook("15_reading_a_big_run")
     assert g["exact"] < 1e-5
     assert g["exit_spread_ms"] < g["entry_spread_ms"] / 2, (g["exit_spread_ms"], g["entry_spread_ms"])
@@ -245,7 +246,7 @@ def test_15_the_big_run_is_exact_and_the_planted_straggler_is_named_by_both_lens
     assert (g["named"], g["cause"]) == (10, "compute"), (g["found_ranks"], g["found_causes"])
     if 11 in g["found_ranks"]:
         assert g["found_ranks"].index(11) == 1 and g["found_causes"][1] == "waiting on rank 10"
-    assert g["prof_named"][:1] == [10], g["prof_named"]
+    assert set(g["prof_named"][:2]) == {10, 11}, g["prof_named"]
     assert (g["gpu_named"], g["gpu_cause"]) == (5, "compute")
     waits = {int(r): ms for r, ms in g["wait_ms"].items()}
     assert waits[5] < min(ms for r, ms in waits.items() if r != 5) / 3, waits
