@@ -37,15 +37,16 @@ def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible context-parallel setting."""
     if s.cp == 1:
         return
-    # what it composes with is what the exactness tests cover: dp (every mode) and Megatron tp
-    unsupported = (("pp", s.pp, 1, "pp=1"), ("ep", s.ep, 1, "ep=1"), ("zero", s.zero, 0, "zero=0"),
+    # what it composes with is what the exactness tests cover: dp (every mode, zero), Megatron
+    # tp and pp (every schedule); not these
+    unsupported = (("ep", s.ep, 1, "ep=1"),
                    ("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
                    ("sync_batchnorm", s.sync_batchnorm, False, "sync_batchnorm=False"),
                    ("tp_mode", s.tp_mode, "megatron", "tp_mode='megatron'"))
     for name, value, default, fix in unsupported:
         if value != default and (name != "tp_mode" or s.tp > 1):
-            raise ValueError(f"Strategy.cp={s.cp} with {name}={value!r}: context parallelism composes with dp and "
-                             f"Megatron tp here, not (yet) with this; use {fix}, or cp=1")
+            raise ValueError(f"Strategy.cp={s.cp} with {name}={value!r}: context parallelism composes with dp, "
+                             f"zero, pp and Megatron tp here, not (yet) with this; use {fix}, or cp=1")
 
 
 def sequence_divisor(s) -> int:
