@@ -102,7 +102,7 @@ def test_old_flat_names_are_the_very_same_modules():
 
 
 # -- the kind table -------------------------------------------------------------------------------
-DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "allreduce", "reduce_scatter",
+DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "attention", "optimizer", "allreduce", "reduce_scatter",
                 "allgather", "broadcast", "all_to_all", "send", "recv", "wait", "compress", "decompress")
 
 
