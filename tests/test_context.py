@@ -135,21 +135,6 @@ def test_context_parallel_with_pipelines_and_zero_equals_one_process(lab4, strat
     assert run.max_diff(ref) <= TOL
 
 
-@pytest.mark.slow
-def test_four_axes_on_eight_engines_equal_one_process():
-    """dp·pp·cp and pp·tp·cp = 8 (every axis at 2 would need 16 engines), in one lab."""
-    from conftest import release_labs
-
-    release_labs()
-    ref = labkit.reference(llama(), **KW)
-    with labkit.Lab.start(engines=8, timeout=60, progress=False) as lab:
-        runs = [lab.run(labkit.Strategy(**kw, pp=2, cp=2, microbatches=2), model=llama(), **KW)
-                for kw in (dict(dp=2), dict(tp=2, cp_mode="allgather"))]
-    for run in runs:
-        assert run.losses == pytest.approx(ref.losses, abs=TOL)
-        assert run.max_diff(ref) <= TOL
-
-
 @pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
 def test_bytes_sent_per_layer_are_the_formula(lab4, mode):
     """cp=4, batch 8 over one dp rank, 4 of 16 tokens each, 4 heads (2 kv) of 8: a K/V block is
@@ -225,3 +210,19 @@ def test_padded_tokens_under_cp_are_normalised_by_the_whole_count(lab4, strategy
     run, ref = lab4.run(strategy, model=llama(), **kw), labkit.reference(llama(), **kw)
     assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
+
+
+# last: it closes the shared 4-engine lab for its own 8
+@pytest.mark.slow
+def test_four_axes_on_eight_engines_equal_one_process():
+    """dp·pp·cp and pp·tp·cp = 8 (every axis at 2 would need 16 engines), in one lab."""
+    from conftest import release_labs
+
+    release_labs()
+    ref = labkit.reference(llama(), **KW)
+    with labkit.Lab.start(engines=8, timeout=60, progress=False) as lab:
+        runs = [lab.run(labkit.Strategy(**kw, pp=2, cp=2, microbatches=2), model=llama(), **KW)
+                for kw in (dict(dp=2), dict(tp=2, cp_mode="allgather"))]
+    for run in runs:
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
+        assert run.max_diff(ref) <= TOL
