@@ -9,7 +9,7 @@ with equal tokens per rank, the mean of the ranks' token means is the global mea
 Causal load balancing (Megatron-LM, Llama 3): the sequence is cut into 2·cp chunks and rank
 i holds chunks i and 2·cp − 1 − i, so under the causal mask every rank has the same number
 of (query, key) pairs to compute. ``Strategy.cp_balance=False`` gives the contiguous split
-(rank i holds tokens i·T/cp …), where the last rank does cp times the first one's work.
+(rank i holds tokens i·T/cp …), where the last rank does 2·cp − 1 times the first one's work.
 
 **How a model opts in.** Its attention core calls :func:`attention` in place of torch's
 ``scaled_dot_product_attention``, and its rotary (or any) position encoding takes its
