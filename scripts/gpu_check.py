@@ -56,7 +56,8 @@ SIZES = {   # GPU: a GPT of ~0.7 B matmul parameters, 16 k tokens a step; CPU: e
             "gpt_steps": 3, "cp_seq": 256},
 }
 TIMEOUTS = {"device": 30, "tests": 150, "lab": 180, "dp": 120, "backend": 60, "cuda_events": 10, "pipeline": 90,
-            "tp": 5, "tp_dtensor": 60, "torch_cp": 60, "gpt": 150, "gpt_events": 30, "gpt_plain": 90, "stall": 60, "env": 30}
+            "tp": 5, "tp_dtensor": 60, "torch_cp": 60, "gpt": 150, "gpt_events": 30, "gpt_plain": 90, "stall": 60,
+            "env": 30}
 
 
 class PartTimeout(KeyboardInterrupt):
