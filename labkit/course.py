@@ -98,6 +98,20 @@ EXERCISES = {
         lambda: _ideal("zbv", 4, 8, 2),
         "(p−1)/(6m+p−1) = 3/51 ≈ 0.059, against 1F1B's 3/11 ≈ 0.27 at the same p and m.",
         "notebook 11: ZB-V's formula has 6m where 1F1B's has m.", rel=0.03),
+    "cp_ring_blocks": Exercise(
+        "Ring attention with cp = 8: in one training step, how many key/value blocks (each the size of "
+        "one rank's K/V) does each rank send per layer, forward and backward together?",
+        lambda: 3 * 8 - 2,
+        "forward: cp − 1 = 7 hops of K/V; backward: the K/V go round again (7 hops) and beside them their "
+        "gradient, which travels cp = 8 hops to come home: 7 + 7 + 8 = 22 (notebook 13's formula, 3·cp − 2).",
+        "count the hops of the forward, then what travels in the backward (notebook 13's bytes table).", rel=0.0),
+    "cp_chunks": Exercise(
+        "cp = 4 with causal load balancing: the sequence is cut into 8 chunks. Which two does rank 1 "
+        "hold? (a list)",
+        lambda: [1, 2 * 4 - 1 - 1],
+        "rank i holds chunks i and 2·cp − 1 − i: 1 and 6. Under the causal mask chunk i sees i + 1 chunks "
+        "and chunk 7 − i sees 8 − i, so every rank computes 9 (query, key) chunk pairs.",
+        "the first chunk of rank i is chunk i; its second mirrors it from the end (notebook 13)."),
     "drift_kind": Exercise(
         "labkit.drift reports that the dp replicas agree with each other but not with the reference. "
         "Is it a 'sync' bug or 'math or precision'? (a string)",

@@ -9,6 +9,7 @@ dp (naive, bucketed, overlap, ddp against one process) · profile (a profiled ru
 with Timeline.from_profiler) · backend (the world's backend, a lone
 all-reduce) · cuda_events (compute and comm spans from CUDA events, comm spans against the lone
 all-reduce) · pipeline (1F1B and GPipe at pp=1 through the pipeline executor) · tp · tp_dtensor ·
+torch_cp (torch's context_parallel on causal sdpa against plain and labkit's ring arithmetic) ·
 gpt (a GPT step on the engine: TFLOP/s, MFU, overlap) · gpt_events (its CUDA-event spans) · gpt_plain (the same step in plain torch) ·
 stall (sync_debug + stall_report) · env (env_check).
 On CPU the same parts run at small sizes and the GPU-only ones are skipped, each with its reason.
@@ -50,13 +51,14 @@ for _module in (gpu_engine, gpu_model, gpu_parts):
 SIZES = {   # GPU: a GPT of ~0.7 B matmul parameters, 16 k tokens a step; CPU: enough to run the code
     "gpu": {"mlp": dict(width=1024, depth=8), "batch": 256, "bucket_mb": 1.0,
             "gpt": dict(n_layer=12, n_head=16, n_embd=2048, block_size=1024, vocab_size=50304), "gpt_batch": 16,
-            "gpt_steps": 6},
+            "gpt_steps": 6, "cp_seq": 8192},
     "cpu": {"mlp": dict(width=64, depth=4), "batch": 32, "bucket_mb": 0.005,
             "gpt": dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128), "gpt_batch": 4,
-            "gpt_steps": 3},
+            "gpt_steps": 3, "cp_seq": 256},
 }
 TIMEOUTS = {"device": 30, "tests": 150, "lab": 180, "dp": 120, "profile": 90, "backend": 60, "cuda_events": 10, "pipeline": 90,
-            "tp": 5, "tp_dtensor": 60, "gpt": 150, "gpt_events": 30, "gpt_plain": 90, "stall": 60, "env": 30}
+            "tp": 5, "tp_dtensor": 60, "torch_cp": 60, "gpt": 150, "gpt_events": 30, "gpt_plain": 90, "stall": 60,
+            "env": 30}
 
 
 class PartTimeout(KeyboardInterrupt):

@@ -101,3 +101,60 @@ def on_engine_dtensor_tp(width: int) -> dict:
     y_tp.square().mean().backward()
     grad = max(float((a.grad - b.grad.full_tensor()).abs().max()) for a, b in zip(plain.parameters(), tp.parameters()))
     return {"mesh": str(mesh), "out_diff": float((y_plain - y_tp).abs().max()), "grad_diff": grad}
+
+
+def on_engine_torch_cp(seq: int, heads: int = 8, head_dim: int = 64, repeats: int = 5) -> dict:
+    """Engine side (CUDA): torch's own context parallelism (``context_parallel`` over a mesh of
+    this world) on causal sdpa, against plain sdpa and against labkit's ring arithmetic (the
+    sequence in 2·world chunks, each query chunk's partial results merged by log-sum-exp,
+    labkit.parallel.context.blocks); forward outputs compared, each path timed (float32)."""
+    import time
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from labkit.parallel.context.blocks import SKIP, block_forward, merge, relation
+    s = engine.session()
+    world = dist.get_world_size()
+    mesh = init_device_mesh(s.device.type, (world,))
+    gen = torch.Generator(device=s.device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=s.device, generator=gen)
+               for _ in range(3))
+
+    def timed(fn):
+        out = fn()                          # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            out = fn()
+        torch.cuda.synchronize()
+        return out, (time.perf_counter() - t0) / repeats
+
+    plain, plain_s = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def torch_cp():
+        qs, ks, vs = q.clone(), k.clone(), v.clone()      # sharded in place inside the context
+        with context_parallel(mesh, buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2]):
+            local = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        return context_parallel_unshard(mesh, [local], [2])[0]
+
+    theirs, theirs_s = timed(torch_cp)
+
+    def blocks():
+        n, c = 2 * world, seq // (2 * world)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for a in range(n):
+            for b in range(n):
+                how = relation(a, b, True)
+                if how != SKIP:
+                    qa, kb = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                    merge(out[:, :, qa], lse[:, :, qa], *block_forward(q[:, :, qa], k[:, :, kb], v[:, :, kb], how))
+        return out
+
+    ours, ours_s = timed(blocks)
+    return {"world": world, "seq": seq, "heads": heads, "head_dim": head_dim,
+            "torch_cp_max_diff": float((theirs - plain).abs().max()),
+            "labkit_blocks_max_diff": float((ours - plain).abs().max()),
+            "plain_ms": plain_s * 1e3, "torch_cp_ms": theirs_s * 1e3, "labkit_blocks_ms": ours_s * 1e3}

@@ -24,11 +24,12 @@ from labkit.parallel.data.sync import MiB, make_buckets
 
 import gpu_model
 from gpu_engine import (on_engine_drop_job, on_engine_dtensor_tp, on_engine_probe, on_engine_setup_pipeline,
-                        drive, measured)
+                        on_engine_torch_cp, drive, measured)
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_BUCKET_MB = 25.0
 EXACT = 1e-4           # GPU kernels sum in another order than CPU ones (as tests/test_gpu.py allows)
+CP_EXACT = 1e-3        # float32 attention: the fused kernel and the block-by-block merge sum in other orders
 
 
 class Skip(Exception):
@@ -223,6 +224,20 @@ def part_profile(check):
         {"kernels": len(kernels), "metrics": m, "paths": run.profile_paths}
 
 
+def part_torch_cp(check):
+    """torch's context_parallel on CUDA beside labkit's ring arithmetic (torch's has no CPU path:
+    sdpa's CPU flash kernel has no sharding rule, docs/design.md)."""
+    check.require_gpu("torch's context_parallel shards CUDA attention kernels only (its CPU sdpa kernel has "
+                      "no sharding rule)")
+    info = check.lab.apply(on_engine_torch_cp, check.sizes["cp_seq"])[0]
+    if not max(info["torch_cp_max_diff"], info["labkit_blocks_max_diff"]) < CP_EXACT:
+        raise RuntimeError(f"context-parallel attention differs from plain sdpa: {info}")
+    return (f"causal sdpa, T={info['seq']}, {info['heads']}×{info['head_dim']} float32 on a mesh of {info['world']}: "
+            f"plain {info['plain_ms']:.2f} ms, torch context_parallel {info['torch_cp_ms']:.2f} ms "
+            f"(max diff {info['torch_cp_max_diff']:.1e}), labkit's chunk pairs merged by log-sum-exp "
+            f"{info['labkit_blocks_ms']:.2f} ms (max diff {info['labkit_blocks_max_diff']:.1e})"), info
+
+
 def part_gpt(check):
     """A GPT step on the engine (DP overlap, dp=1): TFLOP/s, MFU and overlap from the recorded step."""
     dims, batch, steps = check.sizes["gpt"], check.sizes["gpt_batch"], check.sizes["gpt_steps"]
@@ -311,6 +326,7 @@ def part_env(check):
 PARTS = [("device", part_device), ("tests", part_tests), ("lab", part_lab), ("dp", part_dp),
          ("profile", part_profile),
          ("backend", part_backend), ("cuda_events", part_cuda_events), ("pipeline", part_pipeline),
-         ("tp", part_tp), ("tp_dtensor", part_tp_dtensor), ("gpt", part_gpt), ("gpt_events", part_gpt_events),
+         ("tp", part_tp), ("tp_dtensor", part_tp_dtensor), ("torch_cp", part_torch_cp), ("gpt", part_gpt),
+         ("gpt_events", part_gpt_events),
          ("gpt_plain", part_gpt_plain),
          ("stall", part_stall), ("env", part_env)]

@@ -1,6 +1,7 @@
 """Context parallelism: the cp axis's checks (before engines), its groups and token layout, and
-on 4 engines a llama equal to one process for ring and all-gather attention beside dp and tp,
-cp=4, the contiguous split and a MoE llama; the bytes each rank sends equal the formula.
+on 4 engines a llama equal to one process for every mode beside dp, tp, pp (every schedule)
+and zero, cp=4, the contiguous split and a MoE llama; on 8, dp·pp·cp and pp·tp·cp; the bytes
+each rank sends equal the formula.
 
 Tolerance 1e-5 on parameters and losses after 3 steps (as the other axes): the online softmax
 merges per-block partial sums (each block's exp-sum rescaled by e^(lse_b − lse)), a different
@@ -41,9 +42,7 @@ class Plain(nn.Module):
 
 # -- checks, in one process -----------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(cp=2, pp=2), "pp=2"),
     (dict(dp=2, cp=2, ep=2), "ep=2"),
-    (dict(dp=2, cp=2, zero=1), "zero=1"),
     (dict(tp=2, cp=2, sequence_parallel=True), "sequence_parallel"),
     (dict(tp=2, cp=2, tp_mode="dtensor"), "tp_mode='dtensor'"),
     (dict(dp=2, cp=2, sync_batchnorm=True), "sync_batchnorm"),
@@ -113,6 +112,25 @@ def test_without_cp_the_attention_is_torchs():
 def test_context_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
+    assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    assert run.max_diff(ref) <= TOL
+
+
+@pytest.mark.parametrize("strategy, model", [
+    (labkit.Strategy(pp=2, cp=2, microbatches=2), llama()),
+    (labkit.Strategy(pp=2, cp=2, microbatches=2, schedule="gpipe", cp_mode="allgather"), llama(tie=True)),
+    (labkit.Strategy(pp=2, cp=2, microbatches=2, schedule="interleaved", chunks=2), llama(n_layer=4)),
+    (labkit.Strategy(pp=2, cp=2, microbatches=2, schedule="zb-h1", cp_balance=False), llama()),
+    (labkit.Strategy(pp=2, cp=2, microbatches=2, schedule="zbv", chunks=2, cp_mode="ulysses"), llama(n_layer=4)),
+    (labkit.Strategy(dp=2, cp=2, zero=1), llama()),
+    (labkit.Strategy(dp=2, cp=2, zero=3, cp_mode="allgather", prefetch=1), llama()),
+], ids=["pp2cp2-1f1b-ring", "pp2cp2-gpipe-allgather-tied", "pp2cp2-interleaved-ring", "pp2cp2-zbh1-contiguous",
+        "pp2cp2-zbv-ulysses", "dp2cp2-zero1", "dp2cp2-zero3-allgather"])
+def test_context_parallel_with_pipelines_and_zero_equals_one_process(lab4, strategy, model):
+    """Every pipeline schedule: cp ranks of one stage run the same actions, so their rings meet;
+    the stages pass each rank's slice of the sequence (the Link's header carries its shape).
+    ZeRO shards over dp × cp, the ranks that average gradients."""
+    run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
 
@@ -192,3 +210,19 @@ def test_padded_tokens_under_cp_are_normalised_by_the_whole_count(lab4, strategy
     run, ref = lab4.run(strategy, model=llama(), **kw), labkit.reference(llama(), **kw)
     assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
+
+
+# last: it closes the shared 4-engine lab for its own 8
+@pytest.mark.slow
+def test_four_axes_on_eight_engines_equal_one_process():
+    """dp·pp·cp and pp·tp·cp = 8 (every axis at 2 would need 16 engines), in one lab."""
+    from conftest import release_labs
+
+    release_labs()
+    ref = labkit.reference(llama(), **KW)
+    with labkit.Lab.start(engines=8, timeout=60, progress=False) as lab:
+        runs = [lab.run(labkit.Strategy(**kw, pp=2, cp=2, microbatches=2), model=llama(), **KW)
+                for kw in (dict(dp=2), dict(tp=2, cp_mode="allgather"))]
+    for run in runs:
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
+        assert run.max_diff(ref) <= TOL

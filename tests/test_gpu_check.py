@@ -184,7 +184,8 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     status = {p["part"]: p["status"] for p in report["parts"]}
     assert status == {"device": "SKIP", "tests": "SKIP", "lab": "PASS", "dp": "PASS", "profile": "SKIP", "backend": "PASS",
-                      "cuda_events": "SKIP", "pipeline": "PASS", "tp": "SKIP", "tp_dtensor": "PASS", "gpt": "PASS",
+                      "cuda_events": "SKIP", "pipeline": "PASS", "tp": "SKIP", "tp_dtensor": "PASS", "torch_cp": "SKIP",
+                      "gpt": "PASS",
                       "gpt_events": "SKIP", "gpt_plain": "PASS", "stall": "PASS", "env": "PASS"}
     skipped = [p for p in report["parts"] if p["status"] == "SKIP"]
     assert all(p["summary"] for p in skipped)                        # each skip says why

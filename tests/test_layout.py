@@ -143,7 +143,7 @@ def test_the_old_flat_names_are_gone_and_the_public_ones_stay():
 
 
 # -- the kind table -------------------------------------------------------------------------------
-DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer", "allreduce", "reduce_scatter",
+DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "attention", "optimizer", "allreduce", "reduce_scatter",
                 "allgather", "broadcast", "all_to_all", "send", "recv", "wait", "compress", "decompress")
 
 

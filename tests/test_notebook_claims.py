@@ -205,7 +205,8 @@ def test_06_the_straggler_text_names_what_the_report_names():
 
 STRAY_REPR = re.compile(r"^(<[\w.]+ (object )?at 0x|<matplotlib|Text\(|\(-?\d+\.\d+, -?\d+\.\d+\)$|\[<matplotlib)")
 COURSE = ["00_start_here", "02_pipeline", "03_hybrid", "05_playground", "06_troubleshooting",
-          "07_tensor_parallel", "08_sharding", "10_precision", "11_bubbles_and_memory", "15_reading_a_big_run"]
+          "07_tensor_parallel", "08_sharding", "10_precision", "11_bubbles_and_memory", "13_long_sequences",
+          "15_reading_a_big_run"]
 
 
 @pytest.mark.parametrize("stem", COURSE)
@@ -250,3 +251,31 @@ def test_15_the_big_run_is_exact_and_the_planted_straggler_is_named_by_both_lens
     assert (g["gpu_named"], g["gpu_cause"]) == (5, "compute")
     waits = {int(r): ms for r, ms in g["wait_ms"].items()}
     assert waits[5] < min(ms for r, ms in waits.items() if r != 5) / 3, waits
+
+
+def test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula():
+    """13's text: memory per rank doubles with the sequence and divides by cp; cp=4 equals one
+    process; part of the ring's hop time runs under attention; contiguous, the last rank's
+    attention takes at least twice the first's; each mode sends its formula's bytes (ring the
+    most, Ulysses the least); the all-gather holds the most, ring and Ulysses within a tenth."""
+    _, v = notebook("13_long_sequences")
+    memory, seqs = v["memory"], v["SEQS"]
+    for cp, by_seq in memory.items():
+        for short, long in zip(seqs, seqs[1:]):
+            assert by_seq[str(long)] / by_seq[str(short)] == pytest.approx(2, rel=0.05), memory
+        for seq in seqs:
+            assert by_seq[str(seq)] / memory["1"][str(seq)] == pytest.approx(1 / int(cp), rel=0.1), memory
+    assert v["exact"] <= 1e-5
+    assert v["hidden_all"] > 0, v["hidden"]
+    split = v["split"]
+    assert split["balanced"]["pairs"] == [8.0] * 4 and split["contiguous"]["pairs"] == [2.0, 6.0, 10.0, 14.0]
+    contiguous = split["contiguous"]["attention_ms"]
+    assert contiguous[3] >= 2 * contiguous[0], contiguous
+    modes = v["modes"]
+    for mode, m in modes.items():
+        assert m["sent"] == [m["formula"]] * 4, (mode, m)
+        assert m["exact"] <= 1e-5, (mode, m)
+    assert modes["ring"]["formula"] > modes["allgather"]["formula"] > modes["ulysses"]["formula"]
+    peak = {mode: m["peak"] for mode, m in modes.items()}
+    assert peak["allgather"] > max(peak["ring"], peak["ulysses"]), peak
+    assert peak["ulysses"] == pytest.approx(peak["ring"], rel=0.1), peak

@@ -65,6 +65,8 @@ _ROWS = (
     Kind("bwd", "compute", "#0072B2", description="backward of a micro-batch (or a block)"),
     Kind("bwd_input", "compute", "#3B8BC2", description="split backward: input gradient only (I)"),
     Kind("bwd_weight", "compute", "#1F4E79", description="split backward: weight gradient only (W)"),
+    Kind("attention", "compute", "#117733",
+         description="one round of ring attention (context parallelism), inside a forward or backward"),
     Kind("optimizer", "compute", "#009E73", description="the optimizer step"),
     Kind("allreduce", "comm", "#D55E00", True, "all_reduce"),
     Kind("reduce_scatter", "comm", "#E69F00", True, "reduce_scatter"),

@@ -169,12 +169,13 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
     # applies AC before FSDP/compile likewise): "full" checkpoints each of the stage's blocks.
     apply_recompute(module, s.recompute, path)
     has_grads = any(p.requires_grad for p in module.parameters())
+    # cp ranks hold the same parameters (and a slice of each sequence): they average with dp, and
+    # ZeRO shards over them too (Megatron's distributed optimizer over its dp × cp group)
+    group, size = (groups.dp_cp, s.dp * s.cp) if s.cp > 1 else (groups.dp, s.dp)
     if s.zero:   # --- sharding (labkit.parallel.zero): ZeRO-1/2/3 by hand, or torch's FSDP2 ---
         from .zero.sync import build_zero_sync
-        sync = build_zero_sync(s, groups.dp, s.dp if has_grads else 1, recorder, path)
+        sync = build_zero_sync(s, group, size if has_grads else 1, recorder, path)
     else:
-        # cp ranks hold the same parameters (and a slice of each sequence): they average with dp
-        group, size = (groups.dp_cp, s.dp * s.cp) if s.cp > 1 else (groups.dp, s.dp)
         sync = build_grad_sync(s.dp_mode, group, size if has_grads else 1, s.bucket_mb, s.compression,
                                s.error_feedback)
     if s.ep > 1:                      # the experts averaged over their own replicas, the rest over dp

@@ -9,7 +9,7 @@ with equal tokens per rank, the mean of the ranks' token means is the global mea
 Causal load balancing (Megatron-LM, Llama 3): the sequence is cut into 2·cp chunks and rank
 i holds chunks i and 2·cp − 1 − i, so under the causal mask every rank has the same number
 of (query, key) pairs to compute. ``Strategy.cp_balance=False`` gives the contiguous split
-(rank i holds tokens i·T/cp …), where the last rank does cp times the first one's work.
+(rank i holds tokens i·T/cp …), where the last rank does 2·cp − 1 times the first one's work.
 
 **How a model opts in.** Its attention core calls :func:`attention` in place of torch's
 ``scaled_dot_product_attention``, and its rotary (or any) position encoding takes its
@@ -37,15 +37,16 @@ def check_strategy(s) -> None:
     """Raise ValueError naming the field and the fix for an impossible context-parallel setting."""
     if s.cp == 1:
         return
-    # what it composes with is what the exactness tests cover: dp (every mode) and Megatron tp
-    unsupported = (("pp", s.pp, 1, "pp=1"), ("ep", s.ep, 1, "ep=1"), ("zero", s.zero, 0, "zero=0"),
+    # what it composes with is what the exactness tests cover: dp (every mode, zero), Megatron
+    # tp and pp (every schedule); not these
+    unsupported = (("ep", s.ep, 1, "ep=1"),
                    ("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
                    ("sync_batchnorm", s.sync_batchnorm, False, "sync_batchnorm=False"),
                    ("tp_mode", s.tp_mode, "megatron", "tp_mode='megatron'"))
     for name, value, default, fix in unsupported:
         if value != default and (name != "tp_mode" or s.tp > 1):
-            raise ValueError(f"Strategy.cp={s.cp} with {name}={value!r}: context parallelism composes with dp and "
-                             f"Megatron tp here, not (yet) with this; use {fix}, or cp=1")
+            raise ValueError(f"Strategy.cp={s.cp} with {name}={value!r}: context parallelism composes with dp, "
+                             f"zero, pp and Megatron tp here, not (yet) with this; use {fix}, or cp=1")
 
 
 def sequence_divisor(s) -> int:

@@ -71,8 +71,13 @@ def ulysses_attention(q, k, v, causal: bool, cp) -> torch.Tensor:
     group = qh.shape[1] // kh.shape[1]
     if group > 1:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-    mask = None
-    if causal:      # tokens arrive in rank order, not position order: the mask follows the positions
-        pos = torch.cat([token_index(r, cp.size, t * cp.size, cp.balance) for r in range(cp.size)]).to(q.device)
-        mask = pos[:, None] >= pos[None, :]
-    return _HeadsToSeq.apply(F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), cp, "out")
+    if not causal:
+        return _HeadsToSeq.apply(F.scaled_dot_product_attention(qh, kh, vh), cp, "out")
+    # Tokens arrive in rank order, not position order. Sorted into position order, the causal
+    # mask is sdpa's own (is_causal): an explicit (T, T) mask would be kept for the backward as
+    # T² floats, the memory that context parallelism exists to avoid.
+    pos = torch.cat([token_index(r, cp.size, t * cp.size, cp.balance) for r in range(cp.size)]).to(q.device)
+    order = pos.argsort()
+    qh, kh, vh = (x.index_select(2, order) for x in (qh, kh, vh))
+    y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).index_select(2, pos)   # back to rank order
+    return _HeadsToSeq.apply(y, cp, "out")
