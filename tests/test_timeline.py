@@ -295,3 +295,18 @@ def test_the_timelines_grid_lays_ranks_out_as_parallel_dims():
     dims, grid = ParallelDims(dp=2, pp=3, tp=2), Grid(2, 3, 2)
     assert [grid.coords(r) for r in range(12)] == [dims.coords(r) for r in range(12)]
     assert grid.dp_groups() == dims.dp_groups()
+
+
+def test_the_timelines_grid_names_cp_and_ep_places_and_groups_cp_slices_with_their_replicas():
+    from labkit.analysis.timeline import Grid, Timeline
+    from labkit.engine.grid import ParallelDims
+    from labkit.view.timeline import _rank_name
+
+    dims = ParallelDims(dp=2, pp=2, tp=2, cp=2)
+    grid = Grid.of(type("S", (), {"dp": 2, "pp": 2, "tp": 2, "cp": 2, "ep": 2})())
+    assert [grid.coords(r) for r in range(16)] == [dims.coords(r) for r in range(16)]
+    assert [grid.cp_index(r) for r in range(16)] == [dims.cp_index(r) for r in range(16)]
+    assert sorted(map(sorted, grid.dp_groups())) == sorted(map(sorted, dims.dp_cp_groups()))
+    tl = Timeline([], world_size=16, grid=grid)
+    assert tl.coords(11) == {"dp": 1, "pp": 0, "cp": 1, "tp": 1, "ep": 1}
+    assert _rank_name(tl, 11) == "rank 11 dp1 pp0 cp1 tp1 ep1"
