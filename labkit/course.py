@@ -89,6 +89,20 @@ EXERCISES = {
         lambda: _ideal("zbv", 4, 8, 2),
         "(p−1)/(6m+p−1) = 3/51 ≈ 0.059, against 1F1B's 3/11 ≈ 0.27 at the same p and m.",
         "notebook 11: ZB-V's formula has 6m where 1F1B's has m.", rel=0.03),
+    "ep_dispatch_bytes": Exercise(
+        "4096 tokens per rank, top_k = 8, hidden 7168, bf16 (2 bytes), ep = 8, routing spread evenly: "
+        "how many bytes does one rank's dispatch of one MoE layer send?",
+        lambda: 4096 * 8 * 7168 * 2 * (8 - 1) / 8,
+        "tokens × top_k × hidden × bytes × (ep−1)/ep = 4096·8·7168·2·7/8 ≈ 411 MB: every (token, "
+        "choice) row goes to its expert's rank, and 1/ep of them stay home. The combine sends as "
+        "many back, and backward both again: four such exchanges per layer and step.",
+        "each token sends top_k rows of hidden values; which share of them leaves the rank? (notebook 14)"),
+    "ep_imbalance": Exercise(
+        "ep = 4, top-1, the ep ranks receive [512, 0, 0, 0] tokens: what is the max/mean imbalance?",
+        lambda: 4.0,
+        "max/mean = 512 / (512/4) = 4 = ep: one rank does the whole layer's expert work while the "
+        "three others wait for it in the combine, so the layer runs at a quarter of the group's speed.",
+        "the mean is over the 4 ranks (notebook 14's tokens_per_ep_rank)."),
     "drift_kind": Exercise(
         "labkit.drift reports that the dp replicas agree with each other but not with the reference. "
         "Is it a 'sync' bug or 'math or precision'? (a string)",

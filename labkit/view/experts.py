@@ -48,3 +48,25 @@ def plot_routing(run, by: str = "expert", layers: list[str] | None = None, axes=
         ax.set_ylabel("tokens")
     axes[0].legend(fontsize=7)
     return axes
+
+
+def all_to_all_ms(run, suffix: str = "", exposed: bool = False) -> list[float]:
+    """Per rank, milliseconds per step spent in all-to-alls whose name ends with ``suffix``
+    (every one when empty), median over steps 1.. (step 0 warms up). ``exposed``: only the
+    part no compute span of the rank covers, the time its compute lane waited on them."""
+    from statistics import median
+
+    from ..analysis.metrics import difference_length, total
+
+    per: dict = {}
+    for e in run.timeline.events:
+        if e["step"] < 1:
+            continue
+        a2a, compute = per.setdefault((e["rank"], e["step"]), ([], []))
+        if e["kind"] == "all_to_all" and e["name"].endswith(suffix):
+            a2a.append((e["start"], e["end"]))
+        elif e["stream"] == "compute":
+            compute.append((e["start"], e["end"]))
+    ranks = sorted({r for r, _ in per})
+    measure = (lambda a, c: difference_length(a, c)) if exposed else (lambda a, c: total(a))
+    return [1e3 * median(measure(*per[r, s]) for rr, s in per if rr == r) for r in ranks]
