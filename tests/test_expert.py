@@ -29,7 +29,6 @@ def moe(**kwargs):
     (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
     (dict(dp=2, ep=2, zero=1), "zero=1"),
     (dict(dp=2, ep=2, tp=2), "tp=2"),
-    (dict(dp=2, ep=2, pp=2), "pp=2"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
     (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),

@@ -241,6 +241,8 @@ class ExpertSync:
 
     def finish(self) -> None:
         self.dense.finish()
+        if not self.experts:              # a pipeline stage without MoE layers
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.experts]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if len(self.groups.edp_ranks) > 1:
