@@ -48,6 +48,13 @@ def test_bad_models_are_refused_before_any_engine(model, strategy, engines, matc
         validate(RunSpec(strategy, model, DATA, "cross_entropy", batch=8), engines)
 
 
+def test_active_parameters_count_top_k_of_the_experts():
+    dense, sparse = labkit.models.llama(**SIZES), moe(top_k=2)
+    expert = 3 * SIZES["n_embd"] * sparse.hidden
+    assert dense.active_parameters() == dense.num_parameters()
+    assert sparse.active_parameters() == sparse.num_parameters() - SIZES["n_layer"] * (4 - 2) * expert
+
+
 def test_top_k_above_the_experts_is_refused():
     with pytest.raises(ValueError, match="top_k=5"):
         moe(top_k=5)
@@ -87,6 +94,9 @@ def test_expert_parallel_equals_one_process(lab4, strategy, model):
     if strategy.pp == 1:    # a pipeline reports its last stage's cross-entropy, without the balance loss
         assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
+    routed = run.metrics["tokens_per_expert"]      # every layer's tokens counted once (pp: on its stage; tp: once)
+    assert all(len(step) == 2 and all(sum(c) == KW["batch"] * 16 * model.top_k for c in step.values())
+               for step in routed)
 
 
 def dead_expert_model():
