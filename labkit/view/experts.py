@@ -1,9 +1,12 @@
 """Mixture-of-experts routing over a run: tokens per expert (or per expert-parallel rank) each
-step, one panel per MoE layer, and how uneven it is (max / mean: 1 is balanced).
+step, one panel per MoE layer, and how uneven it is (max / mean: 1 is balanced); and the
+time each rank spends in (or waits on) the experts' all-to-alls.
 
 >>> run = lab.run(Strategy(dp=4, ep=2), model=labkit.models.llama(n_experts=4, router_skew=0.5), ...)
 >>> labkit.view.experts.plot_routing(run)                 # the rank holding expert 0 gets the most
 >>> labkit.view.experts.plot_routing(run, by="ep_rank")
+>>> labkit.view.experts.all_to_all_ms(run, "mlp combine")   # per rank: ms per step in the combines
+>>> labkit.view.experts.all_to_all_ms(run, exposed=True)    # per rank: ms the compute lane waited on them
 """
 from __future__ import annotations
 
