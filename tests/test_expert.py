@@ -82,11 +82,12 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     (labkit.Strategy(dp=2, pp=2, ep=2, microbatches=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, pp=2, ep=2, microbatches=2, ep_overlap="microbatch"),
      moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=2, pp=2, ep=2, schedule="zbv", chunks=2, microbatches=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, tp=2, ep=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, tp=2, ep=2, ep_overlap="microbatch"),
      moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
 ], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
-        "ep2-top2-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-tp2-top2",
+        "ep2-top2-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-pp2-zbv", "ep2-tp2-top2",
         "ep2-tp2-top1-overlap"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
