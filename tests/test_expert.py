@@ -76,7 +76,7 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
                                                                           shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=4, ep=2, recompute="full"), moe(top_k=2, aux_loss_coef=0.01)),   # all-to-alls again
-    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), moe(top_k=2, aux_loss_coef=0.01, shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, ep_overlap="microbatch", dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False,
                                                                             aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, pp=2, ep=2, microbatches=2), moe(top_k=2, aux_loss_coef=0.01)),
@@ -85,10 +85,10 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     (labkit.Strategy(dp=2, pp=2, ep=2, schedule="zbv", chunks=2, microbatches=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, tp=2, ep=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, tp=2, ep=2, ep_overlap="microbatch"),
-     moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
+     moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01, shared_expert=True)),   # the shared one split by tp
 ], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
-        "ep2-top2-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-pp2-zbv", "ep2-tp2-top2",
-        "ep2-tp2-top1-overlap"])
+        "ep2-top2-shared-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-pp2-zbv", "ep2-tp2-top2",
+        "ep2-tp2-top1-shared-overlap"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())

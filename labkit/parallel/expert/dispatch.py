@@ -20,7 +20,8 @@ factor): the result is the single-process layer's, up to float32 summation order
 With ``Strategy(ep_overlap="microbatch")`` the layer's tokens are cut into two micro-batches
 that take turns (DeepSeek-V3 §3.2.2, its two-micro-batch overlap; Megatron-Core's "EP A2A
 overlap"): micro-batch B's dispatch is in flight while A's experts compute, and A's combine
-while B's experts compute. The exchanges are issued async (:class:`_Start` / :class:`_Wait`),
+while B's experts compute; a shared expert, which needs no exchange, runs while both
+dispatches travel. The exchanges are issued async (:class:`_Start` / :class:`_Wait`),
 and their backward is the same pattern reversed: autograd runs the later micro-batch's nodes
 first, so one micro-batch's gradient all-to-all travels under the other's expert backward.
 
@@ -124,10 +125,15 @@ class ExpertParallelMoE(MoE):
     by their global index, so state_dict keys stay the whole model's) and routing by all-to-all."""
 
     overlap = "none"
+    shared_in_routed = True
 
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         if self.overlap == "microbatch" and len(x) > 1:
             return self._routed_overlapped(x, chosen, gates)
+        out = self._routed_blocking(x, chosen, gates)
+        return out if self.shared is None else out + self.shared(x)
+
+    def _routed_blocking(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, len(self.experts)
         # 1. one row per (token, choice), sorted by expert: grouped by destination rank, then expert
         order, token, per_expert = self._sort(chosen)
@@ -177,13 +183,15 @@ class ExpertParallelMoE(MoE):
             send, recv = mine[:, m].sum(1).tolist(), counts[:, m].sum(1).tolist()
             arrived, box = _start(xs.index_select(0, token), send, recv, self.ep_group, f"{name} dispatch mb{m}")
             plans.append((send, recv, arrived, box))
+        # the shared expert needs no exchange: it runs while both dispatches travel (DeepSeek-V3 §3.2.2)
+        shared = self.shared(x) if self.shared is not None else None
         combined = []
         for m, (send, recv, arrived, box) in enumerate(plans):
             y = self._experts(_Wait.apply(arrived, box), counts[:, m])     # the other's exchange in flight
             combined.append(_start(y, recv, send, self.ep_group, f"{name} combine mb{m}"))
         out = [self._unpermute(xs, _Wait.apply(back, box), gs, order, token)
                for (xs, _, gs), (order, token, _), (back, box) in zip(parts, sorted_, combined)]
-        return torch.cat(out)
+        return torch.cat(out) if shared is None else torch.cat(out) + shared
 
 
 def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "none") -> nn.Module:
