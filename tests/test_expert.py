@@ -196,3 +196,22 @@ def test_tokens_per_expert_are_the_global_batch_routing(lab4):
     from labkit.view.experts import plot_routing
     axes = plot_routing(run, by="ep_rank")
     assert len(axes) == 2 and axes[0].get_title().startswith("layers.0.mlp: max/mean")
+
+
+def test_all_to_all_ms_counts_the_waits_compute_does_not_cover():
+    """Per rank and step: the all-to-alls' time, or the part of it no compute span covers; step 0
+    (warm-up) left out, the median over the rest."""
+    from types import SimpleNamespace
+    from labkit.view.experts import all_to_all_ms
+
+    def event(rank, step, kind, name, start, end):
+        return {"rank": rank, "step": step, "stream": "comm" if kind == "all_to_all" else "compute",
+                "kind": kind, "name": name, "start": start, "end": end}
+    events = [event(0, 0, "all_to_all", "l combine", 0.0, 0.5)]                  # warm-up: left out
+    for step, (a2a, fwd) in enumerate([((0.0, 0.010), (0.005, 0.008)), ((0.0, 0.020), (0.0, 0.002))], start=1):
+        events += [event(0, step, "all_to_all", "l combine", *a2a), event(0, step, "fwd", "F0", *fwd),
+                   event(0, step, "all_to_all", "l dispatch", 0.030, 0.031)]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=events))
+    assert all_to_all_ms(run, "combine") == pytest.approx([15.0])                # median of 10 and 20
+    assert all_to_all_ms(run, "combine", exposed=True) == pytest.approx([12.5])  # of 7 and 18
+    assert all_to_all_ms(run) == pytest.approx([16.0])
