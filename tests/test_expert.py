@@ -155,6 +155,20 @@ def test_all_to_all_bytes_are_the_rows_that_leave_each_rank(lab4):
             assert events[f"layers.{layer}.mlp counts"] == (ep - 1) * (4 // ep) * 8
 
 
+def test_under_tp_each_tp_rank_dispatches_its_share_of_the_tokens(lab4):
+    """dp=2 × tp=2, ep=2 (rank = 2·dp index + tp index): a replica's two tp ranks together send
+    the rows of its tokens that leave it, once, each its own half (no duplicate exchange)."""
+    model = moe(top_k=2, aux_loss_coef=0)
+    run = lab4.run(labkit.Strategy(dp=2, tp=2, ep=2), model=model, **{**KW, "steps": 1})
+    for layer, chosen in enumerate(routed_rows(model, KW["seed"])):
+        for d in range(2):
+            mine = chosen[d * 4:(d + 1) * 4]                 # replica d's 4 rows; it holds experts 2d, 2d+1
+            leave = int(((mine // 2) != d).sum()) * SIZES["n_embd"] * 4
+            sent = [e["bytes"] for e in run.timeline.events if e["kind"] == "all_to_all"
+                    and e["rank"] in (2 * d, 2 * d + 1) and e["name"] == f"layers.{layer}.mlp dispatch"]
+            assert len(sent) == 2 and sum(sent) == leave and min(sent) > 0, (layer, d, sent, leave)
+
+
 # -- routing made visible --------------------------------------------------------------------
 def test_router_skew_sends_expert_0_more_tokens():
     """One process: the skewed router's first forward is more uneven than the plain one's."""

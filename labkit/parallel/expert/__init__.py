@@ -6,9 +6,9 @@ averaged over all of dp, while each MoE layer's ``n_experts`` are cut into ``ep`
 rank of a run of ``ep`` consecutive dp ranks. Under a pipeline the dp ranks are those of one
 stage, so each stage's MoE layers are spread over its own dp group. Under tensor parallelism
 each tp index has its own ep groups (the dp ranks sharing it): the routed experts stay whole
-(replicated over tp, as ``labkit.models.llama`` leaves them), and every tp rank of a replica
-routes the same tokens through its own group, a duplicate exchange that Megatron-Core avoids
-by splitting the tokens over tp first (its "expert tensor parallelism" and tp-aware dispatcher). Tokens travel to their experts' rank and back
+(replicated over tp, as ``labkit.models.llama`` leaves them), the tokens, replicated over tp,
+are cut so that each tp rank routes 1/tp of them through its group (gathered again after the
+combine), and an expert's gradient is summed over tp as well as over its replicas. Tokens travel to their experts' rank and back
 with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is averaged over
 the dp/ep ranks that hold the same slice.
 
