@@ -112,6 +112,20 @@ EXERCISES = {
         "rank i holds chunks i and 2·cp − 1 − i: 1 and 6. Under the causal mask chunk i sees i + 1 chunks "
         "and chunk 7 − i sees 8 − i, so every rank computes 9 (query, key) chunk pairs.",
         "the first chunk of rank i is chunk i; its second mirrors it from the end (notebook 13)."),
+    "ep_dispatch_bytes": Exercise(
+        "4096 tokens per rank, top_k = 8, hidden 7168, bf16 (2 bytes), ep = 8, routing spread evenly: "
+        "how many bytes does one rank's dispatch of one MoE layer send?",
+        lambda: 4096 * 8 * 7168 * 2 * (8 - 1) / 8,
+        "tokens × top_k × hidden × bytes × (ep−1)/ep = 4096·8·7168·2·7/8 ≈ 411 MB: every (token, "
+        "choice) row goes to its expert's rank, and 1/ep of them stay home. The combine sends as "
+        "many back, and backward both again: four such exchanges per layer and step.",
+        "each token sends top_k rows of hidden values; which share of them leaves the rank? (notebook 14)"),
+    "ep_imbalance": Exercise(
+        "ep = 4, top-1, the ep ranks receive [512, 0, 0, 0] tokens: what is the max/mean imbalance?",
+        lambda: 4.0,
+        "max/mean = 512 / (512/4) = 4 = ep: one rank does the whole layer's expert work while the "
+        "three others wait for it in the combine, so the layer runs at a quarter of the group's speed.",
+        "the mean is over the 4 ranks (notebook 14's tokens_per_ep_rank)."),
     "drift_kind": Exercise(
         "labkit.drift reports that the dp replicas agree with each other but not with the reference. "
         "Is it a 'sync' bug or 'math or precision'? (a string)",

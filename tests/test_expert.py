@@ -1,6 +1,7 @@
 """Expert parallelism: the ep axis's checks (before engines), its groups, and on 4 engines a
-llama MoE equal to one process for ep=2 and ep=4 beside dp=4, top-1 and top-2, with and
-without the balance loss, over the dp modes and under full recompute; an expert no token reaches keeps a zero
+llama MoE equal to one process for ep=2 and ep=4 beside dp=4, and ep=2 inside each stage of a
+pp=2 pipeline, top-1 and top-2, with and without the balance loss and the overlap, over the dp
+modes and under full recompute; an expert no token reaches keeps a zero
 gradient; the all-to-all bytes recorded equal the rows that left each rank."""
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ def moe(**kwargs):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
     (dict(dp=2, ep=2, zero=1), "zero=1"),
-    (dict(dp=2, ep=2, tp=2), "tp=2"),
-    (dict(dp=2, ep=2, pp=2), "pp=2"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
     (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
@@ -47,6 +46,13 @@ def test_strategy_checks_its_ep_field(kwargs, match):
 def test_bad_models_are_refused_before_any_engine(model, strategy, engines, match):
     with pytest.raises(ValueError, match=match):
         validate(RunSpec(strategy, model, DATA, "cross_entropy", batch=8), engines)
+
+
+def test_active_parameters_count_top_k_of_the_experts():
+    dense, sparse = labkit.models.llama(**SIZES), moe(top_k=2)
+    expert = 3 * SIZES["n_embd"] * sparse.hidden
+    assert dense.active_parameters() == dense.num_parameters()
+    assert sparse.active_parameters() == sparse.num_parameters() - SIZES["n_layer"] * (4 - 2) * expert
 
 
 def test_top_k_above_the_experts_is_refused():
@@ -70,16 +76,28 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
                                                                           shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=4, ep=2, recompute="full"), moe(top_k=2, aux_loss_coef=0.01)),   # all-to-alls again
-    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), moe(top_k=2, aux_loss_coef=0.01, shared_expert=True)),
     (labkit.Strategy(dp=4, ep=4, ep_overlap="microbatch", dp_mode="ddp"), moe(top_k=1, norm_topk_prob=False,
                                                                             aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=2, pp=2, ep=2, microbatches=2), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=2, pp=2, ep=2, microbatches=2, ep_overlap="microbatch"),
+     moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=2, pp=2, ep=2, schedule="zbv", chunks=2, microbatches=2), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=2, tp=2, ep=2), moe(top_k=2, aux_loss_coef=0.01)),
+    (labkit.Strategy(dp=2, tp=2, ep=2, ep_overlap="microbatch"),
+     moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01, shared_expert=True)),   # the shared one split by tp
 ], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
-        "ep2-top2-overlap", "ep4-top1-overlap-ddp"])
+        "ep2-top2-shared-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-pp2-zbv", "ep2-tp2-top2",
+        "ep2-tp2-top1-shared-overlap"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
-    assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    if strategy.pp == 1:    # a pipeline reports its last stage's cross-entropy, without the balance loss
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
+    routed = run.metrics["tokens_per_expert"]      # every layer's tokens counted once (pp: on its stage; tp: once)
+    assert all(len(step) == 2 and all(sum(c) == KW["batch"] * 16 * model.top_k for c in step.values())
+               for step in routed)
 
 
 def dead_expert_model():
@@ -94,9 +112,12 @@ def dead_expert_model():
     return model
 
 
-def test_an_expert_without_tokens_keeps_a_zero_gradient(lab4):
-    """ep=4: expert 3 is rank 3's only one, so rank 3 receives no row at all."""
-    run = lab4.run(labkit.Strategy(dp=4, ep=4), model=dead_expert_model, **KW)
+@pytest.mark.parametrize("strategy", [labkit.Strategy(dp=4, ep=4), labkit.Strategy(dp=2, pp=2, ep=2, microbatches=2)],
+                         ids=["ep4", "ep2-pp2"])
+def test_an_expert_without_tokens_keeps_a_zero_gradient(lab4, strategy):
+    """ep=4: expert 3 is rank 3's only one, so rank 3 receives no row at all; ep=2 under pp=2:
+    each stage's second ep rank holds experts 2 and 3, and only 2 receives rows."""
+    run = lab4.run(strategy, model=dead_expert_model, **KW)
     ref = labkit.reference(dead_expert_model, **KW)
     start = build_model(dead_expert_model, KW["seed"]).state_dict()
     params = run.parameters()
@@ -132,6 +153,20 @@ def test_all_to_all_bytes_are_the_rows_that_leave_each_rank(lab4):
             assert events[f"layers.{layer}.mlp dispatch"] == int(home.sum()) * row_bytes
             assert events[f"layers.{layer}.mlp combine backward"] == int(home.sum()) * row_bytes
             assert events[f"layers.{layer}.mlp counts"] == (ep - 1) * (4 // ep) * 8
+
+
+def test_under_tp_each_tp_rank_dispatches_its_share_of_the_tokens(lab4):
+    """dp=2 × tp=2, ep=2 (rank = 2·dp index + tp index): a replica's two tp ranks together send
+    the rows of its tokens that leave it, once, each its own half (no duplicate exchange)."""
+    model = moe(top_k=2, aux_loss_coef=0)
+    run = lab4.run(labkit.Strategy(dp=2, tp=2, ep=2), model=model, **{**KW, "steps": 1})
+    for layer, chosen in enumerate(routed_rows(model, KW["seed"])):
+        for d in range(2):
+            mine = chosen[d * 4:(d + 1) * 4]                 # replica d's 4 rows; it holds experts 2d, 2d+1
+            leave = int(((mine // 2) != d).sum()) * SIZES["n_embd"] * 4
+            sent = [e["bytes"] for e in run.timeline.events if e["kind"] == "all_to_all"
+                    and e["rank"] in (2 * d, 2 * d + 1) and e["name"] == f"layers.{layer}.mlp dispatch"]
+            assert len(sent) == 2 and sum(sent) == leave and min(sent) > 0, (layer, d, sent, leave)
 
 
 # -- routing made visible --------------------------------------------------------------------
@@ -175,3 +210,22 @@ def test_tokens_per_expert_are_the_global_batch_routing(lab4):
     from labkit.view.experts import plot_routing
     axes = plot_routing(run, by="ep_rank")
     assert len(axes) == 2 and axes[0].get_title().startswith("layers.0.mlp: max/mean")
+
+
+def test_all_to_all_ms_counts_the_waits_compute_does_not_cover():
+    """Per rank and step: the all-to-alls' time, or the part of it no compute span covers; step 0
+    (warm-up) left out, the median over the rest."""
+    from types import SimpleNamespace
+    from labkit.view.experts import all_to_all_ms
+
+    def event(rank, step, kind, name, start, end):
+        return {"rank": rank, "step": step, "stream": "comm" if kind == "all_to_all" else "compute",
+                "kind": kind, "name": name, "start": start, "end": end}
+    events = [event(0, 0, "all_to_all", "l combine", 0.0, 0.5)]                  # warm-up: left out
+    for step, (a2a, fwd) in enumerate([((0.0, 0.010), (0.005, 0.008)), ((0.0, 0.020), (0.0, 0.002))], start=1):
+        events += [event(0, step, "all_to_all", "l combine", *a2a), event(0, step, "fwd", "F0", *fwd),
+                   event(0, step, "all_to_all", "l dispatch", 0.030, 0.031)]
+    run = SimpleNamespace(timeline=SimpleNamespace(events=events))
+    assert all_to_all_ms(run, "combine") == pytest.approx([15.0])                # median of 10 and 20
+    assert all_to_all_ms(run, "combine", exposed=True) == pytest.approx([12.5])  # of 7 and 18
+    assert all_to_all_ms(run) == pytest.approx([16.0])

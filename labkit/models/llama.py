@@ -297,6 +297,13 @@ class Llama:
         """Parameters of the built model, a tied weight counted once (all experts counted)."""
         return sum(p.numel() for p in self().parameters())
 
+    def active_parameters(self) -> int:
+        """Parameters one token passes through: every dense one, and in each MoE layer only
+        ``top_k`` of its routed experts (the router and a shared expert always). A dense model
+        of the same width and depth has active = total."""
+        expert = 3 * self.n_embd * self.hidden                       # one SwiGLU: gate, up, down
+        return self.num_parameters() - self.n_layer * (self.n_experts - self.top_k) * expert * bool(self.n_experts)
+
 
 def _check_int(name: str, value, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:

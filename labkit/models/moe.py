@@ -55,6 +55,10 @@ class MoE(nn.Module):
     output, like the dense MLP it replaces, and keeps the balance loss for
     :meth:`pop_aux_loss` (None when ``aux_loss_coef`` is 0)."""
 
+    shared_in_routed = False
+    """True where ``_routed`` adds the shared expert itself (expert parallelism runs it while
+    the dispatch travels)."""
+
     def __init__(self, n_embd: int, hidden: int, n_experts: int, top_k: int, shared: bool,
                  aux_loss_coef: float, norm_topk_prob: bool = True):
         super().__init__()
@@ -84,7 +88,7 @@ class MoE(nn.Module):
         self.tokens_per_expert = counts.sum(0).detach()
         out = self._routed(x.reshape(-1, c), chosen.view(-1, self.top_k), gates.view(-1, self.top_k).to(x.dtype))
         out = out.view(b, t, c)
-        if self.shared is not None:
+        if self.shared is not None and not self.shared_in_routed:
             out = out + self.shared(x)
         self.aux_loss = self._balance_loss(probs, counts)
         return out

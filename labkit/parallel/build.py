@@ -79,7 +79,7 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     if s.ep > 1:                                                          # 2. expert parallel
         from .expert.dispatch import build_expert_parallel
-        full = build_expert_parallel(full, groups.expert(s.ep), s.ep, s.ep_overlap)
+        full = build_expert_parallel(full, groups.expert(s.ep), s.ep, s.ep_overlap, groups.tp if s.tp > 1 else None)
     if s.pp == 1:                         # 3. pipeline split: none, the whole model is the stage
         blocks, held = [None], [0]
         stages = [build_stage(full, None, 0, 0, s, groups, recorder, device, spec.blocks)]   # 4. grad sync

@@ -197,8 +197,10 @@ class Executor:
             return {}
         if self.tp_group is not None:
             from .tensor import full_state_dict
-            state = full_state_dict(self.model, self.tp_group, state)
-            return state if self.tp_index == 0 else {}
+            whole = full_state_dict(self.model, self.tp_group, state)
+            # with ep, the experts other ep ranks hold: gathered by the sync, absent from this model
+            whole.update({k: v.detach().cpu().clone() for k, v in state.items() if k not in whole})
+            return whole if self.tp_index == 0 else {}
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def _label(self, op: str, a) -> str:

@@ -1,9 +1,12 @@
 """Mixture-of-experts routing over a run: tokens per expert (or per expert-parallel rank) each
-step, one panel per MoE layer, and how uneven it is (max / mean: 1 is balanced).
+step, one panel per MoE layer, and how uneven it is (max / mean: 1 is balanced); and the
+time each rank spends in (or waits on) the experts' all-to-alls.
 
 >>> run = lab.run(Strategy(dp=4, ep=2), model=labkit.models.llama(n_experts=4, router_skew=0.5), ...)
 >>> labkit.view.experts.plot_routing(run)                 # the rank holding expert 0 gets the most
 >>> labkit.view.experts.plot_routing(run, by="ep_rank")
+>>> labkit.view.experts.all_to_all_ms(run, "mlp combine")   # per rank: ms per step in the combines
+>>> labkit.view.experts.all_to_all_ms(run, exposed=True)    # per rank: ms the compute lane waited on them
 """
 from __future__ import annotations
 
@@ -48,3 +51,25 @@ def plot_routing(run, by: str = "expert", layers: list[str] | None = None, axes=
         ax.set_ylabel("tokens")
     axes[0].legend(fontsize=7)
     return axes
+
+
+def all_to_all_ms(run, suffix: str = "", exposed: bool = False) -> list[float]:
+    """Per rank, milliseconds per step spent in all-to-alls whose name ends with ``suffix``
+    (every one when empty), median over steps 1.. (step 0 warms up). ``exposed``: only the
+    part no compute span of the rank covers, the time its compute lane waited on them."""
+    from statistics import median
+
+    from ..analysis.metrics import difference_length, total
+
+    per: dict = {}
+    for e in run.timeline.events:
+        if e["step"] < 1:
+            continue
+        a2a, compute = per.setdefault((e["rank"], e["step"]), ([], []))
+        if e["kind"] == "all_to_all" and e["name"].endswith(suffix):
+            a2a.append((e["start"], e["end"]))
+        elif e["stream"] == "compute":
+            compute.append((e["start"], e["end"]))
+    ranks = sorted({r for r, _ in per})
+    measure = (lambda a, c: difference_length(a, c)) if exposed else (lambda a, c: total(a))
+    return [1e3 * median(measure(*per[r, s]) for rr, s in per if rr == r) for r in ranks]

@@ -3,7 +3,12 @@
 As DeepSeek-V3 and Megatron-Core do it, the ep ranks are drawn from the data-parallel ones:
 the dense part of the model (attention, norms, routers, a shared expert) stays replicated and
 averaged over all of dp, while each MoE layer's ``n_experts`` are cut into ``ep`` slices, one per
-rank of a run of ``ep`` consecutive dp ranks. Tokens travel to their experts' rank and back
+rank of a run of ``ep`` consecutive dp ranks. Under a pipeline the dp ranks are those of one
+stage, so each stage's MoE layers are spread over its own dp group. Under tensor parallelism
+each tp index has its own ep groups (the dp ranks sharing it): the routed experts stay whole
+(replicated over tp, as ``labkit.models.llama`` leaves them), the tokens, replicated over tp,
+are cut so that each tp rank routes 1/tp of them through its group (gathered again after the
+combine), and an expert's gradient is summed over tp as well as over its replicas. Tokens travel to their experts' rank and back
 with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is averaged over
 the dp/ep ranks that hold the same slice.
 
@@ -29,10 +34,9 @@ def check_strategy(s) -> None:
     if s.dp % s.ep:
         raise ValueError(f"Strategy.ep={s.ep} must divide dp={s.dp}: the experts are spread over runs of ep "
                          f"data-parallel ranks; use an ep that divides {s.dp}, or a larger dp")
-    for name, value, fix in (("zero", s.zero, "zero=0"), ("tp", s.tp, "tp=1"), ("pp", s.pp, "pp=1")):
-        if value != (0 if name == "zero" else 1):
-            raise ValueError(f"Strategy.ep={s.ep} with {name}={value}: expert parallelism composes only with "
-                             f"plain data parallelism here; use {fix}, or ep=1")
+    if s.zero:
+        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero}: the experts are sharded over ep, not by ZeRO; "
+                         "use zero=0, or ep=1")
     if s.compression != "none":
         raise ValueError(f"Strategy.ep={s.ep} with compression={s.compression!r}: the experts' gradients are "
                          "averaged uncompressed over their own replicas; use compression='none', or ep=1")

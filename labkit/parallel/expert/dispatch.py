@@ -20,7 +20,8 @@ factor): the result is the single-process layer's, up to float32 summation order
 With ``Strategy(ep_overlap="microbatch")`` the layer's tokens are cut into two micro-batches
 that take turns (DeepSeek-V3 §3.2.2, its two-micro-batch overlap; Megatron-Core's "EP A2A
 overlap"): micro-batch B's dispatch is in flight while A's experts compute, and A's combine
-while B's experts compute. The exchanges are issued async (:class:`_Start` / :class:`_Wait`),
+while B's experts compute; a shared expert, which needs no exchange, runs while both
+dispatches travel. The exchanges are issued async (:class:`_Start` / :class:`_Wait`),
 and their backward is the same pattern reversed: autograd runs the later micro-batch's nodes
 first, so one micro-batch's gradient all-to-all travels under the other's expert backward.
 
@@ -40,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ... import comm
 from ...models.moe import MoE
 from ..data.sync import DDPSync
+from ..tensor.mappings import gather_from_sequence_parallel, scatter_to_sequence_parallel
 from . import moe_layers
 
 
@@ -124,10 +126,37 @@ class ExpertParallelMoE(MoE):
     by their global index, so state_dict keys stay the whole model's) and routing by all-to-all."""
 
     overlap = "none"
+    shared_in_routed = True
+    tp_group = None
 
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        whole, shared = x, None
+        if self.tp_group is not None:       # the tokens are replicated over tp: each tp rank routes 1/tp
+            x, chosen, gates = self._my_tokens(x, chosen, gates)
         if self.overlap == "microbatch" and len(x) > 1:
-            return self._routed_overlapped(x, chosen, gates)
+            out, shared = self._routed_overlapped(x, chosen, gates, whole)
+        else:
+            out = self._routed_blocking(x, chosen, gates)
+        if self.tp_group is not None:       # every tp rank's share back together (backward: its slice)
+            out = gather_from_sequence_parallel(out.unsqueeze(0), self.tp_group, f"{self.layer_name} tokens",
+                                                grad_is_partial=False).squeeze(0)
+        if self.shared is not None:
+            out = out + (shared if shared is not None else self.shared(whole))
+        return out
+
+    def _my_tokens(self, x, chosen, gates):
+        """This tp rank's 1/tp of the tokens (Megatron-Core's MoE under tp likewise routes each
+        token from one tp rank only); backward gathers their gradients (the router's included)."""
+        tp = self.tp_group.size()
+        if len(x) % tp:
+            raise ValueError(f"{self.layer_name}: {len(x)} tokens per micro-batch do not split over tp={tp} ranks "
+                             f"for expert parallelism; use a batch whose tokens per rank and micro-batch are "
+                             f"a multiple of {tp}")
+        x = scatter_to_sequence_parallel(x.unsqueeze(0), self.tp_group, f"{self.layer_name} tokens").squeeze(0)
+        gates = scatter_to_sequence_parallel(gates.unsqueeze(0), self.tp_group, f"{self.layer_name} gates").squeeze(0)
+        return x, chosen.chunk(tp)[self.tp_group.rank()], gates
+
+    def _routed_blocking(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep, len(self.experts)
         # 1. one row per (token, choice), sorted by expert: grouped by destination rank, then expert
         order, token, per_expert = self._sort(chosen)
@@ -162,9 +191,10 @@ class ExpertParallelMoE(MoE):
         weighted = back * gates.reshape(-1).index_select(0, order).unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token, weighted)
 
-    def _routed_overlapped(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    def _routed_overlapped(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, whole: torch.Tensor):
         """Two micro-batches of tokens, A and B, each exchange async under the other's experts:
-        dispatch A, B; wait A, experts A, combine A; wait B, experts B, combine B; wait both."""
+        dispatch A, B; wait A, experts A, combine A; wait B, experts B, combine B; wait both.
+        Returns the routed output and the shared expert's on ``whole`` (None without one)."""
         ep, local, name = self.ep, len(self.experts), self.layer_name
         parts = [(xs, cs, gs) for xs, cs, gs in zip(x.tensor_split(2), chosen.tensor_split(2), gates.tensor_split(2))]
         sorted_ = [self._sort(cs) for _, cs, _ in parts]
@@ -177,26 +207,29 @@ class ExpertParallelMoE(MoE):
             send, recv = mine[:, m].sum(1).tolist(), counts[:, m].sum(1).tolist()
             arrived, box = _start(xs.index_select(0, token), send, recv, self.ep_group, f"{name} dispatch mb{m}")
             plans.append((send, recv, arrived, box))
+        # the shared expert needs no exchange: it runs while both dispatches travel (DeepSeek-V3 §3.2.2)
+        shared = self.shared(whole) if self.shared is not None else None
         combined = []
         for m, (send, recv, arrived, box) in enumerate(plans):
             y = self._experts(_Wait.apply(arrived, box), counts[:, m])     # the other's exchange in flight
             combined.append(_start(y, recv, send, self.ep_group, f"{name} combine mb{m}"))
         out = [self._unpermute(xs, _Wait.apply(back, box), gs, order, token)
                for (xs, _, gs), (order, token, _), (back, box) in zip(parts, sorted_, combined)]
-        return torch.cat(out)
+        return torch.cat(out), shared
 
 
-def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "none") -> nn.Module:
+def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "none", tp_group=None) -> nn.Module:
     """Keep only this rank's slice of every MoE layer's experts (cut from the whole, seeded
     model) and route through the ep group, two micro-batches in turn when ``overlap`` is
-    "microbatch". ``groups``: :class:`~labkit.engine.grid.ExpertGroups`."""
+    "microbatch". ``groups``: :class:`~labkit.engine.grid.ExpertGroups`. ``tp_group`` (tp > 1):
+    each tp rank routes its 1/tp of the tokens, and the experts' gradients sum over tp too."""
     i = groups.index
     for name, moe in moe_layers(model):
         local = moe.n_experts // ep
         mine = range(i * local, (i + 1) * local)
         moe.experts = nn.ModuleDict({str(e): moe.experts[e] for e in mine})
         moe.__class__ = ExpertParallelMoE
-        moe.ep, moe.ep_group, moe.layer_name, moe.overlap = ep, groups.ep, name, overlap
+        moe.ep, moe.ep_group, moe.layer_name, moe.overlap, moe.tp_group = ep, groups.ep, name, overlap, tp_group
     return model
 
 
@@ -220,6 +253,7 @@ class ExpertSync:
 
     def wrap(self, module: nn.Module) -> nn.Module:
         self.experts = expert_parameters(module)
+        self.tp_group = next((moe.tp_group for _, moe in moe_layers(module)), None)
         if isinstance(self.dense, DDPSync):     # DDP's own way to leave parameters alone
             DDP._set_params_and_buffers_to_ignore_for_model(module, [n for n, _ in self.experts])
         held = [p for _, p in self.experts if p.requires_grad]
@@ -241,8 +275,12 @@ class ExpertSync:
 
     def finish(self) -> None:
         self.dense.finish()
+        if not self.experts:              # a pipeline stage without MoE layers
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.experts]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.tp_group is not None:    # each tp rank routed 1/tp of the tokens through its copy
+            comm.all_reduce(flat, self.tp_group, name="expert grads over tp")
         if len(self.groups.edp_ranks) > 1:
             comm.all_reduce(flat, self.groups.edp, name="expert grads")
         flat.div_(self.dp)
