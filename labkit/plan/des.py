@@ -17,6 +17,11 @@ plays the same part for transfers): a running compute span asks for one core, a 
 flight for ``load`` cores per member; when the asks exceed ``cores`` every job progresses at
 cores / asks of its speed. A waiting thread asks for nothing.
 
+A point-to-point message is latency-bound rather than work-bound: it is delivered by a
+handshake that a comm thread of each end runs. When it starts while a member is computing
+and the cores are all taken, that thread first waits ``wake`` seconds for a core (the
+scheduler's turn), so the message takes ``wake`` longer.
+
 Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
 read a simulated step as a measured one.
 """
@@ -70,6 +75,7 @@ class Sim:
     programs: list
     cores: float = 1.0
     load: float = 0.0
+    wake: float = 0.0
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
@@ -122,7 +128,8 @@ class Sim:
         for key, posted in list(self.loose.items()):
             if posted.issuperset(self.calls[key].group):
                 del self.loose[key]
-                self.running.append(_Job(self.calls[key].seconds, self.load * len(posted), self.t, ("call", key)))
+                self.running.append(_Job(self.calls[key].seconds + self._wait_for_core(self.calls[key].group),
+                                         self.load * len(posted), self.t, ("call", key)))
         started = True
         while started:
             started = False
@@ -138,6 +145,12 @@ class Sim:
                     job = _Job(call.seconds, self.load * len(group), self.t, ("call", key))
                     self.running.append(job)
                     started = True
+
+    def _wait_for_core(self, group) -> float:
+        """``wake`` when a member computes and the cores are all taken (module docstring)."""
+        computing = any(self.busy[m] is not None for m in group)
+        taken = sum(j.ask for j in self.running) + 1 > self.cores
+        return self.wake if computing and taken else 0.0
 
     # -- time --------------------------------------------------------------------------------
     def _step(self) -> None:

@@ -51,6 +51,10 @@ class Machine:
     action_s: float = 1e-4
     """Host seconds the executor adds per action (a forward or backward of a micro-batch):
     hooks, recording, Python. Measured: a trivial model's step at 1 and 8 micro-batches."""
+    call_s: float = 0.0
+    """Host seconds the issuing thread spends posting one labkit.comm call (bookkeeping, gloo's
+    post; on an emulated link the departure stamp too). Measured: the thread's CPU time
+    around posting a 32 KiB isend and irecv."""
     step_s: float = 1e-3
     """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
     comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
@@ -61,6 +65,13 @@ class Machine:
     """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
     CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
     runs beside them on every engine, against without."""
+    wake_s: float = 0.0
+    """Seconds a point-to-point message waits for its sender's process to get a core when the
+    sender went on computing after posting it and every core is taken: gloo delivers a message
+    in a handshake (the receiver's ready notice, then the write) run by a thread that must be
+    scheduled beside the compute thread, and an emulated link's stamp and sleep add wake-ups
+    of their own. Measured: one message's delivery while its sender computes, against while
+    it waits (median of many, the lab's link on as the steps run it)."""
     engines: int = 1
     """Engines the measurement ran on."""
     link: str = ""
@@ -135,6 +146,7 @@ class Machine:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
-                f"{self.memory_Bps / 1e9:.1f} GB/s; host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
-                f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core"
+                f"{self.memory_Bps / 1e9:.1f} GB/s; host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} µs/call, "
+                f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
+                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender"
                 + (f"; link {self.link}" if self.link else "") + ")")

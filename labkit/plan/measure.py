@@ -3,8 +3,9 @@
 Each number is the median of a few timed runs: matmuls of a
 few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
 the host cost per op; the same product on every engine at once for the cores they share; the
-four families of collectives at three sizes (or the emulated link's α and β); an all-reduce
-beside a product for the cores a transfer takes; a trivial model's step at 1 and 8
+four families of collectives at three sizes (or the emulated link's α and β); one message
+delivered while its sender computes, against while it waits, for the wait for a core; an
+all-reduce beside a product for the cores a transfer takes; a trivial model's step at 1 and 8
 micro-batches for the executor's host costs per action and per step. No model of the user's
 and no strategy it will predict runs.
 """
@@ -87,6 +88,70 @@ def _together(seconds: float, with_comm: bool):
     return rate
 
 
+def _messages(rounds: int, busy_s: float = 0.01):
+    """On ranks 0 and 1 (the others return at once), 32 KiB messages with labkit.comm's
+    isend/irecv, as a pipeline sends an activation: (the CPU seconds posting one takes on the
+    issuing thread, and on rank 1 the median delivery while the sender computes ``busy_s``
+    after posting, less the median while the sender waits)."""
+    import time
+    from statistics import median
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..engine import session
+
+    me = dist.get_rank()
+    if me > 1:
+        return None
+    rec = session().recorder
+    was, rec.enabled = rec.enabled, False
+    a, b = torch.randn(64, 512), torch.randn(512, 512)
+    x = torch.zeros(8192)
+    delivered, posting = {True: [], False: []}, []
+    try:
+        for k in range(2 * rounds):
+            busy = k % 2 == 1               # alternate, so a change of the host's load meets both
+            stamp = torch.zeros(1, dtype=torch.float64)
+            dist.barrier(group=_pair())
+            cpu, stamp[0] = time.thread_time(), time.perf_counter()
+            if me == 0:
+                handle = comm.isend(x, 1, name="probe", check=False)
+                posting.append(time.thread_time() - cpu)
+                end = time.perf_counter() + busy_s * busy
+                while time.perf_counter() < end:          # the stage's next compute
+                    a @ b
+                handle.wait()
+                dist.send(stamp, 1)
+            else:
+                handle = comm.irecv(x, 0, name="probe", check=False)
+                posting.append(time.thread_time() - cpu)
+                handle.wait()
+                done = time.perf_counter()
+                dist.recv(stamp, 0)
+                delivered[busy].append(done - float(stamp[0]))
+    finally:
+        rec.enabled = was
+    wake = max(0.0, median(delivered[True]) - median(delivered[False])) if me == 1 else None
+    return median(posting), wake
+
+
+_PAIR = {}
+
+
+def _make_pair() -> None:
+    _pair()
+
+
+def _pair():
+    """A process group of ranks 0 and 1 (made once per process; every rank must create it)."""
+    import torch.distributed as dist
+    if "g" not in _PAIR:
+        _PAIR["g"] = dist.new_group([0, 1])
+    return _PAIR["g"]
+
+
 COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
 
 
@@ -143,7 +208,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     together = lab.apply(_together, seconds, False)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
-    comm, link_name, link_ab, load = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0
+    comm, link_name, link_ab, load, wake, call_s = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
@@ -156,12 +221,16 @@ def measure(lab, seconds: float = 0.2) -> Machine:
                 lab.link = link
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
+        lab.apply(_make_pair)
+        probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
+        call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
         beside = sum(lab.apply(_together, seconds, True))
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
             load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
-    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, engines=world, link=link_name,
-                      link_alpha_beta=tuple(link_ab))
+    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, wake_s=wake, call_s=call_s,
+                      engines=world,
+                      link=link_name, link_alpha_beta=tuple(link_ab))
     action_s, step_s = _host_costs(lab, machine)
     return replace(machine, action_s=action_s, step_s=step_s)
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import GPT, Cluster, Link
 from .layout import ClusterStrategy
-from .memory import expert_split, fits, gb, memory_breakdown
+from .memory import expert_split, fits, gb, layer_activation_bytes, memory_breakdown
+from .simulation import simulate_scale
 
 ADAM_BYTES_PER_PARAM = 32
 """HBM traffic of one mixed-precision Adam update per parameter: read fp32 weight, momentum,
@@ -91,8 +92,6 @@ def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str
     bias adds, residuals): each activation Korthikanti et al. count is written once and read
     once at HBM bandwidth, so 2 × their no-recompute bytes per layer (Table 2, no sequence
     parallelism: what each tp rank touches); backward moves about twice as much."""
-    from .memory import layer_activation_bytes
-
     plain = ClusterStrategy(tp=s.tp, microbatch_size=s.microbatch_size, sequence_parallel=s.sequence_parallel)
     return 2 * layer_activation_bytes(model, plain, kind) / cluster.hardware.hbm_bandwidth
 
@@ -227,8 +226,7 @@ class Prediction:
 
     def timeline(self, max_microbatches: int | None = None):
         """The predicted timeline of one step (one pipeline; dp replicas are alike)."""
-        from .simulation import simulate_scale
-        return simulate_scale(self, max_microbatches)
+        return simulate_scale(self, stage_costs(self.model, self.cluster, self.strategy), max_microbatches)
 
 
 def hardware_flops(model: GPT, global_batch: int, recompute: str) -> float:
