@@ -276,9 +276,9 @@ def test_llama_tables_print_the_error_the_code_computes():
     text = published.table_llama(rows)
     for r in rows:
         p = r["prediction"]
-        if p is None:                      # the context-parallel row
-            assert "context parallelism" in r["note"] and r["error"] != r["error"]
-            continue
+        if "cp16" in r["config"]:          # the long-context row: all-gather context parallelism
+            assert (p.strategy.cp, p.strategy.cp_mode, p.model.seq) == (16, "allgather", 131072)
+            assert "cp all-gathers exposed" in r["note"] and p.parts["cp_comm_s"] > 0
         if r["metric"] == "TFLOP/s per GPU":
             model_flops = p.model.model_flops(p.global_batch * p.model.seq)
             assert r["predicted"] == pytest.approx(model_flops / (p.step_time_s * p.cluster.gpus) / 1e12)
@@ -288,6 +288,64 @@ def test_llama_tables_print_the_error_the_code_computes():
         assert r["error"] == pytest.approx((r["predicted"] - r["published"]) / r["published"])
         assert f"{100 * r['error']:+6.1f}%" in text
     assert "rows predicted; mean |error|" in text
+
+
+# -- context parallelism -----------------------------------------------------------------------
+DENSE = dict(layers=8, hidden=1024, heads=8, kv_heads=2, vocab=32000, ffn_hidden=4096)
+
+def test_cp_divides_activations_per_rank_and_zero_shards_over_dp_times_cp():
+    from labkit.plan.memory import gathered_kv_bytes, memory_breakdown
+
+    model = plan.Decoder(**DENSE, seq=65536)
+    def mem(**kw):
+        return memory_breakdown(model, ClusterStrategy(**{"dp": 2, "zero": 1, **kw}), 2)
+    one, two, four = mem(), mem(dp=1, cp=2), mem(dp=1, cp=4)
+    assert two["activations"] == pytest.approx(one["activations"] / 2)
+    assert four["activations"] == pytest.approx(one["activations"] / 4)
+    assert two["optimizer"] == pytest.approx(one["optimizer"])          # dp·cp = 2 shards either way
+    gathered = mem(dp=1, cp=4, cp_mode="allgather")
+    kv = 2 * 2 * 65536 * model.kv_heads * model.head_dim                 # K and V of the whole sequence, bf16
+    assert gathered_kv_bytes(model, ClusterStrategy(cp=4, cp_mode="allgather")) == kv
+    assert gathered["activations"] == pytest.approx(four["activations"] + kv)
+
+
+@pytest.mark.parametrize("nodes, tp, cp, link", [(1, 2, 4, "nvlink"), (4, 4, 8, "ib")])
+def test_cp_prices_the_all_gather_exposed_and_the_ring_under_its_rounds(nodes, tp, cp, link):
+    from labkit.plan.step import context_comm_times
+
+    model = plan.Decoder(**DENSE, seq=32768)
+    cluster = Cluster(nodes=nodes)
+    wire = getattr(cluster.hardware, link)                              # the cp group spans cp·tp GPUs
+    kv = 2 * 2 * 32768 * model.kv_heads * model.head_dim / tp
+    gather = wire.alpha + (cp - 1) / cp * kv / wire.beta
+    assert context_comm_times(model, cluster, ClusterStrategy(tp=tp, cp=cp, cp_mode="allgather"), 1.0) == \
+        pytest.approx((gather, 2 * gather))
+    ring = ClusterStrategy(tp=tp, cp=cp)
+    assert context_comm_times(model, cluster, ring, 1.0) == (0.0, 0.0)   # a long attention hides every hop
+    hop = wire.alpha + kv / cp / wire.beta
+    assert context_comm_times(model, cluster, ring, 0.0) == pytest.approx(((cp - 1) * hop,
+                                                                          (cp - 1) * (hop + kv / cp / wire.beta)))
+
+
+def test_search_turns_to_cp_for_a_long_sequence_and_leaves_short_ones_alone():
+    model = plan.Decoder(**DENSE, seq=1 << 20)
+    result = plan.search(model, Cluster(nodes=1), 1, recompute=("none",))
+    assert result.fits and result.ranked[0].strategy.cp > 1
+    short = plan.search(plan.Decoder(**DENSE, seq=4096), Cluster(nodes=1), 8)
+    assert {p.strategy.cp for p in short.ranked} == {1}                  # under LONG_SEQUENCE: not tried unasked
+    with pytest.raises(ValueError, match="2·cp"):
+        ClusterStrategy(dp=1, cp=3).check(plan.Decoder(**DENSE, seq=1000), Cluster(nodes=1, gpus_per_node=3), 1)
+
+
+def test_zero3_prefetches_the_forwards_all_gathers_behind_the_forward():
+    from labkit.plan.step import exposed_dp_sync, stage_costs
+
+    s = ClusterStrategy(dp=64, zero=3, dp_overlap=True)
+    c = stage_costs(plan.Decoder(**DENSE, seq=4096), Cluster(nodes=8), s)
+    gather_fwd = c.dp_sync / 3                # all-gather forward, all-gather backward, reduce-scatter
+    expected = max(0.0, gather_fwd - c.fwd[0]) + max(0.0, 2 * gather_fwd - c.bwd[0])
+    assert exposed_dp_sync(c, s, c.bwd) == pytest.approx(expected)
+    assert exposed_dp_sync(c, ClusterStrategy(dp=64, zero=3), c.bwd) == c.dp_sync    # no overlap: all of it
 
 
 # -- expert parallelism ------------------------------------------------------------------------
@@ -322,14 +380,14 @@ def test_ep_prices_four_all_to_alls_per_moe_layer_on_the_groups_link(nodes, dp, 
     a2a = wire.alpha + (ep - 1) / ep * nbytes / wire.beta
     one = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2)
     f1, b1, *_ = layer_times(moe, cluster, one, "moe", 0.0)
-    f, b, _, exposed = layer_times(moe, cluster, ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep), "moe", 0.0)
+    f, b, _, exposed, _ = layer_times(moe, cluster, ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep), "moe", 0.0)
     assert (f - f1, b - b1, exposed) == pytest.approx((2 * a2a, 2 * a2a, 4 * a2a))
     # the overlap hides them behind the routed experts' GEMMs (forward; backward twice those)
     hw = cluster.hardware
     d = min(2048 / tp, tokens * 2 / 8)
     expert_f = 2 * tokens * 2 * 3 * 1024 * 2048 / tp / (hw.peak_flops * hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim))
     hidden = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep, ep_overlap=True)
-    f, b, _, exposed = layer_times(moe, cluster, hidden, "moe", 0.0)
+    f, b, _, exposed, _ = layer_times(moe, cluster, hidden, "moe", 0.0)
     assert (f - f1, b - b1) == pytest.approx((max(0, 2 * a2a - expert_f), max(0, 2 * a2a - 2 * expert_f)))
     p = predict(moe, cluster, 64, hidden)
     assert p.parts["ep_comm_s"] == pytest.approx(p.parts["microbatches"] * 8 * exposed)
