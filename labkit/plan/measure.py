@@ -155,9 +155,26 @@ def _pair():
 COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
 
 
+def _ping_pong(nbytes: int, n: int, me: int):
+    """One message each way between neighbour pairs (0↔1, 2↔3, …; an odd last rank idles); the
+    call's time is half the round trip, one message's (OSU's osu_latency). Not an exchange in
+    both directions at once: crossing messages on gloo wait on each other, and a pipeline's
+    sends mostly travel one way while the receiver waits."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4))
+    peer = me + 1 if me % 2 == 0 else me - 1
+    if peer >= n:
+        return lambda: None
+    if me % 2 == 0:
+        return lambda: (dist.send(buf, peer), dist.recv(buf, peer))
+    return lambda: (dist.recv(buf, peer), dist.send(buf, peer))
+
+
 def _comm(seconds: float):
-    """On every engine: the median seconds per call of each family at each of COMM_SIZES (labkit.comm's
-    calls, recording off), the slowest rank's."""
+    """On every engine: the median seconds per call of each family at each of COMM_SIZES (torch's
+    own calls, recording off; a send's is half a ping-pong's round trip), the slowest rank's."""
     import time
 
     import torch.distributed as dist
@@ -172,7 +189,8 @@ def _comm(seconds: float):
     try:
         for family in FAMILIES:
             for nbytes in COMM_SIZES:
-                call, _ = _operation("sendrecv" if family == "send" else family, "torch", nbytes, n, me)
+                call = _ping_pong(nbytes, n, me) if family == "send" else \
+                    _operation(family, "torch", nbytes, n, me)[0]
                 call()
                 runs = []
                 for _ in range(5):
@@ -180,7 +198,7 @@ def _comm(seconds: float):
                     t0 = time.perf_counter()
                     for _ in range(3):
                         call()
-                    runs.append((time.perf_counter() - t0) / 3)
+                    runs.append((time.perf_counter() - t0) / (6 if family == "send" else 3))
                 out[(family, nbytes)] = sorted(runs)[2]
     finally:
         rec.enabled = was
