@@ -3,8 +3,8 @@
 In the shape of Calculon's system description (compute rate with a size → efficiency table,
 per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :class:`Machine`
 is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines (square-ish
-matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a few sizes, a
-step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
+matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a few sizes, one
+message with its sender busy and idle, a step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
 the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
 (:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
 are the machine's too: a call takes the link's time or gloo's, whichever is longer.
@@ -59,8 +59,9 @@ class Machine:
     """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
     comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
     """family → (α seconds per ring step, β bytes/s per rank): a call of S bytes on n ranks
-    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine; on an
-    emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
+    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine (a send
+    as half a ping-pong's round trip); on an emulated link, still gloo's own (the link is
+    ``link_alpha_beta``)."""
     comm_load: float = 0.5
     """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
     CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
