@@ -476,6 +476,7 @@ def test_a_message_waits_for_a_core_only_when_its_sender_computes_on_taken_cores
     assert sent([Compute(3.0, "fwd")], cores=1.0) == pytest.approx(1.5)    # the sender computes on the one core
     assert sent([Wait("m")], cores=1.0) == pytest.approx(1.0)              # the sender waits for it
     assert sent([Compute(3.0, "fwd")], cores=4.0) == pytest.approx(1.0)    # a core is free for its thread
+    assert sent([Compute(0.2, "fwd")], cores=1.0) == pytest.approx(1.2)    # its span ends first: its core frees
 
 
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():

@@ -19,8 +19,8 @@ cores / asks of its speed. A waiting thread asks for nothing.
 
 A point-to-point message is latency-bound rather than work-bound: it is delivered by a
 handshake that a comm thread of each end runs. When it starts while a member is computing
-and the cores are all taken, that thread first waits ``wake`` seconds for a core (the
-scheduler's turn), so the message takes ``wake`` longer.
+and the cores are all taken, that thread first waits for a core: ``wake`` seconds (the
+scheduler's turn), or less if the member's compute span ends sooner and frees its own core.
 
 Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
 read a simulated step as a measured one.
@@ -147,10 +147,14 @@ class Sim:
                     started = True
 
     def _wait_for_core(self, group) -> float:
-        """``wake`` when a member computes and the cores are all taken (module docstring)."""
-        computing = any(self.busy[m] is not None for m in group)
-        taken = sum(j.ask for j in self.running) + 1 > self.cores
-        return self.wake if computing and taken else 0.0
+        """A message's wait for a core when a member computes and the cores are all taken: ``wake``,
+        or until that member's compute span ends (module docstring)."""
+        computing = [self.busy[m] for m in group if self.busy[m] is not None]
+        asks = sum(j.ask for j in self.running)
+        if not computing or asks + 1 <= self.cores:
+            return 0.0
+        speed = min(1.0, self.cores / asks)
+        return min(self.wake, min(j.remaining for j in computing) / speed)
 
     # -- time --------------------------------------------------------------------------------
     def _step(self) -> None:

@@ -88,11 +88,12 @@ def _together(seconds: float, with_comm: bool):
     return rate
 
 
-def _messages(rounds: int, busy_s: float = 0.01):
+def _messages(rounds: int, busy_s: float = 0.03):
     """On ranks 0 and 1 (the others return at once), 32 KiB messages with labkit.comm's
     isend/irecv, as a pipeline sends an activation: (the CPU seconds posting one takes on the
     issuing thread, and on rank 1 the median delivery while the sender computes ``busy_s``
-    after posting, less the median while the sender waits)."""
+    after posting, less the median while the sender waits). ``busy_s`` is long beside the wait,
+    so the sender's span ending (which frees its core) does not cut the wait short."""
     import time
     from statistics import median
 
