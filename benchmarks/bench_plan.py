@@ -16,7 +16,8 @@ machine's ``wake_s`` and ``call_s``) over the measured, the second run over the 
 the floor under the ratio), and the exposed-comm fraction measured/predicted; then how many
 cases meet the targets (step time within 15 % on 2 engines, 20 % on 4; exposed comm within
 0.07), and the host's load average (``os.getloadavg``), since the engines share their cores
-with whatever else runs. ``--link bandwidth,latency``: the lab runs on an emulated link
+with whatever else runs; ``--remeasure`` measures the machine again before each case, so a
+drift of that load between the measurement and the case is taken out. ``--link bandwidth,latency``: the lab runs on an emulated link
 (``labkit.Link``), whose α and β the machine takes as they are imposed.
 """
 from __future__ import annotations
@@ -141,6 +142,8 @@ def main() -> None:
     p.add_argument("--cases", default="", help="only the cases whose name (or model label) contains this")
     p.add_argument("--link", default="", help="bandwidth,latency of an emulated link, e.g. 50e6,200e-6")
     p.add_argument("--machine", help="load this saved Machine instead of measuring")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the machine again just before each case (a host whose load drifts)")
     p.add_argument("--json")
     args = p.parse_args()
     link = None
@@ -157,6 +160,8 @@ def main() -> None:
             name = f"{spec['label']} {name}"
             if args.cases not in name:
                 continue
+            if args.remeasure:
+                machine = plan.measure(lab)
             rows.append({"case": name, **one_case(lab, machine, s, spec, args.steps)})
             print(f"  {name}: measured {[round(1e3 * t, 1) for t in rows[-1]['runs_step_time_s']]} ms, "
                   f"predicted {1e3 * rows[-1]['predicted_step_time_s']:.1f} ms", flush=True)
