@@ -493,6 +493,8 @@ def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
     machine.save(tmp_path / "m.json")
     assert Machine.load(tmp_path / "m.json") == machine
     assert machine.rate(1e5) == 2e9 and machine.rate(1e9) == 2e10
+    skinny = _machine(matmul_half_dim=8.0)                  # a product's smallest dimension costs rate
+    assert skinny.rate(1e9, dim=8) == pytest.approx(1e10) and skinny.rate(1e9, dim=0) == 2e10
     assert 2e9 < machine.rate(3e6) < 2e10
     with pytest.raises(ValueError, match="cores"):
         _machine(cores=0)
@@ -510,6 +512,8 @@ def test_a_models_work_is_its_counted_operations():
     assert [b.bwd.flops for b in work.blocks] == [linear, 0, 2 * linear, 0, 2 * linear]   # block 0: no input grad
     assert all(sum(o.flops for o in b.bwd.ops if o.weight_grad) == linear for b in work.blocks[::2])
     assert work.blocks[0].params == [64 * 64, 64] and work.blocks[0].out_numel == 64
+    assert [o.dim for o in work.blocks[2].fwd.ops if o.flops] == [8]          # 8 rows × 64 × 64
+    assert sorted(o.dim for o in work.blocks[2].bwd.ops if o.flops) == [8, 8]     # input grad, weight grad
 
 
 STRATEGIES = [dict(dp=2, dp_mode=m) for m in ("naive", "bucketed", "overlap", "ddp")] + \

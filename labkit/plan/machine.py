@@ -41,7 +41,9 @@ class Machine:
     against one engine alone (at most the engines, and the CPUs they may run on). The simulator shares them among runnable threads."""
     matmul: tuple = ((1e6, 1e9),)
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending: the rate of a product is
-    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
+    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs),
+    each divided by its shape's efficiency (``matmul_half_dim``): the rate of a product whose
+    smallest dimension is large."""
     memory_Bps: float = 5e9
     """Bytes per second one thread reads plus writes in an elementwise op. Measured: add_ on
     4 MiB tensors, one engine alone."""
@@ -73,6 +75,11 @@ class Machine:
     scheduled beside the compute thread, and an emulated link's stamp and sleep add wake-ups
     of their own. Measured: one message's delivery while its sender computes, against while
     it waits (median of many, the lab's link on as the steps run it)."""
+    matmul_half_dim: float = 0.0
+    """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
+    of few rows, or a weight gradient summed over them), the form the cluster planner gives a
+    GPU's GEMMs (``Hardware.gemm_half_dim``). Measured: a 16×512×512 product against a
+    64×256×256 one, the same FLOPs."""
     engines: int = 1
     """Engines the measurement ran on."""
     link: str = ""
@@ -91,8 +98,16 @@ class Machine:
             raise ValueError(f"Machine.comm lacks {missing}; give (α seconds, β bytes/s) for each of {FAMILIES}")
 
     # -- prices ------------------------------------------------------------------------------
-    def rate(self, flops: float) -> float:
-        """FLOP/s of one thread on a product of ``flops``: the table, interpolated in log size."""
+    def efficiency(self, dim: float) -> float:
+        """d/(d + d½) of a product whose smallest dimension is ``dim`` (1 when not known: 0)."""
+        return dim / (dim + self.matmul_half_dim) if dim > 0 else 1.0
+
+    def rate(self, flops: float, dim: float = 0) -> float:
+        """FLOP/s of one thread on a product of ``flops`` whose smallest dimension is ``dim``: the
+        table, interpolated in log size, at that shape's efficiency."""
+        return self._table(flops) * self.efficiency(dim)
+
+    def _table(self, flops: float) -> float:
         rows = sorted(self.matmul)
         if flops <= rows[0][0]:
             return rows[0][1]
@@ -106,7 +121,7 @@ class Machine:
 
     def op_seconds(self, op) -> float:
         """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`)."""
-        body = op.flops / self.rate(op.flops) if op.flops else op.bytes / self.memory_Bps
+        body = op.flops / self.rate(op.flops, op.dim) if op.flops else op.bytes / self.memory_Bps
         return self.op_s + body
 
     def seconds(self, ops, scale=lambda op: 1.0) -> float:
@@ -114,7 +129,7 @@ class Machine:
         total = 0.0
         for op in ops:
             k = scale(op)
-            body = op.flops * k / self.rate(op.flops * k) if op.flops else op.bytes * k / self.memory_Bps
+            body = op.flops * k / self.rate(op.flops * k, op.dim) if op.flops else op.bytes * k / self.memory_Bps
             total += self.op_s + body
         return total
 
@@ -147,7 +162,7 @@ class Machine:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
-                f"{self.memory_Bps / 1e9:.1f} GB/s; host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} µs/call, "
+                f"{self.memory_Bps / 1e9:.1f} GB/s; a product of smallest dimension d at d/(d + {self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
                 f"waits {self.wake_s * 1e6:.0f} µs for a busy sender"
                 + (f"; link {self.link}" if self.link else "") + ")")

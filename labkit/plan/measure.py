@@ -42,10 +42,14 @@ def _alone(seconds: float, rank_only: int | None = 0):
 
     if rank_only is not None and dist.get_rank() != rank_only:
         return None
-    table = []
-    for m, k, n in MATMUL_SHAPES:
+    def timed(m, k, n):
         a, b = torch.randn(m, k), torch.randn(k, n)
-        table.append((2.0 * m * k * n, 2.0 * m * k * n / _loop(lambda: a @ b, seconds)))
+        return _loop(lambda: a @ b, seconds)
+    # the same FLOPs at smallest dimension 16 and 64: r = e(16)/e(64) with e(d) = d/(d + d½)
+    r = timed(64, 256, 256) / timed(16, 512, 512)
+    half = max(0.0, 1024 * (1 - r) / (64 * r - 16)) if 64 * r > 16 else 64.0
+    table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
+             for m, k, n in MATMUL_SHAPES]
     x, y = torch.zeros(1 << 20), torch.zeros(1 << 20)
     memory = 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds)
     w = torch.ones(1, requires_grad=True)
@@ -60,7 +64,7 @@ def _alone(seconds: float, rank_only: int | None = 0):
     with counter:
         chain()
     import os
-    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0))
+    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0)), half
 
 
 def _together(seconds: float, with_comm: bool):
@@ -223,10 +227,11 @@ def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
 def measure(lab, seconds: float = 0.2) -> Machine:
     """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
-    table, memory, op_s, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
+    table, memory, op_s, cpus, half = next(r for r in lab.apply(_alone, seconds) if r is not None)
     together = lab.apply(_together, seconds, False)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
-    cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
+    # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
+    cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
     comm, link_name, link_ab, load, wake, call_s = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)
@@ -247,7 +252,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
             load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
-    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, wake_s=wake, call_s=call_s,
+    machine = Machine(cores, tuple(table), memory, op_s, matmul_half_dim=half, comm=comm, comm_load=load, wake_s=wake, call_s=call_s,
                       engines=world,
                       link=link_name, link_alpha_beta=tuple(link_ab))
     action_s, step_s = _host_costs(lab, machine)
