@@ -37,16 +37,20 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): matmul table, memory rate, op host cost."""
+    from statistics import median
+
     import torch
     import torch.distributed as dist
 
     if rank_only is not None and dist.get_rank() != rank_only:
         return None
-    def timed(m, k, n):
+
+    def timed(m, k, n, seconds=seconds, chunks=5):
         a, b = torch.randn(m, k), torch.randn(k, n)
-        return _loop(lambda: a @ b, seconds)
-    # the same FLOPs at smallest dimension 16 and 64: r = e(16)/e(64) with e(d) = d/(d + d½)
-    r = timed(64, 256, 256) / timed(16, 512, 512)
+        return _loop(lambda: a @ b, seconds, chunks)
+    # the same FLOPs at smallest dimension 16 and 64, timed in turn (a drift of the host's load
+    # meets both): the median r = e(16)/e(64) with e(d) = d/(d + d½) gives d½
+    r = median(timed(64, 256, 256, seconds / 5, 1) / timed(16, 512, 512, seconds / 5, 1) for _ in range(7))
     half = max(0.0, 1024 * (1 - r) / (64 * r - 16)) if 64 * r > 16 else 64.0
     table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
              for m, k, n in MATMUL_SHAPES]
