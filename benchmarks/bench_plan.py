@@ -11,8 +11,8 @@ and a Llama model that no measurement ran) is simulated from it and run on the l
 The two runs ``measure`` itself takes of a trivial model (its host costs per action and per
 step) are repeated as the in-sample cases; every other case is held out. Prints, per case,
 the measured step time (median of the two runs), the predicted, their ratio, the prediction
-without the point-to-point terms (a message's wait for a core and each call's host cost, the
-machine's ``wake_s`` and ``call_s``) over the measured, the second run over the first (how far a measurement predicts itself:
+without the point-to-point terms (a message's wait for a core, its crossing one the other way,
+each call's host cost: the machine's ``wake_s``, ``cross_s`` and ``call_s``) over the measured, the second run over the first (how far a measurement predicts itself:
 the floor under the ratio), and the exposed-comm fraction measured/predicted; then how many
 cases meet the targets (step time within 15 % on 2 engines, 20 % on 4; exposed comm within
 0.07), and the host's load average (``os.getloadavg``), since the engines share their cores
@@ -95,7 +95,7 @@ def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     kw = {k: spec[k] for k in ("data", "loss") if k in spec}
     tp_plan = spec.get("tp_plan") if strategy.tp > 1 else None
     pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
-    bare = plan.simulate(strategy, replace(machine, wake_s=0.0, call_s=0.0), model=spec["model"], batch=spec["batch"],
+    bare = plan.simulate(strategy, replace(machine, wake_s=0.0, call_s=0.0, cross_s=0.0), model=spec["model"], batch=spec["batch"],
                          tp_plan=tp_plan, **kw)
     runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
             for _ in range(2)]

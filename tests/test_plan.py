@@ -479,6 +479,18 @@ def test_a_message_waits_for_a_core_only_when_its_sender_computes_on_taken_cores
     assert sent([Compute(0.2, "fwd")], cores=1.0) == pytest.approx(1.2)    # its span ends first: its core frees
 
 
+def test_a_message_crossing_one_the_other_way_takes_cross_longer():
+    def ends(second_way):
+        programs = [[Issue("a", (0, 1), 1.0, "send", ordered=False), Wait("a")],
+                    [Issue("a", (0, 1), 1.0, "recv", ordered=False), Wait("a")]]
+        if second_way:           # rank 1 sends back at once, while "a" is in flight
+            programs[1].insert(0, Issue("b", (1, 0), 1.0, "send", ordered=False))
+            programs[0].insert(0, Issue("b", (1, 0), 1.0, "recv", ordered=False))
+        return sorted(e["end"] for e in Sim(programs, cores=4, cross=0.5).run() if e["kind"] == "recv")
+    assert ends(False) == pytest.approx([1.0])
+    assert ends(True) == pytest.approx([1.5, 1.5])      # each started beside the other
+
+
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
     late = [[Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")],
             [Compute(3.0, "fwd"), Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")]]

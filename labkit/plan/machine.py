@@ -75,6 +75,11 @@ class Machine:
     scheduled beside the compute thread, and an emulated link's stamp and sleep add wake-ups
     of their own. Measured: one message's delivery while its sender computes, against while
     it waits (median of many, the lab's link on as the steps run it)."""
+    cross_s: float = 0.0
+    """Seconds a point-to-point message takes longer when one in the other direction between
+    the same two ranks is in flight (a 1F1B pipeline's activations and gradients): gloo's
+    handshakes on one pair wait on each other. Measured: an exchange of 16 KiB both ways at
+    once, less one message one way (half a ping-pong), gloo as it is."""
     matmul_half_dim: float = 0.0
     """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
     of few rows, or a weight gradient summed over them), the form the cluster planner gives a
@@ -164,5 +169,5 @@ class Machine:
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
                 f"{self.memory_Bps / 1e9:.1f} GB/s; a product of smallest dimension d at d/(d + {self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
-                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender"
+                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another"
                 + (f"; link {self.link}" if self.link else "") + ")")

@@ -209,6 +209,17 @@ def _comm(seconds: float):
                         call()
                     runs.append((time.perf_counter() - t0) / (6 if family == "send" else 3))
                 out[(family, nbytes)] = sorted(runs)[2]
+        # both ways at once (every rank sends right and receives left), the smallest size
+        call = _operation("sendrecv", "torch", COMM_SIZES[0], n, me)[0]
+        call()
+        runs = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                call()
+            runs.append((time.perf_counter() - t0) / 3)
+        out[("exchange", COMM_SIZES[0])] = sorted(runs)[2]
     finally:
         rec.enabled = was
     return out
@@ -236,7 +247,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
     cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
-    comm, link_name, link_ab, load, wake, call_s = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0, 0.0
+    comm, link_name, link_ab, load, wake, call_s, cross = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0, 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
@@ -249,6 +260,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
                 lab.link = link
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
+        cross = max(0.0, times[("exchange", COMM_SIZES[0])] - times[("send", COMM_SIZES[0])])
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
         call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
@@ -256,7 +268,8 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
             load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
-    machine = Machine(cores, tuple(table), memory, op_s, matmul_half_dim=half, comm=comm, comm_load=load, wake_s=wake, call_s=call_s,
+    machine = Machine(cores, tuple(table), memory, op_s, matmul_half_dim=half, comm=comm, comm_load=load,
+                      wake_s=wake, call_s=call_s, cross_s=cross,
                       engines=world,
                       link=link_name, link_alpha_beta=tuple(link_ab))
     action_s, step_s = _host_costs(lab, machine)

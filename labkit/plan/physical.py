@@ -82,7 +82,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         plan = {}
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
                 for prog in Builder(strategy, machine, work, plan).programs()]      # posting a call is host work
-    events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s).run()
+    events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
                      Timeline(events, world, title="predicted", grid=strategy), batch)
