@@ -12,13 +12,15 @@ The two runs ``measure`` itself takes of a trivial model (its host costs per act
 step) are repeated as the in-sample cases; every other case is held out. Prints, per case,
 the measured step time (median of the two runs), the predicted, their ratio, the prediction
 without the point-to-point terms (a message's wait for a core, its crossing one the other way,
-each call's host cost: the machine's ``wake_s``, ``cross_s`` and ``call_s``) over the measured, the second run over the first (how far a measurement predicts itself:
-the floor under the ratio), and the exposed-comm fraction measured/predicted; then how many
+each call's host cost: the machine's ``wake_s``, ``cross_s`` and ``call_s``) over the
+measured, the second run over the first (how far a measurement predicts itself: the floor
+under the ratio), and the exposed-comm fraction measured/predicted; then how many
 cases meet the targets (step time within 15 % on 2 engines, 20 % on 4; exposed comm within
 0.07), and the host's load average (``os.getloadavg``), since the engines share their cores
 with whatever else runs; ``--remeasure`` measures the machine again before each case, so a
-drift of that load between the measurement and the case is taken out. ``--link bandwidth,latency``: the lab runs on an emulated link
-(``labkit.Link``), whose α and β the machine takes as they are imposed.
+drift of that load between the measurement and the case is taken out.
+``--link bandwidth,latency``: the lab runs on an emulated link (``labkit.Link``), whose α and
+β the machine takes as they are imposed.
 """
 from __future__ import annotations
 
@@ -95,8 +97,8 @@ def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     kw = {k: spec[k] for k in ("data", "loss") if k in spec}
     tp_plan = spec.get("tp_plan") if strategy.tp > 1 else None
     pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
-    bare = plan.simulate(strategy, replace(machine, wake_s=0.0, call_s=0.0, cross_s=0.0), model=spec["model"], batch=spec["batch"],
-                         tp_plan=tp_plan, **kw)
+    without = replace(machine, wake_s=0.0, call_s=0.0, cross_s=0.0)      # the point-to-point terms
+    bare = plan.simulate(strategy, without, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
     runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
             for _ in range(2)]
     row = {f"predicted_{k}": pred.metrics[k] for k in KEYS}
@@ -117,7 +119,8 @@ def summarise(rows: list[dict], engines: int) -> str:
         ratio = r["predicted_step_time_s"] / r["measured_step_time_s"]
         a, b = r["runs_step_time_s"]
         lines.append(f"{r['case']:>34} {1e3 * r['measured_step_time_s']:>11.2f} {1e3 * r['predicted_step_time_s']:>12.2f} "
-                     f"{ratio:>6.2f} {r['predicted_without_messages_s'] / r['measured_step_time_s']:>7.2f} {b / a:>7.2f} "
+                     f"{ratio:>6.2f} {r['predicted_without_messages_s'] / r['measured_step_time_s']:>7.2f} "
+                     f"{b / a:>7.2f} "
                      f"{r['measured_exposed_comm_fraction']:>5.2f}/{r['predicted_exposed_comm_fraction']:<5.2f} "
                      f"{r['measured_bubble_fraction']:>5.2f}/{r['predicted_bubble_fraction']:<5.2f} {r['load']:>5.1f}")
     for label, part in (("in sample", [r for r in rows if r["in_sample"]]),

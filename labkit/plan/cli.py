@@ -51,7 +51,8 @@ def add_parser(subparsers) -> None:
     one.add_argument("--sequence-parallel", action="store_true")
     one.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp·pp·cp·tp = GPUs)")
     one.add_argument("--cp-mode", choices=CP_MODES, default="ring")
-    one.add_argument("--ep", type=int, default=1, help="expert-parallel degree (dividing dp and the experts; the all-to-alls overlapped)")
+    one.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree (dividing dp and the experts; the all-to-alls overlapped)")
     p.add_argument("--top", type=int, default=10, help="strategies to list when ranking (≥ 1)")
     p.add_argument("--json", help="write the prediction (one strategy) or the ranking here")
     p.add_argument("--validate", action="store_true", help="compare with Megatron-LM SC21 Table 1 and exit")

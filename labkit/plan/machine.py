@@ -2,10 +2,10 @@
 
 In the shape of Calculon's system description (compute rate with a size → efficiency table,
 per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :class:`Machine`
-is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines (square-ish
-matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a few sizes, one
-message with its sender busy and idle, a step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
-the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
+is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines
+(matmuls of a few sizes and two shapes, an elementwise loop, tiny autograd ops, collectives of
+a few sizes, one message with its sender busy and idle, a step of a trivial model at two
+micro-batch counts). It takes no model and runs no strategy the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
 (:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
 are the machine's too: a call takes the link's time or gloo's, whichever is longer.
 
@@ -167,7 +167,9 @@ class Machine:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
-                f"{self.memory_Bps / 1e9:.1f} GB/s; a product of smallest dimension d at d/(d + {self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} µs/call, "
+                f"{self.memory_Bps / 1e9:.1f} GB/s; a product of smallest dimension d at d/(d + "
+                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
+                f"{self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
                 f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another"
                 + (f"; link {self.link}" if self.link else "") + ")")
