@@ -126,6 +126,23 @@ EXERCISES = {
         "max/mean = 512 / (512/4) = 4 = ep: one rank does the whole layer's expert work while the "
         "three others wait for it in the combine, so the layer runs at a quarter of the group's speed.",
         "the mean is over the 4 ranks (notebook 14's tokens_per_ep_rank)."),
+    "cp_tokens": Exercise(
+        "Llama 3's long-context stage trains on 131,072-token sequences with cp = 16 (each rank two "
+        "chunks, i and 2·cp−1−i). How many tokens of each sequence does one GPU hold?",
+        lambda: 131072 // 16,
+        "s / cp = 131072 / 16 = 8192: 2·cp = 32 chunks of 4096, two per rank. Every GEMM and every "
+        "activation is that of an 8K sequence; only attention reaches the other chunks' keys and "
+        "values (all-gathered in Llama 3, passed round a ring in Ring Attention).",
+        "the sequence is cut into 2·cp chunks and each rank holds two of them."),
+    "zero3_forward": Exercise(
+        "ZeRO-3 moves the weights three times a step (all-gather for forward, all-gather for "
+        "backward, reduce-scatter of the gradients), each the same bytes. With FSDP2's prefetching, "
+        "what fraction of that traffic can run under the forward pass?",
+        lambda: 1 / 3,
+        "1/3: the forward's all-gathers, each layer's fetched while the layer before computes; the "
+        "other two passes run under backward. Hiding only behind backward leaves a third of the "
+        "traffic exposed wherever backward is too short to hold all of it.",
+        "count the three passes and ask which of them the forward needs.", rel=0.03),
     "drift_kind": Exercise(
         "labkit.drift reports that the dp replicas agree with each other but not with the reference. "
         "Is it a 'sync' bug or 'math or precision'? (a string)",

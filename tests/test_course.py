@@ -43,7 +43,8 @@ def test_bubble_goal_is_reached_by_the_hints_m_whatever_the_machine_adds():
 @pytest.mark.parametrize("question, right, wrong", [
     ("busbw", 1.75, 2.0), ("gpipe_p4", 12, 13), ("interleaved", 3 / 19, 3 / 11), ("megatron_dp", [0, 2], [0, 4]),
     ("timeout", 5, 6.5), ("tp_bytes", 2**20, 2**21), ("zero3_bytes", 4e6, 16e6),
-    ("zbv_p4", 3 / 51, 3 / 11), ("drift_kind", "Math or precision", "sync"),
+    ("zbv_p4", 3 / 51, 3 / 11), ("drift_kind", "Math or precision", "sync"), ("cp_tokens", 8192, 4096),
+    ("zero3_forward", 1 / 3, 2 / 3),
     ("ep_dispatch_bytes", 4096 * 8 * 7168 * 2 * 7 / 8, 4096 * 8 * 7168 * 2), ("ep_imbalance", 4, 1)])
 def test_exercises_judge_the_answer_and_hold_it_back(question, right, wrong):
     prompt = course.check(question)

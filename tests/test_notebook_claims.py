@@ -306,3 +306,15 @@ def test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula()
     peak = {mode: m["peak"] for mode, m in modes.items()}
     assert peak["allgather"] > max(peak["ring"], peak["ulysses"]), peak
     assert peak["ulysses"] == pytest.approx(peak["ring"], rel=0.1), peak
+
+
+def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
+    """09's text: activations per GPU fall as 1/cp; the Llama 3 CP16 row is predicted (all-gather cp)
+    beside the other published rows, and the notebook ends with its two checked questions."""
+    nb, v = notebook("09_plan_at_scale")
+    acts = v["activations_gb"]           # JSON keys
+    assert acts["1"] / acts["4"] == pytest.approx(4, rel=0.02) and acts["4"] / acts["16"] == pytest.approx(4, rel=0.02)
+    long = v["long_context"]
+    assert long["error"] == long["error"] and long["cp_mode"] == "allgather"      # a number, not NaN
+    last = [c.source for c in nb.cells if c.cell_type == "code"][-2]
+    assert 'course.check("cp_tokens"' in last and 'course.check("zero3_forward"' in last

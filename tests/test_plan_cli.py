@@ -66,10 +66,12 @@ def test_a_hf_config_is_ranked_and_predicted(tmp_path, capsys):
     cfg = ["plan", "--model-config", str(CONFIGS / "mixtral-8x7b.json"), "--seq", "4096", "--gpus", "64",
            "--hardware", "h100", "--global-batch", "256"]
     rc, out, _ = plan(cfg + ["--top", "2", "--json", str(tmp_path / "r.json")], capsys)
-    assert rc == 0 and "46.70 B parameters, 12.88 B active" in out and "no expert parallelism" in out
+    assert rc == 0 and "46.70 B parameters, 12.88 B active" in out and "experts replicated over dp (ep=1)" in out
     assert len(json.loads((tmp_path / "r.json").read_text())) == 2
     rc, out, _ = plan(cfg + ["--tp", "2", "--pp", "8", "--dp", "4", "--microbatch-size", "2", "--zero", "1"], capsys)
     assert rc == 0 and "dp4 pp8 tp2 z1 mbs2" in out
+    rc, out, _ = plan(cfg + ["--tp", "2", "--pp", "4", "--dp", "4", "--cp", "2", "--ep", "2", "--zero", "1"], capsys)
+    assert rc == 0 and "experts spread over 2 ep ranks (4 per rank)" in out and "dp4 pp4 cp2 tp2" in out
 
 
 def test_an_unsupported_config_is_one_line(capsys):
@@ -80,4 +82,4 @@ def test_an_unsupported_config_is_one_line(capsys):
 
 def test_published_llama_table_prints(capsys):
     rc, out, _ = plan(["plan", "--published", "llama"], capsys)
-    assert rc == 0 and "Llama 3 T4" in out and "torchtitan A100" in out and "context parallelism" in out
+    assert rc == 0 and "Llama 3 T4" in out and "torchtitan A100" in out and "cp:allgather" in out

@@ -16,10 +16,10 @@ import json
 import os
 import sys
 
-from .layout import RECOMPUTE, SCHEDULES
+from .layout import CP_MODES, RECOMPUTE, SCHEDULES
 
 POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "gpus", "gpus_per_node", "global_batch", "tp", "pp", "dp",
-            "microbatch_size", "chunks", "top")
+            "microbatch_size", "chunks", "top", "cp", "ep")
 GPT_SHAPE = ("layers", "hidden", "heads", "vocab")
 
 
@@ -49,6 +49,10 @@ def add_parser(subparsers) -> None:
     one.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     one.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
     one.add_argument("--sequence-parallel", action="store_true")
+    one.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp·pp·cp·tp = GPUs)")
+    one.add_argument("--cp-mode", choices=CP_MODES, default="ring")
+    one.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree (dividing dp and the experts; the all-to-alls overlapped)")
     p.add_argument("--top", type=int, default=10, help="strategies to list when ranking (≥ 1)")
     p.add_argument("--json", help="write the prediction (one strategy) or the ranking here")
     p.add_argument("--validate", action="store_true", help="compare with Megatron-LM SC21 Table 1 and exit")
@@ -123,7 +127,8 @@ def _one(args, model, cluster) -> int:
         raise ValueError("to predict one strategy give all of --tp, --pp and --dp")
     s = ClusterStrategy(dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero, microbatch_size=args.microbatch_size,
                         schedule=args.schedule, chunks=args.chunks, recompute=args.recompute,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep,
+                        ep_overlap=args.ep > 1)
     p = predict(model, cluster, args.global_batch, s)
     m = p.memory
     print(f"{s.label()} on {cluster.gpus}× {cluster.hardware.name}, global batch {args.global_batch}")
@@ -158,7 +163,7 @@ def run(args) -> int:
             return published.main("sc21" if args.validate else args.published)
         model, cluster = _model_and_cluster(args)
         if args.model_config:
-            print(model.describe() + ("" if args.seq else f" (seq: the config's max_position_embeddings; "
+            print(model.describe(ep=args.ep) + ("" if args.seq else f" (seq: the config's max_position_embeddings; "
                                                           "--seq sets the training length)"))
         if any(getattr(args, n) is not None for n in ("tp", "pp", "dp")):
             return _one(args, model, cluster)

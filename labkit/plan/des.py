@@ -17,6 +17,13 @@ plays the same part for transfers): a running compute span asks for one core, a 
 flight for ``load`` cores per member; when the asks exceed ``cores`` every job progresses at
 cores / asks of its speed. A waiting thread asks for nothing.
 
+A point-to-point message is latency-bound rather than work-bound: it is delivered by a
+handshake that a comm thread of each end runs. When it starts while a member is computing
+and the cores are all taken, that thread first waits for a core: ``wake`` seconds (the
+scheduler's turn), or less if the member's compute span ends sooner and frees its own core.
+Two messages in opposite directions between the same two ranks, in flight at once, each take
+``cross`` longer: gloo's two handshakes on one pair wait on each other.
+
 Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
 read a simulated step as a measured one.
 """
@@ -70,6 +77,8 @@ class Sim:
     programs: list
     cores: float = 1.0
     load: float = 0.0
+    wake: float = 0.0
+    cross: float = 0.0
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
@@ -77,7 +86,7 @@ class Sim:
         self.t, self.pc = 0.0, [0] * n
         self.busy = [None] * n                     # the compute job of each rank
         self.streams = [[] for _ in range(n)]      # posted, unfinished calls, in order
-        self.posts, self.done, self.calls, self.loose = {}, set(), {}, {}
+        self.posts, self.done, self.calls, self.loose, self.crossed = {}, set(), {}, {}, set()
         self.running: list[_Job] = []
         while True:
             self._advance()
@@ -122,7 +131,12 @@ class Sim:
         for key, posted in list(self.loose.items()):
             if posted.issuperset(self.calls[key].group):
                 del self.loose[key]
-                self.running.append(_Job(self.calls[key].seconds, self.load * len(posted), self.t, ("call", key)))
+                group = self.calls[key].group
+                cross = self._crossing(group)
+                if cross:
+                    self.crossed.add(key)
+                self.running.append(_Job(self.calls[key].seconds + self._wait_for_core(group) + cross,
+                                         self.load * len(posted), self.t, ("call", key)))
         started = True
         while started:
             started = False
@@ -138,6 +152,27 @@ class Sim:
                     job = _Job(call.seconds, self.load * len(group), self.t, ("call", key))
                     self.running.append(job)
                     started = True
+
+    def _wait_for_core(self, group) -> float:
+        """A message's wait for a core when a member computes and the cores are all taken: ``wake``,
+        or until that member's compute span ends (module docstring)."""
+        computing = [self.busy[m] for m in group if self.busy[m] is not None]
+        asks = sum(j.ask for j in self.running)
+        if not computing or asks + 1 <= self.cores:
+            return 0.0
+        speed = min(1.0, self.cores / asks)
+        return min(self.wake, min(j.remaining for j in computing) / speed)
+
+    def _crossing(self, group) -> float:
+        """``cross`` when a message the other way between the same two ranks is in flight; that
+        one, if it had not crossed another yet, takes ``cross`` longer too (module docstring)."""
+        back = [j for j in self.running if j.what[0] == "call" and not self.calls[j.what[1]].ordered
+                and self.calls[j.what[1]].group == tuple(reversed(group))]
+        for j in back:
+            if j.what[1] not in self.crossed:
+                self.crossed.add(j.what[1])
+                j.remaining += self.cross
+        return self.cross if back else 0.0
 
     # -- time --------------------------------------------------------------------------------
     def _step(self) -> None:

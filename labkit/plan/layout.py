@@ -3,7 +3,8 @@
 :class:`ClusterStrategy` is the at-scale twin of :class:`labkit.Strategy`: it adds what only
 matters at scale (micro-batch size, recomputation, sequence parallelism) and keeps tp and
 zero analytic. Ranks are laid out as labkit's grid lays them out, ``arange(world).view(dp,
-pp, tp)``, tp innermost (Megatron's order), so a tp group is consecutive GPUs of one node.
+pp, cp, tp)``, tp innermost (Megatron's order), so a tp group is consecutive GPUs of one node
+and a cp group the cp·tp GPUs around it.
 
     >>> s = ClusterStrategy(dp=8, pp=16, tp=8, microbatch_size=1, recompute="full")
     >>> s.check(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
@@ -15,12 +16,13 @@ from dataclasses import asdict, dataclass
 from .hardware import GPT, Cluster
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CP_MODES = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterStrategy:
-    """Degrees and knobs of one training strategy on a cluster; dp·pp·tp = GPUs."""
+    """Degrees and knobs of one training strategy on a cluster; dp·pp·cp·tp = GPUs."""
 
     dp: int = 1
     pp: int = 1
@@ -45,9 +47,17 @@ class ClusterStrategy:
     back by two all-to-alls per layer and pass (DeepSeek-V3, Megatron-Core)."""
     ep_overlap: bool = False
     """The all-to-alls hidden behind the experts' compute (DeepSeek-V3's two-micro-batch overlap)."""
+    cp: int = 1
+    """Context-parallel degree: every sequence cut over cp ranks (two chunks each, i and
+    2·cp−1−i, so causal attention costs every rank the same); the weights are replicated
+    over cp as over dp, so gradients are reduced, and ZeRO shards, over dp·cp."""
+    cp_mode: str = "ring"
+    """How attention reaches the other chunks' keys and values: "ring" (K/V blocks passed one
+    hop per round under the round's attention, Liu et al. 2023) or "allgather" (K/V gathered
+    before attention, exposed; the Llama 3 paper, §3.3.2)."""
 
     def __post_init__(self):
-        for field in ("dp", "pp", "tp", "microbatch_size", "chunks", "ep"):
+        for field in ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterStrategy.{field}={value!r} must be a whole number ≥ 1")
@@ -57,6 +67,8 @@ class ClusterStrategy:
             raise ValueError(f"ClusterStrategy.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"ClusterStrategy.recompute={self.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"ClusterStrategy.cp_mode={self.cp_mode!r} is unknown; use one of {', '.join(CP_MODES)}")
         if self.dp % self.ep:
             raise ValueError(f"ClusterStrategy.ep={self.ep} must divide dp={self.dp}: experts are spread over dp "
                              f"ranks; use an ep dividing {self.dp}")
@@ -69,7 +81,16 @@ class ClusterStrategy:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: dp·cp (the gradient all-reduce's and ZeRO's group)."""
+        return self.dp * self.cp
+
+    def tokens(self, seq: int) -> int:
+        """Tokens of one micro-batch on one rank: microbatch_size · seq / cp."""
+        return self.microbatch_size * seq // self.cp
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step on each pipeline: global_batch / (dp · microbatch_size)."""
@@ -78,8 +99,12 @@ class ClusterStrategy:
     def check(self, model: GPT, cluster: Cluster, global_batch: int) -> None:
         """Raise ValueError naming the field and the fix unless this strategy can be placed."""
         if self.gpus != cluster.gpus:
-            raise ValueError(f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.gpus} but the cluster has "
-                             f"{cluster.gpus} GPUs; choose degrees whose product is {cluster.gpus}")
+            axes = ("dp", "pp", "cp", "tp") if self.cp > 1 else ("dp", "pp", "tp")
+            raise ValueError(f"{'*'.join(axes)} = {'*'.join(str(getattr(self, a)) for a in axes)} = {self.gpus} "
+                             f"but the cluster has {cluster.gpus} GPUs; choose degrees whose product is {cluster.gpus}")
+        if model.seq % (2 * self.cp) and self.cp > 1:
+            raise ValueError(f"cp={self.cp} cuts each sequence into 2·cp = {2 * self.cp} chunks, but seq={model.seq} "
+                             f"does not divide by {2 * self.cp}; use a cp with 2·cp dividing the sequence")
         if self.tp > cluster.gpus_per_node:
             raise ValueError(f"tp={self.tp} is larger than a node ({cluster.gpus_per_node} GPUs): tensor "
                              f"parallelism needs NVLink; use tp ≤ {cluster.gpus_per_node}")
@@ -107,5 +132,7 @@ class ClusterStrategy:
     def label(self) -> str:
         extra = (f" v{self.chunks}" if self.chunks > 1 else "") + (" sp" if self.sequence_parallel else "")
         ep = f" ep{self.ep}" + (" a2a-overlap" if self.ep_overlap else "") if self.ep > 1 else ""
-        return (f"dp{self.dp} pp{self.pp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
-                f"{self.schedule}{extra} rc:{self.recompute}{ep}")
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        mode = f" cp:{self.cp_mode}" if self.cp > 1 else ""
+        return (f"dp{self.dp} pp{self.pp}{cp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
+                f"{self.schedule}{extra} rc:{self.recompute}{ep}{mode}")

@@ -2,10 +2,10 @@
 
 In the shape of Calculon's system description (compute rate with a size → efficiency table,
 per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :class:`Machine`
-is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines (square-ish
-matmuls of a few sizes, an elementwise loop, tiny autograd ops, collectives of a few sizes, a
-step of a trivial model at two micro-batch counts). It takes no model and runs no strategy
-the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
+is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines
+(matmuls of a few sizes and two shapes, an elementwise loop, tiny autograd ops, collectives of
+a few sizes, one message with its sender busy and idle, a step of a trivial model at two
+micro-batch counts). It takes no model and runs no strategy the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
 (:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
 are the machine's too: a call takes the link's time or gloo's, whichever is longer.
 
@@ -41,7 +41,9 @@ class Machine:
     against one engine alone (at most the engines, and the CPUs they may run on). The simulator shares them among runnable threads."""
     matmul: tuple = ((1e6, 1e9),)
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending: the rate of a product is
-    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
+    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs),
+    each divided by its shape's efficiency (``matmul_half_dim``): the rate of a product whose
+    smallest dimension is large."""
     memory_Bps: float = 5e9
     """Bytes per second one thread reads plus writes in an elementwise op. Measured: add_ on
     4 MiB tensors, one engine alone."""
@@ -51,16 +53,38 @@ class Machine:
     action_s: float = 1e-4
     """Host seconds the executor adds per action (a forward or backward of a micro-batch):
     hooks, recording, Python. Measured: a trivial model's step at 1 and 8 micro-batches."""
+    call_s: float = 0.0
+    """Host seconds the issuing thread spends posting one labkit.comm call (bookkeeping, gloo's
+    post; on an emulated link the departure stamp too). Measured: the thread's CPU time
+    around posting a 32 KiB isend and irecv."""
     step_s: float = 1e-3
     """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
     comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
     """family → (α seconds per ring step, β bytes/s per rank): a call of S bytes on n ranks
-    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine; on an
-    emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
+    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine (a send
+    as half a ping-pong's round trip); on an emulated link, still gloo's own (the link is
+    ``link_alpha_beta``)."""
     comm_load: float = 0.5
     """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
     CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
     runs beside them on every engine, against without."""
+    wake_s: float = 0.0
+    """Seconds a point-to-point message waits for its sender's process to get a core when the
+    sender went on computing after posting it and every core is taken: gloo delivers a message
+    in a handshake (the receiver's ready notice, then the write) run by a thread that must be
+    scheduled beside the compute thread, and an emulated link's stamp and sleep add wake-ups
+    of their own. Measured: one message's delivery while its sender computes, against while
+    it waits (median of many, the lab's link on as the steps run it)."""
+    cross_s: float = 0.0
+    """Seconds a point-to-point message takes longer when one in the other direction between
+    the same two ranks is in flight (a 1F1B pipeline's activations and gradients): gloo's
+    handshakes on one pair wait on each other. Measured: an exchange of 16 KiB both ways at
+    once, less one message one way (half a ping-pong), gloo as it is."""
+    matmul_half_dim: float = 0.0
+    """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
+    of few rows, or a weight gradient summed over them), the form the cluster planner gives a
+    GPU's GEMMs (``Hardware.gemm_half_dim``). Measured: a 16×512×512 product against a
+    64×256×256 one, the same FLOPs."""
     engines: int = 1
     """Engines the measurement ran on."""
     link: str = ""
@@ -79,8 +103,16 @@ class Machine:
             raise ValueError(f"Machine.comm lacks {missing}; give (α seconds, β bytes/s) for each of {FAMILIES}")
 
     # -- prices ------------------------------------------------------------------------------
-    def rate(self, flops: float) -> float:
-        """FLOP/s of one thread on a product of ``flops``: the table, interpolated in log size."""
+    def efficiency(self, dim: float) -> float:
+        """d/(d + d½) of a product whose smallest dimension is ``dim`` (1 when not known: 0)."""
+        return dim / (dim + self.matmul_half_dim) if dim > 0 else 1.0
+
+    def rate(self, flops: float, dim: float = 0) -> float:
+        """FLOP/s of one thread on a product of ``flops`` whose smallest dimension is ``dim``: the
+        table, interpolated in log size, at that shape's efficiency."""
+        return self._table(flops) * self.efficiency(dim)
+
+    def _table(self, flops: float) -> float:
         rows = sorted(self.matmul)
         if flops <= rows[0][0]:
             return rows[0][1]
@@ -94,7 +126,7 @@ class Machine:
 
     def op_seconds(self, op) -> float:
         """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`)."""
-        body = op.flops / self.rate(op.flops) if op.flops else op.bytes / self.memory_Bps
+        body = op.flops / self.rate(op.flops, op.dim) if op.flops else op.bytes / self.memory_Bps
         return self.op_s + body
 
     def seconds(self, ops, scale=lambda op: 1.0) -> float:
@@ -102,7 +134,7 @@ class Machine:
         total = 0.0
         for op in ops:
             k = scale(op)
-            body = op.flops * k / self.rate(op.flops * k) if op.flops else op.bytes * k / self.memory_Bps
+            body = op.flops * k / self.rate(op.flops * k, op.dim) if op.flops else op.bytes * k / self.memory_Bps
             total += self.op_s + body
         return total
 
@@ -135,6 +167,9 @@ class Machine:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
-                f"{self.memory_Bps / 1e9:.1f} GB/s; host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
-                f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core"
+                f"{self.memory_Bps / 1e9:.1f} GB/s; a product of smallest dimension d at d/(d + "
+                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
+                f"{self.call_s * 1e6:.0f} µs/call, "
+                f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
+                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another"
                 + (f"; link {self.link}" if self.link else "") + ")")

@@ -3,8 +3,9 @@
 Each number is the median of a few timed runs: matmuls of a
 few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
 the host cost per op; the same product on every engine at once for the cores they share; the
-four families of collectives at three sizes (or the emulated link's α and β); an all-reduce
-beside a product for the cores a transfer takes; a trivial model's step at 1 and 8
+four families of collectives at three sizes (or the emulated link's α and β); one message
+delivered while its sender computes, against while it waits, for the wait for a core; an
+all-reduce beside a product for the cores a transfer takes; a trivial model's step at 1 and 8
 micro-batches for the executor's host costs per action and per step. No model of the user's
 and no strategy it will predict runs.
 """
@@ -36,15 +37,23 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): matmul table, memory rate, op host cost."""
+    from statistics import median
+
     import torch
     import torch.distributed as dist
 
     if rank_only is not None and dist.get_rank() != rank_only:
         return None
-    table = []
-    for m, k, n in MATMUL_SHAPES:
+
+    def timed(m, k, n, seconds=seconds, chunks=5):
         a, b = torch.randn(m, k), torch.randn(k, n)
-        table.append((2.0 * m * k * n, 2.0 * m * k * n / _loop(lambda: a @ b, seconds)))
+        return _loop(lambda: a @ b, seconds, chunks)
+    # the same FLOPs at smallest dimension 16 and 64, timed in turn (a drift of the host's load
+    # meets both): the median r = e(16)/e(64) with e(d) = d/(d + d½) gives d½
+    r = median(timed(64, 256, 256, seconds / 5, 1) / timed(16, 512, 512, seconds / 5, 1) for _ in range(7))
+    half = max(0.0, 1024 * (1 - r) / (64 * r - 16)) if 64 * r > 16 else 64.0
+    table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
+             for m, k, n in MATMUL_SHAPES]
     x, y = torch.zeros(1 << 20), torch.zeros(1 << 20)
     memory = 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds)
     w = torch.ones(1, requires_grad=True)
@@ -59,7 +68,7 @@ def _alone(seconds: float, rank_only: int | None = 0):
     with counter:
         chain()
     import os
-    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0))
+    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0)), half
 
 
 def _together(seconds: float, with_comm: bool):
@@ -87,12 +96,94 @@ def _together(seconds: float, with_comm: bool):
     return rate
 
 
+def _messages(rounds: int, busy_s: float = 0.03):
+    """On ranks 0 and 1 (the others return at once), 32 KiB messages with labkit.comm's
+    isend/irecv, as a pipeline sends an activation: (the CPU seconds posting one takes on the
+    issuing thread, and on rank 1 the median delivery while the sender computes ``busy_s``
+    after posting, less the median while the sender waits). ``busy_s`` is long beside the wait,
+    so the sender's span ending (which frees its core) does not cut the wait short."""
+    import time
+    from statistics import median
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..engine import session
+
+    me = dist.get_rank()
+    if me > 1:
+        return None
+    rec = session().recorder
+    was, rec.enabled = rec.enabled, False
+    a, b = torch.randn(64, 512), torch.randn(512, 512)
+    x = torch.zeros(8192)
+    delivered, posting = {True: [], False: []}, []
+    try:
+        for k in range(2 * rounds):
+            busy = k % 2 == 1               # alternate, so a change of the host's load meets both
+            stamp = torch.zeros(1, dtype=torch.float64)
+            dist.barrier(group=_pair())
+            cpu, stamp[0] = time.thread_time(), time.perf_counter()
+            if me == 0:
+                handle = comm.isend(x, 1, name="probe", check=False)
+                posting.append(time.thread_time() - cpu)
+                end = time.perf_counter() + busy_s * busy
+                while time.perf_counter() < end:          # the stage's next compute
+                    a @ b
+                handle.wait()
+                dist.send(stamp, 1)
+            else:
+                handle = comm.irecv(x, 0, name="probe", check=False)
+                posting.append(time.thread_time() - cpu)
+                handle.wait()
+                done = time.perf_counter()
+                dist.recv(stamp, 0)
+                delivered[busy].append(done - float(stamp[0]))
+    finally:
+        rec.enabled = was
+    wake = max(0.0, median(delivered[True]) - median(delivered[False])) if me == 1 else None
+    return median(posting), wake
+
+
+_PAIR = {}
+
+
+def _make_pair() -> None:
+    _pair()
+
+
+def _pair():
+    """A process group of ranks 0 and 1 (made once per process; every rank must create it)."""
+    import torch.distributed as dist
+    if "g" not in _PAIR:
+        _PAIR["g"] = dist.new_group([0, 1])
+    return _PAIR["g"]
+
+
 COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
 
 
+def _ping_pong(nbytes: int, n: int, me: int):
+    """One message each way between neighbour pairs (0↔1, 2↔3, …; an odd last rank idles); the
+    call's time is half the round trip, one message's (OSU's osu_latency). Not an exchange in
+    both directions at once: crossing messages on gloo wait on each other, and a pipeline's
+    sends mostly travel one way while the receiver waits."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4))
+    peer = me + 1 if me % 2 == 0 else me - 1
+    if peer >= n:
+        return lambda: None
+    if me % 2 == 0:
+        return lambda: (dist.send(buf, peer), dist.recv(buf, peer))
+    return lambda: (dist.recv(buf, peer), dist.send(buf, peer))
+
+
 def _comm(seconds: float):
-    """On every engine: the median seconds per call of each family at each of COMM_SIZES (labkit.comm's
-    calls, recording off), the slowest rank's."""
+    """On every engine: the median seconds per call of each family at each of COMM_SIZES (torch's
+    own calls, recording off; a send's is half a ping-pong's round trip), the slowest rank's."""
     import time
 
     import torch.distributed as dist
@@ -107,7 +198,8 @@ def _comm(seconds: float):
     try:
         for family in FAMILIES:
             for nbytes in COMM_SIZES:
-                call, _ = _operation("sendrecv" if family == "send" else family, "torch", nbytes, n, me)
+                call = _ping_pong(nbytes, n, me) if family == "send" else \
+                    _operation(family, "torch", nbytes, n, me)[0]
                 call()
                 runs = []
                 for _ in range(5):
@@ -115,8 +207,19 @@ def _comm(seconds: float):
                     t0 = time.perf_counter()
                     for _ in range(3):
                         call()
-                    runs.append((time.perf_counter() - t0) / 3)
+                    runs.append((time.perf_counter() - t0) / (6 if family == "send" else 3))
                 out[(family, nbytes)] = sorted(runs)[2]
+        # both ways at once (every rank sends right and receives left), the smallest size
+        call = _operation("sendrecv", "torch", COMM_SIZES[0], n, me)[0]
+        call()
+        runs = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                call()
+            runs.append((time.perf_counter() - t0) / 3)
+        out[("exchange", COMM_SIZES[0])] = sorted(runs)[2]
     finally:
         rec.enabled = was
     return out
@@ -139,11 +242,12 @@ def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
 def measure(lab, seconds: float = 0.2) -> Machine:
     """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
-    table, memory, op_s, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
+    table, memory, op_s, cpus, half = next(r for r in lab.apply(_alone, seconds) if r is not None)
     together = lab.apply(_together, seconds, False)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
-    cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
-    comm, link_name, link_ab, load = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0
+    # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
+    cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
+    comm, link_name, link_ab, load, wake, call_s, cross = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0, 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
@@ -156,12 +260,18 @@ def measure(lab, seconds: float = 0.2) -> Machine:
                 lab.link = link
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
+        cross = max(0.0, times[("exchange", COMM_SIZES[0])] - times[("send", COMM_SIZES[0])])
+        lab.apply(_make_pair)
+        probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
+        call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
         beside = sum(lab.apply(_together, seconds, True))
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
             load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
-    machine = Machine(cores, tuple(table), memory, op_s, comm=comm, comm_load=load, engines=world, link=link_name,
-                      link_alpha_beta=tuple(link_ab))
+    machine = Machine(cores, tuple(table), memory, op_s, matmul_half_dim=half, comm=comm, comm_load=load,
+                      wake_s=wake, call_s=call_s, cross_s=cross,
+                      engines=world,
+                      link=link_name, link_alpha_beta=tuple(link_ab))
     action_s, step_s = _host_costs(lab, machine)
     return replace(machine, action_s=action_s, step_s=step_s)
 

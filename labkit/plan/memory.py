@@ -33,6 +33,12 @@ shards those over the dp/ep ranks that hold the same experts (Megatron-Core's ex
 parallel group), the rest over dp. Activations do not change on average: a rank receives as
 many routed rows as it sends.
 
+Context parallelism (``cp`` > 1) cuts every sequence over cp ranks, so each rank keeps the
+activations of s/cp tokens: every count above with s·b·h read as (s/cp)·b·h (the scores of
+a GPT's unfused attention are (s/cp)×s a rank, the same 1/cp). "allgather" holds one layer's
+gathered keys and values (2·s·b·kv width, /t) on top while it computes. The weights are
+replicated over cp as over dp: ZeRO shards over dp·cp.
+
 A pipeline rank holds its L/p layers for every micro-batch in flight: p on the first stage
 for 1F1B (Megatron's warm-up) and zb-h1 (its first stage's W follow its I closely enough that
 p are held until W, as labkit's schedule counts them), ×(1 + (p−1)/(p·v)) for the interleaved schedule (§4.2.3), all
@@ -55,7 +61,7 @@ def layer_activation_bytes(model: GPT, s: ClusterStrategy, kind: str = "dense") 
     GPT; the module docstring's counts for a Decoder)."""
     if isinstance(model, Decoder):
         return decoder_activation_bytes(model, s, kind)
-    sbh, t = model.seq * s.microbatch_size * model.hidden, s.tp
+    sbh, t = s.tokens(model.seq) * model.hidden, s.tp
     attn = 5 * model.heads * model.seq / model.hidden
     if s.recompute == "full":
         return 2 * sbh / (t if s.sequence_parallel else 1)
@@ -67,7 +73,7 @@ def layer_activation_bytes(model: GPT, s: ClusterStrategy, kind: str = "dense") 
 def decoder_activation_bytes(model: Decoder, s: ClusterStrategy, kind: str) -> float:
     """A Llama-family layer with FlashAttention (module docstring)."""
     h, t = model.hidden, s.tp
-    sbh = model.seq * s.microbatch_size * h
+    sbh = s.tokens(model.seq) * h
     if s.recompute == "full":
         return 2 * sbh / (t if s.sequence_parallel else 1)
     replicated = 8.0
@@ -80,6 +86,18 @@ def decoder_activation_bytes(model: Decoder, s: ClusterStrategy, kind: str) -> f
     if s.sequence_parallel:
         return sbh * (replicated + split) / t
     return sbh * (replicated + split / t)
+
+
+def kv_width(model) -> int:
+    """Width of one token's keys (or values): kv_heads·head_dim, or h for a GPT's full heads."""
+    return model.kv_heads * model.head_dim if isinstance(model, Decoder) else model.hidden
+
+
+def gathered_kv_bytes(model, s: ClusterStrategy) -> float:
+    """cp_mode="allgather": one layer's keys and values of the whole sequence on a rank (bf16)."""
+    if s.cp == 1 or s.cp_mode != "allgather":
+        return 0.0
+    return 2 * 2 * s.microbatch_size * model.seq * kv_width(model) / s.tp
 
 
 def in_flight(s: ClusterStrategy, microbatches: int) -> float:
@@ -111,12 +129,12 @@ def expert_split(model, s: ClusterStrategy) -> tuple[float, float]:
 
 def model_state_bytes(model, s: ClusterStrategy) -> tuple[float, float, float]:
     """Weights, gradients and optimizer state per GPU (module docstring): the dense parameters
-    sharded by ZeRO over dp, the experts (1/ep of them) over dp/ep."""
+    sharded by ZeRO over dp·cp, the experts (1/ep of them) over dp·cp/ep."""
     dense, expert = expert_split(model, s)
-    edp = s.dp // s.ep
+    replicas, edp = s.replicas, s.replicas // s.ep
 
     def part(per_param: float, stage: int) -> float:
-        return per_param * (dense / (s.dp if s.zero >= stage else 1) + expert / (edp if s.zero >= stage else 1))
+        return per_param * (dense / (replicas if s.zero >= stage else 1) + expert / (edp if s.zero >= stage else 1))
     return part(2, 3), part(2, 2), part(12, 1)
 
 
@@ -142,7 +160,7 @@ def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
         weights, grads, optimizer = model_state_bytes(model, s)
     else:
         n = stage_params(model, s)
-        dp = s.dp
+        dp = s.replicas
         weights = 2 * n / (dp if s.zero >= 3 else 1)
         grads = 2 * n / (dp if s.zero >= 2 else 1)
         optimizer = 12 * n / (dp if s.zero >= 1 else 1)
@@ -154,7 +172,8 @@ def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
             acts += layer_activation_bytes(model, ClusterStrategy(**{**s.to_dict(), "recompute": "none"}))
         else:
             acts += _rank_activations(model, s, 0)[1]
-    sbh = model.seq * s.microbatch_size * model.hidden
+    acts += gathered_kv_bytes(model, s)
+    sbh = s.tokens(model.seq) * model.hidden
     # the output layer's logits and their softmax (Korthikanti eq. for the last stage): fp32
     # logits of s·b·V/t and a bf16 copy.
     logits = 4 * sbh * (1 + model.vocab / model.hidden) / s.tp

@@ -232,8 +232,9 @@ class Decoder:
             flops += self.layers * self.attention_core_flops(tokens)
         return flops
 
-    def describe(self) -> str:
-        """One line: the shape, and total vs active parameters for MoE."""
+    def describe(self, ep: int = 1) -> str:
+        """One line: the shape, and total vs active parameters for MoE; ``ep``: where the
+        experts live (replicated over dp at ep=1, spread over the ep ranks above)."""
         attn = f"GQA {self.heads}/{self.kv_heads}" if self.kv_heads < self.heads else f"MHA {self.heads}"
         head = f"{self.name + ': ' if self.name else ''}{self.layers} layers, hidden {self.hidden}, {attn}, " \
                f"vocab {self.vocab}, seq {self.seq}, {'tied' if self.tie else 'untied'} embeddings"
@@ -242,8 +243,9 @@ class Decoder:
         shared = f" + shared {self.shared_ffn}" if self.shared_ffn else ""
         return (f"{head}; MoE in {self.moe_layers} of {self.layers} layers: {self.experts} experts of "
                 f"{self.expert_ffn}, top-{self.top_k}{shared}; {self.params / 1e9:.2f} B parameters, "
-                f"{self.active_params / 1e9:.2f} B active per token; experts replicated over dp "
-                "(no expert parallelism)")
+                f"{self.active_params / 1e9:.2f} B active per token; " + (
+                    f"experts spread over {ep} ep ranks ({self.experts // ep} per rank)" if ep > 1
+                    else "experts replicated over dp (ep=1)"))
 
 
 def from_hf_config(config, seq: int | None = None, name: str = "") -> Decoder:

@@ -20,7 +20,8 @@ the machine's numbers, and runs the programs through the one simulator
   the stages cut by the executor's own :func:`~labkit.parallel.pipeline.stages.split_blocks`;
   with dp, the dp modes above per stage.
 
-Every action pays the machine's host cost per action, every op its host cost per op.
+Every action pays the machine's host cost per action, every op its host cost per op, every
+posted call its host cost per call.
 """
 from __future__ import annotations
 
@@ -79,8 +80,9 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
     else:
         plan = {}
-    programs = Builder(strategy, machine, work, plan).programs()
-    events = Sim(programs, machine.cores, machine.comm_load).run()
+    programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
+                for prog in Builder(strategy, machine, work, plan).programs()]      # posting a call is host work
+    events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
                      Timeline(events, world, title="predicted", grid=strategy), batch)

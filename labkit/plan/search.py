@@ -3,8 +3,9 @@
     >>> result = search(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
     >>> print(result.table(top=10)); result.plot()
 
-Candidates: every (dp, pp, tp) with dp·pp·tp = GPUs, tp a power of two within a node, pp
-dividing the layers; every ZeRO stage, micro-batch size, schedule (GPipe, 1F1B, zb-h1, and
+Candidates: every (dp, pp, cp, tp) with dp·pp·cp·tp = GPUs, tp a power of two within a node,
+cp a power of two with 2·cp dividing a sequence of at least ``LONG_SEQUENCE`` tokens (ring and
+all-gather; pass ``cp=`` to try it at any length), pp dividing the layers; every ZeRO stage, micro-batch size, schedule (GPipe, 1F1B, zb-h1, and
 interleaved with 2 or 4 chunks where they divide the layers) and recomputation; for a model with
 experts every ep dividing dp and the experts (the all-to-alls overlapped). Each is predicted by
 :func:`labkit.plan.step.predict`; those that do not fit in memory are counted and left out
@@ -19,6 +20,10 @@ from .layout import RECOMPUTE, ClusterStrategy
 from .step import Prediction, predict
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
+LONG_SEQUENCE = 16384
+"""Shortest sequence the search tries cp > 1 for unasked: context parallelism buys activation
+memory per sequence at the price of K/V traffic and shorter GEMMs, and trying it on every
+short-sequence layout multiplies the candidates many times over."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -40,34 +45,53 @@ def _schedules(pp: int, model, m: int):
 def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
                dp_overlap: bool = True, schedules=None, sequence_parallel=(False,), ep=None,
-               ep_overlap=(True,)):
+               ep_overlap=(True,), cp=None, cp_modes=("ring", "allgather")):
     """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these).
     A model with experts also tries every ep dividing both dp and its experts, with the
     all-to-all overlap (``ep_overlap``: the settings tried; the model never prices the overlap
-    slower, so by default only on)."""
+    slower, so by default only on). ``cp_modes``: the context-parallel modes tried for cp > 1."""
     n = cluster.gpus
     tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
            and model.heads % t == 0 and model.hidden % t == 0]
     for t in ([tp] if tp else tps):
-        for p in ([pp] if pp else _divisors(n // t)):
-            d = n // (t * p)
-            if (dp and d != dp) or not model.can_split(p) or d * p * t != n:
+        for c, mode in _context_degrees(model, n // t, cp, cp_modes):
+            yield from _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute,
+                               dp_overlap, schedules, sequence_parallel, ep, ep_overlap)
+
+
+def _context_degrees(model, room: int, cp, modes):
+    """(cp, cp_mode) pairs: cp=1, and for a long sequence every power of two dividing ``room``
+    and half the sequence."""
+    long = model.seq >= LONG_SEQUENCE
+    degrees = [cp] if cp else [c for c in _divisors(room)
+                               if c == 1 or long and c & (c - 1) == 0 and model.seq % (2 * c) == 0]
+    for c in degrees:
+        for mode in (modes if c > 1 else ("ring",)):
+            yield c, mode
+
+
+def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute, dp_overlap, schedules,
+            sequence_parallel, ep, ep_overlap):
+    """The candidates of one (tp, cp) pair: every pp, micro-batch size, schedule and knob."""
+    for p in ([pp] if pp else _divisors(n // (t * c))):
+        d = n // (t * c * p)
+        if (dp and d != dp) or not model.can_split(p) or d * p * c * t != n:
+            continue
+        for mbs in microbatch_sizes:
+            if global_batch % (d * mbs):
                 continue
-            for mbs in microbatch_sizes:
-                if global_batch % (d * mbs):
+            m = global_batch // (d * mbs)
+            for schedule, v in _schedules(p, model, m):
+                if schedules is not None and schedule not in schedules:
                     continue
-                m = global_batch // (d * mbs)
-                for schedule, v in _schedules(p, model, m):
-                    if schedules is not None and schedule not in schedules:
-                        continue
-                    for z in (zero if d > 1 else (0,)):
-                        for rc in recompute:
-                            for sp in (sequence_parallel if t > 1 else (False,)):
-                                for e, overlap in _expert_degrees(model, d, ep, ep_overlap):
-                                    yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs,
-                                                          schedule=schedule, chunks=v, recompute=rc,
-                                                          dp_overlap=dp_overlap, sequence_parallel=sp,
-                                                          ep=e, ep_overlap=overlap)
+                for z in (zero if d * c > 1 else (0,)):
+                    for rc in recompute:
+                        for sp in (sequence_parallel if t > 1 else (False,)):
+                            for e, overlap in _expert_degrees(model, d, ep, ep_overlap):
+                                yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs,
+                                                      schedule=schedule, chunks=v, recompute=rc,
+                                                      dp_overlap=dp_overlap, sequence_parallel=sp,
+                                                      ep=e, ep_overlap=overlap, cp=c, cp_mode=mode)
 
 
 def _expert_degrees(model, dp: int, ep, ep_overlap):

@@ -2,7 +2,7 @@
 
 ``Prediction.timeline()`` (:mod:`labkit.plan.step`) draws one pipeline (its pp ranks; dp
 replicas are alike): the schedule's action lists (:func:`build_schedule`) priced by the stage
-costs of :func:`labkit.plan.step.stage_costs` (FLOPs and α-β), each message taking the
+costs it hands over (:class:`labkit.plan.step.StageCosts`: FLOPs and α-β), each message taking the
 point-to-point time, and the dp gradient all-reduce as one call, issued before the rank's last
 backward with ``dp_overlap`` (so it runs beside it) or after the schedule without.
 """
@@ -16,15 +16,13 @@ from .des import Compute, Issue, Sim, Wait
 KINDS = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
 
 
-def simulate_scale(prediction, max_microbatches: int | None = None) -> Timeline:
-    """The timeline of ``prediction``'s step (see the module docstring)."""
-    from .step import stage_costs
-
+def simulate_scale(prediction, c, max_microbatches: int | None = None) -> Timeline:
+    """The timeline of ``prediction``'s step priced by its stage costs ``c`` (see the module
+    docstring). The costs come in as data, so this module needs nothing of :mod:`.step`."""
     s, m = prediction.strategy, prediction.strategy.microbatches(prediction.global_batch)
     if max_microbatches is not None and m > max_microbatches:
         raise ValueError(f"{m} micro-batches would draw {m * s.pp * 4} spans; pass max_microbatches={m} "
                          "to draw them all")
-    c = stage_costs(prediction.model, prediction.cluster, s)
     split = s.schedule in SPLIT_BACKWARD
     seconds = {"F": c.fwd, "B": c.bwd, "I": c.bwd_input if split else c.bwd, "W": c.bwd_weight if split else c.bwd}
     programs = []

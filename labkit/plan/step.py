@@ -22,6 +22,18 @@ them behind the routed experts' GEMMs of the same pass (DeepSeek-V3 §3.2.2): on
 max(0, all-to-all − expert compute) is exposed. The routed experts' gradients are
 all-reduced over the dp/ep replicas of each expert, the rest over dp.
 
+Context parallelism (``cp`` > 1): each rank computes s/cp tokens of every sequence (two
+balanced chunks, so causal attention costs each the same): every GEMM and the attention core
+at 1/cp. Attention needs the other chunks' keys and values (K and V of the whole sequence,
+2·b·s·kv width in bf16, S below), on the cp group's link (NVLink while cp·tp GPUs fit in a
+node). ``cp_mode="allgather"`` gathers them before attention, exposed (the Llama 3 paper,
+§3.3.2: "the all-gather communication latency is exposed on the critical path"): one
+all-gather in forward, and in backward one again and a reduce-scatter of their gradients.
+``"ring"`` passes one block (S/cp) a hop per round, cp−1 rounds, each under that round's
+attention (1/cp of the rank's attention core; Liu et al. 2023, Ring Attention): exposed
+max(0, α + S/(cp·β) − core/cp) a round in forward, and with the gradients travelling too,
+max(0, α + 2S/(cp·β) − 2·core/cp) in backward. The gradient all-reduce runs over dp·cp.
+
 Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
 Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
 (p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). zb-h1 splits backward into I (input gradients:
@@ -42,7 +54,8 @@ from dataclasses import dataclass, field
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import GPT, Cluster, Link
 from .layout import ClusterStrategy
-from .memory import expert_split, fits, gb, memory_breakdown
+from .memory import expert_split, fits, gb, kv_width, layer_activation_bytes, memory_breakdown
+from .simulation import simulate_scale
 
 ADAM_BYTES_PER_PARAM = 32
 """HBM traffic of one mixed-precision Adam update per parameter: read fp32 weight, momentum,
@@ -51,7 +64,7 @@ variance and gradient, write the three back and the bf16 copy (4·4 + 3·4 + 2 �
 
 def gemm_efficiency(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
     """Efficiency of the layer's main GEMMs (hidden/tp wide, b·s rows)."""
-    return _efficiency(cluster, min(model.hidden / s.tp, s.microbatch_size * model.seq))
+    return _efficiency(cluster, min(model.hidden / s.tp, s.tokens(model.seq)))
 
 
 def _efficiency(cluster: Cluster, d: float) -> float:
@@ -74,8 +87,8 @@ def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: f
     ``expert_fwd``: the routed experts' forward GEMMs, what ``ep_overlap`` hides them behind."""
     if s.ep == 1:
         return 0.0, 0.0
-    a2a = all_to_all_time(2 * s.microbatch_size * model.seq * model.top_k * model.hidden, s.ep,
-                          cluster.link(s.ep * s.pp * s.tp))
+    a2a = all_to_all_time(2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep,
+                          cluster.link(s.ep * s.pp * s.cp * s.tp))
     if not s.ep_overlap:
         return 2 * a2a, 2 * a2a
     return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
@@ -86,14 +99,29 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
 
 
+def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: float) -> tuple[float, float]:
+    """Exposed seconds of one layer's context-parallel traffic for one micro-batch: (forward,
+    backward); ``core_fwd``: the rank's attention core forward, what the ring hides under."""
+    if s.cp == 1:
+        return 0.0, 0.0
+    link = cluster.link(s.cp * s.tp)
+    kv = 2 * 2 * s.microbatch_size * model.seq * kv_width(model) / s.tp       # K and V, bf16
+    if s.cp_mode == "allgather":
+        gather = all_gather_time(kv, s.cp, link)
+        return gather, 2 * gather
+    rounds, share = s.cp - 1, core_fwd / s.cp
+    fwd = rounds * max(0.0, link.alpha + kv / s.cp / link.beta - share)
+    bwd = rounds * max(0.0, link.alpha + 2 * kv / s.cp / link.beta - 2 * share)
+    return fwd, bwd
+
+
 def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (layer norms, GeLU, softmax, dropout,
     bias adds, residuals): each activation Korthikanti et al. count is written once and read
     once at HBM bandwidth, so 2 × their no-recompute bytes per layer (Table 2, no sequence
     parallelism: what each tp rank touches); backward moves about twice as much."""
-    from .memory import layer_activation_bytes
-
-    plain = ClusterStrategy(tp=s.tp, microbatch_size=s.microbatch_size, sequence_parallel=s.sequence_parallel)
+    plain = ClusterStrategy(tp=s.tp, microbatch_size=s.microbatch_size, sequence_parallel=s.sequence_parallel,
+                            cp=s.cp)
     return 2 * layer_activation_bytes(model, plain, kind) / cluster.hardware.hbm_bandwidth
 
 
@@ -108,6 +136,7 @@ class StageCosts:
     optimizer: float
     tp_comm: float = 0.0         # of fwd + bwd, the part that is tp all-reduces (one micro-batch, one stage)
     ep_comm: float = 0.0         # of fwd + bwd, the exposed expert all-to-alls (one micro-batch, heaviest stage)
+    cp_comm: float = 0.0         # of fwd + bwd, the exposed context-parallel K/V traffic (one micro-batch, one stage)
     bwd_weight: list[float] = field(default_factory=list)   # of bwd, the weight-gradient GEMMs (W)
 
     @property
@@ -118,32 +147,35 @@ class StageCosts:
 
 def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_ar: float) -> tuple:
     """Seconds of one layer of ``kind`` for one micro-batch: forward, backward, of backward the
-    weight-gradient GEMMs (W), and of forward and backward the exposed expert all-to-alls.
-    Each GEMM group runs at its own efficiency."""
+    weight-gradient GEMMs (W), of forward and backward the exposed expert all-to-alls, and the
+    exposed context-parallel traffic. Each GEMM group runs at its own efficiency."""
     rate = cluster.hardware.peak_flops
-    tokens = s.microbatch_size * model.seq
+    tokens = s.tokens(model.seq)
     groups = model.gemms(kind, tokens, s.tp)
     gemm_f = sum(f / s.tp / (rate * _efficiency(cluster, d)) for f, _, d in groups)
     gemm_w = sum(w / s.tp / (rate * _efficiency(cluster, d)) for _, w, d in groups)
     memory_bound = elementwise_time(model, cluster, s, kind)
     expert_f = sum(fl / s.tp / (rate * _efficiency(cluster, d)) for fl, _, d in groups[1:])   # routed experts
     ep_f, ep_b = expert_comm_times(model, cluster, s, expert_f) if kind == "moe" else (0.0, 0.0)
-    f = gemm_f + memory_bound + 2 * tp_ar + ep_f
-    b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b
+    core_f = model.attention_core_flops(tokens) / s.tp / (rate * _efficiency(cluster, groups[0][2]))
+    cp_f, cp_b = context_comm_times(model, cluster, s, core_f)
+    f = gemm_f + memory_bound + 2 * tp_ar + ep_f + cp_f
+    b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b + cp_b
     if s.recompute == "full":
         b += f
     elif s.recompute == "selective":        # the attention core again
-        b += model.attention_core_flops(tokens) / s.tp / (rate * _efficiency(cluster, groups[0][2]))
-    return f, b, gemm_w, ep_f + ep_b + (ep_f if s.recompute == "full" else 0.0)
+        b += core_f
+    again = s.recompute == "full"
+    return f, b, gemm_w, ep_f + ep_b + (ep_f if again else 0.0), cp_f + cp_b + (cp_f if again else 0.0)
 
 
 def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     """The costs the closed form and the simulator share."""
     hw, eff = cluster.hardware, gemm_efficiency(model, cluster, s)
     flops_rate = hw.peak_flops * eff
-    tokens = s.microbatch_size * model.seq
+    tokens = s.tokens(model.seq)
     stages = s.pp * s.chunks
-    act_bytes = 2 * tokens * model.hidden                      # bf16 b·s·h
+    act_bytes = 2 * tokens * model.hidden                      # bf16 b·(s/cp)·h
     tp_link = cluster.link(s.tp)
     tp_ar = all_reduce_time(act_bytes, s.tp, tp_link)
     logit_f = model.logit_forward_flops(tokens) / s.tp / flops_rate
@@ -159,31 +191,33 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
         fwd.append(sum(n * per_kind[k][0] for k, n in kinds.items()) + (logit_f if last else 0.0))
         bwd.append(sum(n * per_kind[k][1] for k, n in kinds.items()) + (2 * logit_f if last else 0.0))
         bwd_weight.append(sum(n * per_kind[k][2] for k, n in kinds.items()) + (logit_f if last else 0.0))
-    pp_link = cluster.link(s.pp * s.tp)
+    pp_link = cluster.link(s.pp * s.cp * s.tp)
     p2p = 0.0
     if s.pp > 1:
         p2p = pp_link.alpha + act_bytes / s.tp / pp_link.beta + all_gather_time(act_bytes, s.tp, tp_link)
     params_local = max(model.rank_params(s.pp, s.chunks)) / s.tp
     grads = 2 * params_local
-    dp_link = cluster.link(s.dp * s.pp * s.tp)
+    dp_link = cluster.link(s.gpus)
+    replicas = s.replicas            # dp·cp ranks hold the same weights
     # ZeRO 1/2 replace the all-reduce by reduce-scatter + all-gather: the same bytes; ZeRO-3
-    # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7). MoE experts
-    # are replicated over dp (no expert parallelism), so their gradients are all-reduced too.
-    dp_sync = all_reduce_time(grads, s.dp, dp_link) * (1.5 if s.zero >= 3 else 1.0)
-    optimizer = ADAM_BYTES_PER_PARAM * params_local / (s.dp if s.zero >= 1 else 1) / hw.hbm_bandwidth
+    # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7). Without ep
+    # the MoE experts are replicated over dp, so their gradients are all-reduced too.
+    dp_sync = all_reduce_time(grads, replicas, dp_link) * (1.5 if s.zero >= 3 else 1.0)
+    optimizer = ADAM_BYTES_PER_PARAM * params_local / (replicas if s.zero >= 1 else 1) / hw.hbm_bandwidth
     ep_comm = 0.0
-    if s.ep > 1:           # dense gradients over dp, each expert's over its dp/ep replicas
+    if s.ep > 1:           # dense gradients over dp·cp, each expert's over its dp·cp/ep replicas
         dense, expert = expert_split(model, s)
-        edp = s.dp // s.ep
-        dp_sync = (all_reduce_time(2 * dense, s.dp, dp_link) + all_reduce_time(2 * expert, edp, dp_link)) \
+        edp = replicas // s.ep
+        dp_sync = (all_reduce_time(2 * dense, replicas, dp_link) + all_reduce_time(2 * expert, edp, dp_link)) \
             * (1.5 if s.zero >= 3 else 1.0)
-        optimizer = ADAM_BYTES_PER_PARAM * (dense / (s.dp if s.zero >= 1 else 1)
+        optimizer = ADAM_BYTES_PER_PARAM * (dense / (replicas if s.zero >= 1 else 1)
                                             + expert / (edp if s.zero >= 1 else 1)) / hw.hbm_bandwidth
         ep_comm = max(model.kinds(sum(model.stage_layers(stages)[:g]), n).get("moe", 0)
                       for g, n in enumerate(model.stage_layers(stages))) * per_kind["moe"][3]
     layers = max(model.stage_layers(stages))
+    cp_comm = layers * max(v[4] for v in per_kind.values())
     return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar, bwd_weight=bwd_weight,
-                      ep_comm=ep_comm)
+                      ep_comm=ep_comm, cp_comm=cp_comm)
 
 
 def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
@@ -227,8 +261,26 @@ class Prediction:
 
     def timeline(self, max_microbatches: int | None = None):
         """The predicted timeline of one step (one pipeline; dp replicas are alike)."""
-        from .simulation import simulate_scale
-        return simulate_scale(self, max_microbatches)
+        return simulate_scale(self, stage_costs(self.model, self.cluster, self.strategy), max_microbatches)
+
+
+def exposed_dp_sync(c: StageCosts, s: ClusterStrategy, last: list[float]) -> float:
+    """Seconds of the dp traffic left exposed. Without ``dp_overlap`` all of it. With it, the
+    gradients' reduction hides behind the last micro-batch's backward (DDP's buckets, FSDP's
+    reduce-scatters), ``last`` the backward part the gradients appear in; ZeRO-3's traffic is
+    three equal passes over the weights (all-gather for forward, all-gather for backward,
+    reduce-scatter), and the forward's all-gathers are prefetched behind the first
+    micro-batch's forward, layer by layer, as FSDP2 does in both passes (Zhao et al. 2023,
+    "PyTorch FSDP", §3.3.3 and §4.1: forward and backward prefetching)."""
+    if not s.dp_overlap:
+        return c.dp_sync
+    first_stage = range(0, s.pp * s.chunks, s.pp)          # this rank's chunks on pipeline rank 0
+    tail_bwd = sum(last[g] for g in first_stage)
+    if s.zero < 3:
+        return max(0.0, c.dp_sync - tail_bwd)
+    gather_fwd = c.dp_sync / 3
+    head_fwd = sum(c.fwd[g] for g in first_stage)
+    return max(0.0, gather_fwd - head_fwd) + max(0.0, c.dp_sync - gather_fwd - tail_bwd)
 
 
 def hardware_flops(model: GPT, global_batch: int, recompute: str) -> float:
@@ -243,8 +295,7 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
     c = stage_costs(model, cluster, strategy)
     pipe = pipeline_time(c, strategy, m)
     last = c.bwd_weight if strategy.schedule in SPLIT_BACKWARD else c.bwd        # the gradients appear in W
-    tail_bwd = sum(last[k * strategy.pp] for k in range(strategy.chunks))
-    dp_exposed = max(0.0, c.dp_sync - tail_bwd) if strategy.dp_overlap else c.dp_sync
+    dp_exposed = exposed_dp_sync(c, strategy, last)
     step = pipe + dp_exposed + c.optimizer
     tokens = global_batch * model.seq
     peak = cluster.hardware.peak_flops
@@ -258,5 +309,7 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
              "gemm_efficiency": gemm_efficiency(model, cluster, strategy), "microbatches": m}
     if strategy.ep > 1:
         parts["ep_comm_s"] = m * c.ep_comm * strategy.chunks
+    if strategy.cp > 1:
+        parts["cp_comm_s"] = m * c.cp_comm * strategy.chunks
     return Prediction(model, cluster, strategy, global_batch, step, mfu, tflops, memory,
                       fits(memory["total"], cluster.hardware.hbm_bytes), parts)

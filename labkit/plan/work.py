@@ -38,6 +38,8 @@ class Op:
     linear: str = ""
     weight_grad: bool = False
     """A product whose output is a weight's gradient (the W half of a split backward)."""
+    dim: int = 0
+    """A matrix product's smallest dimension (m, k or n; 0 for other ops): its efficiency."""
 
 
 @dataclass
@@ -105,8 +107,16 @@ class _Counter(TorchDispatchMode):
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             linear = next((self.by_storage[p] for t in ins if (p := _storage(t)) in self.by_storage), "")
             linear = linear or next((self.by_shape[tuple(t.shape)] for t in outs if tuple(t.shape) in self.by_shape), "")
-        self.sink.append(Op(name, flops, nbytes, linear, wgrad))
+        self.sink.append(Op(name, flops, nbytes, linear, wgrad, _smallest_dim(name, args)))
         return out
+
+
+def _smallest_dim(name: str, args) -> int:
+    """min(m, k, n) of mm, addmm, bmm and baddbmm (their last two operands); 0 otherwise."""
+    if name not in ("mm", "addmm", "bmm", "baddbmm"):
+        return 0
+    a, b = args[-2], args[-1]
+    return int(min(a.shape[-2], a.shape[-1], b.shape[-1]))
 
 
 def _storage(t: torch.Tensor) -> int:
