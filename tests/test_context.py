@@ -1,5 +1,5 @@
 """Context parallelism: the cp axis's checks (before engines), its groups and token layout, and
-on 4 engines a llama equal to one process for every mode beside dp, tp, pp (every schedule)
+on 4 engines a llama (and labkit's GPT) equal to one process for every mode beside dp, tp, pp (every schedule)
 and zero, cp=4, the contiguous split and a MoE llama; on 8, dp·pp·cp and pp·tp·cp; the bytes
 each rank sends equal the formula.
 
@@ -26,6 +26,11 @@ TOL = 1e-5
 
 def llama(**kwargs):
     return labkit.models.llama(**{**SIZES, **kwargs})
+
+
+def gpt(**kwargs):
+    sizes = {k: v for k, v in SIZES.items() if k != "n_kv_heads"}
+    return labkit.models.gpt(**{**sizes, **kwargs})
 
 
 class Plain(nn.Module):
@@ -59,6 +64,7 @@ def test_strategy_checks_its_cp_fields(kwargs, match):
     (llama(), labkit.Strategy(cp=4, cp_balance=False), labkit.data.text(batch=8, block_size=14), "cp = 4 slices"),
     (Plain, labkit.Strategy(cp=2), DATA, "never calls labkit.parallel.context.attention nor positions"),
     (llama(n_experts=4, aux_loss_coef=0.01), labkit.Strategy(cp=2), DATA, "aux_loss_coef=0.01"),
+    (gpt(dropout=0.1), labkit.Strategy(cp=2), DATA, "dropout=0.1"),
     (llama(), labkit.Strategy(cp=4, cp_mode="ulysses"), DATA, "key/value heads \\(2\\) over cp=4"),
     (llama(n_kv_heads=4), labkit.Strategy(tp=2, cp=4, cp_mode="ulysses"), DATA, "query heads \\(4 over tp=2\\)"),
 ])
@@ -106,9 +112,11 @@ def test_without_cp_the_attention_is_torchs():
     (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), llama()),
     (labkit.Strategy(dp=2, cp=2, recompute="full"), llama()),           # the ring runs again in backward
     (labkit.Strategy(cp=4, cp_mode="ulysses", cp_balance=False), llama(n_head=8, n_kv_heads=4, n_embd=64)),
+    (labkit.Strategy(dp=2, cp=2), gpt()),
+    (labkit.Strategy(tp=2, cp=2, cp_mode="allgather"), gpt()),
 ], ids=["dp2cp2-ring", "dp2cp2-allgather", "tp2cp2-ring", "tp2cp2-allgather", "cp4-ring",
         "cp4-allgather-contiguous", "cp4-ring-contiguous-ddp", "dp2cp2-ring-moe", "dp2cp2-ulysses",
-        "dp2cp2-ring-recompute", "cp4-ulysses-contiguous"])
+        "dp2cp2-ring-recompute", "cp4-ulysses-contiguous", "gpt-dp2cp2-ring", "gpt-tp2cp2-allgather"])
 def test_context_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
@@ -123,9 +131,10 @@ def test_context_parallel_equals_one_process(lab4, strategy, model):
     (labkit.Strategy(pp=2, cp=2, microbatches=2, schedule="zb-h1", cp_balance=False), llama()),
     (labkit.Strategy(pp=2, cp=2, microbatches=2, schedule="zbv", chunks=2, cp_mode="ulysses"), llama(n_layer=4)),
     (labkit.Strategy(dp=2, cp=2, zero=1), llama()),
+    (labkit.Strategy(pp=2, cp=2, microbatches=2), gpt()),
     (labkit.Strategy(dp=2, cp=2, zero=3, cp_mode="allgather", prefetch=1), llama()),
 ], ids=["pp2cp2-1f1b-ring", "pp2cp2-gpipe-allgather-tied", "pp2cp2-interleaved-ring", "pp2cp2-zbh1-contiguous",
-        "pp2cp2-zbv-ulysses", "dp2cp2-zero1", "dp2cp2-zero3-allgather"])
+        "pp2cp2-zbv-ulysses", "dp2cp2-zero1", "gpt-pp2cp2-1f1b", "dp2cp2-zero3-allgather"])
 def test_context_parallel_with_pipelines_and_zero_equals_one_process(lab4, strategy, model):
     """Every pipeline schedule: cp ranks of one stage run the same actions, so their rings meet;
     the stages pass each rank's slice of the sequence (the Link's header carries its shape).

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from ..parallel import context
+
 TP_PLAN = {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
 # Sequence parallelism (optional): where the residual stream is cut along the sequence (after
 # the embedding), which modules work on a slice of it (the LayerNorms), where it is whole again
@@ -58,7 +60,7 @@ class Embedding(nn.Module):
         if t > self.block_size:
             raise ValueError(f"a sequence of {t} tokens is longer than gpt.block_size={self.block_size}; "
                              f"use data with block_size ≤ {self.block_size} or a gpt with block_size ≥ {t}")
-        pos = torch.arange(t, device=idx.device)
+        pos = context.positions(t, idx.device)     # arange(t), or this rank's slices under cp
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -72,6 +74,11 @@ class AttentionCore(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if context.active():      # cp: this rank holds slices of the sequence; keys come from the others
+            if self.drop.p and self.training:
+                raise ValueError(f"gpt(dropout={self.drop.p}) under context parallelism: attention across "
+                                 "ranks has no attention dropout; use dropout=0.0, or cp=1")
+            return context.attention(q, k, v, causal=True)
         t = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)

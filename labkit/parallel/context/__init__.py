@@ -134,6 +134,13 @@ class _Probe:
         return torch.arange(t, device=device)
 
 
+def active() -> bool:
+    """Whether attention on this rank goes across a cp group (or the checks' probe is counting):
+    a model whose own attention differs from :func:`local_attention` (labkit's GPT writes its
+    scores out) takes :func:`attention` only then, so its cp = 1 arithmetic stays its own."""
+    return _active is not None
+
+
 def attention(q, k, v, causal: bool = True):
     """Softmax attention of ``q`` (B, H, T, hd) over ``k``, ``v`` (B, Hkv, T, hd), Hkv dividing H;
     across the cp group when a context-parallel job is built on this rank, else torch's sdpa."""
