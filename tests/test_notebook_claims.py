@@ -140,11 +140,13 @@ def test_07_tp_pays_in_exposed_comm_and_less_of_it_as_width_grows():
 
 
 def test_08_prefetch_overlaps_more_of_the_gathers():
-    """08's text: with prefetch=1 more of ZeRO-3's comm runs beside compute (overlap_fraction
-    rises); step time is not claimed (raw gloo's gathers use the cores that compute)."""
+    """08's text, on the emulated link at batch 1024: prefetch=1 raises the share of ZeRO-3's
+    comm that overlaps compute clearly (by more than 0.1; it rose by 0.3 when measured); on raw
+    gloo it rises too. Step time is not claimed (it moved either way)."""
     _, v = notebook("08_sharding")
-    overlap = v["prefetch_overlap"]
-    assert overlap["1"] > overlap["0"], overlap
+    overlap, raw = v["prefetch_overlap"], v["prefetch_raw"]
+    assert overlap["1"] > overlap["0"] + 0.1, overlap
+    assert raw["1"] > raw["0"], raw
 
 
 def test_10_the_curves_learn_and_precision_orders_the_departures():
