@@ -252,3 +252,20 @@ def test_05_run_all_leaves_the_tours_answers_to_the_reader():
     for answer in ("Goal reached", "Right", "bucketed ms", "Overlap stops helping", "GPipe idles"):
         assert answer not in shown, shown
     assert "Make a guess first" in shown and "Put your answer in" in shown
+
+
+EXERCISED = ["00_start_here", "01_data_parallel", "02_pipeline", "03_hybrid", "04_communication",
+             "06_troubleshooting", "07_tensor_parallel", "08_sharding", "10_precision",
+             "11_bubbles_and_memory", "12_bring_your_model"]
+
+
+@pytest.mark.parametrize("stem", EXERCISED)
+def test_the_closing_exercise_asks_and_holds_its_answer_back(stem):
+    """Each of these notebooks ends with exercises checked by labkit.course: Run All prints the
+    question, never the verdict or the answer."""
+    nb, _ = notebook(stem)
+    cells = [c for c in nb.cells if c.cell_type == "code" and "course.check(" in c.source]
+    assert cells, f"{stem} has no checked exercise"
+    shown = "".join(o.get("text", "") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    assert shown.count("Put your answer in") == sum(c.source.count("course.check(") for c in cells), shown
+    assert "Right" not in shown and "Not yet" not in shown, shown
