@@ -41,7 +41,7 @@ class SyncFault:
     bucket: int
     """The bucket it hits: 0 is the first to fill (the last layer's gradients)."""
     rank: int | None = None
-    """The rank that misbehaves; "skip" needs one; "factor": None means every rank."""
+    """The (global) rank that misbehaves; "skip" needs one; "factor": None means every rank."""
     from_step: int = 0
     """The first step it acts on (steps count from 0, the warm-up included)."""
     factor: float = 2.0
@@ -86,14 +86,19 @@ def sync_fault(lab, *faults: SyncFault):
     lab.apply(install, list(faults))
     try:
         yield fired
-    finally:
-        counts = lab.apply(remove, list(faults))
-        for i, fault in enumerate(faults):
-            fired[fault] = [per_rank[i] for per_rank in counts]
-            if not any(fired[fault]):
-                warnings.warn(f"the planted fault ({fault}) never fired: is the dp_mode 'bucketed' or 'overlap', "
-                              f"does the model have a bucket {fault.bucket}, did the run reach step "
-                              f"{fault.from_step}?", stacklevel=3)
+    except BaseException:
+        try:
+            lab.apply(remove, list(faults))
+        except Exception:       # noqa: BLE001 — the block's own error is the one to see; engines
+            pass                # that cannot answer are restarted by lab.recover(), faults and all
+        raise
+    counts = lab.apply(remove, list(faults))
+    for i, fault in enumerate(faults):
+        fired[fault] = [per_rank[i] for per_rank in counts]
+        if not any(fired[fault]):
+            warnings.warn(f"the planted fault ({fault}) never fired: is the dp_mode 'bucketed' or 'overlap', "
+                          f"does the model have a bucket {fault.bucket}, did the run reach step "
+                          f"{fault.from_step}?", stacklevel=3)
 
 
 # -- the engines' side ---------------------------------------------------------------------------
