@@ -19,15 +19,16 @@ not claimed there).
   steps; not claimed on raw gloo: there is no link to predict); and the sendrecv sweep's fitted
   β is within −20 % / +5 % of the link's 50 MB/s.
 * bubble (notebook 02): GPipe, pp=2, Linear(16→1024) + 8×Linear(1024), batch 1024: the bubble
-  falls from m = 1 to 4 to 16, and at m = 8 its schedule part is within −0.05 / +0.10 of
+  falls from m = 1 to 4 to 16 (8 steps a run), and at m = 8 its schedule part is within −0.05 / +0.10 of
   (p−1)/(m+p−1) (raw gloo only: the pipeline's messages are small).
 * tp vs pp (notebook 07): a 4-layer GPT at widths 64 and 256 on 4 engines: TP's exposed comm
   share is above PP's at both widths and falls with the width (raw gloo only).
 * prefetch (notebook 08): ZeRO-3 on an MLP of width 256 and depth 6, batch 1024: prefetch=1's
   overlap_fraction is above prefetch=0's (raw gloo), by more than 0.1 (emulated: 200 MB/s, 50 µs).
 * compression (notebook 10): an MLP of width 256 and depth 8, dp=2 bucketed, 6 steps per run, at
-  1000, 300, 100, 30, 10 and 3 MB/s: int8's step is under 0.6 of fp32's at 3 MB/s; with t, int8's
-  whole extra cost per step (measured at the two slowest links), β* = ¾·S/t; int8 wins at every
+  1000, 300, 100, 30, 10 and 3 MB/s, best of two runs each: int8's step is under 0.6 of fp32's at
+  3 MB/s; with t, int8's whole extra cost per step (the median over the bandwidths of
+  T_fp32 − T_int8 + ¾·S/β), β* = ¾·S/t; int8 wins at every
   bandwidth ≤ β*/3 and loses at every one ≥ 3β*; the codec's time alone gives a β* above 1.5·β*
   (emulated only: raw gloo has no bandwidth to lower).
 * zero bubble (notebook 11): pp=2, m=8: ZB-V's exposed comm is the largest of 1f1b, zb-h1 and
@@ -148,14 +149,15 @@ def compression_trial(lab) -> dict:
     ms, codec = {}, []
     for beta in betas:
         lab.link = labkit.Link(bandwidth=beta, latency=50e-6)
-        runs = {c: lab.run(labkit.Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5, compression=c), **kw)
-                for c in ("none", "int8")}
-        ms[beta] = {c: r.metrics["step_time_s"] for c, r in runs.items()}
-        events = [e for e in runs["int8"].timeline.events if e["rank"] == 0 and e["step"] > 0]
-        codec.append(sum(e["end"] - e["start"] for e in events if e["kind"] in ("compress", "decompress"))
-                     / len({e["step"] for e in events}))
+        runs = {c: [lab.run(labkit.Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5, compression=c), **kw)
+                    for _ in range(2)] for c in ("none", "int8")}
+        ms[beta] = {c: min(r.metrics["step_time_s"] for r in pair) for c, pair in runs.items()}   # best of two
+        for run in runs["int8"]:
+            events = [e for e in run.timeline.events if e["rank"] == 0 and e["step"] > 0]
+            codec.append(sum(e["end"] - e["start"] for e in events if e["kind"] in ("compress", "decompress"))
+                         / len({e["step"] for e in events}))
     lab.link = None
-    t = median(ms[b]["int8"] - ms[b]["none"] + 0.75 * S / b for b in betas[-2:])
+    t = median(ms[b]["int8"] - ms[b]["none"] + 0.75 * S / b for b in betas)
     star = 0.75 * S / t
     seen("int8: β*, β* of the codec (MB/s), ms none/int8 per β", (round(star / 1e6), round(0.75 * S / median(codec) / 1e6),
                                                                    [(round(1e3 * ms[b]["none"], 1), round(1e3 * ms[b]["int8"], 1))
