@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py              # 10 trials, ~15 minutes
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py --trials 3 --claims overlap
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_claims.py --show --claims compression   # ~5 minutes
 
 Each trial measures a claim once on this machine's own gloo and once on the emulated link the
 notebook uses, with the notebook's settings; the table says in how many trials each held ("—":
