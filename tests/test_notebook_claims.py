@@ -110,7 +110,7 @@ def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
 def test_04_on_the_emulated_link_times_follow_the_bytes():
     """04's text: on the emulated link the server takes 2(n−1)·S/β and the ring 2(n−1)/n·S/β, n
     times less, both on their α-β lines (the ring up to a fifth above), and the sendrecv fit
-    finds the link's bandwidth, from a fifth below to 5 % above. Raw gloo's rows are shown, not claimed."""
+    finds the link's bandwidth to within a fifth. Raw gloo's rows are shown, not claimed."""
     _, v = notebook("04_communication")
     rows = [r for r in v["rows"] if r["link"] == "emulated"]
     assert rows, "no emulated rows"
@@ -124,8 +124,8 @@ def test_04_on_the_emulated_link_times_follow_the_bytes():
     for n in sorted({r["n"] for r in rows}):
         assert by[n, "ring"] < by[n, "ps"], (n, by)
         assert by[n, "ps"] / by[n, "ring"] >= 0.8 * n, (n, by)
-    # the link's β, and a little less: the CPU's own per-byte cost is not all hidden under it
-    assert 0.8 * 50e6 <= v["fit_beta_emulated"] <= 1.05 * 50e6, v["fit_beta_emulated"]
+    # the link's β to within a fifth: the fit weighs the small messages' noisy times as much as the large
+    assert v["fit_beta_emulated"] == pytest.approx(50e6, rel=0.2)
 
 
 # -- the claims of notebooks 07, 08, 10 and 11 (each checked on the notebook's own run) ------------
