@@ -41,6 +41,48 @@ def _megatron_dp_group(rank: int, tp: int, dp: int, pp: int) -> list[int]:
 
 
 EXERCISES = {
+    "dp_traffic": Exercise(
+        "A ring all-reduce of the gradients: going from dp = 2 to dp = 4, by what factor does the "
+        "number of bytes each rank sends per step grow?",
+        lambda: (2 * (4 - 1) / 4) / (2 * (2 - 1) / 2),
+        "Each rank sends 2(n−1)/n of the gradient bytes: 1·S at n = 2, 1.5·S at n = 4, so 1.5×; "
+        "it never passes 2·S however many ranks join, which is why data parallelism scales.",
+        "the ring's share per rank is 2(n−1)/n of S (notebook 00's busbw factor)."),
+    "bucketed_ms": Exercise(
+        "2 MiB of gradients (2,097,152 bytes), dp = 2, bucketed, on a link of 100 MB/s (10⁸ bytes/s) "
+        "each way with α negligible: how many milliseconds of comm does each step add after backward?",
+        lambda: 1e3 * 2 * (2 - 1) / 2 * 2 * MiB / 1e8,
+        "2(n−1)/n · S/β = 1 · 2,097,152 / 10⁸ s ≈ 21 ms, all of it exposed in bucketed mode; overlap can "
+        "hide what runs beside backward.",
+        "a ring all-reduce puts 2(n−1)/n · S on each rank's link; divide by β."),
+    "ps_ring": Exercise(
+        "n = 8 ranks all-reduce S = 8 MiB over links of bandwidth β (α ignored): how many times longer "
+        "does the parameter server take than the ring?",
+        lambda: (2 * (8 - 1)) / (2 * (8 - 1) / 8),
+        "The server's link carries 2(n−1)·S (every push, then every pull), the ring's 2(n−1)/n·S: "
+        "the ratio is n = 8.",
+        "notebook 04's table: the bandwidth terms of both rows, divided."),
+    "sendrecv_ms": Exercise(
+        "On notebook 04's emulated link (α = 100 µs, β = 50 MB/s each way), how many milliseconds does "
+        "one message of 10 kB (10⁴ bytes) take?",
+        lambda: 1e3 * (100e-6 + 1e4 / 50e6),
+        "α + S/β = 0.1 ms + 0.2 ms = 0.3 ms: at this size latency is a third of the time; at 1 MB it "
+        "would be half a percent (0.1 ms of 20.1).",
+        "the α-β model: t = α + S/β, in seconds, then in milliseconds."),
+    "moe_active": Exercise(
+        "A mixture-of-experts layer with 8 experts and top_k = 2 (Mixtral's): what fraction of the "
+        "layer's expert parameters does one token use?",
+        lambda: 2 / 8,
+        "Each token goes through top_k of the n_experts expert MLPs: 2/8 = 0.25. The layer holds 8 "
+        "experts' parameters but computes like a dense MLP of 2 (the planner's active_params).",
+        "how many experts does the router send each token to, out of how many?"),
+    "gqa_kv": Exercise(
+        "Grouped-query attention with hidden size 4096, 32 query heads and 8 key/value heads (head size "
+        "128), no biases: how many parameters do the K and V projections hold together?",
+        lambda: 2 * 4096 * 8 * 128,
+        "K and V each map 4096 → 8·128 = 1024: 2 · 4096 · 1024 = 8,388,608, a quarter of multi-head "
+        "attention's 2 · 4096 · 4096 (Llama-2 70B and Mixtral use 8 key/value heads).",
+        "each of K and V is a 4096 × (kv_heads · head size) matrix."),
     "busbw": Exercise(
         "An all-reduce over n = 8 ranks: by what factor is its bus bandwidth above its algorithm bandwidth?",
         lambda: 2 * (8 - 1) / 8,

@@ -110,7 +110,7 @@ def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
 def test_04_on_the_emulated_link_times_follow_the_bytes():
     """04's text: on the emulated link the server takes 2(n−1)·S/β and the ring 2(n−1)/n·S/β, n
     times less, both on their α-β lines (the ring up to a fifth above), and the sendrecv fit
-    finds the link's bandwidth. Raw gloo's rows are shown, not claimed."""
+    finds the link's bandwidth to within a fifth. Raw gloo's rows are shown, not claimed."""
     _, v = notebook("04_communication")
     rows = [r for r in v["rows"] if r["link"] == "emulated"]
     assert rows, "no emulated rows"
@@ -124,7 +124,8 @@ def test_04_on_the_emulated_link_times_follow_the_bytes():
     for n in sorted({r["n"] for r in rows}):
         assert by[n, "ring"] < by[n, "ps"], (n, by)
         assert by[n, "ps"] / by[n, "ring"] >= 0.8 * n, (n, by)
-    assert v["fit_beta_emulated"] == pytest.approx(50e6, rel=0.1)
+    # the link's β to within a fifth: the fit weighs the small messages' noisy times as much as the large
+    assert v["fit_beta_emulated"] == pytest.approx(50e6, rel=0.2)
 
 
 # -- the claims of notebooks 07, 08, 10 and 11 (each checked on the notebook's own run) ------------
@@ -140,11 +141,13 @@ def test_07_tp_pays_in_exposed_comm_and_less_of_it_as_width_grows():
 
 
 def test_08_prefetch_overlaps_more_of_the_gathers():
-    """08's text: with prefetch=1 more of ZeRO-3's comm runs beside compute (overlap_fraction
-    rises); step time is not claimed (raw gloo's gathers use the cores that compute)."""
+    """08's text, on the emulated link at batch 1024: prefetch=1 raises the share of ZeRO-3's
+    comm that overlaps compute clearly (by more than 0.1; it rose by 0.3 when measured); on raw
+    gloo it rises too. Step time is not claimed (it moved either way)."""
     _, v = notebook("08_sharding")
-    overlap = v["prefetch_overlap"]
-    assert overlap["1"] > overlap["0"], overlap
+    overlap, raw = v["prefetch_overlap"], v["prefetch_raw"]
+    assert overlap["1"] > overlap["0"] + 0.1, overlap
+    assert raw["1"] > raw["0"], raw
 
 
 def test_10_the_curves_learn_and_precision_orders_the_departures():
@@ -161,14 +164,33 @@ def test_10_the_curves_learn_and_precision_orders_the_departures():
     assert max(gap["bf16"], gap["int8"]) < gap["fp8_e4m3"] < gap["fp8_e5m2"] < gap["powersgd"], gap
 
 
-def test_10_int8_pays_on_a_slow_link():
-    """10's bandwidth section, on the emulated link: at 10 MB/s int8's step is shorter than
-    fp32's, and the α-β crossover from the measured codec time lies above it. (At 30 MB/s it
-    held 9 times in 10: counted by benchmarks/bench_claims.py, not asserted.)"""
+def test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path():
+    """10's bandwidth section, on the emulated link: at 3 MB/s int8 cuts the step by more than
+    40 %; int8 wins at every swept bandwidth below β*/3 and loses at every one above 3β*, β* from
+    int8's whole cost t (a point on each side, so the check cannot pass empty); and the codec's
+    time alone puts β* too high (t is more than the codec)."""
     _, v = notebook("10_precision")
-    ms = v["bw_ms"]
-    assert ms["1e+07"]["int8"] < ms["1e+07"]["none"], ms
-    assert v["beta_star"] > 1e7, v["beta_star"]
+    ms, star = v["bw_ms"], v["beta_star"]
+    assert ms["3e+06"]["int8"] < 0.6 * ms["3e+06"]["none"], ms
+    wins = [b for b in v["betas"] if b <= star / 3]
+    losses = [b for b in v["betas"] if b >= 3 * star]
+    assert wins and losses, (star, v["betas"])
+    for b in wins:
+        assert ms[f"{b:g}"]["int8"] < ms[f"{b:g}"]["none"], (b, star, ms)
+    for b in losses:
+        assert ms[f"{b:g}"]["int8"] > ms[f"{b:g}"]["none"], (b, star, ms)
+    assert v["beta_codec"] > 1.5 * star, (v["beta_codec"], star)
+
+
+def test_10_planted_faults_are_found_where_the_text_says():
+    """10's sections 2 and 3: the skipped write-back is a sync bug at step 2, layer 2, rank 1;
+    the wrong factor is found at step 1, layer 0, with the replicas agreeing."""
+    nb, _ = notebook("10_precision")
+    skip = cell_text(nb, 'SyncFault("skip"')
+    assert "step 2, parameter '2.weight', rank 1" in skip and "a sync bug" in skip, skip
+    factor = cell_text(nb, 'SyncFault("factor"')
+    assert "step 1, parameter '0.weight'" in factor and "math or precision" in factor, factor
+    assert not any("labkit.strategies" in c.source for c in nb.cells)
 
 
 def test_11_zero_bubble_schedules_idle_less_and_zbv_sends_twice_the_bytes():
@@ -318,3 +340,21 @@ def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
     assert long["error"] == long["error"] and long["cp_mode"] == "allgather"      # a number, not NaN
     last = [c.source for c in nb.cells if c.cell_type == "code"][-2]
     assert 'course.check("cp_tokens"' in last and 'course.check("zero3_forward"' in last
+
+
+EXERCISED = ["00_start_here", "01_data_parallel", "02_pipeline", "03_hybrid", "04_communication",
+             "06_troubleshooting", "07_tensor_parallel", "08_sharding", "09_plan_at_scale", "10_precision",
+             "11_bubbles_and_memory", "12_bring_your_model", "13_long_sequences", "14_experts",
+             "15_reading_a_big_run"]
+
+
+@pytest.mark.parametrize("stem", EXERCISED)
+def test_the_closing_exercise_asks_and_holds_its_answer_back(stem):
+    """Each of these notebooks ends with exercises checked by labkit.course: Run All prints the
+    question, never the verdict or the answer."""
+    nb, _ = notebook(stem)
+    cells = [c for c in nb.cells if c.cell_type == "code" and "course.check(" in c.source]
+    assert cells, f"{stem} has no checked exercise"
+    shown = "".join(o.get("text", "") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    assert shown.count("Put your answer in") == sum(c.source.count("course.check(") for c in cells), shown
+    assert "Right" not in shown and "Not yet" not in shown, shown

@@ -4,8 +4,11 @@ This file owns the dp axis's settings and their rule: :func:`check_strategy` is 
 ``Strategy`` calls for ``dp_mode``, ``bucket_mb``, ``compression``, ``error_feedback`` and
 ``sync_batchnorm``.
 It imports nothing heavy, so a notebook can validate a strategy without torch.distributed.
+:func:`sync_fault` plants a fault in the gradient average on purpose (:mod:`.faults`).
 """
 from __future__ import annotations
+
+from .faults import SyncFault, sync_fault  # noqa: F401  (the public fault hook)
 
 DP_MODES = ("naive", "bucketed", "overlap", "ddp")
 COMPRESSIONS = ("none", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "powersgd")

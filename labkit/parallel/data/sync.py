@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ... import comm
+from . import faults
 
 MiB = 1024 * 1024
 
@@ -144,6 +145,7 @@ class _Bucket:
         self.handle = None
         self.ready = 0
         self.buffer = None           # set by share_buffer: the members' gradients, flat
+        self.fault = self.kept = None    # a planted fault (faults.py) and the gradient it keeps
 
     def share_buffer(self) -> None:
         """Make the members' ``.grad`` views of one flat buffer (DDP's ``gradient_as_bucket_view``):
@@ -180,6 +182,9 @@ class _Bucket:
 
     def launch(self, group, compressor=None) -> None:
         self.flat = self.pack()
+        self.fault = faults.active(self.index)      # a planted fault (faults.py); None in training
+        if self.fault is not None and self.fault.kind == "skip":
+            self.kept = self.flat.clone()           # reduced in place below: keep the local gradient
         if compressor is None:
             self.handle = comm.all_reduce(self.flat, group, name=self.name, async_op=True)
         else:       # compressed and sent; ``handle`` holds what finishing needs
@@ -188,10 +193,16 @@ class _Bucket:
     def complete(self, dp: int, compressor=None) -> None:
         if compressor is None:
             self.handle.wait()
-            self.unpack(self.flat, dp)
+            mean, divide = self.flat, dp
         else:
-            self.unpack(compressor.finish(self.handle), 1)      # already the average
-        self.handle = self.flat = None
+            mean, divide = compressor.finish(self.handle), 1     # already the average
+        if self.fault is None:
+            self.unpack(mean, divide)
+        elif self.fault.kind == "skip":                          # the average is never written back
+            self.unpack(self.kept, 1)
+        else:                                                    # the sum divided by factor·dp
+            self.unpack(mean, divide * self.fault.factor)
+        self.handle = self.flat = self.fault = self.kept = None
         self.ready = 0
 
 
