@@ -116,16 +116,13 @@ def remove(faults: list[SyncFault]) -> list[int]:
     return [_planted.pop(fault, 0) for fault in faults]
 
 
-def active(bucket: int) -> SyncFault | None:
-    """The planted fault that hits ``bucket`` on this rank at this step, if any (counted)."""
+def active(bucket: int, rank: int, step: int) -> SyncFault | None:
+    """The planted fault that hits ``bucket`` on ``rank`` at ``step``, if any (counted). The
+    caller passes where it is, so this file stays free of torch.distributed (a notebook imports it)."""
     if not _planted:
         return None
-    from ... import comm
-
-    ctx = comm.context()
     for fault in _planted:
-        if (fault.bucket == bucket and ctx.recorder.step >= fault.from_step
-                and fault.rank in (None, ctx.rank)):
+        if fault.bucket == bucket and step >= fault.from_step and fault.rank in (None, rank):
             _planted[fault] += 1
             return fault
     return None

@@ -182,7 +182,8 @@ class _Bucket:
 
     def launch(self, group, compressor=None) -> None:
         self.flat = self.pack()
-        self.fault = faults.active(self.index)      # a planted fault (faults.py); None in training
+        ctx = comm.context()
+        self.fault = faults.active(self.index, ctx.rank, ctx.recorder.step)   # planted (faults.py); None in training
         if self.fault is not None and self.fault.kind == "skip":
             self.kept = self.flat.clone()           # reduced in place below: keep the local gradient
         if compressor is None:
