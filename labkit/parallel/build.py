@@ -180,7 +180,13 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
                                s.error_feedback)
     if s.ep > 1:                      # the experts averaged over their own replicas, the rest over dp
         from .expert.dispatch import ExpertSync
-        sync = ExpertSync(sync, groups.expert(s.ep), s.dp)
+        experts = groups.expert(s.ep)
+        sharded = None
+        if s.zero and has_grads:      # ZeRO-1/2: the experts' shards cut over those replicas alone
+            from .zero.sync import Zero1Sync, Zero2Sync
+            kind = Zero2Sync if s.zero == 2 else Zero1Sync
+            sharded = kind(experts.edp, len(experts.edp_ranks), s.bucket_mb, recorder)
+        sync = ExpertSync(sync, experts, s.dp, sharded)
     span = _time_stage(module, blocks is None, path, sync, s, recorder)
     return Stage(index, chunk, module, sync.wrap(module), sync, span)
 

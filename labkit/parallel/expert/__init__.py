@@ -34,9 +34,13 @@ def check_strategy(s) -> None:
     if s.dp % s.ep:
         raise ValueError(f"Strategy.ep={s.ep} must divide dp={s.dp}: the experts are spread over runs of ep "
                          f"data-parallel ranks; use an ep that divides {s.dp}, or a larger dp")
-    if s.zero:
-        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero}: the experts are sharded over ep, not by ZeRO; "
-                         "use zero=0, or ep=1")
+    if s.zero == 3 or (s.zero and s.zero_mode != "labkit"):
+        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero} zero_mode={s.zero_mode!r}: the experts' "
+                         "shards are built for labkit's ZeRO-1/2 only; use zero=1 or 2 with "
+                         "zero_mode='labkit', or ep=1")
+    if s.zero and (s.tp > 1 or s.pp > 1):
+        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero} is built for dp alone (tp={s.tp}, pp={s.pp}); "
+                         "use tp=1 and pp=1 with zero, or zero=0")
     if s.compression != "none":
         raise ValueError(f"Strategy.ep={s.ep} with compression={s.compression!r}: the experts' gradients are "
                          "averaged uncompressed over their own replicas; use compression='none', or ep=1")
