@@ -116,6 +116,10 @@ def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
     run, ref = lab4.run(strategy, model=model, **kw), labkit.reference(model, **kw)
     assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
+    if optimizer == "adamw":     # two moments of 1/dp of the dense and of 1/(dp/ep) of the ep/dp held experts
+        total = sum(p.numel() for p in build_model(model, KW["seed"]).parameters())
+        held = [m["optimizer"] for m in run.metrics["memory_bytes"]]
+        assert all(b == pytest.approx(8 * total / strategy.dp, rel=0.02) for b in held)
 
 
 def dead_expert_model():
