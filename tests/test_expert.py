@@ -30,7 +30,7 @@ def moe(**kwargs):
     (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
     (dict(dp=2, ep=2, zero=3), "zero=3"),
     (dict(dp=2, ep=2, zero=2, zero_mode="fsdp2"), "zero_mode='fsdp2'"),
-    (dict(dp=2, tp=2, ep=2, zero=1), "tp=1 and pp=1 with zero"),
+    (dict(dp=2, tp=2, ep=2, zero=1), "tp=1, pp=1 and cp=1 with zero"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
     (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
@@ -88,9 +88,10 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     (labkit.Strategy(dp=2, tp=2, ep=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, tp=2, ep=2, ep_overlap="microbatch"),
      moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01, shared_expert=True)),   # the shared one split by tp
+    (labkit.Strategy(dp=2, cp=2, ep=2), moe(top_k=2, aux_loss_coef=0)),   # each cp rank routes its slice
 ], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
         "ep2-top2-shared-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-pp2-zbv", "ep2-tp2-top2",
-        "ep2-tp2-top1-shared-overlap"])
+        "ep2-tp2-top1-shared-overlap", "ep2-cp2-top2"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())

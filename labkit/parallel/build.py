@@ -186,7 +186,7 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
             from .zero.sync import Zero1Sync, Zero2Sync
             kind = Zero2Sync if s.zero == 2 else Zero1Sync
             sharded = kind(experts.edp, len(experts.edp_ranks), s.bucket_mb, recorder)
-        sync = ExpertSync(sync, experts, s.dp, sharded)
+        sync = ExpertSync(sync, experts, size, sharded, groups.cp if s.cp > 1 else None)
     span = _time_stage(module, blocks is None, path, sync, s, recorder)
     return Stage(index, chunk, module, sync.wrap(module), sync, span)
 

@@ -256,15 +256,16 @@ class ExpertSync:
 
     The dense sync (any of the four dp modes, or ZeRO-1/2) is built over all of dp but sees
     only the dense parameters. The experts' gradients are summed over their replicas (the
-    expert-dp group, dp/ep ranks) after it and divided by dp; with ZeRO, ``sharded`` (a
+    expert-dp group, dp/ep ranks; and over cp, whose ranks route their own slices of the
+    sequences through the same experts) after it and divided by dp (dp·cp); with ZeRO, ``sharded`` (a
     :class:`~labkit.parallel.zero.sync.Zero1Sync` or ``Zero2Sync`` over the expert-dp group)
     reduce-scatters them instead, so the experts' optimizer state (and gradients) are cut over
     their own replicas, as Megatron-Core's distributed optimizer shards its expert parameters
     over the expert-data-parallel group.
     """
 
-    def __init__(self, dense, groups, dp: int, sharded=None):
-        self.dense, self.groups, self.dp, self.sharded = dense, groups, dp, sharded
+    def __init__(self, dense, groups, dp: int, sharded=None, cp_group=None):
+        self.dense, self.groups, self.dp, self.sharded, self.cp_group = dense, groups, dp, sharded, cp_group
         self.times_forward, self.times_backward = dense.times_forward, dense.times_backward
 
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -311,6 +312,8 @@ class ExpertSync:
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.tp_group is not None:    # each tp rank routed 1/tp of the tokens through its copy
             comm.all_reduce(flat, self.tp_group, name="expert grads over tp")
+        if self.cp_group is not None:    # each cp rank routed its slice of every sequence through its copy
+            comm.all_reduce(flat, self.cp_group, name="expert grads over cp")
         if len(self.groups.edp_ranks) > 1:
             comm.all_reduce(flat, self.groups.edp, name="expert grads")
         flat.div_(self.dp)
