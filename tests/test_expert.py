@@ -1,8 +1,8 @@
 """Expert parallelism: the ep axis's checks (before engines), its groups, and on 4 engines a
 llama MoE equal to one process for ep=2 and ep=4 beside dp=4, and ep=2 inside each stage of a
 pp=2 pipeline, top-1 and top-2, with and without the balance loss and the overlap, over the dp
-modes and under full recompute; an expert no token reaches keeps a zero
-gradient; the all-to-all bytes recorded equal the rows that left each rank."""
+modes and under full recompute, beside tp and cp, and with ZeRO-1/2 (the experts' AdamW state
+cut over their replicas); an expert no token reaches keeps a zero gradient; the all-to-all bytes recorded equal the rows that left each rank."""
 from __future__ import annotations
 
 import pytest

@@ -8,9 +8,14 @@ stage, so each stage's MoE layers are spread over its own dp group. Under tensor
 each tp index has its own ep groups (the dp ranks sharing it): the routed experts stay whole
 (replicated over tp, as ``labkit.models.llama`` leaves them), the tokens, replicated over tp,
 are cut so that each tp rank routes 1/tp of them through its group (gathered again after the
-combine), and an expert's gradient is summed over tp as well as over its replicas. Tokens travel to their experts' rank and back
-with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is averaged over
-the dp/ep ranks that hold the same slice.
+combine), and an expert's gradient is summed over tp as well as over its replicas. Under
+context parallelism the ep groups are drawn from the dp ranks sharing a cp index: each cp rank
+routes its own slice of the sequences (routing is per token), and an expert's gradient is
+summed over cp too. With ZeRO-1/2 the dense parameters' optimizer state (and gradients) are
+sharded over dp as without ep, the experts' over their replicas (Megatron-Core's
+expert-data-parallel group in its distributed optimizer). Tokens travel to their experts' rank
+and back with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is
+averaged over the dp/ep ranks that hold the same slice.
 
 This file owns the axis's rules: :func:`check_strategy` (called by ``Strategy``) and
 :func:`check_model` (called before any engine, with the built model). It imports nothing
