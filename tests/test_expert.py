@@ -30,7 +30,7 @@ def moe(**kwargs):
     (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
     (dict(dp=2, ep=2, zero=3), "zero=3"),
     (dict(dp=2, ep=2, zero=2, zero_mode="fsdp2"), "zero_mode='fsdp2'"),
-    (dict(dp=2, tp=2, ep=2, zero=1), "tp=1, pp=1 and cp=1 with zero"),
+    (dict(dp=2, pp=2, ep=2, zero=1), "pp=1 with zero"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
     (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
@@ -67,6 +67,8 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     assert dims.ep_groups(2) == [[0, 1], [2, 3]] and dims.expert_dp_groups(2) == [[0, 2], [1, 3]]
     assert dims.ep_groups(4) == [[0, 1, 2, 3]] and dims.expert_dp_groups(4) == [[0], [1], [2], [3]]
     assert labkit.Strategy(dp=4, ep=2).label().startswith("dp=4 ep=2")
+    assert ParallelDims(dp=2, cp=2).expert_replica_groups(2) == [[0, 1], [2, 3]]
+    assert ParallelDims(dp=4, tp=2).expert_replica_groups(2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert "ep" not in labkit.Strategy(dp=4).label() and labkit.Strategy(dp=4, ep=2).world_size == 4
 
 
@@ -107,9 +109,12 @@ def test_expert_parallel_equals_one_process(lab4, strategy, model):
     (labkit.Strategy(dp=4, ep=2, zero=1), "sgd"),
     (labkit.Strategy(dp=4, ep=2, zero=2, microbatches=2), "adamw"),
     (labkit.Strategy(dp=4, ep=4, zero=1), "adamw"),          # one replica per expert: its shard is whole
-], ids=["dp4-ep2-zero1-sgd", "dp4-ep2-zero2-mb2-adamw", "dp4-ep4-zero1-adamw"])
+    (labkit.Strategy(dp=2, cp=2, ep=2, zero=2), "adamw"),    # the experts' copies span cp
+    (labkit.Strategy(dp=2, tp=2, ep=2, zero=1), "sgd"),      # and tp
+], ids=["dp4-ep2-zero1-sgd", "dp4-ep2-zero2-mb2-adamw", "dp4-ep4-zero1-adamw", "dp2-cp2-ep2-zero2-adamw",
+        "dp2-tp2-ep2-zero1-sgd"])
 def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
-    model = moe(top_k=2, aux_loss_coef=0.01)
+    model = moe(top_k=2, aux_loss_coef=0 if strategy.cp > 1 else 0.01)
     # AdamW divides by the root of its second moment, so the float32 summation-order noise of a
     # rarely routed expert's near-zero gradient comes out lr-sized: ep alone, zero=0, is 3e-5
     # off at lr=0.01; at 1e-3 the same noise is under the tolerance
@@ -120,7 +125,7 @@ def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
     if optimizer == "adamw":     # two moments of 1/dp of the dense and of 1/(dp/ep) of the ep/dp held experts
         total = sum(p.numel() for p in build_model(model, KW["seed"]).parameters())
         held = [m["optimizer"] for m in run.metrics["memory_bytes"]]
-        assert all(b == pytest.approx(8 * total / strategy.dp, rel=0.02) for b in held)
+        assert all(b == pytest.approx(8 * total / (strategy.dp * strategy.cp), rel=0.02) for b in held)
 
 
 def dead_expert_model():

@@ -38,7 +38,7 @@ def check_strategy(s) -> None:
     if s.cp == 1:
         return
     # what it composes with is what the exactness tests cover: dp (every mode, zero), Megatron
-    # tp, pp (every schedule) and ep (without zero); not these
+    # tp, pp (every schedule) and ep; not these
     unsupported = (("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
                    ("sync_batchnorm", s.sync_batchnorm, False, "sync_batchnorm=False"),
                    ("tp_mode", s.tp_mode, "megatron", "tp_mode='megatron'"))

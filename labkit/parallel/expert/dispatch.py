@@ -254,14 +254,14 @@ def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class ExpertSync:
     """A data-parallel sync for the dense parameters, plus the experts' own average.
 
-    The dense sync (any of the four dp modes, or ZeRO-1/2) is built over all of dp but sees
-    only the dense parameters. The experts' gradients are summed over their replicas (the
-    expert-dp group, dp/ep ranks; and over cp, whose ranks route their own slices of the
-    sequences through the same experts) after it and divided by dp (dp·cp); with ZeRO, ``sharded`` (a
-    :class:`~labkit.parallel.zero.sync.Zero1Sync` or ``Zero2Sync`` over the expert-dp group)
-    reduce-scatters them instead, so the experts' optimizer state (and gradients) are cut over
-    their own replicas, as Megatron-Core's distributed optimizer shards its expert parameters
-    over the expert-data-parallel group.
+    The dense sync (any of the four dp modes, or ZeRO-1/2) is built over all of dp (dp × cp)
+    but sees only the dense parameters. The experts' gradients are summed over their replicas
+    (the expert-dp group, dp/ep ranks; and over tp and cp, whose ranks route other tokens
+    through the same copies) after it and divided by dp (dp·cp). With ZeRO, ``sharded`` (a
+    :class:`~labkit.parallel.zero.sync.Zero1Sync` or ``Zero2Sync`` over every rank holding
+    the same experts, ``ExpertGroups.replicas``) reduce-scatters them instead, so the experts'
+    optimizer state (and gradients) are cut over their own copies, as Megatron-Core's
+    distributed optimizer shards its expert parameters over the expert-data-parallel group.
     """
 
     def __init__(self, dense, groups, dp: int, sharded=None, cp_group=None):
@@ -280,7 +280,7 @@ class ExpertSync:
         if self.sharded is not None:
             with _hidden(dense):                          # the expert sync's units hold only experts
                 self.sharded.wrap(module)
-            for unit in self.sharded.units:               # summed over dp/ep replicas, a mean over dp
+            for unit in self.sharded.units:               # summed over every copy, a mean over dp (dp·cp)
                 unit.divisor = self.dp
         return module
 
