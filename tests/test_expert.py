@@ -30,7 +30,6 @@ def moe(**kwargs):
     (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
     (dict(dp=2, ep=2, zero=3), "zero=3"),
     (dict(dp=2, ep=2, zero=2, zero_mode="fsdp2"), "zero_mode='fsdp2'"),
-    (dict(dp=2, pp=2, ep=2, zero=1), "pp=1 with zero"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
     (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
@@ -111,8 +110,9 @@ def test_expert_parallel_equals_one_process(lab4, strategy, model):
     (labkit.Strategy(dp=4, ep=4, zero=1), "adamw"),          # one replica per expert: its shard is whole
     (labkit.Strategy(dp=2, cp=2, ep=2, zero=2), "adamw"),    # the experts' copies span cp
     (labkit.Strategy(dp=2, tp=2, ep=2, zero=1), "sgd"),      # and tp
+    (labkit.Strategy(dp=2, pp=2, ep=2, zero=1, microbatches=2), "adamw"),   # per stage
 ], ids=["dp4-ep2-zero1-sgd", "dp4-ep2-zero2-mb2-adamw", "dp4-ep4-zero1-adamw", "dp2-cp2-ep2-zero2-adamw",
-        "dp2-tp2-ep2-zero1-sgd"])
+        "dp2-tp2-ep2-zero1-sgd", "dp2-pp2-ep2-zero1-adamw"])
 def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
     model = moe(top_k=2, aux_loss_coef=0 if strategy.cp > 1 else 0.01)
     # AdamW divides by the root of its second moment, so the float32 summation-order noise of a
@@ -120,9 +120,10 @@ def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
     # off at lr=0.01; at 1e-3 the same noise is under the tolerance
     kw = {**KW, "optimizer": optimizer, "lr": 0.3 if optimizer == "sgd" else 1e-3}
     run, ref = lab4.run(strategy, model=model, **kw), labkit.reference(model, **kw)
-    assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    if strategy.pp == 1:    # a pipeline reports its last stage's cross-entropy, without the balance loss
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
-    if optimizer == "adamw":     # two moments of 1/dp of the dense and of 1/(dp/ep) of the ep/dp held experts
+    if optimizer == "adamw" and strategy.pp == 1:     # two moments of 1/dp of the dense and of 1/(dp/ep) of the ep/dp held experts
         total = sum(p.numel() for p in build_model(model, KW["seed"]).parameters())
         held = [m["optimizer"] for m in run.metrics["memory_bytes"]]
         assert all(b == pytest.approx(8 * total / (strategy.dp * strategy.cp), rel=0.02) for b in held)

@@ -43,9 +43,6 @@ def check_strategy(s) -> None:
         raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero} zero_mode={s.zero_mode!r}: the experts' "
                          "shards are built for labkit's ZeRO-1/2 only; use zero=1 or 2 with "
                          "zero_mode='labkit', or ep=1")
-    if s.zero and s.pp > 1:
-        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero} and pp={s.pp}: the experts' shards are not "
-                         "built for pipeline stages here; use pp=1 with zero, or zero=0")
     if s.compression != "none":
         raise ValueError(f"Strategy.ep={s.ep} with compression={s.compression!r}: the experts' gradients are "
                          "averaged uncompressed over their own replicas; use compression='none', or ep=1")
