@@ -2,7 +2,8 @@
 llama MoE equal to one process for ep=2 and ep=4 beside dp=4, and ep=2 inside each stage of a
 pp=2 pipeline, top-1 and top-2, with and without the balance loss and the overlap, over the dp
 modes and under full recompute, beside tp and cp, and with ZeRO-1/2 (the experts' AdamW state
-cut over their replicas); an expert no token reaches keeps a zero gradient; the all-to-all bytes recorded equal the rows that left each rank."""
+cut over their replicas); an expert no token reaches keeps a zero gradient; the all-to-all
+bytes recorded equal the rows that left each rank."""
 from __future__ import annotations
 
 import pytest
@@ -123,7 +124,8 @@ def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
     if strategy.pp == 1:    # a pipeline reports its last stage's cross-entropy, without the balance loss
         assert run.losses == pytest.approx(ref.losses, abs=TOL)
     assert run.max_diff(ref) <= TOL
-    if optimizer == "adamw" and strategy.pp == 1:     # two moments of 1/dp of the dense and of 1/(dp/ep) of the ep/dp held experts
+    # two moments of 1/(dp·cp) of the dense parameters and of 1/(dp·cp/ep) of the 1/ep of the experts held
+    if optimizer == "adamw" and strategy.pp == 1:
         total = sum(p.numel() for p in build_model(model, KW["seed"]).parameters())
         held = [m["optimizer"] for m in run.metrics["memory_bytes"]]
         assert all(b == pytest.approx(8 * total / (strategy.dp * strategy.cp), rel=0.02) for b in held)
