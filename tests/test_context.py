@@ -47,7 +47,6 @@ class Plain(nn.Module):
 
 # -- checks, in one process -----------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(dp=2, cp=2, ep=2), "ep=2"),
     (dict(tp=2, cp=2, sequence_parallel=True), "sequence_parallel"),
     (dict(tp=2, cp=2, tp_mode="dtensor"), "tp_mode='dtensor'"),
     (dict(dp=2, cp=2, sync_batchnorm=True), "sync_batchnorm"),

@@ -1,8 +1,9 @@
 """Expert parallelism: the ep axis's checks (before engines), its groups, and on 4 engines a
 llama MoE equal to one process for ep=2 and ep=4 beside dp=4, and ep=2 inside each stage of a
 pp=2 pipeline, top-1 and top-2, with and without the balance loss and the overlap, over the dp
-modes and under full recompute; an expert no token reaches keeps a zero
-gradient; the all-to-all bytes recorded equal the rows that left each rank."""
+modes and under full recompute, beside tp and cp, and with ZeRO-1/2 (the experts' AdamW state
+cut over their replicas); an expert no token reaches keeps a zero gradient; the all-to-all
+bytes recorded equal the rows that left each rank."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,8 @@ def moe(**kwargs):
 # -- checks, in one process -----------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dp=4, ep=3), "ep=3 must divide dp=4"),
-    (dict(dp=2, ep=2, zero=1), "zero=1"),
+    (dict(dp=2, ep=2, zero=3), "zero=3"),
+    (dict(dp=2, ep=2, zero=2, zero_mode="fsdp2"), "zero_mode='fsdp2'"),
     (dict(dp=2, ep=2, compression="fp16"), "compression"),
     (dict(dp=2, ep=0), "ep=0"),
     (dict(dp=2, ep_overlap="microbatch"), "ep=1 has none"),
@@ -65,6 +67,8 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     assert dims.ep_groups(2) == [[0, 1], [2, 3]] and dims.expert_dp_groups(2) == [[0, 2], [1, 3]]
     assert dims.ep_groups(4) == [[0, 1, 2, 3]] and dims.expert_dp_groups(4) == [[0], [1], [2], [3]]
     assert labkit.Strategy(dp=4, ep=2).label().startswith("dp=4 ep=2")
+    assert ParallelDims(dp=2, cp=2).expert_replica_groups(2) == [[0, 1], [2, 3]]
+    assert ParallelDims(dp=4, tp=2).expert_replica_groups(2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert "ep" not in labkit.Strategy(dp=4).label() and labkit.Strategy(dp=4, ep=2).world_size == 4
 
 
@@ -86,9 +90,10 @@ def test_ep_groups_are_runs_of_consecutive_dp_ranks():
     (labkit.Strategy(dp=2, tp=2, ep=2), moe(top_k=2, aux_loss_coef=0.01)),
     (labkit.Strategy(dp=2, tp=2, ep=2, ep_overlap="microbatch"),
      moe(top_k=1, norm_topk_prob=False, aux_loss_coef=0.01, shared_expert=True)),   # the shared one split by tp
+    (labkit.Strategy(dp=2, cp=2, ep=2), moe(top_k=2, aux_loss_coef=0)),   # each cp rank routes its slice
 ], ids=["ep2-top1-naive", "ep4-top2-aux", "ep2-top2-shared-bucketed-mb2", "ep4-top1-ddp", "ep2-recompute",
         "ep2-top2-shared-overlap", "ep4-top1-overlap-ddp", "ep2-pp2-top2", "ep2-pp2-top1-overlap", "ep2-pp2-zbv", "ep2-tp2-top2",
-        "ep2-tp2-top1-shared-overlap"])
+        "ep2-tp2-top1-shared-overlap", "ep2-cp2-top2"])
 def test_expert_parallel_equals_one_process(lab4, strategy, model):
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert set(run.parameters()) == set(ref.parameters())
@@ -98,6 +103,32 @@ def test_expert_parallel_equals_one_process(lab4, strategy, model):
     routed = run.metrics["tokens_per_expert"]      # every layer's tokens counted once (pp: on its stage; tp: once)
     assert all(len(step) == 2 and all(sum(c) == KW["batch"] * 16 * model.top_k for c in step.values())
                for step in routed)
+
+
+@pytest.mark.parametrize("strategy, optimizer", [
+    (labkit.Strategy(dp=4, ep=2, zero=1), "sgd"),
+    (labkit.Strategy(dp=4, ep=2, zero=2, microbatches=2), "adamw"),
+    (labkit.Strategy(dp=4, ep=4, zero=1), "adamw"),          # one replica per expert: its shard is whole
+    (labkit.Strategy(dp=2, cp=2, ep=2, zero=2), "adamw"),    # the experts' copies span cp
+    (labkit.Strategy(dp=2, tp=2, ep=2, zero=1), "sgd"),      # and tp
+    (labkit.Strategy(dp=2, pp=2, ep=2, zero=1, microbatches=2), "adamw"),   # per stage
+], ids=["dp4-ep2-zero1-sgd", "dp4-ep2-zero2-mb2-adamw", "dp4-ep4-zero1-adamw", "dp2-cp2-ep2-zero2-adamw",
+        "dp2-tp2-ep2-zero1-sgd", "dp2-pp2-ep2-zero1-adamw"])
+def test_zero_shards_the_experts_over_their_replicas(lab4, strategy, optimizer):
+    model = moe(top_k=2, aux_loss_coef=0 if strategy.cp > 1 else 0.01)
+    # AdamW divides by the root of its second moment, so the float32 summation-order noise of a
+    # rarely routed expert's near-zero gradient comes out lr-sized: ep alone, zero=0, is 3e-5
+    # off at lr=0.01; at 1e-3 the same noise is under the tolerance
+    kw = {**KW, "optimizer": optimizer, "lr": 0.3 if optimizer == "sgd" else 1e-3}
+    run, ref = lab4.run(strategy, model=model, **kw), labkit.reference(model, **kw)
+    if strategy.pp == 1:    # a pipeline reports its last stage's cross-entropy, without the balance loss
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    assert run.max_diff(ref) <= TOL
+    # two moments of 1/(dp·cp) of the dense parameters and of 1/(dp·cp/ep) of the 1/ep of the experts held
+    if optimizer == "adamw" and strategy.pp == 1:
+        total = sum(p.numel() for p in build_model(model, KW["seed"]).parameters())
+        held = [m["optimizer"] for m in run.metrics["memory_bytes"]]
+        assert all(b == pytest.approx(8 * total / (strategy.dp * strategy.cp), rel=0.02) for b in held)
 
 
 def dead_expert_model():

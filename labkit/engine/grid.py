@@ -70,6 +70,16 @@ class ParallelDims:
     def rank_of(self, dp: int, pp: int, tp: int = 0, cp: int = 0) -> int:
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
+    def expert_replica_groups(self, ep: int) -> list[list[int]]:
+        """Every rank holding the same experts: their dp replicas (:meth:`expert_dp_groups`)
+        across cp and tp too, whose ranks route other tokens through the same copies (ZeRO
+        shards the experts over them, as Megatron-Core's expert-data-parallel group spans cp)."""
+        self._check_ep(ep)
+        groups: dict = {}
+        for d, p, c, t in self._cells():
+            groups.setdefault((p, d % ep), []).append(self.rank_of(d, p, t, c))
+        return list(groups.values())
+
     def _cells(self):
         return [(d, p, c, t) for d in range(self.dp) for p in range(self.pp) for c in range(self.cp)
                 for t in range(self.tp)]
@@ -198,6 +208,8 @@ class ExpertGroups:
     ep_ranks: list[int]
     edp_ranks: list[int]
     rank: int
+    replicas: object = None       # edp across cp and tp (built when either is > 1); else edp
+    replica_ranks: list[int] | None = None
 
     @property
     def index(self) -> int:
@@ -211,9 +223,13 @@ def build_expert_groups(dims: ParallelDims, rank: int, ep: int, timeout_s: float
 
     timeout = timedelta(seconds=timeout_s)
     mine = {}
-    for kind, groups in (("ep", dims.ep_groups(ep)), ("edp", dims.expert_dp_groups(ep))):
+    kinds = [("ep", dims.ep_groups(ep)), ("edp", dims.expert_dp_groups(ep))]
+    if dims.cp > 1 or dims.tp > 1:
+        kinds.append(("replicas", dims.expert_replica_groups(ep)))
+    for kind, groups in kinds:
         for ranks in groups:
             group = dist.new_group(ranks, timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[kind] = (group, ranks)
-    return ExpertGroups(mine["ep"][0], mine["edp"][0], mine["ep"][1], mine["edp"][1], rank)
+    replicas = mine.get("replicas", mine["edp"])
+    return ExpertGroups(mine["ep"][0], mine["edp"][0], mine["ep"][1], mine["edp"][1], rank, *replicas)

@@ -180,7 +180,13 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
                                s.error_feedback)
     if s.ep > 1:                      # the experts averaged over their own replicas, the rest over dp
         from .expert.dispatch import ExpertSync
-        sync = ExpertSync(sync, groups.expert(s.ep), s.dp)
+        experts = groups.expert(s.ep)
+        sharded = None
+        if s.zero and has_grads:      # ZeRO-1/2: the experts' shards cut over every rank holding them
+            from .zero.sync import Zero1Sync, Zero2Sync
+            kind = Zero2Sync if s.zero == 2 else Zero1Sync
+            sharded = kind(experts.replicas, len(experts.replica_ranks), s.bucket_mb, recorder)
+        sync = ExpertSync(sync, experts, size, sharded, groups.cp if s.cp > 1 else None)
     span = _time_stage(module, blocks is None, path, sync, s, recorder)
     return Stage(index, chunk, module, sync.wrap(module), sync, span)
 

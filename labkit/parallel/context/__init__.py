@@ -38,15 +38,14 @@ def check_strategy(s) -> None:
     if s.cp == 1:
         return
     # what it composes with is what the exactness tests cover: dp (every mode, zero), Megatron
-    # tp and pp (every schedule); not these
-    unsupported = (("ep", s.ep, 1, "ep=1"),
-                   ("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
+    # tp, pp (every schedule) and ep; not these
+    unsupported = (("sequence_parallel", s.sequence_parallel, False, "sequence_parallel=False"),
                    ("sync_batchnorm", s.sync_batchnorm, False, "sync_batchnorm=False"),
                    ("tp_mode", s.tp_mode, "megatron", "tp_mode='megatron'"))
     for name, value, default, fix in unsupported:
         if value != default and (name != "tp_mode" or s.tp > 1):
             raise ValueError(f"Strategy.cp={s.cp} with {name}={value!r}: context parallelism composes with dp, "
-                             f"zero, pp and Megatron tp here, not (yet) with this; use {fix}, or cp=1")
+                             f"zero, pp, ep and Megatron tp here, not (yet) with this; use {fix}, or cp=1")
 
 
 def sequence_divisor(s) -> int:

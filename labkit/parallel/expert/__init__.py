@@ -8,9 +8,14 @@ stage, so each stage's MoE layers are spread over its own dp group. Under tensor
 each tp index has its own ep groups (the dp ranks sharing it): the routed experts stay whole
 (replicated over tp, as ``labkit.models.llama`` leaves them), the tokens, replicated over tp,
 are cut so that each tp rank routes 1/tp of them through its group (gathered again after the
-combine), and an expert's gradient is summed over tp as well as over its replicas. Tokens travel to their experts' rank and back
-with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is averaged over
-the dp/ep ranks that hold the same slice.
+combine), and an expert's gradient is summed over tp as well as over its replicas. Under
+context parallelism the ep groups are drawn from the dp ranks sharing a cp index: each cp rank
+routes its own slice of the sequences (routing is per token), and an expert's gradient is
+summed over cp too. With ZeRO-1/2 the dense parameters' optimizer state (and gradients) are
+sharded over dp as without ep, the experts' over their replicas (Megatron-Core's
+expert-data-parallel group in its distributed optimizer). Tokens travel to their experts' rank
+and back with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is
+averaged over the dp/ep ranks that hold the same slice.
 
 This file owns the axis's rules: :func:`check_strategy` (called by ``Strategy``) and
 :func:`check_model` (called before any engine, with the built model). It imports nothing
@@ -34,9 +39,10 @@ def check_strategy(s) -> None:
     if s.dp % s.ep:
         raise ValueError(f"Strategy.ep={s.ep} must divide dp={s.dp}: the experts are spread over runs of ep "
                          f"data-parallel ranks; use an ep that divides {s.dp}, or a larger dp")
-    if s.zero:
-        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero}: the experts are sharded over ep, not by ZeRO; "
-                         "use zero=0, or ep=1")
+    if s.zero == 3 or (s.zero and s.zero_mode != "labkit"):
+        raise ValueError(f"Strategy.ep={s.ep} with zero={s.zero} zero_mode={s.zero_mode!r}: the experts' "
+                         "shards are built for labkit's ZeRO-1/2 only; use zero=1 or 2 with "
+                         "zero_mode='labkit', or ep=1")
     if s.compression != "none":
         raise ValueError(f"Strategy.ep={s.ep} with compression={s.compression!r}: the experts' gradients are "
                          "averaged uncompressed over their own replicas; use compression='none', or ep=1")

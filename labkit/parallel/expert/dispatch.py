@@ -233,6 +233,18 @@ def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "non
     return model
 
 
+@contextmanager
+def _hidden(params: list):
+    """``params`` with requires_grad off inside: a sync wrapped here collects the others only."""
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the experts this rank holds, in ``module``'s naming."""
     return [(f"{name}.experts.{key}", p) for name, moe in moe_layers(module)
@@ -242,13 +254,18 @@ def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class ExpertSync:
     """A data-parallel sync for the dense parameters, plus the experts' own average.
 
-    The dense sync (any of the four dp modes) is built over all of dp but sees only the dense
-    parameters; the experts' gradients are summed over their replicas (the expert-dp group,
-    dp/ep ranks) after it and divided by dp.
+    The dense sync (any of the four dp modes, or ZeRO-1/2) is built over all of dp (dp × cp)
+    but sees only the dense parameters. The experts' gradients are summed over their replicas
+    (the expert-dp group, dp/ep ranks; and over tp and cp, whose ranks route other tokens
+    through the same copies) after it and divided by dp (dp·cp). With ZeRO, ``sharded`` (a
+    :class:`~labkit.parallel.zero.sync.Zero1Sync` or ``Zero2Sync`` over every rank holding
+    the same experts, ``ExpertGroups.replicas``) reduce-scatters them instead, so the experts'
+    optimizer state (and gradients) are cut over their own copies, as Megatron-Core's
+    distributed optimizer shards its expert parameters over the expert-data-parallel group.
     """
 
-    def __init__(self, dense, groups, dp: int):
-        self.dense, self.groups, self.dp = dense, groups, dp
+    def __init__(self, dense, groups, dp: int, sharded=None, cp_group=None):
+        self.dense, self.groups, self.dp, self.sharded, self.cp_group = dense, groups, dp, sharded, cp_group
         self.times_forward, self.times_backward = dense.times_forward, dense.times_backward
 
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -256,14 +273,21 @@ class ExpertSync:
         self.tp_group = next((moe.tp_group for _, moe in moe_layers(module)), None)
         if isinstance(self.dense, DDPSync):     # DDP's own way to leave parameters alone
             DDP._set_params_and_buffers_to_ignore_for_model(module, [n for n, _ in self.experts])
-        held = [p for _, p in self.experts if p.requires_grad]
-        for p in held:                     # hidden from the dense sync's buckets and hooks
-            p.requires_grad_(False)
-        try:
-            return self.dense.wrap(module)
-        finally:
-            for p in held:
-                p.requires_grad_(True)
+        experts = {id(p) for _, p in self.experts}
+        dense = [p for p in module.parameters() if p.requires_grad and id(p) not in experts]
+        with _hidden([p for _, p in self.experts if p.requires_grad]):       # from the dense sync's buckets and hooks
+            module = self.dense.wrap(module)
+        if self.sharded is not None:
+            with _hidden(dense):                          # the expert sync's units hold only experts
+                self.sharded.wrap(module)
+            for unit in self.sharded.units:               # summed over every copy, a mean over dp (dp·cp)
+                unit.divisor = self.dp
+        return module
+
+    @property
+    def units(self) -> list:
+        """The flat units the sharded optimizer steps (with ZeRO): the dense ones, then the experts'."""
+        return list(getattr(self.dense, "units", ())) + list(getattr(self.sharded, "units", ()))
 
     def defer(self):
         return self.dense.defer()
@@ -271,16 +295,25 @@ class ExpertSync:
     @contextmanager
     def backward(self, last: bool):
         with self.dense.backward(last):
-            yield
+            if self.sharded is None:
+                yield
+            else:
+                with self.sharded.backward(last):
+                    yield
 
     def finish(self) -> None:
         self.dense.finish()
+        if self.sharded is not None:
+            self.sharded.finish()
+            return
         if not self.experts:              # a pipeline stage without MoE layers
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.experts]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.tp_group is not None:    # each tp rank routed 1/tp of the tokens through its copy
             comm.all_reduce(flat, self.tp_group, name="expert grads over tp")
+        if self.cp_group is not None:    # each cp rank routed its slice of every sequence through its copy
+            comm.all_reduce(flat, self.cp_group, name="expert grads over cp")
         if len(self.groups.edp_ranks) > 1:
             comm.all_reduce(flat, self.groups.edp, name="expert grads")
         flat.div_(self.dp)
@@ -291,9 +324,15 @@ class ExpertSync:
 
     def after_step(self) -> None:
         self.dense.after_step()
+        if self.sharded is not None:
+            self.sharded.after_step()
 
     def held_bytes(self, module: nn.Module) -> dict:
-        return self.dense.held_bytes(module)
+        held = self.dense.held_bytes(module)
+        if self.sharded is not None:
+            experts = self.sharded.held_bytes(module)
+            held = {key: value + experts.get(key, 0) for key, value in held.items()}
+        return held
 
     def full_state_dict(self, module: nn.Module) -> dict:
         """The whole model's parameters: the dense ones as they are, every expert gathered over

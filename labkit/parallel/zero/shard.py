@@ -44,6 +44,7 @@ class FlatUnit:
                  name: str):
         self.index, self.members, self.group, self.dp, self.rank = index, members, group, dp, rank
         self.name = name
+        self.divisor = dp        # the mean's count: dp; an expert's replicas sum to a mean over all of dp
         params = [p for _, p in members]
         if len({p.dtype for p in params}) != 1:
             raise ValueError(f"zero: the parameters of {name} mix dtypes; a flat shard needs one dtype")
@@ -134,7 +135,7 @@ class FlatUnit:
 
     def average_grads(self) -> None:
         """Sum over ranks (and micro-batches) → the mean, as the all-reduce modes divide by dp."""
-        self.shard.grad.div_(self.dp)
+        self.shard.grad.div_(self.divisor)
 
     def shard_bytes(self) -> int:
         return self.shard_numel * self.shard.element_size()
