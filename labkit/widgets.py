@@ -284,7 +284,8 @@ class Dashboard:
 
     # -- drawing (painter thread) --------------------------------------------------------------
     def _draw_timeline(self, live: LiveRun, timeline, step: int) -> None:
-        redraw_timeline(self.timeline_view, timeline, step, f"run {live.number} · {_describe(live.spec.strategy)}")
+        title = f"run {live.number} · {_describe(live.spec.strategy)}"
+        redraw_timeline(self.timeline_view, timeline, step, title)
         self.draws += 1
         self.last_draw = (live.number, step, time.perf_counter())
 
@@ -317,8 +318,8 @@ def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str) -> None
     ax = view.axes[0]
     view.clear(ax)
     timeline.plot(ax=ax, step=step)
-    # y given: the title sits at the top edge instead of above the measured boxes of every
-    # tick label (there are none on top; measuring them was a tenth of a redraw)
+    # y given: the title sits at the top edge, not above the measured boxes of every tick
+    # label (there are none on top, and measuring them each redraw is slow)
     ax.set_title(f"{title} · {ax.get_title()}", fontsize="medium", y=1.0)
     view.show()
 

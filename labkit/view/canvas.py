@@ -24,7 +24,7 @@ class WidgetFigure:
         from matplotlib.figure import Figure
 
         # the PNG fallback is drawn at IMAGE_DPI; ipympl scales to the page itself
-        self.fig = Figure(figsize=figsize, layout="constrained", **({} if interactive else {"dpi": IMAGE_DPI}))
+        self.fig = Figure(figsize=figsize, layout="constrained", dpi=None if interactive else IMAGE_DPI)
         self.axes = list(self.fig.subplots(nrows, 1, squeeze=False, **kwargs)[:, 0])
         self.interactive = interactive
         if interactive:   # a canvas widget of our own: not in pyplot's list, never auto-shown
@@ -52,11 +52,11 @@ class WidgetFigure:
         """Render the figure into the widget.
 
         Constrained layout measures every tick label, title and legend entry, and savefig()
-        draws the whole figure twice for it (once to lay out, once to render); together that
-        is half of a redraw. So the PNG is rendered in one pass (``canvas.draw()`` lays out
-        as it draws), and the layout is computed again only when what sits around the Axes
-        changed (:meth:`_layout_key`): between steps of one run the lanes and the legend stay
-        the same, the Axes keep their positions and nothing is measured.
+        draws the whole figure twice for it (once to lay out, once to render). So the PNG is
+        rendered in one pass (``canvas.draw()`` lays out as it draws), and the layout is
+        computed again only when what sits around the Axes changed (:meth:`_layout_key`):
+        between steps the lanes and the legend stay the same, the Axes keep their positions
+        and nothing is measured.
         """
         for ax in self.axes:
             ax.set_axis_on()
@@ -72,15 +72,15 @@ class WidgetFigure:
             # canvas.draw() lays out and renders in one pass, where savefig() draws twice
             self.fig.canvas.draw()
             buf = io.BytesIO()
-            # zlib level 1: a plot's flat colours compress almost as well, in a third of the time
+            # zlib level 1: a plot's flat colours compress nearly as well, several times faster
             matplotlib.image.imsave(buf, self.fig.canvas.buffer_rgba(), format="png",
                                     pil_kwargs={"compress_level": 1})
             self.widget.value = buf.getvalue()
 
     def clear(self, ax) -> None:
         """Remove what was drawn into `ax` (spans, labels, rules, legend), keeping the Axes
-        and its tick artists: ``ax.clear()`` discards them, and making 64 lanes' ticks anew
-        costs a tenth of a second per redraw."""
+        and its tick artists: ``ax.clear()`` discards them, and 64 lanes' ticks made anew
+        each redraw cost more than the spans."""
         for artist in [*ax.collections, *ax.lines, *ax.texts, *ax.artists, *ax.images, *ax.patches]:
             artist.remove()
         if ax.get_legend() is not None:
