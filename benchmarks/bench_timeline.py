@@ -94,10 +94,10 @@ def redraw_s(ranks: int, spans: int, repeats: int = 5) -> tuple[float, float]:
     """Median seconds of the dashboard painter's redraw of one `ranks`-rank step (see above):
     (the figure laid out anew, as when the lanes or the legend changed; laid out already)."""
     from labkit.view.canvas import WidgetFigure
-    from labkit.widgets import redraw_timeline
+    from labkit.widgets import redraw_timeline, timeline_figsize
 
     tl = labkit.Timeline(synthetic_events(ranks, spans), ranks)
-    view = WidgetFigure((8, 1.2 + 0.6 * ranks), 1, False)     # the dashboard's, for `ranks` engines
+    view = WidgetFigure(timeline_figsize(ranks), 1, False)     # the dashboard's, for `ranks` engines
     redraw_timeline(view, tl, 0, "run 0")
     times = {True: [], False: []}
     for i in range(2 * repeats):
