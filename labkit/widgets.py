@@ -38,6 +38,7 @@ from .view import form
 from .view.canvas import Painter, WidgetFigure, use_ipympl
 from .view.form import STRATEGY_FIELDS
 from .view.status import diff_table, labels, metrics_table, status_html
+from .view.timeline import MAX_HEIGHT_IN
 
 _READ = object()     # Dashboard._choice: read, do not replace
 
@@ -191,8 +192,8 @@ class Dashboard:
     def _build_views(self, plot: str) -> None:
         interactive = use_ipympl(plot)
         world = self.lab.world_size
-        self.timeline_view = WidgetFigure((8, 1.2 + 0.6 * world), 1, interactive)
-        self.compare_view = WidgetFigure((8, 1.8 + 1.2 * world), 2, interactive, sharex=True)
+        self.timeline_view = WidgetFigure(timeline_figsize(world), 1, interactive)
+        self.compare_view = WidgetFigure(timeline_figsize(world, panels=2), 2, interactive, sharex=True)
         self.metrics = W.HTML(metrics_table(None))
         self.metrics.add_class("labkit-metrics")
         self.timeline_view.widget.add_class("labkit-timeline")
@@ -284,12 +285,8 @@ class Dashboard:
 
     # -- drawing (painter thread) --------------------------------------------------------------
     def _draw_timeline(self, live: LiveRun, timeline, step: int) -> None:
-        view = self.timeline_view
-        ax = view.axes[0]
-        ax.clear()
-        timeline.plot(ax=ax, step=step)
-        ax.set_title(f"run {live.number} · {_describe(live.spec.strategy)} · {ax.get_title()}", fontsize="medium")
-        view.show()
+        title = f"run {live.number} · {_describe(live.spec.strategy)}"
+        redraw_timeline(self.timeline_view, timeline, step, title)
         self.draws += 1
         self.last_draw = (live.number, step, time.perf_counter())
 
@@ -314,6 +311,25 @@ class Dashboard:
         view.axes[0].set_xlabel("")
         view.show()
         self.diff.value = diff_table(a, b, names)
+
+
+def timeline_figsize(world: int, panels: int = 1) -> tuple[float, float]:
+    """The timeline tab's figure (`panels` stacked timelines): 0.6 inch a rank per panel, at
+    most MAX_HEIGHT_IN per panel as a plot(): taller, a page shows a fraction of it and every
+    redraw renders and ships pixels nobody sees."""
+    return 8, panels * min(MAX_HEIGHT_IN, 0.6 + 0.6 * world) + 0.6
+
+
+def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str) -> None:
+    """Draw `step` of `timeline` into `view` in place of what it showed, titled
+    "<title> · <the plot's title>" (benchmarks/bench_timeline.py --redraw times this)."""
+    ax = view.axes[0]
+    view.clear(ax)
+    timeline.plot(ax=ax, step=step)
+    # y given: the title sits at the top edge, not above the measured boxes of every tick
+    # label (there are none on top, and measuring them each redraw is slow)
+    ax.set_title(f"{title} · {ax.get_title()}", fontsize="medium", y=1.0)
+    view.show()
 
 
 # -- text helpers ------------------------------------------------------------------------------

@@ -310,3 +310,32 @@ def test_the_timelines_grid_names_cp_and_ep_places_and_groups_cp_slices_with_the
     tl = Timeline([], world_size=16, grid=grid)
     assert tl.coords(11) == {"dp": 1, "pp": 0, "cp": 1, "tp": 1, "ep": 1}
     assert _rank_name(tl, 11) == "rank 11 dp1 pp0 cp1 tp1 ep1"
+
+
+def test_dashboard_redraw_keeps_its_layout_until_the_lanes_change():
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+    from matplotlib.patches import PathPatch
+
+    from labkit.engine.grid import ParallelDims
+    from labkit.view.canvas import WidgetFigure
+    from labkit.widgets import redraw_timeline
+
+    def hatched(ax):
+        return [a for a in ax.patches if isinstance(a, PathPatch) and a.get_hatch() == "//"]
+
+    view = WidgetFigure((8, 2.4), 1, False)
+    ax = view.axes[0]
+    redraw_timeline(view, Timeline(two_rank_run()), 1, "run 1")      # step 1: rank 1 waits
+    first, png, drawn = ax.get_position().bounds, bytes(view.widget.value), len(ax.collections)
+    assert png.startswith(b"\x89PNG") and ax.get_title().startswith("run 1 · step 1")
+    assert len(hatched(ax)) == 1 and "wait" in legend_labels(ax)
+
+    redraw_timeline(view, Timeline(two_rank_run()), 1, "run 2")      # same lanes, same legend
+    assert not isinstance(view.fig.get_layout_engine(), ConstrainedLayoutEngine)   # not laid out again
+    assert ax.get_position().bounds == first and bytes(view.widget.value) != png   # the new title drawn
+    assert len(ax.collections) == drawn and len(hatched(ax)) == 1     # the last drawing removed, not piled up
+    assert lanes(ax) == ["rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+
+    redraw_timeline(view, Timeline(two_rank_run(), grid=ParallelDims(pp=2)), 1, "run 3")
+    assert lanes(ax)[0] == "rank 0 pp0 compute"
+    assert ax.get_position().x0 > first[0]                            # wider lane names: laid out again

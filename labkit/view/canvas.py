@@ -12,6 +12,9 @@ import threading
 
 import ipywidgets as W
 import matplotlib
+import matplotlib.image
+
+IMAGE_DPI = 90
 
 
 class WidgetFigure:
@@ -20,7 +23,8 @@ class WidgetFigure:
     def __init__(self, figsize, nrows: int, interactive: bool, **kwargs):
         from matplotlib.figure import Figure
 
-        self.fig = Figure(figsize=figsize, layout="constrained")
+        # the PNG fallback is drawn at IMAGE_DPI; ipympl scales to the page itself
+        self.fig = Figure(figsize=figsize, layout="constrained", dpi=None if interactive else IMAGE_DPI)
         self.axes = list(self.fig.subplots(nrows, 1, squeeze=False, **kwargs)[:, 0])
         self.interactive = interactive
         if interactive:   # a canvas widget of our own: not in pyplot's list, never auto-shown
@@ -42,19 +46,62 @@ class WidgetFigure:
             self.widget = W.Image(format="png", layout=W.Layout(max_width="900px"))
         for ax in self.axes:
             ax.set_axis_off()
+        self._laid_out = None     # what the last constrained layout was computed for
 
     def show(self) -> None:
+        """Render the figure into the widget.
+
+        Constrained layout measures every tick label, title and legend entry, and savefig()
+        draws the whole figure twice for it (once to lay out, once to render). So the PNG is
+        rendered in one pass (``canvas.draw()`` lays out as it draws), and the layout is
+        computed again only when what sits around the Axes changed (:meth:`_layout_key`):
+        between steps the lanes and the legend stay the same, the Axes keep their positions
+        and nothing is measured.
+        """
         for ax in self.axes:
             ax.set_axis_on()
+        key = self._layout_key()
+        self.fig.set_layout_engine("constrained" if key != self._laid_out else "none")
+        self._laid_out = key
         if self.interactive:
             # A whole frame, not a difference from the last one: a page that missed a frame
             # (drawn while it was busy) would otherwise keep stale pixels.
             self.fig.canvas._force_full = True
             self.fig.canvas.draw()
         else:
+            # canvas.draw() lays out and renders in one pass, where savefig() draws twice
+            self.fig.canvas.draw()
             buf = io.BytesIO()
-            self.fig.savefig(buf, format="png", dpi=90)
+            # zlib level 1: a plot's flat colours compress nearly as well, several times faster
+            matplotlib.image.imsave(buf, self.fig.canvas.buffer_rgba(), format="png",
+                                    pil_kwargs={"compress_level": 1})
             self.widget.value = buf.getvalue()
+
+    def clear(self, ax) -> None:
+        """Remove what was drawn into `ax` (spans, labels, rules, legend), keeping the Axes
+        and its tick artists: ``ax.clear()`` discards them, and 64 lanes' ticks made anew
+        each redraw cost more than the spans."""
+        for artist in [*ax.collections, *ax.lines, *ax.texts, *ax.artists, *ax.images, *ax.patches]:
+            artist.remove()
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+        ax.set_title("")
+
+    def _layout_key(self) -> tuple:
+        """What the constrained layout depends on: the figure's size, and per Axes the texts
+        beside it (y tick labels, axis labels, titles, legend entries and title). The x tick
+        labels are left out: their height does not change with the numbers they show."""
+        key = [tuple(self.fig.get_size_inches()), self.fig.dpi]
+        for ax in self.axes:
+            legend = ax.get_legend()
+            legend_texts = () if legend is None else (legend.get_title().get_text(),
+                                                       *(t.get_text() for t in legend.get_texts()))
+            key.append((ax.axison, tuple(t.get_text() for t in ax.get_yticklabels()),
+                        tuple(t.get_fontsize() for t in ax.get_yticklabels()[:1]),
+                        ax.get_xlabel(), ax.get_ylabel(), legend_texts,
+                        tuple(ax.get_title(loc).count("\n") + bool(ax.get_title(loc))
+                              for loc in ("left", "center", "right"))))
+        return tuple(key)
 
 
 class Painter:
