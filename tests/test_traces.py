@@ -173,7 +173,11 @@ def _profile_rank(rank, world, store, out):
             opt.zero_grad()
             prof.step()
     prof.export_chrome_trace(os.path.join(out, f"rank{rank}.json"))
-    dist.destroy_process_group()
+    dist.barrier()
+    # Leave without the interpreter's teardown: under load a thread the profiler or gloo left
+    # behind was once destroyed while joinable ("terminate called without an active
+    # exception", SIGABRT) after the trace was already written; the test is about the trace.
+    os._exit(0)
 
 
 @pytest.mark.slow       # two processes of its own
