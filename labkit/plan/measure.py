@@ -200,29 +200,31 @@ def _comm(seconds: float):
             for nbytes in COMM_SIZES:
                 call = _ping_pong(nbytes, n, me) if family == "send" else \
                     _operation(family, "torch", nbytes, n, me)[0]
-                call()
-                runs = []
-                for _ in range(5):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(3):
-                        call()
-                    runs.append((time.perf_counter() - t0) / (6 if family == "send" else 3))
-                out[(family, nbytes)] = sorted(runs)[2]
+                out[(family, nbytes)] = _median_of_five(call, 6 if family == "send" else 3)
         # both ways at once (every rank sends right and receives left), the smallest size
         call = _operation("sendrecv", "torch", COMM_SIZES[0], n, me)[0]
-        call()
-        runs = []
-        for _ in range(5):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                call()
-            runs.append((time.perf_counter() - t0) / 3)
-        out[("exchange", COMM_SIZES[0])] = sorted(runs)[2]
+        out[("exchange", COMM_SIZES[0])] = _median_of_five(call, 3)
     finally:
         rec.enabled = was
     return out
+
+
+def _median_of_five(call, per_run: int) -> float:
+    """Seconds per message of ``call`` (warmed once): the median of five timed runs of three
+    calls, each run started together after a barrier; ``per_run`` messages in three calls."""
+    import time
+
+    import torch.distributed as dist
+
+    call()
+    runs = []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            call()
+        runs.append((time.perf_counter() - t0) / per_run)
+    return sorted(runs)[2]
 
 
 def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
