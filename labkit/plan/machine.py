@@ -45,8 +45,29 @@ class Machine:
     each divided by its shape's efficiency (``matmul_half_dim``): the rate of a product whose
     smallest dimension is large."""
     memory_Bps: float = 5e9
-    """Bytes per second one thread reads plus writes in an elementwise op. Measured: add_ on
-    4 MiB tensors, one engine alone."""
+    """Bytes per second one thread reads plus writes in an elementwise op whose tensors are in
+    the cache. Measured: add_ on 1 MiB tensors, one engine alone."""
+    cache_bytes: float = float("inf")
+    """Bytes the cores keep close: an op's operands beyond them come from memory (each op's
+    ``cold`` bytes, :func:`labkit.plan.work.warm`, least recently used out first). Measured:
+    products going round N weights of 1 MiB; the largest N whose product stays nearer its
+    in-cache time than its cold one."""
+    dram_Bps: float = 5e9
+    """Bytes per second an elementwise op streams from and to memory beyond the cache.
+    Measured: add_ on 64 MiB tensors."""
+    cold_Bps: tuple = ((1, 5e9),)
+    """(smallest dimension, bytes/s) rows: how fast a matrix product reads operands that are not
+    in the cache (a weight read once a step), interpolated in log dimension; a product of few
+    rows hides less of it behind arithmetic. Measured: 16×512×512 and 64×512×512 products
+    going round 128 MiB of weights, against one weight again (``cache_bytes`` too)."""
+    elementwise: dict = field(default_factory=dict)
+    """aten op name → seconds per output element of an op whose arithmetic, not its bytes,
+    bounds it (GELU's erf, SiLU's exp, softmax). Measured: each op of a fixed list on a
+    1024×512 tensor in the cache. Ops not listed are priced by their bytes."""
+    attention_Fps: float = 0.0
+    """FLOP/s of torch's CPU scaled-dot-product attention kernels (forward and backward),
+    which tile and exponentiate rather than run a GEMM. Measured: causal attention on a
+    4×4×256×32 query, forward and backward (0: priced as a product)."""
     op_s: float = 5e-6
     """Host seconds per aten op (dispatch, autograd bookkeeping). Measured: forward and backward
     of a chain of one-element ops, divided by the ops counted."""
@@ -113,30 +134,23 @@ class Machine:
         return self._table(flops) * self.efficiency(dim)
 
     def _table(self, flops: float) -> float:
-        rows = sorted(self.matmul)
-        if flops <= rows[0][0]:
-            return rows[0][1]
-        if flops >= rows[-1][0]:
-            return rows[-1][1]
-        for (f0, r0), (f1, r1) in zip(rows, rows[1:]):
-            if flops <= f1:
-                w = math.log(flops / f0) / math.log(f1 / f0)
-                return r0 + w * (r1 - r0)
-        return rows[-1][1]
+        return _interpolate(self.matmul, flops)
 
-    def op_seconds(self, op) -> float:
-        """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`)."""
-        body = op.flops / self.rate(op.flops, op.dim) if op.flops else op.bytes / self.memory_Bps
-        return self.op_s + body
+    def op_seconds(self, op, k: float = 1.0) -> float:
+        """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`), its work
+        scaled by ``k`` (a tensor-parallel shard): host cost, then arithmetic or bytes, then
+        the bytes it finds beyond the cache."""
+        flops, cold = op.flops * k, op.cold * k
+        if "scaled_dot_product" in op.name and self.attention_Fps:
+            return self.op_s + flops / self.attention_Fps + cold / _interpolate(self.cold_Bps, 64)
+        if flops:
+            return self.op_s + flops / self.rate(flops, op.dim) + cold / _interpolate(self.cold_Bps, op.dim or 64)
+        moved = (op.bytes * k - cold) / self.memory_Bps + cold / self.dram_Bps
+        return self.op_s + max(moved, op.elements * k * self.elementwise.get(op.name, 0.0))
 
     def seconds(self, ops, scale=lambda op: 1.0) -> float:
-        """Seconds of a list of ops, each op's FLOPs and bytes scaled by ``scale(op)``."""
-        total = 0.0
-        for op in ops:
-            k = scale(op)
-            body = op.flops * k / self.rate(op.flops * k, op.dim) if op.flops else op.bytes * k / self.memory_Bps
-            total += self.op_s + body
-        return total
+        """Seconds of a list of ops, each op's work scaled by ``scale(op)``."""
+        return sum(self.op_seconds(op, scale(op)) for op in ops)
 
     def comm_s(self, family: str, nbytes: float, n: int) -> float:
         """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks."""
@@ -159,6 +173,7 @@ class Machine:
         with open(path) as f:
             d = json.load(f)
         d["matmul"] = tuple(tuple(r) for r in d["matmul"])
+        d["cold_Bps"] = tuple(tuple(r) for r in d.get("cold_Bps", ((1, 5e9),)))
         d["comm"] = {k: tuple(v) for k, v in d["comm"].items()}
         d["link_alpha_beta"] = tuple(d.get("link_alpha_beta", ()))
         return cls(**d)
@@ -167,9 +182,23 @@ class Machine:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
-                f"{self.memory_Bps / 1e9:.1f} GB/s; a product of smallest dimension d at d/(d + "
+                f"{self.memory_Bps / 1e9:.1f} GB/s in a cache of {self.cache_bytes / 2 ** 20:.0f} MiB, "
+                f"{self.dram_Bps / 1e9:.1f} GB/s beyond it, a product's cold operands at "
+                + ", ".join(f"{b / 1e9:.1f}" for _, b in self.cold_Bps) + " GB/s (by its rows); attention "
+                f"{self.attention_Fps / 1e9:.1f} GFLOP/s; a product of smallest dimension d at d/(d + "
                 f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
                 f"{self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
                 f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another"
                 + (f"; link {self.link}" if self.link else "") + ")")
+
+
+def _interpolate(rows, x: float) -> float:
+    """The value of (x, y) ``rows`` at ``x``, linear in log x between rows, flat beyond them."""
+    rows = sorted(rows)
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return rows[-1][1]

@@ -54,8 +54,10 @@ def _alone(seconds: float, rank_only: int | None = 0):
     half = max(0.0, 1024 * (1 - r) / (64 * r - 16)) if 64 * r > 16 else 64.0
     table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
              for m, k, n in MATMUL_SHAPES]
-    x, y = torch.zeros(1 << 20), torch.zeros(1 << 20)
-    memory = 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds)
+    memory, dram = _stream(1, seconds / 2), _stream(64, seconds / 2)
+    cache, cold = _cache(seconds)
+    elementwise = {name: _loop(lambda f=f, x=torch.randn(1024, 512): f(x), seconds / 8) / (1024 * 512)
+                   for name, f in ELEMENTWISE.items()}
     w = torch.ones(1, requires_grad=True)
 
     def chain():
@@ -68,7 +70,75 @@ def _alone(seconds: float, rank_only: int | None = 0):
     with counter:
         chain()
     import os
-    return table, memory, _loop(chain, seconds) / len(counter.sink), len(os.sched_getaffinity(0)), half
+    op_s = _loop(chain, seconds) / len(counter.sink)
+    elementwise = {name: max(0.0, t - op_s / (1024 * 512)) for name, t in elementwise.items()}
+    return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "matmul_half_dim": half,
+            "cache_bytes": cache, "dram_Bps": dram, "cold_Bps": cold, "elementwise": elementwise,
+            "attention_Fps": _attention(seconds)}, len(os.sched_getaffinity(0))
+
+
+def _stream(mib: int, seconds: float) -> float:
+    """Bytes per second of add_ on two ``mib`` MiB tensors (read two, write one)."""
+    import torch
+    x, y = torch.zeros(mib << 18), torch.zeros(mib << 18)
+    return 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds, chunks=3)
+
+
+def _cache(seconds: float) -> tuple[float, tuple]:
+    """(bytes of weights that products keep in the cache, (rows, bytes/s) of reading one that is
+    not). Products of ``rows``×512 by 512×512 weights go round N weights of 1 MiB; from
+    N = 1 to 128 a product's time climbs from hot to cold; the cache holds the largest N whose
+    time is nearer hot than cold. The cold read rate, at 16 and at 64 rows (a product of few
+    rows hides less of it behind arithmetic): 1 MiB / (cold − hot)."""
+    import torch
+    weights = [torch.randn(512, 512) for _ in range(128)]
+
+    def timed(rows: int, n: int) -> float:
+        a, turn = torch.randn(rows, 512), iter(range(1 << 62))
+        return _loop(lambda: a @ weights[next(turn) % n], seconds / 8, chunks=3)
+    rates = []
+    for rows in (16, 64):
+        hot, cold = timed(rows, 1), timed(rows, 128)
+        rates.append((rows, (1 << 20) / max(cold - hot, 1e-9)))
+        if rows == 64:
+            warm = [n for n in (2, 4, 8, 16, 32) if timed(rows, n) < (hot + cold) / 2]
+            cache = float(max(warm, default=1) << 20)
+    return cache, tuple(rates)
+
+
+def _attention(seconds: float) -> float:
+    """FLOP/s of torch's CPU scaled-dot-product attention, causal, forward and backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from .work import _Counter
+    q, k, v = (torch.randn(4, 4, 256, 32, requires_grad=True) for _ in range(3))
+
+    def once():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    counter = _Counter()
+    with counter:
+        once()
+    return sum(op.flops for op in counter.sink) / _loop(once, seconds)
+
+
+def _aten(name):
+    import torch
+    return getattr(torch.ops.aten, name)
+
+
+ELEMENTWISE = {
+    "gelu": lambda x: _aten("gelu")(x), "gelu_backward": lambda x: _aten("gelu_backward")(x, x),
+    "silu": lambda x: _aten("silu")(x), "silu_backward": lambda x: _aten("silu_backward")(x, x),
+    "tanh": lambda x: _aten("tanh")(x), "tanh_backward": lambda x: _aten("tanh_backward")(x, x),
+    "sigmoid": lambda x: _aten("sigmoid")(x), "sigmoid_backward": lambda x: _aten("sigmoid_backward")(x, x),
+    "exp": lambda x: _aten("exp")(x), "erf": lambda x: _aten("erf")(x), "rsqrt": lambda x: _aten("rsqrt")(x),
+    "_softmax": lambda x: _aten("_softmax")(x, -1, False),
+    "_softmax_backward_data": lambda x: _aten("_softmax_backward_data")(x, x, -1, x.dtype),
+    "_log_softmax": lambda x: _aten("_log_softmax")(x, -1, False),
+    "_log_softmax_backward_data": lambda x: _aten("_log_softmax_backward_data")(x, x, -1, x.dtype),
+}
+"""Elementwise ops whose arithmetic can bound them, each timed alone (``Machine.elementwise``)."""
 
 
 def _together(seconds: float, with_comm: bool):
@@ -161,29 +231,34 @@ def _pair():
     return _PAIR["g"]
 
 
-COMM_SIZES = (1 << 14, 1 << 18, 1 << 21)
+COMM_SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 24)
+"""Bytes per call the collectives are timed at: a pipeline's activations up to a large bucket."""
 
 
-def _ping_pong(nbytes: int, n: int, me: int):
-    """One message each way between neighbour pairs (0↔1, 2↔3, …; an odd last rank idles); the
-    call's time is half the round trip, one message's (OSU's osu_latency). Not an exchange in
-    both directions at once: crossing messages on gloo wait on each other, and a pipeline's
-    sends mostly travel one way while the receiver waits."""
+def _ping_pong(nbytes: int, n: int, me: int, both: bool = False):
+    """One message each way between neighbour pairs (0↔1, 2↔3, …; an odd last rank idles), sent
+    as a pipeline sends them (labkit.comm's isend and irecv, with their header); the call's
+    time is half the round trip, one message's (OSU's osu_latency). ``both``: the two messages
+    at once, crossing (a 1F1B pipeline's activation and gradient), the call's time is both."""
     import torch
-    import torch.distributed as dist
 
-    buf = torch.zeros(max(1, nbytes // 4))
+    from .. import comm
+
+    out, inbox = torch.zeros(max(1, nbytes // 4)), torch.zeros(max(1, nbytes // 4))
     peer = me + 1 if me % 2 == 0 else me - 1
     if peer >= n:
         return lambda: None
+    if both:
+        return lambda: [h.wait() for h in (comm.irecv(inbox, peer, name="probe"), comm.isend(out, peer, name="probe"))]
     if me % 2 == 0:
-        return lambda: (dist.send(buf, peer), dist.recv(buf, peer))
-    return lambda: (dist.recv(buf, peer), dist.send(buf, peer))
+        return lambda: (comm.isend(out, peer, name="probe").wait(), comm.irecv(inbox, peer, name="probe").wait())
+    return lambda: (comm.irecv(inbox, peer, name="probe").wait(), comm.isend(out, peer, name="probe").wait())
 
 
 def _comm(seconds: float):
-    """On every engine: the median seconds per call of each family at each of COMM_SIZES (torch's
-    own calls, recording off; a send's is half a ping-pong's round trip), the slowest rank's."""
+    """On every engine: the median seconds per call of each family at each of COMM_SIZES (through
+    labkit.comm as a step issues them, recording off; a send's is half a ping-pong's round
+    trip), the slowest rank's; and a message crossing one the other way."""
     import time
 
     import torch.distributed as dist
@@ -201,9 +276,8 @@ def _comm(seconds: float):
                 call = _ping_pong(nbytes, n, me) if family == "send" else \
                     _operation(family, "torch", nbytes, n, me)[0]
                 out[(family, nbytes)] = _median_of_five(call, 6 if family == "send" else 3)
-        # both ways at once (every rank sends right and receives left), the smallest size
-        call = _operation("sendrecv", "torch", COMM_SIZES[0], n, me)[0]
-        out[("exchange", COMM_SIZES[0])] = _median_of_five(call, 3)
+        # both ways at once between the same pair, the smallest size
+        out[("exchange", COMM_SIZES[0])] = _median_of_five(_ping_pong(COMM_SIZES[0], n, me, both=True), 3)
     finally:
         rec.enabled = was
     return out
@@ -244,7 +318,8 @@ def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
 def measure(lab, seconds: float = 0.2) -> Machine:
     """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
-    table, memory, op_s, cpus, half = next(r for r in lab.apply(_alone, seconds) if r is not None)
+    alone, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
+    table, half = alone["matmul"], alone["matmul_half_dim"]
     together = lab.apply(_together, seconds, False)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
@@ -270,7 +345,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
         if beside < sum(together):
             load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
-    machine = Machine(cores, tuple(table), memory, op_s, matmul_half_dim=half, comm=comm, comm_load=load,
+    machine = Machine(cores, **alone, comm=comm, comm_load=load,
                       wake_s=wake, call_s=call_s, cross_s=cross,
                       engines=world,
                       link=link_name, link_alpha_beta=tuple(link_ab))

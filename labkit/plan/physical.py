@@ -73,7 +73,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
-    work = _count(model, size, data, loss, optimizer)
+    work = _count(model, size, data, loss, optimizer, machine.cache_bytes)
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
@@ -91,15 +91,16 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 _CACHE: dict = {}
 
 
-def _count(model, size, data, loss, optimizer):
-    from .work import count
+def _count(model, size, data, loss, optimizer, cache_bytes):
+    """The model's counted work, its ops' bytes beyond the cache marked (kept per model)."""
+    from .work import count, warm
     try:
-        key = (model, size, data, loss, optimizer)
+        key = (model, size, data, loss, optimizer, cache_bytes)
         hash(key)
     except TypeError:
-        return count(model, size, data, loss, optimizer)
+        return warm(count(model, size, data, loss, optimizer), cache_bytes)
     if key not in _CACHE:
-        _CACHE[key] = count(model, size, data, loss, optimizer)
+        _CACHE[key] = warm(count(model, size, data, loss, optimizer), cache_bytes)
     return _CACHE[key]
 
 

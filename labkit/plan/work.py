@@ -40,6 +40,12 @@ class Op:
     """A product whose output is a weight's gradient (the W half of a split backward)."""
     dim: int = 0
     """A matrix product's smallest dimension (m, k or n; 0 for other ops): its efficiency."""
+    elements: int = 0
+    """Elements of its output (an elementwise op's work)."""
+    operands: tuple = ()
+    """(storage, bytes) of each tensor it reads or writes, for the cache (:func:`warm`)."""
+    cold: float = 0.0
+    """Bytes it reads or writes beyond the cache in a steady step (:func:`warm`)."""
 
 
 @dataclass
@@ -97,7 +103,7 @@ class _Counter(TorchDispatchMode):
                     "unsqueeze", "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh"):
             return out               # views and metadata: no work
         formula = flop_registry.get(func.overloadpacket)
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula else _attention_flops(name, args)
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -107,8 +113,21 @@ class _Counter(TorchDispatchMode):
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             linear = next((self.by_storage[p] for t in ins if (p := _storage(t)) in self.by_storage), "")
             linear = linear or next((self.by_shape[tuple(t.shape)] for t in outs if tuple(t.shape) in self.by_shape), "")
-        self.sink.append(Op(name, flops, nbytes, linear, wgrad, _smallest_dim(name, args)))
+        operands = tuple(dict.fromkeys((_storage(t), t.numel() * t.element_size()) for t in tensors))
+        self.sink.append(Op(name, flops, nbytes, linear, wgrad, _smallest_dim(name, args),
+                            sum(t.numel() for t in outs), operands))
         return out
+
+
+def _attention_flops(name: str, args) -> float:
+    """torch's CPU flash attention, which flop_registry lacks: its formulas for the CUDA kernels
+    (``sdpa_flop_count``: the two batched products, causal or not)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        return float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+    if name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        return float(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    return 0.0
 
 
 def _smallest_dim(name: str, args) -> int:
@@ -217,3 +236,35 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
                      0, {})
     n_params = sum(p.numel() for p in net.parameters())
     return ModelWork(batch, works, pre, post, Ops(pieces.get(("opt", "fwd"), [])), n_params)
+
+
+def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
+    """``work`` with each op's ``cold`` bytes: the operands a cache of ``cache_bytes`` (least
+    recently used out first) does not hold when the op runs, in a steady step's order (forward,
+    backward, optimizer; the second of two steps). Weights a model reads once a step miss when
+    the step touches more than the cache; a freed buffer the allocator hands out again hits."""
+    from collections import OrderedDict
+    from dataclasses import replace
+
+    pieces = ([work.pre.fwd] + [b.fwd for b in work.blocks] + [work.post.fwd, work.post.bwd]
+              + [b.bwd for b in reversed(work.blocks)] + [work.pre.bwd, work.optimizer])
+    cache, held, cold = OrderedDict(), 0.0, {}
+    for second in (False, True):
+        for piece in pieces:
+            for k, op in enumerate(piece.ops):
+                missed = 0.0
+                for key, nbytes in op.operands:
+                    if key in cache:
+                        cache.move_to_end(key)
+                        if nbytes > cache[key]:
+                            held, cache[key] = held + nbytes - cache[key], nbytes
+                    else:
+                        missed, held, cache[key] = missed + nbytes, held + nbytes, nbytes
+                    while held > cache_bytes and len(cache) > 1:
+                        held -= cache.popitem(last=False)[1]
+                if second:
+                    cold[id(piece), k] = missed
+    warmed = lambda piece: Ops([replace(op, cold=cold[id(piece), k]) for k, op in enumerate(piece.ops)])  # noqa: E731
+    block = lambda b: replace(b, fwd=warmed(b.fwd), bwd=warmed(b.bwd))  # noqa: E731
+    return replace(work, blocks=[block(b) for b in work.blocks], pre=block(work.pre), post=block(work.post),
+                   optimizer=warmed(work.optimizer))
