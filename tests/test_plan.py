@@ -414,7 +414,8 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
 
 def _machine(**kw) -> Machine:
     base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
-                step_s=1e-3, comm={f: (20e-6, 1e9) for f in FAMILIES}, comm_load=0.25, engines=2)
+                step_s=1e-3, comm={f: plan.Link(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES},
+                comm_load=0.25, engines=2)
     return Machine(**(base | kw))
 
 
@@ -446,11 +447,20 @@ def test_a_ring_all_reduce_takes_alpha_beta_and_the_vocabulary_is_the_links():
     import labkit
 
     machine, n, nbytes = _machine(), 4, 8 << 20
-    alpha, beta = machine.comm["all_reduce"]
+    link = machine.comm["all_reduce"]
+    alpha, beta = link.alpha, link.beta
+    assert isinstance(link, plan.Link) and link.per_step        # the cluster planner's type, α per ring step
     expected = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
     assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(expected)
     assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(
         labkit.Link(bandwidth=beta, latency=alpha).seconds("all_reduce", nbytes, n))
+    # at scale the same Link pays α once per call (NCCL), with the same bus factors
+    per_call = plan.Link(alpha=alpha, beta=beta)
+    for family, bus in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n),
+                        ("reduce_scatter", (n - 1) / n), ("all_to_all", (n - 1) / n)):
+        assert per_call.seconds(family, nbytes, n) == pytest.approx(alpha + bus * nbytes / beta)
+        assert per_call.seconds(family, nbytes, 1) == 0.0
+    assert per_call.seconds("send", nbytes, 2) == pytest.approx(alpha + nbytes / beta)
     group = tuple(range(n))
     programs = [[Issue("g", group, expected, "allreduce", "grads", nbytes), Wait("g")] for _ in group]
     events = Sim(programs, cores=n).run()
@@ -504,6 +514,10 @@ def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
     machine = _machine()
     machine.save(tmp_path / "m.json")
     assert Machine.load(tmp_path / "m.json") == machine
+    saved = json.loads((tmp_path / "m.json").read_text())     # a file saved before comm held Links: [α, β]
+    saved["comm"] = {f: [20e-6, 1e9] for f in FAMILIES}
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert Machine.load(tmp_path / "old.json") == machine
     assert machine.rate(1e5) == 2e9 and machine.rate(1e9) == 2e10
     skinny = _machine(matmul_half_dim=8.0)                  # a product's smallest dimension costs rate
     assert skinny.rate(1e9, dim=8) == pytest.approx(1e10) and skinny.rate(1e9, dim=0) == 2e10

@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..parallel.pipeline import SPLIT_BACKWARD
-from .hardware import GPT, Cluster, Link
+from .hardware import GPT, Cluster
 from .layout import ClusterStrategy
 from .memory import expert_split, fits, gb, kv_width, layer_activation_bytes, memory_breakdown
 from .simulation import simulate_scale
@@ -72,31 +72,16 @@ def _efficiency(cluster: Cluster, d: float) -> float:
     return hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim)
 
 
-def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce: α + 2(n−1)/n · S / β (0 for one rank)."""
-    return 0.0 if n <= 1 else link.alpha + 2 * (n - 1) / n * nbytes / link.beta
-
-
-def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
-    """All-to-all of a buffer S spread over n ranks: α + (n−1)/n · S / β (0 for one rank)."""
-    return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
-
-
 def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: float) -> tuple[float, float]:
     """Exposed seconds of one MoE layer's all-to-alls for one micro-batch: (forward, backward);
     ``expert_fwd``: the routed experts' forward GEMMs, what ``ep_overlap`` hides them behind."""
     if s.ep == 1:
         return 0.0, 0.0
-    a2a = all_to_all_time(2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep,
-                          cluster.link(s.ep * s.pp * s.cp * s.tp))
+    a2a = cluster.link(s.ep * s.pp * s.cp * s.tp).seconds("all_to_all", 2 * s.tokens(model.seq) * model.top_k
+                                                          * model.hidden, s.ep)
     if not s.ep_overlap:
         return 2 * a2a, 2 * a2a
     return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
-
-
-def all_gather_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a full buffer S: α + (n−1)/n · S / β."""
-    return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
 
 
 def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: float) -> tuple[float, float]:
@@ -107,11 +92,11 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
     link = cluster.link(s.cp * s.tp)
     kv = 2 * 2 * s.microbatch_size * model.seq * kv_width(model) / s.tp       # K and V, bf16
     if s.cp_mode == "allgather":
-        gather = all_gather_time(kv, s.cp, link)
+        gather = link.seconds("all_gather", kv, s.cp)
         return gather, 2 * gather
     rounds, share = s.cp - 1, core_fwd / s.cp
-    fwd = rounds * max(0.0, link.alpha + kv / s.cp / link.beta - share)
-    bwd = rounds * max(0.0, link.alpha + 2 * kv / s.cp / link.beta - 2 * share)
+    fwd = rounds * max(0.0, link.seconds("send", kv / s.cp, 2) - share)
+    bwd = rounds * max(0.0, link.seconds("send", 2 * kv / s.cp, 2) - 2 * share)
     return fwd, bwd
 
 
@@ -177,7 +162,7 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     stages = s.pp * s.chunks
     act_bytes = 2 * tokens * model.hidden                      # bf16 b·(s/cp)·h
     tp_link = cluster.link(s.tp)
-    tp_ar = all_reduce_time(act_bytes, s.tp, tp_link)
+    tp_ar = tp_link.seconds("all_reduce", act_bytes, s.tp)
     logit_f = model.logit_forward_flops(tokens) / s.tp / flops_rate
     fwd, bwd, bwd_weight, first = [], [], [], 0
     per_kind = {}
@@ -194,7 +179,7 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     pp_link = cluster.link(s.pp * s.cp * s.tp)
     p2p = 0.0
     if s.pp > 1:
-        p2p = pp_link.alpha + act_bytes / s.tp / pp_link.beta + all_gather_time(act_bytes, s.tp, tp_link)
+        p2p = pp_link.seconds("send", act_bytes / s.tp, 2) + tp_link.seconds("all_gather", act_bytes, s.tp)
     params_local = max(model.rank_params(s.pp, s.chunks)) / s.tp
     grads = 2 * params_local
     dp_link = cluster.link(s.gpus)
@@ -202,13 +187,13 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     # ZeRO 1/2 replace the all-reduce by reduce-scatter + all-gather: the same bytes; ZeRO-3
     # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7). Without ep
     # the MoE experts are replicated over dp, so their gradients are all-reduced too.
-    dp_sync = all_reduce_time(grads, replicas, dp_link) * (1.5 if s.zero >= 3 else 1.0)
+    dp_sync = dp_link.seconds("all_reduce", grads, replicas) * (1.5 if s.zero >= 3 else 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * params_local / (replicas if s.zero >= 1 else 1) / hw.hbm_bandwidth
     ep_comm = 0.0
     if s.ep > 1:           # dense gradients over dp·cp, each expert's over its dp·cp/ep replicas
         dense, expert = expert_split(model, s)
         edp = replicas // s.ep
-        dp_sync = (all_reduce_time(2 * dense, replicas, dp_link) + all_reduce_time(2 * expert, edp, dp_link)) \
+        dp_sync = (dp_link.seconds("all_reduce", 2 * dense, replicas) + dp_link.seconds("all_reduce", 2 * expert, edp)) \
             * (1.5 if s.zero >= 3 else 1.0)
         optimizer = ADAM_BYTES_PER_PARAM * (dense / (replicas if s.zero >= 1 else 1)
                                             + expert / (edp if s.zero >= 1 else 1)) / hw.hbm_bandwidth
