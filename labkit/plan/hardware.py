@@ -78,6 +78,11 @@ class Hardware:
     SMs and waste tiles (NVIDIA, "Matrix Multiplication Background User's Guide", wave and
     tile quantisation)."""
 
+    def efficiency(self, d: float) -> float:
+        """Share of peak a GEMM whose smallest dimension on one GPU is ``d`` reaches (the local
+        Machine's ``efficiency`` has the same form, its plateau in the measured rate)."""
+        return self.gemm_max_efficiency * d / (d + self.gemm_half_dim)
+
 
 # A100 SXM4 80GB in a DGX A100: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2.0 TB/s (NVIDIA A100 datasheet);
 # NVLink 3: 600 GB/s both directions = 300 GB/s each way, nccl-tests busbw ~230 GB/s;

@@ -47,6 +47,8 @@ layer's full activations come on top.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .hardware import GB, GPT
 from .layout import ClusterStrategy
 from .model import Decoder
@@ -112,66 +114,43 @@ def in_flight(s: ClusterStrategy, microbatches: int) -> float:
     return min(m, p)
 
 
-def stage_params(model: GPT, s: ClusterStrategy) -> float:
-    """Parameters on the heaviest pipeline rank, per tp shard (see ``model.rank_params``)."""
-    return max(model.rank_params(s.pp, s.chunks)) / s.tp
-
-
-def expert_split(model, s: ClusterStrategy) -> tuple[float, float]:
-    """(dense, expert) parameters per tp shard on the heaviest pipeline rank, the routed experts
-    divided by ep (a GPT or a dense Decoder: all dense)."""
+def replica_groups(model, s: ClusterStrategy) -> dict:
+    """Parameters per tp shard on the heaviest pipeline rank, by the ranks that hold the same
+    ones (ZeRO's and the gradient all-reduce's group): the dense ones over dp·cp, the routed
+    experts (1/ep of them) over dp·cp/ep; one group when ep = 1."""
     total = model.rank_params(s.pp, s.chunks)
     experts = model.rank_expert_params(s.pp, s.chunks) if getattr(model, "experts", 0) else [0.0] * s.pp
-    held = [(t - e, e / s.ep) for t, e in zip(total, experts)]
-    dense, expert = max(held, key=sum)
-    return dense / s.tp, expert / s.tp
+    dense, expert = max(((t - e, e / s.ep) for t, e in zip(total, experts)), key=sum)
+    groups = {s.replicas: dense / s.tp}
+    groups[s.replicas // s.ep] = groups.get(s.replicas // s.ep, 0.0) + expert / s.tp
+    return groups
 
 
 def model_state_bytes(model, s: ClusterStrategy) -> tuple[float, float, float]:
-    """Weights, gradients and optimizer state per GPU (module docstring): the dense parameters
-    sharded by ZeRO over dp·cp, the experts (1/ep of them) over dp·cp/ep."""
-    dense, expert = expert_split(model, s)
-    replicas, edp = s.replicas, s.replicas // s.ep
-
+    """Weights, gradients and optimizer state per GPU (module docstring), each group of
+    :func:`replica_groups` sharded by ZeRO over its ranks."""
     def part(per_param: float, stage: int) -> float:
-        return per_param * (dense / (replicas if s.zero >= stage else 1) + expert / (edp if s.zero >= stage else 1))
+        return per_param * sum(n / (ranks if s.zero >= stage else 1) for ranks, n in replica_groups(model, s).items())
     return part(2, 3), part(2, 2), part(12, 1)
 
 
 def _rank_activations(model, s: ClusterStrategy, rank: int) -> tuple[float, float]:
     """Activations one micro-batch leaves on pipeline ``rank``'s layers, and its largest layer's
-    (full recomputation re-materialises one layer at a time)."""
-    if isinstance(model, GPT):          # uniform layers: L/p of them, as Korthikanti counts
-        return layer_activation_bytes(model, s) * (model.layers / s.pp), layer_activation_bytes(model, s)
-    stages = s.pp * s.chunks
+    without recomputation (full recomputation re-materialises one layer at a time)."""
+    stages, kinds = s.pp * s.chunks, {}
     counts = model.stage_layers(stages)
-    kinds: dict = {}
     for g in range(rank, stages, s.pp):
         for k, n in model.kinds(sum(counts[:g]), counts[g]).items():
             kinds[k] = kinds.get(k, 0) + n
-    none = ClusterStrategy(**{**s.to_dict(), "recompute": "none"})
     return (sum(n * layer_activation_bytes(model, s, k) for k, n in kinds.items()),
-            max(layer_activation_bytes(model, none, k) for k in kinds))
+            max(layer_activation_bytes(model, replace(s, recompute="none"), k) for k in kinds))
 
 
 def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
     """Bytes per GPU on the heaviest rank: weights, gradients, optimizer, activations, total."""
-    if s.ep > 1:
-        weights, grads, optimizer = model_state_bytes(model, s)
-    else:
-        n = stage_params(model, s)
-        dp = s.replicas
-        weights = 2 * n / (dp if s.zero >= 3 else 1)
-        grads = 2 * n / (dp if s.zero >= 2 else 1)
-        optimizer = 12 * n / (dp if s.zero >= 1 else 1)
-    m = s.microbatches(global_batch)
-    first, _ = _rank_activations(model, s, 0)
-    acts = first * in_flight(s, m)
-    if s.recompute == "full":       # one layer re-materialised during its backward
-        if isinstance(model, GPT):
-            acts += layer_activation_bytes(model, ClusterStrategy(**{**s.to_dict(), "recompute": "none"}))
-        else:
-            acts += _rank_activations(model, s, 0)[1]
+    weights, grads, optimizer = model_state_bytes(model, s)
+    first, one_layer = _rank_activations(model, s, 0)
+    acts = first * in_flight(s, s.microbatches(global_batch)) + (one_layer if s.recompute == "full" else 0.0)
     acts += gathered_kv_bytes(model, s)
     sbh = s.tokens(model.seq) * model.hidden
     # the output layer's logits and their softmax (Korthikanti eq. for the last stage): fp32
