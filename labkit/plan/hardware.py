@@ -17,6 +17,16 @@ GB = 1e9
 GiB = 2 ** 30
 
 
+def require_whole(owner, fields, minimum: int = 1) -> None:
+    """ValueError naming the field unless each of ``fields`` of ``owner`` (a dataclass, or a dict
+    of arguments) is a whole number ≥ ``minimum``."""
+    for name in fields:
+        value = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            where = "" if isinstance(owner, dict) else f"{type(owner).__name__}."
+            raise ValueError(f"{where}{name}={value!r} must be a whole number ≥ {minimum}")
+
+
 def ring_steps(family: str, n: int) -> int:
     """Messages each rank sends, one after another, in the ring (or pairwise) algorithm of
     ``family`` on n ranks: 2(n−1) for all-reduce, n−1 for the others, 1 for a send."""
@@ -130,10 +140,7 @@ class GPT:
     seq: int = 2048
 
     def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "seq"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPT.{field}={value!r} must be a whole number ≥ 1")
+        require_whole(self, ("layers", "hidden", "heads", "vocab", "seq"))
         if self.hidden % self.heads:
             raise ValueError(f"GPT.hidden={self.hidden} must divide by heads={self.heads}")
 
@@ -221,10 +228,7 @@ class Cluster:
     hardware: Hardware | str = "a100"
 
     def __post_init__(self):
-        for field in ("nodes", "gpus_per_node"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Cluster.{field}={value!r} must be a whole number ≥ 1")
+        require_whole(self, ("nodes", "gpus_per_node"))
         object.__setattr__(self, "hardware", hardware(self.hardware))
 
     @property
@@ -234,9 +238,7 @@ class Cluster:
     @classmethod
     def of(cls, gpus: int, hardware="a100", gpus_per_node: int = 8) -> "Cluster":
         """A cluster of ``gpus`` GPUs in full nodes (fewer than a node: one partial node)."""
-        for field, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field}={value!r} must be a whole number ≥ 1")
+        require_whole({"gpus": gpus, "gpus_per_node": gpus_per_node}, ("gpus", "gpus_per_node"))
         if gpus < gpus_per_node:
             return cls(nodes=1, gpus_per_node=gpus, hardware=hardware)
         if gpus % gpus_per_node:

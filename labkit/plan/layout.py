@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .hardware import GPT, Cluster
+from .hardware import GPT, Cluster, require_whole
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_MODES = ("ring", "allgather")
@@ -57,10 +57,7 @@ class ClusterStrategy:
     before attention, exposed; the Llama 3 paper, §3.3.2)."""
 
     def __post_init__(self):
-        for field in ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ClusterStrategy.{field}={value!r} must be a whole number ≥ 1")
+        require_whole(self, ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ClusterStrategy.zero={self.zero!r} must be 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:

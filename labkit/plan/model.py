@@ -35,6 +35,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from .hardware import require_whole
+
 # HF ``model_type`` values whose attention is grouped-query (or full multi-head) attention with
 # a SwiGLU MLP or SwiGLU experts: what this description counts.
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -75,15 +77,9 @@ class Decoder:
     name: str = ""
 
     def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "seq", "moe_every"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Decoder.{field}={value!r} must be a whole number ≥ 1")
-        for field in ("kv_heads", "head_dim", "ffn_hidden", "experts", "top_k", "expert_ffn", "shared_ffn",
-                      "dense_layers"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Decoder.{field}={value!r} must be a whole number ≥ 0")
+        require_whole(self, ("layers", "hidden", "heads", "vocab", "seq", "moe_every"))
+        require_whole(self, ("kv_heads", "head_dim", "ffn_hidden", "experts", "top_k", "expert_ffn", "shared_ffn",
+                             "dense_layers"), minimum=0)
         object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
         if not self.head_dim:
             if self.hidden % self.heads:

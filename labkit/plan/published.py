@@ -62,12 +62,10 @@ MEGATRON_SC21_TABLE1 = (
 
 def rows() -> list[dict]:
     """The table as dicts: model, cluster, degrees, batch and the published TFLOP/s."""
-    out = []
-    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_SC21_TABLE1:
-        out.append({"billions": billions, "model": GPT(layers=layers, hidden=hidden, heads=heads),
-                    "cluster": Cluster.of(gpus, "a100"), "tp": tp, "pp": pp, "dp": gpus // (tp * pp),
-                    "batch": batch, "published_tflops": tflops})
-    return out
+    return [{"billions": billions, "model": GPT(layers=layers, hidden=hidden, heads=heads),
+             "cluster": Cluster.of(gpus, "a100"), "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "batch": batch,
+             "published_tflops": tflops}
+            for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_SC21_TABLE1]
 
 
 def compare(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
@@ -102,17 +100,12 @@ def table(result: list[dict]) -> str:
 
 
 # -- Llama-family runs ------------------------------------------------------------------------
-def llama3(layers, hidden, heads, ffn, seq, kv_heads=8, vocab=128256, name=""):
-    return Decoder(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn, vocab=vocab,
-                   seq=seq, name=name)
-
-
 MODELS = {   # the shapes in the papers' and configs' own numbers (Llama 3 Table 3; Llama 2 configs)
-    "llama3-8b": dict(layers=32, hidden=4096, heads=32, ffn=14336),
-    "llama3-70b": dict(layers=80, hidden=8192, heads=64, ffn=28672),
-    "llama3-405b": dict(layers=126, hidden=16384, heads=128, ffn=53248),
-    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, kv_heads=40, vocab=32000),
-    "llama2-70b": dict(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000),
+    "llama3-8b": dict(layers=32, hidden=4096, heads=32, ffn_hidden=14336),
+    "llama3-70b": dict(layers=80, hidden=8192, heads=64, ffn_hidden=28672),
+    "llama3-405b": dict(layers=126, hidden=16384, heads=128, ffn_hidden=53248),
+    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn_hidden=13824, kv_heads=40, vocab=32000),
+    "llama2-70b": dict(layers=80, hidden=8192, heads=64, ffn_hidden=28672, vocab=32000),
 }
 
 # Llama 3 paper, Table 4: (GPUs, TP, CP, PP, DP, sequence, batch per DP, TFLOP/s per GPU, BF16 MFU).
@@ -139,7 +132,7 @@ TORCHTITAN_A100 = (
 
 
 def _model(name: str, seq: int) -> Decoder:
-    return llama3(seq=seq, name=name, **MODELS[name])
+    return Decoder(seq=seq, name=name, **{"kv_heads": 8, "vocab": 128256, **MODELS[name]})
 
 
 def _comm_note(p) -> str:

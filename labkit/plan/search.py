@@ -31,15 +31,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _schedules(pp: int, model, m: int):
-    if pp == 1:
-        yield "1f1b", 1
-        return
     yield "1f1b", 1
-    yield "gpipe", 1
-    yield "zb-h1", 1
-    for v in (2, 4):
-        if model.can_split(pp * v) and m % pp == 0:
-            yield "interleaved", v
+    if pp > 1:
+        yield from (("gpipe", 1), ("zb-h1", 1))
+        yield from (("interleaved", v) for v in (2, 4) if model.can_split(pp * v) and m % pp == 0)
 
 
 def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
