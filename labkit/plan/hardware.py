@@ -188,10 +188,13 @@ class GPT:
         return self.layer_params
 
     def rank_params(self, pp: int, chunks: int = 1) -> list[float]:
-        """Parameters on each pipeline rank, all counted as the heaviest: its layers plus a word
-        embedding (the first stage's input table; the last stage keeps its own copy for the
-        output layer when pp > 1, as Megatron-LM does)."""
-        return [self.layers / pp * self.layer_params + self.embedding_params] * pp
+        """Parameters on each pipeline rank: its L/p layers, the word and position embeddings on
+        the first, and when pp > 1 a copy of the word embedding on the last for the output
+        layer, as Megatron-LM keeps it."""
+        out = [self.layers / pp * self.layer_params] * pp
+        out[0] += self.embedding_params
+        out[-1] += self.vocab * self.hidden if pp > 1 else 0
+        return out
 
     def gemms(self, kind: str, tokens: int, tp: int) -> list[tuple[float, float, float]]:
         """One group: the whole layer's forward FLOPs, the weight GEMMs' 24·b·s·h² of them, and

@@ -109,7 +109,7 @@ class ClusterStrategy:
             raise ValueError(f"tp={self.tp} must divide heads={model.heads} and hidden={model.hidden}")
         if not model.can_split(self.pp * self.chunks):
             how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, GPT)
-                   else "stages of at least one layer; choose pp*chunks ≤ the layer count")
+                   else "stages of a layer, two of none at most; choose pp*chunks ≤ the layer count + 2")
             raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} {how}")
         if self.ep > 1 and (not getattr(model, "experts", 0) or model.experts % self.ep):
             raise ValueError(f"ep={self.ep} needs a model whose MoE layers' experts divide over {self.ep} ranks "

@@ -110,12 +110,15 @@ class Decoder:
         return {k: n for k, n in (("dense", count - moe), ("moe", moe)) if n}
 
     def can_split(self, stages: int) -> bool:
-        return 1 <= stages <= self.layers
+        """Stages of a layer or more, and up to two of none at the ends (:meth:`stage_layers`)."""
+        return 1 <= stages <= self.layers + 2
 
     def stage_layers(self, stages: int) -> list[int]:
         """Layers per pipeline stage: as even as possible, a stage short taken first from the first
-        and last stages, which also hold the embedding and the output layer (Llama 3, §3.3.2:
-        "one Transformer layer is reduced each from the first and the last stages")."""
+        and last stages, which also hold the embedding and the output layer (Llama 3, §3.3.2: "we
+        reduce one Transformer layer each from the first and the last stages ... the first model
+        chunk on the first stage has only the embedding, and the last model chunk on the last
+        stage has only output projection and loss calculation")."""
         per = -(-self.layers // stages)
         counts = [per] * stages
         order = [j for pair in zip(range(stages), reversed(range(stages))) for j in pair]

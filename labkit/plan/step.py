@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import GPT, Cluster
 from .layout import ClusterStrategy
-from .memory import fits, gb, kv_width, layer_activation_bytes, memory_breakdown, replica_groups
+from .memory import fits, gb, kv_width, layer_activation_bytes, memory_breakdown, replica_groups, stage_kinds
 from .simulation import simulate_scale
 
 ADAM_BYTES_PER_PARAM = 32
@@ -143,13 +143,12 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     tp_link = cluster.link(s.tp)
     tp_ar = tp_link.seconds("all_reduce", act_bytes, s.tp)
     logit_f = model.logit_forward_flops(tokens) / s.tp / (hw.peak_flops * gemm_efficiency(model, cluster, s))
-    counts = model.stage_layers(stages)
-    stage_kinds = [model.kinds(sum(counts[:g]), n) for g, n in enumerate(counts)]
-    per_kind = {k: layer_times(model, cluster, s, k, tp_ar) for k in {k for kinds in stage_kinds for k in kinds}}
+    kinds_of = stage_kinds(model, stages)
+    per_kind = {k: layer_times(model, cluster, s, k, tp_ar) for k in {k for kinds in kinds_of for k in kinds}}
 
     def per_stage(i: int, logits: float = 0.0) -> list[float]:
         """Item ``i`` of layer_times summed over each stage's layers, ``logits`` on the last."""
-        out = [sum(n * per_kind[k][i] for k, n in kinds.items()) for kinds in stage_kinds]
+        out = [sum(n * per_kind[k][i] for k, n in kinds.items()) for kinds in kinds_of]
         out[-1] += logits
         return out
     p2p = 0.0
@@ -157,13 +156,13 @@ def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
         pp_link = cluster.link(s.pp * s.cp * s.tp)
         p2p = pp_link.seconds("send", act_bytes / s.tp, 2) + tp_link.seconds("all_gather", act_bytes, s.tp)
     # dense gradients over dp·cp, each routed expert's over its dp·cp/ep replicas; ZeRO-3: 1.5×
-    dp_link, groups = cluster.link(s.gpus), replica_groups(model, s)
+    dp_link, groups = cluster.link(s.gpus), max(replica_groups(model, s), key=lambda g: sum(g.values()))
     dp_sync = sum(dp_link.seconds("all_reduce", 2 * n, ranks) for ranks, n in groups.items()) \
         * (1.5 if s.zero >= 3 else 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * sum(n / (ranks if s.zero >= 1 else 1) for ranks, n in groups.items()) \
         / hw.hbm_bandwidth
     return StageCosts(per_stage(0, logit_f), per_stage(1, 2 * logit_f), p2p, dp_sync, optimizer,
-                      tp_comm=max(counts) * 4 * tp_ar, ep_comm=max(per_stage(3)), cp_comm=max(per_stage(4)),
+                      tp_comm=max(model.stage_layers(stages)) * 4 * tp_ar, ep_comm=max(per_stage(3)), cp_comm=max(per_stage(4)),
                       bwd_weight=per_stage(2, logit_f))
 
 
