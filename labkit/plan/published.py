@@ -27,7 +27,12 @@ Published: TFLOP/s per GPU and BF16 MFU, model FLOPs (no recomputation), so the 
 stage: CP16 over 131,072-token sequences, with the paper's all-gather context parallelism
 (§3.3.2: K and V all-gathered, then attention on the local query chunks, the chunks load
 balanced; "the all-gather communication latency is exposed on the critical path"), priced
-as ``cp_mode="allgather"``.
+as ``cp_mode="allgather"``. Memory: counted under Megatron's interleaved schedule (labkit's),
+these rows do not fit: with 16 micro-batches and pp = 16 the first half of the ranks run every
+forward before a backward, so a rank of 8 layers holds 16 × 8 of them (rank 0 has one layer
+fewer). The paper ran its own schedule (§3.3.2: N contiguous micro-batches set between DFS and
+BFS, stage inputs and outputs freed early) without its in-flight count, so the planner reports
+the over-count rather than guess it away.
 
 **torchtitan.** Source: pytorch/torchtitan ``docs/performance.md`` at commit
 0413364 ("Llama 3 performance numbers", "Llama 2 performance numbers"): FSDP2 (ZeRO-3) over
