@@ -123,7 +123,7 @@ def hardware(name) -> Hardware:
     if isinstance(name, Hardware):
         return name
     key = str(name).lower().replace(" ", "").replace("-", "").replace("_", "")
-    for alias, preset in (("a100", A100), ("h100", H100), ("h200", H200)):
+    for alias, preset in PRESETS.items():
         if key.startswith(alias):
             return preset
     raise ValueError(f"hardware={name!r} is unknown; use one of {', '.join(PRESETS)} or a labkit.plan.Hardware")
