@@ -285,6 +285,11 @@ def test_a_decoder_splits_unevenly_as_llama_3_did_and_a_gpt_does_not():
     m = plan.from_hf_config(CONFIGS / "llama3.1-405b.json", seq=8192)
     assert m.stage_layers(16) == [7] + [8] * 14 + [7]            # one layer fewer on the first and last stage
     assert sum(m.stage_layers(64)) == 126 and max(m.stage_layers(64)) == 2
+    # Llama 3's chunks of one layer (pp16 × 8): the first holds only the embedding, the last only the head
+    assert m.stage_layers(128)[:2] == [0, 1] and m.stage_layers(128)[-2:] == [1, 0] and not m.can_split(129)
+    v8 = predict(m, Cluster.of(8192, "h100"), 2048, ClusterStrategy(dp=64, pp=16, tp=8, zero=2, schedule="interleaved",
+                                                                    chunks=8, sequence_parallel=True))
+    assert v8.step_time_s > 0 and v8.memory["activations"] > 0
     p = predict(m, Cluster.of(2048, "h100"), 512, ClusterStrategy(dp=16, pp=16, tp=8, recompute="full",
                                                                     sequence_parallel=True))
     assert p.fits and p.step_time_s > 0
