@@ -11,7 +11,7 @@ from labkit import plan
 from labkit.plan import GPT, Cluster, ClusterStrategy, predict, search
 from labkit.plan.des import Compute, Issue, Sim, Wait
 from labkit.plan.machine import FAMILIES, Machine
-from labkit.plan.memory import in_flight, layer_activation_bytes, memory_breakdown
+from labkit.plan.memory import held, layer_activation_bytes, memory_breakdown
 from labkit.plan.step import pipeline_time, stage_costs
 from labkit.parallel.pipeline.schedules import build_schedule, ideal_bubble
 
@@ -48,11 +48,50 @@ def test_activations_per_layer_are_korthikantis_table_2():
     assert layer_activation_bytes(m, ClusterStrategy(**base, recompute="full")) == pytest.approx(2 * sbh)
 
 
-def test_in_flight_micro_batches_by_schedule():
-    assert in_flight(ClusterStrategy(pp=4, schedule="gpipe"), 16) == 16
-    assert in_flight(ClusterStrategy(pp=4, schedule="1f1b"), 16) == 4
-    assert in_flight(ClusterStrategy(pp=4, schedule="1f1b"), 2) == 2
-    assert in_flight(ClusterStrategy(pp=4, schedule="interleaved", chunks=2), 16) == pytest.approx(4 * (1 + 3 / 8))
+@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 4, 8, 1), ("1f1b", 4, 16, 1), ("1f1b", 4, 2, 1),
+                                             ("zb-h1", 4, 8, 1), ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2),
+                                             ("interleaved", 4, 12, 3), ("interleaved", 8, 16, 4)])
+def test_in_flight_activations_per_chunk_are_what_the_schedule_holds(schedule, p, m, v):
+    """Per rank and chunk, the counts the memory model takes are those of labkit's own schedule,
+    walked action by action (a chunk's activations held from F to B, or to W)."""
+    from labkit.parallel.pipeline.schedules import build_schedule
+
+    for r, actions in enumerate(build_schedule(schedule, p, m, v)):
+        live, seen = set(), set()
+        for a in actions:
+            if a.op == "F":
+                live.add((a.chunk, a.microbatch))
+                seen.add(tuple(sum(c == k for c, _ in live) for k in range(v)))
+            elif a.op in ("B", "W"):
+                live.discard((a.chunk, a.microbatch))
+        peaks = held(schedule, p, m, v, r)
+        assert set(peaks) <= seen and max(map(sum, peaks)) == max(map(sum, seen)), (r, peaks)
+        # any weights per chunk: the model's peak is the schedule's
+        for weights in ([1.0] * v, [0.0] + [1.0] * (v - 1), list(range(1, v + 1))):
+            dot = lambda h: sum(n * w for n, w in zip(h, weights))
+            assert max(map(dot, peaks)) == max(map(dot, seen))
+    if schedule == "interleaved" and m >= 2 * p:       # Korthikanti et al. §4.2.3: p·(1 + (p−1)/(p·v)) on rank 0
+        assert max(map(sum, held(schedule, p, m, v, 0))) == pytest.approx(p * v * (1 + (p - 1) / (p * v)))
+
+
+def test_memory_is_the_rank_that_needs_the_most_with_its_own_layers_and_in_flight_count():
+    """Llama 3 405B, pp16 v4, 16 micro-batches: the first half of the ranks run all 64 forwards
+    before a backward; rank 0 has one layer fewer (Llama 3's balancing), so rank 1's 8 layers ×
+    16 micro-batches are the peak, not rank 0's 7 × 16 · (1 + 15/64)."""
+    from labkit.plan import published
+
+    model = published._model("llama3-405b", 8192)
+    s = ClusterStrategy(dp=128, pp=16, tp=8, zero=2, schedule="interleaved", chunks=4, sequence_parallel=True)
+    mem = memory_breakdown(model, s, 128 * 16)
+    assert model.stage_layers(64)[:2] == [1, 2] and held("interleaved", 16, 16, 4, 1) == ((16, 16, 16, 16),)
+    assert mem["activations"] == pytest.approx(16 * 8 * layer_activation_bytes(model, s))
+    assert mem["weights"] == pytest.approx(2 * max(model.rank_params(16, 4)) / 8)   # rank 1's: 8 layers
+    # GPipe holds every micro-batch on every rank, the last one's logits included
+    gpipe = memory_breakdown(GPT3, ClusterStrategy(pp=4, schedule="gpipe", dp=2, tp=8), 16)
+    one = memory_breakdown(GPT3, ClusterStrategy(pp=4, schedule="gpipe", dp=2, tp=8), 2)
+    logits = 4 * 2048 * (12288 + 51200) / 8
+    assert gpipe["activations"] - one["activations"] == pytest.approx(7 * (24 * layer_activation_bytes(
+        GPT3, ClusterStrategy(tp=8)) + logits))
 
 
 @pytest.mark.parametrize("strategy, message", [
@@ -100,9 +139,11 @@ def test_closed_form_step_time_matches_the_replay_at_scale():
         assert simulated == pytest.approx(p.step_time_s, rel=0.02), schedule
         assert pipeline_time(stage_costs(model, cluster, s), s, s.microbatches(256)) < p.step_time_s
         steps[schedule] = p
-    # zb-h1: 1F1B's stages and memory, its bubble less by 2(p−1)·W
+    # zb-h1: 1F1B's stages, its bubble less by 2(p−1)·W; every rank holds p micro-batches until
+    # their W (1F1B's rank r: p − r until B), so its peak is 1F1B's first rank's or more
     one, zb = steps["1f1b"], steps["zb-h1"]
-    assert zb.memory == one.memory
+    assert zb.memory["total"] >= one.memory["total"]
+    assert [held("zb-h1", 4, 16, 1, r) for r in range(4)] == [((4,),)] * 4
     c = stage_costs(model, cluster, one.strategy)
     assert one.step_time_s - zb.step_time_s == pytest.approx(2 * 3 * c.bwd_weight[0], rel=0.01)
     assert {e["kind"] for e in zb.timeline().events if e["stream"] == "compute"} >= {"bwd_input", "bwd_weight"}
@@ -244,6 +285,11 @@ def test_a_decoder_splits_unevenly_as_llama_3_did_and_a_gpt_does_not():
     m = plan.from_hf_config(CONFIGS / "llama3.1-405b.json", seq=8192)
     assert m.stage_layers(16) == [7] + [8] * 14 + [7]            # one layer fewer on the first and last stage
     assert sum(m.stage_layers(64)) == 126 and max(m.stage_layers(64)) == 2
+    # Llama 3's chunks of one layer (pp16 × 8): the first holds only the embedding, the last only the head
+    assert m.stage_layers(128)[:2] == [0, 1] and m.stage_layers(128)[-2:] == [1, 0] and not m.can_split(129)
+    v8 = predict(m, Cluster.of(8192, "h100"), 2048, ClusterStrategy(dp=64, pp=16, tp=8, zero=2, schedule="interleaved",
+                                                                    chunks=8, sequence_parallel=True))
+    assert v8.step_time_s > 0 and v8.memory["activations"] > 0
     p = predict(m, Cluster.of(2048, "h100"), 512, ClusterStrategy(dp=16, pp=16, tp=8, recompute="full",
                                                                     sequence_parallel=True))
     assert p.fits and p.step_time_s > 0
@@ -355,7 +401,7 @@ EP_BASE = dict(layers=8, hidden=1024, heads=8, kv_heads=2, vocab=32000, seq=1024
 def test_ep_divides_the_experts_state_and_zero_shards_it_over_their_replicas():
     moe = plan.Decoder(**EP_BASE, experts=8, top_k=2, expert_ffn=2048)
     per_stage = 4 * 8 * 3 * 1024 * 2048                   # 4 MoE layers a stage, 8 experts of 3·h·f each
-    dense = max(moe.rank_params(2)) - per_stage           # the last stage: the head outweighs the embedding
+    dense = moe.rank_params(2)[0] - per_stage             # the first rank: 1F1B's peak, two micro-batches held
     assert moe.rank_expert_params(2) == [per_stage, per_stage]
     mem = memory_breakdown(moe, ClusterStrategy(dp=4, pp=2, tp=2, ep=4), 64)
     assert mem["weights"] == pytest.approx(2 * (dense + per_stage / 4) / 2)
@@ -414,7 +460,8 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
 
 def _machine(**kw) -> Machine:
     base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
-                step_s=1e-3, comm={f: (20e-6, 1e9) for f in FAMILIES}, comm_load=0.25, engines=2)
+                step_s=1e-3, comm={f: plan.Link(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES},
+                comm_load=0.25, engines=2)
     return Machine(**(base | kw))
 
 
@@ -446,11 +493,20 @@ def test_a_ring_all_reduce_takes_alpha_beta_and_the_vocabulary_is_the_links():
     import labkit
 
     machine, n, nbytes = _machine(), 4, 8 << 20
-    alpha, beta = machine.comm["all_reduce"]
+    link = machine.comm["all_reduce"]
+    alpha, beta = link.alpha, link.beta
+    assert isinstance(link, plan.Link) and link.per_step        # the cluster planner's type, α per ring step
     expected = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
     assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(expected)
     assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(
         labkit.Link(bandwidth=beta, latency=alpha).seconds("all_reduce", nbytes, n))
+    # at scale the same Link pays α once per call (NCCL), with the same bus factors
+    per_call = plan.Link(alpha=alpha, beta=beta)
+    for family, bus in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n),
+                        ("reduce_scatter", (n - 1) / n), ("all_to_all", (n - 1) / n)):
+        assert per_call.seconds(family, nbytes, n) == pytest.approx(alpha + bus * nbytes / beta)
+        assert per_call.seconds(family, nbytes, 1) == 0.0
+    assert per_call.seconds("send", nbytes, 2) == pytest.approx(alpha + nbytes / beta)
     group = tuple(range(n))
     programs = [[Issue("g", group, expected, "allreduce", "grads", nbytes), Wait("g")] for _ in group]
     events = Sim(programs, cores=n).run()
@@ -504,6 +560,10 @@ def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
     machine = _machine()
     machine.save(tmp_path / "m.json")
     assert Machine.load(tmp_path / "m.json") == machine
+    saved = json.loads((tmp_path / "m.json").read_text())     # a file saved before comm held Links: [α, β]
+    saved["comm"] = {f: [20e-6, 1e9] for f in FAMILIES}
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert Machine.load(tmp_path / "old.json") == machine
     assert machine.rate(1e5) == 2e9 and machine.rate(1e9) == 2e10
     skinny = _machine(matmul_half_dim=8.0)                  # a product's smallest dimension costs rate
     assert skinny.rate(1e9, dim=8) == pytest.approx(1e10) and skinny.rate(1e9, dim=0) == 2e10
@@ -635,7 +695,7 @@ def test_moe_experts_are_replicated_over_dp_in_memory_and_gradient_traffic():
     moe = plan.Decoder(**base, experts=8, top_k=2, expert_ffn=2048)
     cluster, s = Cluster(nodes=2), ClusterStrategy(dp=4, pp=2, tp=2)
     mem = memory_breakdown(moe, s, 64)
-    assert mem["weights"] == pytest.approx(2 * max(moe.rank_params(2)) / 2)     # every expert on every replica
+    assert mem["weights"] == pytest.approx(2 * moe.rank_params(2)[0] / 2)      # every expert on every replica (rank 0, the peak)
     c = stage_costs(moe, cluster, s)
     dense = plan.Decoder(**base, ffn_hidden=2 * 2048)          # the same active FLOPs, a quarter of the MLP weights
     assert c.dp_sync > stage_costs(dense, cluster, s).dp_sync

@@ -17,14 +17,50 @@ GB = 1e9
 GiB = 2 ** 30
 
 
+def require_whole(owner, fields, minimum: int = 1) -> None:
+    """ValueError naming the field unless each of ``fields`` of ``owner`` (a dataclass, or a dict
+    of arguments) is a whole number ≥ ``minimum``."""
+    for name in fields:
+        value = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            where = "" if isinstance(owner, dict) else f"{type(owner).__name__}."
+            raise ValueError(f"{where}{name}={value!r} must be a whole number ≥ {minimum}")
+
+
+def ring_steps(family: str, n: int) -> int:
+    """Messages each rank sends, one after another, in the ring (or pairwise) algorithm of
+    ``family`` on n ranks: 2(n−1) for all-reduce, n−1 for the others, 1 for a send."""
+    return 1 if family == "send" else (2 * (n - 1) if family == "all_reduce" else n - 1)
+
+
+def bus_factor(family: str, n: int) -> float:
+    """Bytes each rank sends per byte of the call (nccl-tests' bus factor, PERFORMANCE.md):
+    2(n−1)/n for all-reduce, (n−1)/n for all-gather, reduce-scatter and all-to-all, 1 for a send."""
+    return 1.0 if family == "send" else (2 * (n - 1) / n if family == "all_reduce" else (n - 1) / n)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Link:
-    """One kind of wire, as the α-β model sees it: t = alpha + bytes_on_the_wire / beta."""
+    """One kind of wire in the α-β model, for both planners: a call of ``family`` moving S bytes
+    (nccl-tests' size) on n ranks takes k·α + bus(n)·S/β, bus(n) nccl-tests' bus factor."""
 
     beta: float
-    """Bytes per second one GPU moves on this link in one direction (bus bandwidth)."""
+    """Bytes per second one rank moves on this link in one direction (bus bandwidth)."""
     alpha: float
-    """Seconds of fixed cost per call (launch and latency of a small message)."""
+    """Seconds of fixed cost: per call, or per ring step with ``per_step``."""
+    per_step: bool = False
+    """Whether α is paid at each of the ring's steps (k = 2(n−1) for all-reduce, n−1 for the
+    others: gloo on CPU sends each step as a message and waits for it, the local machine) or
+    once per call (k = 1: NCCL pipelines a ring's steps, so a small call costs one launch and
+    one latency, the at-scale presets)."""
+
+    def seconds(self, family: str, nbytes: float, n: int) -> float:
+        """Seconds of one call of ``family`` (all_reduce, all_gather, reduce_scatter, all_to_all,
+        send) moving ``nbytes`` over ``n`` ranks; a collective of one rank is free."""
+        if family != "send" and n <= 1:
+            return 0.0
+        steps = ring_steps(family, n) if self.per_step else 1
+        return steps * self.alpha + bus_factor(family, n) * nbytes / self.beta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +87,11 @@ class Hardware:
     layer's GEMMs on one GPU (hidden/tp, or tokens per micro-batch). Small GEMMs fill fewer
     SMs and waste tiles (NVIDIA, "Matrix Multiplication Background User's Guide", wave and
     tile quantisation)."""
+
+    def efficiency(self, d: float) -> float:
+        """Share of peak a GEMM whose smallest dimension on one GPU is ``d`` reaches (the local
+        Machine's ``efficiency`` has the same form, its plateau in the measured rate)."""
+        return self.gemm_max_efficiency * d / (d + self.gemm_half_dim)
 
 
 # A100 SXM4 80GB in a DGX A100: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2.0 TB/s (NVIDIA A100 datasheet);
@@ -82,7 +123,7 @@ def hardware(name) -> Hardware:
     if isinstance(name, Hardware):
         return name
     key = str(name).lower().replace(" ", "").replace("-", "").replace("_", "")
-    for alias, preset in (("a100", A100), ("h100", H100), ("h200", H200)):
+    for alias, preset in PRESETS.items():
         if key.startswith(alias):
             return preset
     raise ValueError(f"hardware={name!r} is unknown; use one of {', '.join(PRESETS)} or a labkit.plan.Hardware")
@@ -99,10 +140,7 @@ class GPT:
     seq: int = 2048
 
     def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "seq"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPT.{field}={value!r} must be a whole number ≥ 1")
+        require_whole(self, ("layers", "hidden", "heads", "vocab", "seq"))
         if self.hidden % self.heads:
             raise ValueError(f"GPT.hidden={self.hidden} must divide by heads={self.heads}")
 
@@ -150,10 +188,13 @@ class GPT:
         return self.layer_params
 
     def rank_params(self, pp: int, chunks: int = 1) -> list[float]:
-        """Parameters on each pipeline rank, all counted as the heaviest: its layers plus a word
-        embedding (the first stage's input table; the last stage keeps its own copy for the
-        output layer when pp > 1, as Megatron-LM does)."""
-        return [self.layers / pp * self.layer_params + self.embedding_params] * pp
+        """Parameters on each pipeline rank: its L/p layers, the word and position embeddings on
+        the first, and when pp > 1 a copy of the word embedding on the last for the output
+        layer, as Megatron-LM keeps it."""
+        out = [self.layers / pp * self.layer_params] * pp
+        out[0] += self.embedding_params
+        out[-1] += self.vocab * self.hidden if pp > 1 else 0
+        return out
 
     def gemms(self, kind: str, tokens: int, tp: int) -> list[tuple[float, float, float]]:
         """One group: the whole layer's forward FLOPs, the weight GEMMs' 24·b·s·h² of them, and
@@ -190,10 +231,7 @@ class Cluster:
     hardware: Hardware | str = "a100"
 
     def __post_init__(self):
-        for field in ("nodes", "gpus_per_node"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Cluster.{field}={value!r} must be a whole number ≥ 1")
+        require_whole(self, ("nodes", "gpus_per_node"))
         object.__setattr__(self, "hardware", hardware(self.hardware))
 
     @property
@@ -203,9 +241,7 @@ class Cluster:
     @classmethod
     def of(cls, gpus: int, hardware="a100", gpus_per_node: int = 8) -> "Cluster":
         """A cluster of ``gpus`` GPUs in full nodes (fewer than a node: one partial node)."""
-        for field, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field}={value!r} must be a whole number ≥ 1")
+        require_whole({"gpus": gpus, "gpus_per_node": gpus_per_node}, ("gpus", "gpus_per_node"))
         if gpus < gpus_per_node:
             return cls(nodes=1, gpus_per_node=gpus, hardware=hardware)
         if gpus % gpus_per_node:

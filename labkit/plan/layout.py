@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .hardware import GPT, Cluster
+from .hardware import GPT, Cluster, require_whole
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_MODES = ("ring", "allgather")
@@ -57,10 +57,7 @@ class ClusterStrategy:
     before attention, exposed; the Llama 3 paper, §3.3.2)."""
 
     def __post_init__(self):
-        for field in ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ClusterStrategy.{field}={value!r} must be a whole number ≥ 1")
+        require_whole(self, ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ClusterStrategy.zero={self.zero!r} must be 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
@@ -112,7 +109,7 @@ class ClusterStrategy:
             raise ValueError(f"tp={self.tp} must divide heads={model.heads} and hidden={model.hidden}")
         if not model.can_split(self.pp * self.chunks):
             how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, GPT)
-                   else "stages of at least one layer; choose pp*chunks ≤ the layer count")
+                   else "stages of a layer, two of none at most; choose pp*chunks ≤ the layer count + 2")
             raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} {how}")
         if self.ep > 1 and (not getattr(model, "experts", 0) or model.experts % self.ep):
             raise ValueError(f"ep={self.ep} needs a model whose MoE layers' experts divide over {self.ep} ranks "

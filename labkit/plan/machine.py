@@ -18,17 +18,20 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from .hardware import Link, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
+
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
-def ring_steps(family: str, n: int) -> int:
-    """Messages each rank sends, one after another, in the ring algorithm of ``family`` on n ranks."""
-    return 1 if family == "send" else (2 * (n - 1) if family == "all_reduce" else n - 1)
-
-
-def bus_factor(family: str, n: int) -> float:
-    """Bytes each rank sends per byte of the call (nccl-tests' bus factor)."""
-    return 1.0 if family == "send" else (2 * (n - 1) / n if family == "all_reduce" else (n - 1) / n)
+def _link(value) -> Link:
+    """A family's Link: itself, a saved one's dict, or an (α seconds per ring step, β bytes/s)
+    pair as earlier machines saved it."""
+    if isinstance(value, Link):
+        return value
+    if isinstance(value, dict):
+        return Link(**value)
+    alpha, beta = value
+    return Link(alpha=alpha, beta=beta, per_step=True)
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,12 @@ class Machine:
     around posting a 32 KiB isend and irecv."""
     step_s: float = 1e-3
     """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
-    comm: dict = field(default_factory=lambda: {f: (50e-6, 1e9) for f in FAMILIES})
-    """family → (α seconds per ring step, β bytes/s per rank): a call of S bytes on n ranks
-    takes steps(n)·α + bus(n)·S/β. Measured: each family at three sizes on every engine (a send
-    as half a ping-pong's round trip); on an emulated link, still gloo's own (the link is
-    ``link_alpha_beta``)."""
+    comm: dict = field(default_factory=lambda: {f: Link(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
+    """family → :class:`~labkit.plan.hardware.Link`, the cluster planner's type, with α per ring
+    step (``per_step``: gloo sends each step as a message) and β bytes/s per rank: a call of S
+    bytes on n ranks takes steps(n)·α + bus(n)·S/β. An (α, β) pair is read as such a Link.
+    Measured: each family at three sizes on every engine (a send as half a ping-pong's round
+    trip); on an emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
     comm_load: float = 0.5
     """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
     CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
@@ -121,7 +125,9 @@ class Machine:
             raise ValueError("Machine.matmul must be (FLOPs, FLOP/s > 0) rows")
         missing = [f for f in FAMILIES if f not in self.comm]
         if missing:
-            raise ValueError(f"Machine.comm lacks {missing}; give (α seconds, β bytes/s) for each of {FAMILIES}")
+            raise ValueError(f"Machine.comm lacks {missing}; give a Link (or α seconds, β bytes/s) for each of "
+                             f"{FAMILIES}")
+        object.__setattr__(self, "comm", {f: _link(v) for f, v in self.comm.items()})
 
     # -- prices ------------------------------------------------------------------------------
     def efficiency(self, dim: float) -> float:
@@ -153,14 +159,12 @@ class Machine:
         return sum(self.op_seconds(op, scale(op)) for op in ops)
 
     def comm_s(self, family: str, nbytes: float, n: int) -> float:
-        """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks."""
-        if family != "send" and n <= 1:
-            return 0.0
-        alpha, beta = self.comm[family]
-        t = ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta
+        """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks:
+        gloo's own time, or the emulated link's when that is longer."""
+        t = self.comm[family].seconds(family, nbytes, n)
         if self.link_alpha_beta:
             alpha, beta = self.link_alpha_beta
-            t = max(t, ring_steps(family, n) * alpha + bus_factor(family, n) * nbytes / beta)
+            t = max(t, Link(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n))
         return t
 
     # -- files -------------------------------------------------------------------------------
@@ -174,13 +178,13 @@ class Machine:
             d = json.load(f)
         d["matmul"] = tuple(tuple(r) for r in d["matmul"])
         d["cold_Bps"] = tuple(tuple(r) for r in d.get("cold_Bps", ((1, 5e9),)))
-        d["comm"] = {k: tuple(v) for k, v in d["comm"].items()}
         d["link_alpha_beta"] = tuple(d.get("link_alpha_beta", ()))
         return cls(**d)
 
     def __str__(self) -> str:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
-        comm = "; ".join(f"{k} α {a * 1e6:.0f} µs β {b / 1e9:.2f} GB/s" for k, (a, b) in self.comm.items())
+        comm = "; ".join(f"{k} α {c.alpha * 1e6:.0f} µs{' a step' if c.per_step else ''} β {c.beta / 1e9:.2f} GB/s"
+                         for k, c in self.comm.items())
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
                 f"{self.memory_Bps / 1e9:.1f} GB/s in a cache of {self.cache_bytes / 2 ** 20:.0f} MiB, "
                 f"{self.dram_Bps / 1e9:.1f} GB/s beyond it, a product's cold operands at "

@@ -39,13 +39,23 @@ a GPT's unfused attention are (s/cp)×s a rank, the same 1/cp). "allgather" hold
 gathered keys and values (2·s·b·kv width, /t) on top while it computes. The weights are
 replicated over cp as over dp: ZeRO shards over dp·cp.
 
-A pipeline rank holds its L/p layers for every micro-batch in flight: p on the first stage
-for 1F1B (Megatron's warm-up) and zb-h1 (its first stage's W follow its I closely enough that
-p are held until W, as labkit's schedule counts them), ×(1 + (p−1)/(p·v)) for the interleaved schedule (§4.2.3), all
-m for GPipe. Full recomputation re-materialises one layer at a time in backward, so one
-layer's full activations come on top.
+Each pipeline rank is counted on its own — its stages' parameters (the embedding on the first,
+the output layer on the last) and its activations at its peak — and the rank that needs the
+most is reported. A rank holds a chunk's activations from its forward to its backward (to
+its W for zb-h1), so its peak is what labkit's schedules (Megatron's) keep in flight: GPipe
+all m micro-batches; 1F1B min(m, p − r) on rank r (a warm-up of p − r − 1 forwards, then one
+forward before each backward); zb-h1 min(m, p); interleaved a warm-up of 2(p − r − 1) +
+(v − 1)·p (micro-batch, chunk) forwards, taken in groups of p micro-batches per chunk, then one
+forward before each backward (Megatron's get_num_warmup_microbatches; all m·v forwards first
+when that is no fewer) — for uniform chunks and m ≥ 2p, (1 + (p−1)/(p·v)) times p micro-batches
+on the first rank (Korthikanti et al., §4.2.3). Full recomputation re-materialises one layer at
+a time in backward, so one layer's full activations come on top.
 """
 from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from itertools import accumulate
 
 from .hardware import GB, GPT
 from .layout import ClusterStrategy
@@ -100,87 +110,78 @@ def gathered_kv_bytes(model, s: ClusterStrategy) -> float:
     return 2 * 2 * s.microbatch_size * model.seq * kv_width(model) / s.tp
 
 
-def in_flight(s: ClusterStrategy, microbatches: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak."""
-    p, m = s.pp, microbatches
+@lru_cache(maxsize=4096)
+def held(schedule: str, p: int, m: int, v: int, rank: int) -> tuple:
+    """Micro-batches of each of pipeline ``rank``'s v chunks whose activations it holds, at every
+    moment that can be its peak (after a forward; module docstring), without repeats."""
     if p == 1:
-        return 1
-    if s.schedule == "gpipe":
-        return m
-    if s.schedule == "interleaved":
-        return min(m, p) * (1 + (p - 1) / (p * s.chunks))
-    return min(m, p)
+        return ((1,),)
+    if schedule != "interleaved":
+        return ((m if schedule == "gpipe" else min(m, p if schedule == "zb-h1" else p - rank),),)
+    total = m * v
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    if warmup == total:
+        return ((m,) * v,)
+
+    def forwards(n: int, chunk: int) -> int:          # of the first n units, those of ``chunk``
+        return n // (p * v) * p + min(p, max(0, n % (p * v) - chunk * p))
+    # the steady state's held set repeats every p·v units; backward visits the chunks in reverse
+    return tuple(dict.fromkeys(tuple(forwards(warmup + k + 1, c) - forwards(k, v - 1 - c) for c in range(v))
+                               for k in range(min(p * v, total - warmup))))
 
 
-def stage_params(model: GPT, s: ClusterStrategy) -> float:
-    """Parameters on the heaviest pipeline rank, per tp shard (see ``model.rank_params``)."""
-    return max(model.rank_params(s.pp, s.chunks)) / s.tp
-
-
-def expert_split(model, s: ClusterStrategy) -> tuple[float, float]:
-    """(dense, expert) parameters per tp shard on the heaviest pipeline rank, the routed experts
-    divided by ep (a GPT or a dense Decoder: all dense)."""
+def replica_groups(model, s: ClusterStrategy) -> list[dict]:
+    """Per pipeline rank, its parameters per tp shard by the ranks that hold the same ones
+    (ZeRO's and the gradient all-reduce's group): the dense ones over dp·cp, the routed
+    experts (1/ep of them) over dp·cp/ep; one group when ep = 1."""
     total = model.rank_params(s.pp, s.chunks)
     experts = model.rank_expert_params(s.pp, s.chunks) if getattr(model, "experts", 0) else [0.0] * s.pp
-    held = [(t - e, e / s.ep) for t, e in zip(total, experts)]
-    dense, expert = max(held, key=sum)
-    return dense / s.tp, expert / s.tp
+    out = []
+    for dense, expert in ((t - e, e / s.ep) for t, e in zip(total, experts)):
+        groups = {s.replicas: dense / s.tp}
+        groups[s.replicas // s.ep] = groups.get(s.replicas // s.ep, 0.0) + expert / s.tp
+        out.append(groups)
+    return out
 
 
-def model_state_bytes(model, s: ClusterStrategy) -> tuple[float, float, float]:
-    """Weights, gradients and optimizer state per GPU (module docstring): the dense parameters
-    sharded by ZeRO over dp·cp, the experts (1/ep of them) over dp·cp/ep."""
-    dense, expert = expert_split(model, s)
-    replicas, edp = s.replicas, s.replicas // s.ep
-
+def model_state_bytes(s: ClusterStrategy, groups: dict) -> tuple[float, float, float]:
+    """Weights, gradients and optimizer state of one rank's ``groups`` (module docstring), each
+    sharded by ZeRO over its replicas."""
     def part(per_param: float, stage: int) -> float:
-        return per_param * (dense / (replicas if s.zero >= stage else 1) + expert / (edp if s.zero >= stage else 1))
+        return per_param * sum(n / (ranks if s.zero >= stage else 1) for ranks, n in groups.items())
     return part(2, 3), part(2, 2), part(12, 1)
 
 
-def _rank_activations(model, s: ClusterStrategy, rank: int) -> tuple[float, float]:
-    """Activations one micro-batch leaves on pipeline ``rank``'s layers, and its largest layer's
-    (full recomputation re-materialises one layer at a time)."""
-    if isinstance(model, GPT):          # uniform layers: L/p of them, as Korthikanti counts
-        return layer_activation_bytes(model, s) * (model.layers / s.pp), layer_activation_bytes(model, s)
-    stages = s.pp * s.chunks
+def stage_kinds(model, stages: int) -> list[dict]:
+    """Per pipeline stage, how many layers of each kind it holds ({} for an empty end stage)."""
     counts = model.stage_layers(stages)
-    kinds: dict = {}
-    for g in range(rank, stages, s.pp):
-        for k, n in model.kinds(sum(counts[:g]), counts[g]).items():
-            kinds[k] = kinds.get(k, 0) + n
-    none = ClusterStrategy(**{**s.to_dict(), "recompute": "none"})
-    return (sum(n * layer_activation_bytes(model, s, k) for k, n in kinds.items()),
-            max(layer_activation_bytes(model, none, k) for k in kinds))
+    return [model.kinds(first, n) for first, n in zip(accumulate([0] + counts), counts)]
 
 
 def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
-    """Bytes per GPU on the heaviest rank: weights, gradients, optimizer, activations, total."""
-    if s.ep > 1:
-        weights, grads, optimizer = model_state_bytes(model, s)
-    else:
-        n = stage_params(model, s)
-        dp = s.replicas
-        weights = 2 * n / (dp if s.zero >= 3 else 1)
-        grads = 2 * n / (dp if s.zero >= 2 else 1)
-        optimizer = 12 * n / (dp if s.zero >= 1 else 1)
+    """Bytes per GPU on the pipeline rank that needs the most: weights, gradients, optimizer,
+    activations, total (module docstring)."""
     m = s.microbatches(global_batch)
-    first, _ = _rank_activations(model, s, 0)
-    acts = first * in_flight(s, m)
-    if s.recompute == "full":       # one layer re-materialised during its backward
-        if isinstance(model, GPT):
-            acts += layer_activation_bytes(model, ClusterStrategy(**{**s.to_dict(), "recompute": "none"}))
-        else:
-            acts += _rank_activations(model, s, 0)[1]
-    acts += gathered_kv_bytes(model, s)
-    sbh = s.tokens(model.seq) * model.hidden
     # the output layer's logits and their softmax (Korthikanti eq. for the last stage): fp32
-    # logits of s·b·V/t and a bf16 copy.
-    logits = 4 * sbh * (1 + model.vocab / model.hidden) / s.tp
-    last = _rank_activations(model, s, s.pp - 1)[0] + logits if s.pp > 1 else 0.0
-    acts = max(acts if s.pp > 1 else acts + logits, last)
-    total = weights + grads + optimizer + acts
-    return {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts, "total": total}
+    # logits of s·b·V/t and a bf16 copy, freed by the loss's backward (I for zb-h1): held for one
+    # micro-batch at a time, GPipe's m
+    logits = 4 * s.tokens(model.seq) * model.hidden * (1 + model.vocab / model.hidden) / s.tp
+    logits *= m if s.schedule == "gpipe" and s.pp > 1 else 1
+    kinds = stage_kinds(model, s.pp * s.chunks)
+    per_kind = {k: (layer_activation_bytes(model, s, k), layer_activation_bytes(model, replace(s, recompute="none"), k))
+                for k in {k for stage in kinds for k in stage}}
+    stage_acts = [sum(n * per_kind[k][0] for k, n in stage.items()) for stage in kinds]
+    stage_layer = [max((per_kind[k][1] for k in stage), default=0.0) for stage in kinds]
+    ranks = []
+    for r, groups in enumerate(replica_groups(model, s)):
+        weights, grads, optimizer = model_state_bytes(s, groups)
+        chunks = stage_acts[r::s.pp]          # rank r holds stages r, r + p, …
+        acts = max(sum(n * a for n, a in zip(h, chunks)) for h in held(s.schedule, s.pp, m, s.chunks, r)) \
+            + (max(stage_layer[r::s.pp]) if s.recompute == "full" else 0.0) + gathered_kv_bytes(model, s) \
+            + (logits if r == s.pp - 1 else 0.0)
+        ranks.append({"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts,
+                      "total": weights + grads + optimizer + acts})
+    return max(ranks, key=lambda mem: mem["total"])
 
 
 def fits(total_bytes: float, hbm_bytes: float) -> bool:

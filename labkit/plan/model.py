@@ -35,6 +35,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from .hardware import require_whole
+
 # HF ``model_type`` values whose attention is grouped-query (or full multi-head) attention with
 # a SwiGLU MLP or SwiGLU experts: what this description counts.
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -75,15 +77,9 @@ class Decoder:
     name: str = ""
 
     def __post_init__(self):
-        for field in ("layers", "hidden", "heads", "vocab", "seq", "moe_every"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Decoder.{field}={value!r} must be a whole number ≥ 1")
-        for field in ("kv_heads", "head_dim", "ffn_hidden", "experts", "top_k", "expert_ffn", "shared_ffn",
-                      "dense_layers"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Decoder.{field}={value!r} must be a whole number ≥ 0")
+        require_whole(self, ("layers", "hidden", "heads", "vocab", "seq", "moe_every"))
+        require_whole(self, ("kv_heads", "head_dim", "ffn_hidden", "experts", "top_k", "expert_ffn", "shared_ffn",
+                             "dense_layers"), minimum=0)
         object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
         if not self.head_dim:
             if self.hidden % self.heads:
@@ -114,12 +110,15 @@ class Decoder:
         return {k: n for k, n in (("dense", count - moe), ("moe", moe)) if n}
 
     def can_split(self, stages: int) -> bool:
-        return 1 <= stages <= self.layers
+        """Stages of a layer or more, and up to two of none at the ends (:meth:`stage_layers`)."""
+        return 1 <= stages <= self.layers + 2
 
     def stage_layers(self, stages: int) -> list[int]:
         """Layers per pipeline stage: as even as possible, a stage short taken first from the first
-        and last stages, which also hold the embedding and the output layer (Llama 3, §3.3.2:
-        "one Transformer layer is reduced each from the first and the last stages")."""
+        and last stages, which also hold the embedding and the output layer (Llama 3, §3.3.2: "we
+        reduce one Transformer layer each from the first and the last stages ... the first model
+        chunk on the first stage has only the embedding, and the last model chunk on the last
+        stage has only output projection and loss calculation")."""
         per = -(-self.layers // stages)
         counts = [per] * stages
         order = [j for pair in zip(range(stages), reversed(range(stages))) for j in pair]

@@ -27,16 +27,23 @@ Published: TFLOP/s per GPU and BF16 MFU, model FLOPs (no recomputation), so the 
 stage: CP16 over 131,072-token sequences, with the paper's all-gather context parallelism
 (§3.3.2: K and V all-gathered, then attention on the local query chunks, the chunks load
 balanced; "the all-gather communication latency is exposed on the critical path"), priced
-as ``cp_mode="allgather"``.
+as ``cp_mode="allgather"``. Memory: counted under Megatron's interleaved schedule (labkit's),
+these rows do not fit: with 16 micro-batches and pp = 16 the first half of the ranks run every
+forward before a backward, so a rank of 8 layers holds 16 × 8 of them (rank 0 has one layer
+fewer). The paper ran its own schedule (§3.3.2: N contiguous micro-batches set between DFS and
+BFS, stage inputs and outputs freed early) without its in-flight count, so the planner reports
+the over-count rather than guess it away.
 
 **torchtitan.** Source: pytorch/torchtitan ``docs/performance.md`` at commit
 0413364 ("Llama 3 performance numbers", "Llama 2 performance numbers"): FSDP2 (ZeRO-3) over
 64 A100 80 GB, local batch 1 or 2, Llama 3 at sequence 8192 and Llama 2 at 4096, bf16, no
 torch.compile, tokens per second per GPU ("WPS"). The network of that cluster is not stated;
-the A100 preset (DGX A100, 200 Gb/s HDR per GPU) is used. torchtitan's "selective" checkpointing
-(every second layer, or the non-matmul ops) has no planner twin: those rows are predicted with
-the planner's "selective" (the attention core again, which FlashAttention already recomputes),
-so they are priced as recomputing less (and keeping more) than the run did.
+the A100 preset (DGX A100, 200 Gb/s HDR per GPU) is used. torchtitan's selective checkpointing
+has no planner twin (torchtitan ``activation_checkpoint.py``): "layer" recomputes every second
+layer in full, "op" keeps the outputs of the matmuls but every second one, of attention and of
+the reduce-scatters, and recomputes the rest (for a Llama layer wk, wo and w3 and the
+elementwise ops). Those rows are predicted with the planner's "selective" (the attention core
+again), other work than the run recomputed, and memory counted as keeping more.
 """
 from __future__ import annotations
 
@@ -62,12 +69,10 @@ MEGATRON_SC21_TABLE1 = (
 
 def rows() -> list[dict]:
     """The table as dicts: model, cluster, degrees, batch and the published TFLOP/s."""
-    out = []
-    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_SC21_TABLE1:
-        out.append({"billions": billions, "model": GPT(layers=layers, hidden=hidden, heads=heads),
-                    "cluster": Cluster.of(gpus, "a100"), "tp": tp, "pp": pp, "dp": gpus // (tp * pp),
-                    "batch": batch, "published_tflops": tflops})
-    return out
+    return [{"billions": billions, "model": GPT(layers=layers, hidden=hidden, heads=heads),
+             "cluster": Cluster.of(gpus, "a100"), "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "batch": batch,
+             "published_tflops": tflops}
+            for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_SC21_TABLE1]
 
 
 def compare(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
@@ -102,17 +107,12 @@ def table(result: list[dict]) -> str:
 
 
 # -- Llama-family runs ------------------------------------------------------------------------
-def llama3(layers, hidden, heads, ffn, seq, kv_heads=8, vocab=128256, name=""):
-    return Decoder(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn, vocab=vocab,
-                   seq=seq, name=name)
-
-
 MODELS = {   # the shapes in the papers' and configs' own numbers (Llama 3 Table 3; Llama 2 configs)
-    "llama3-8b": dict(layers=32, hidden=4096, heads=32, ffn=14336),
-    "llama3-70b": dict(layers=80, hidden=8192, heads=64, ffn=28672),
-    "llama3-405b": dict(layers=126, hidden=16384, heads=128, ffn=53248),
-    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn=13824, kv_heads=40, vocab=32000),
-    "llama2-70b": dict(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000),
+    "llama3-8b": dict(layers=32, hidden=4096, heads=32, ffn_hidden=14336),
+    "llama3-70b": dict(layers=80, hidden=8192, heads=64, ffn_hidden=28672),
+    "llama3-405b": dict(layers=126, hidden=16384, heads=128, ffn_hidden=53248),
+    "llama2-13b": dict(layers=40, hidden=5120, heads=40, ffn_hidden=13824, kv_heads=40, vocab=32000),
+    "llama2-70b": dict(layers=80, hidden=8192, heads=64, ffn_hidden=28672, vocab=32000),
 }
 
 # Llama 3 paper, Table 4: (GPUs, TP, CP, PP, DP, sequence, batch per DP, TFLOP/s per GPU, BF16 MFU).
@@ -139,17 +139,16 @@ TORCHTITAN_A100 = (
 
 
 def _model(name: str, seq: int) -> Decoder:
-    return llama3(seq=seq, name=name, **MODELS[name])
+    return Decoder(seq=seq, name=name, **{"kv_heads": 8, "vocab": 128256, **MODELS[name]})
 
 
-def _comm_note(p) -> str:
-    return f"dp comm exposed {p.parts['dp_comm_s']:.1f} s of {p.step_time_s:.1f} s"
-
-
-def _memory_note(p) -> str:
+def _note(p, *extra: str) -> str:
+    """The dp traffic left exposed, ``extra`` remarks, and a memory count above what the run had."""
     from .memory import USABLE_FRACTION
-    return (f"{p.memory_gb_per_gpu:.0f} GB > {100 * USABLE_FRACTION:.0f}% of "
-            f"{p.cluster.hardware.hbm_bytes / 1e9:.0f} GB")
+
+    over = [] if p.fits else [f"{p.memory_gb_per_gpu:.0f} GB > {100 * USABLE_FRACTION:.0f}% of "
+                              f"{p.cluster.hardware.hbm_bytes / 1e9:.0f} GB: the run fit, the planner over-counts"]
+    return "; ".join([f"dp comm exposed {p.parts['dp_comm_s']:.1f} s of {p.step_time_s:.1f} s", *extra, *over])
 
 
 def compare_llama() -> list[dict]:
@@ -161,9 +160,6 @@ def compare_llama() -> list[dict]:
 
     out = []
     for i, (gpus, tp, cp, pp, dp, seq, per_dp, tflops, mfu) in enumerate(LLAMA3_TABLE4, 1):
-        row = {"source": "Llama 3 paper, Table 4", "row": i, "model": "llama3-405b", "metric": "TFLOP/s per GPU",
-               "config": f"{gpus} H100, tp{tp} cp{cp} pp{pp} dp{dp}, seq {seq}, {per_dp} seq/dp",
-               "published": tflops, "prediction": None, "predicted": float("nan"), "error": float("nan")}
         model, cluster = _model("llama3-405b", seq), Cluster.of(gpus, "h100")
         # the published configuration: zero=2, no recomputation, interleaved, sequence parallel,
         # all-gather cp; the micro-batch size and chunks are not published: the fastest of those
@@ -173,22 +169,22 @@ def compare_llama() -> list[dict]:
             recompute=("none",), schedules=("interleaved",), sequence_parallel=(True,), dp_overlap=True)),
             key=lambda p: p.step_time_s)
         predicted = p.mfu * cluster.hardware.peak_flops / 1e12
-        note = _comm_note(p) + (f"; cp all-gathers exposed {p.parts['cp_comm_s']:.1f} s" if cp > 1 else "") + \
-            ("" if p.fits else f"; {_memory_note(p)}: the run fit, the planner over-counts")
-        out.append({**row, "prediction": p, "predicted": predicted,
-                    "error": (predicted - tflops) / tflops, "note": note})
+        out.append({"source": "Llama 3 paper, Table 4", "row": i, "model": "llama3-405b", "metric": "TFLOP/s per GPU",
+                    "config": f"{gpus} H100, tp{tp} cp{cp} pp{pp} dp{dp}, seq {seq}, {per_dp} seq/dp",
+                    "published": tflops, "prediction": p, "predicted": predicted, "error": (predicted - tflops) / tflops,
+                    "note": _note(p, *([f"cp all-gathers exposed {p.parts['cp_comm_s']:.1f} s"] if cp > 1 else []))})
     for i, (name, seq, batch, ac, tps, mfu) in enumerate(TORCHTITAN_A100, 1):
         model, cluster = _model(name, seq), Cluster.of(64, "a100")
         rc = {"none": "none", "full": "full"}.get(ac, "selective")
-        s = ClusterStrategy(dp=64, zero=3, microbatch_size=batch, recompute=rc, dp_overlap=True)
-        p = predict(model, cluster, 64 * batch, s)
+        p = predict(model, cluster, 64 * batch, ClusterStrategy(dp=64, zero=3, microbatch_size=batch, recompute=rc,
+                                                                  dp_overlap=True))
         predicted = p.throughput_tokens_s / cluster.gpus
-        note = _comm_note(p) + ("" if p.fits else f"; {_memory_note(p)}: the run fit, the planner over-counts") + \
-            ("; torchtitan's selective recomputes more than the planner's" if rc == "selective" else "")
         out.append({"source": "torchtitan docs/performance.md", "row": i, "model": name,
                     "config": f"64 A100, FSDP (zero=3) dp64, seq {seq}, batch {batch}/GPU, AC {ac}",
                     "metric": "tokens/s per GPU", "published": tps, "prediction": p, "predicted": predicted,
-                    "error": (predicted - tps) / tps, "note": note})
+                    "error": (predicted - tps) / tps,
+                    "note": _note(p, *(["torchtitan's selective recomputes other work than the planner's"]
+                                       if rc == "selective" else []))})
     return out
 
 

@@ -14,6 +14,7 @@ of the ranking; a model that fits no strategy gives a result whose table says so
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 
 from .hardware import GPT, Cluster
 from .layout import RECOMPUTE, ClusterStrategy
@@ -31,15 +32,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _schedules(pp: int, model, m: int):
-    if pp == 1:
-        yield "1f1b", 1
-        return
     yield "1f1b", 1
-    yield "gpipe", 1
-    yield "zb-h1", 1
-    for v in (2, 4):
-        if model.can_split(pp * v) and m % pp == 0:
-            yield "interleaved", v
+    if pp > 1:
+        yield from (("gpipe", 1), ("zb-h1", 1))
+        yield from (("interleaved", v) for v in (2, 4) if model.can_split(pp * v) and m % pp == 0)
 
 
 def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
@@ -77,21 +73,14 @@ def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, 
         d = n // (t * c * p)
         if (dp and d != dp) or not model.can_split(p) or d * p * c * t != n:
             continue
-        for mbs in microbatch_sizes:
-            if global_batch % (d * mbs):
-                continue
-            m = global_batch // (d * mbs)
-            for schedule, v in _schedules(p, model, m):
-                if schedules is not None and schedule not in schedules:
-                    continue
-                for z in (zero if d * c > 1 else (0,)):
-                    for rc in recompute:
-                        for sp in (sequence_parallel if t > 1 else (False,)):
-                            for e, overlap in _expert_degrees(model, d, ep, ep_overlap):
-                                yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs,
-                                                      schedule=schedule, chunks=v, recompute=rc,
-                                                      dp_overlap=dp_overlap, sequence_parallel=sp,
-                                                      ep=e, ep_overlap=overlap, cp=c, cp_mode=mode)
+        for mbs in (b for b in microbatch_sizes if global_batch % (d * b) == 0):
+            for (schedule, v), z, rc, sp, (e, overlap) in product(
+                    _schedules(p, model, global_batch // (d * mbs)), zero if d * c > 1 else (0,), recompute,
+                    sequence_parallel if t > 1 else (False,), _expert_degrees(model, d, ep, ep_overlap)):
+                if schedules is None or schedule in schedules:
+                    yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,
+                                          chunks=v, recompute=rc, dp_overlap=dp_overlap, sequence_parallel=sp,
+                                          ep=e, ep_overlap=overlap, cp=c, cp_mode=mode)
 
 
 def _expert_degrees(model, dp: int, ep, ep_overlap):

@@ -1,47 +1,35 @@
-"""Step time, MFU and memory of a GPT under a strategy on a cluster, from first principles.
+"""Step time, MFU and memory of a model under a strategy on a cluster, from first principles.
 
-Compute: FLOPs of each pipeline stage per micro-batch (Narayanan et al. 2021, §5.1: a layer's
-forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation one more forward;
-the logits 2·b·s·h·V on the last stage), divided by tp, at peak × the GEMM efficiency
-``eff(d) = e_max · d / (d + d_half)`` with d the smallest GEMM dimension on one GPU,
-min(h/tp, b·s) (see :class:`~labkit.plan.hardware.Hardware`).
+Compute: each stage's FLOPs per micro-batch (Narayanan et al. 2021, §5.1: a GPT layer's
+forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation one more forward,
+selective the attention core again; the logits 2·b·s·h·V on the last stage), over tp, each
+GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
+memory-bound work at HBM bandwidth.
 
-Communication: α-β per call on the link the group is placed on (tp inside a node on NVLink;
-pp and dp across nodes on InfiniBand once a group spans more than a node). Ring all-reduce
-moves 2(n−1)/n·S per GPU (nccl-tests' bus factor). Per layer Megatron's tensor parallelism
-does 2 all-reduces of b·s·h in forward and 2 in backward (the f and g operators), 2 more when
-the forward is recomputed. Pipeline neighbours exchange b·s·h activations, split over the tp
-ranks and all-gathered over NVLink (Megatron's scatter/gather optimisation, §4.1).
+Communication: every call is ``Link.seconds`` (α once per call, nccl-tests' bus factors) on
+the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBand):
 
-Expert parallelism (``ep`` > 1): each MoE layer sends every token's top_k rows (bf16, k·h each)
-to its experts' ranks and back, two all-to-alls in forward and their two mirrors in backward
-(two more when full recomputation runs the forward again), each α + (ep−1)/ep · S/β with S = 2·b·s·k·h on the
-ep group's link (NVLink while ep·pp·tp consecutive GPUs fit in a node, else InfiniBand; the
-per-GPU bandwidth bounds a personalised exchange as it bounds a ring). ``ep_overlap`` hides
-them behind the routed experts' GEMMs of the same pass (DeepSeek-V3 §3.2.2): only
-max(0, all-to-all − expert compute) is exposed. The routed experts' gradients are
-all-reduced over the dp/ep replicas of each expert, the rest over dp.
-
-Context parallelism (``cp`` > 1): each rank computes s/cp tokens of every sequence (two
-balanced chunks, so causal attention costs each the same): every GEMM and the attention core
-at 1/cp. Attention needs the other chunks' keys and values (K and V of the whole sequence,
-2·b·s·kv width in bf16, S below), on the cp group's link (NVLink while cp·tp GPUs fit in a
-node). ``cp_mode="allgather"`` gathers them before attention, exposed (the Llama 3 paper,
-§3.3.2: "the all-gather communication latency is exposed on the critical path"): one
-all-gather in forward, and in backward one again and a reduce-scatter of their gradients.
-``"ring"`` passes one block (S/cp) a hop per round, cp−1 rounds, each under that round's
-attention (1/cp of the rank's attention core; Liu et al. 2023, Ring Attention): exposed
-max(0, α + S/(cp·β) − core/cp) a round in forward, and with the gradients travelling too,
-max(0, α + 2S/(cp·β) − 2·core/cp) in backward. The gradient all-reduce runs over dp·cp.
+* tp (Megatron's f and g): 2 all-reduces of b·s·h a layer in forward, 2 in backward.
+* pp: b·s·h/t to the neighbour, all-gathered over tp (Megatron's scatter/gather, §4.1).
+* ep: 2 all-to-alls of 2·b·s·k·h (bf16 rows, top_k of each token) a MoE layer in forward and
+  2 in backward, on the ep·pp·cp·tp consecutive GPUs; ``ep_overlap`` exposes only what the
+  routed experts' GEMMs of the same pass do not hide (DeepSeek-V3, §3.2.2).
+* cp: K and V of the whole sequence (S = 2·b·s·kv width, bf16) on the cp·tp group's link.
+  ``"allgather"``: one exposed all-gather in forward, one and a reduce-scatter of the
+  gradients in backward (Llama 3, §3.3.2: "the all-gather communication latency is exposed on
+  the critical path"). ``"ring"``: cp−1 hops of S/cp, each under its round's attention (1/cp
+  of the core; Liu et al. 2023), 2·S/cp and twice the attention in backward.
+* dp: gradients all-reduced over dp·cp (a routed expert's over its dp·cp/ep replicas); ZeRO 1/2
+  move the same bytes as reduce-scatter + all-gather, ZeRO-3 gathers the weights again for
+  backward: 1.5× (Rajbhandari et al. 2020, §7). Full recomputation repeats a forward's calls.
 
 Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
 Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
-(p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). zb-h1 splits backward into I (input gradients:
-the attention core's backward and half of the GEMMs', the memory-bound work, tp's f calls,
-recomputation) and W (the weight-gradient GEMMs, 24·b·s·h²/t a layer, and the logits' half),
-and fills the 1F1B bubble with W: 2·(p−1)·W less (Qi et al. 2023, arXiv 2401.10241, §3.1: a
-bubble of (p−1)(F+I−W) against 1F1B's (p−1)(F+I+W)), at 1F1B's peak activation memory. Then the dp gradient all-reduce (exposed unless
-``dp_overlap``), ZeRO-3's parameter all-gathers, and the optimizer step at HBM bandwidth.
+(p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). zb-h1 splits backward into I (the input
+gradient: everything but W) and W (the weight-gradient GEMMs, 24·b·s·h²/t a layer, and the
+logits' half), and fills 1F1B's bubble with W: 2·(p−1)·W less (Qi et al. 2023, arXiv
+2401.10241, §3.1: a bubble of (p−1)(F+I−W) against (p−1)(F+I+W)). Then the exposed dp
+traffic and the optimizer step at HBM bandwidth.
 
     >>> p = predict(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), 1536,
     ...             ClusterStrategy(dp=8, pp=16, tp=8, recompute="full"))
@@ -49,12 +37,12 @@ bubble of (p−1)(F+I−W) against 1F1B's (p−1)(F+I+W)), at 1F1B's peak activa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..parallel.pipeline import SPLIT_BACKWARD
-from .hardware import GPT, Cluster, Link
+from .hardware import GPT, Cluster
 from .layout import ClusterStrategy
-from .memory import expert_split, fits, gb, kv_width, layer_activation_bytes, memory_breakdown
+from .memory import fits, gb, kv_width, layer_activation_bytes, memory_breakdown, replica_groups, stage_kinds
 from .simulation import simulate_scale
 
 ADAM_BYTES_PER_PARAM = 32
@@ -64,22 +52,7 @@ variance and gradient, write the three back and the bf16 copy (4·4 + 3·4 + 2 �
 
 def gemm_efficiency(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
     """Efficiency of the layer's main GEMMs (hidden/tp wide, b·s rows)."""
-    return _efficiency(cluster, min(model.hidden / s.tp, s.tokens(model.seq)))
-
-
-def _efficiency(cluster: Cluster, d: float) -> float:
-    hw = cluster.hardware
-    return hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim)
-
-
-def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce: α + 2(n−1)/n · S / β (0 for one rank)."""
-    return 0.0 if n <= 1 else link.alpha + 2 * (n - 1) / n * nbytes / link.beta
-
-
-def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
-    """All-to-all of a buffer S spread over n ranks: α + (n−1)/n · S / β (0 for one rank)."""
-    return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
+    return cluster.hardware.efficiency(min(model.hidden / s.tp, s.tokens(model.seq)))
 
 
 def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: float) -> tuple[float, float]:
@@ -87,16 +60,11 @@ def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: f
     ``expert_fwd``: the routed experts' forward GEMMs, what ``ep_overlap`` hides them behind."""
     if s.ep == 1:
         return 0.0, 0.0
-    a2a = all_to_all_time(2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep,
-                          cluster.link(s.ep * s.pp * s.cp * s.tp))
+    link = cluster.link(s.ep * s.pp * s.cp * s.tp)
+    a2a = link.seconds("all_to_all", 2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep)
     if not s.ep_overlap:
         return 2 * a2a, 2 * a2a
     return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
-
-
-def all_gather_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a full buffer S: α + (n−1)/n · S / β."""
-    return 0.0 if n <= 1 else link.alpha + (n - 1) / n * nbytes / link.beta
 
 
 def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: float) -> tuple[float, float]:
@@ -107,22 +75,19 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
     link = cluster.link(s.cp * s.tp)
     kv = 2 * 2 * s.microbatch_size * model.seq * kv_width(model) / s.tp       # K and V, bf16
     if s.cp_mode == "allgather":
-        gather = all_gather_time(kv, s.cp, link)
+        gather = link.seconds("all_gather", kv, s.cp)
         return gather, 2 * gather
     rounds, share = s.cp - 1, core_fwd / s.cp
-    fwd = rounds * max(0.0, link.alpha + kv / s.cp / link.beta - share)
-    bwd = rounds * max(0.0, link.alpha + 2 * kv / s.cp / link.beta - 2 * share)
+    fwd = rounds * max(0.0, link.seconds("send", kv / s.cp, 2) - share)
+    bwd = rounds * max(0.0, link.seconds("send", 2 * kv / s.cp, 2) - 2 * share)
     return fwd, bwd
 
 
 def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
-    """Forward seconds of one layer's memory-bound work (layer norms, GeLU, softmax, dropout,
-    bias adds, residuals): each activation Korthikanti et al. count is written once and read
-    once at HBM bandwidth, so 2 × their no-recompute bytes per layer (Table 2, no sequence
-    parallelism: what each tp rank touches); backward moves about twice as much."""
-    plain = ClusterStrategy(tp=s.tp, microbatch_size=s.microbatch_size, sequence_parallel=s.sequence_parallel,
-                            cp=s.cp)
-    return 2 * layer_activation_bytes(model, plain, kind) / cluster.hardware.hbm_bandwidth
+    """Forward seconds of one layer's memory-bound work (norms, activations, softmax, dropout,
+    residuals): each activation Korthikanti et al. count written once and read once at HBM
+    bandwidth, 2 × their no-recompute bytes (what each tp rank touches); backward twice that."""
+    return 2 * layer_activation_bytes(model, replace(s, recompute="none"), kind) / cluster.hardware.hbm_bandwidth
 
 
 @dataclass
@@ -149,15 +114,17 @@ def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_
     """Seconds of one layer of ``kind`` for one micro-batch: forward, backward, of backward the
     weight-gradient GEMMs (W), of forward and backward the exposed expert all-to-alls, and the
     exposed context-parallel traffic. Each GEMM group runs at its own efficiency."""
-    rate = cluster.hardware.peak_flops
-    tokens = s.tokens(model.seq)
+    hw, tokens = cluster.hardware, s.tokens(model.seq)
     groups = model.gemms(kind, tokens, s.tp)
-    gemm_f = sum(f / s.tp / (rate * _efficiency(cluster, d)) for f, _, d in groups)
-    gemm_w = sum(w / s.tp / (rate * _efficiency(cluster, d)) for _, w, d in groups)
+
+    def gemm_s(flops: float, d: float) -> float:
+        return flops / s.tp / (hw.peak_flops * hw.efficiency(d))
+    gemm_f = sum(gemm_s(f, d) for f, _, d in groups)
+    gemm_w = sum(gemm_s(w, d) for _, w, d in groups)
     memory_bound = elementwise_time(model, cluster, s, kind)
-    expert_f = sum(fl / s.tp / (rate * _efficiency(cluster, d)) for fl, _, d in groups[1:])   # routed experts
+    expert_f = sum(gemm_s(f, d) for f, _, d in groups[1:])              # the routed experts
     ep_f, ep_b = expert_comm_times(model, cluster, s, expert_f) if kind == "moe" else (0.0, 0.0)
-    core_f = model.attention_core_flops(tokens) / s.tp / (rate * _efficiency(cluster, groups[0][2]))
+    core_f = gemm_s(model.attention_core_flops(tokens), groups[0][2])
     cp_f, cp_b = context_comm_times(model, cluster, s, core_f)
     f = gemm_f + memory_bound + 2 * tp_ar + ep_f + cp_f
     b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b + cp_b
@@ -171,65 +138,49 @@ def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_
 
 def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     """The costs the closed form and the simulator share."""
-    hw, eff = cluster.hardware, gemm_efficiency(model, cluster, s)
-    flops_rate = hw.peak_flops * eff
-    tokens = s.tokens(model.seq)
-    stages = s.pp * s.chunks
+    hw, tokens, stages = cluster.hardware, s.tokens(model.seq), s.pp * s.chunks
     act_bytes = 2 * tokens * model.hidden                      # bf16 b·(s/cp)·h
     tp_link = cluster.link(s.tp)
-    tp_ar = all_reduce_time(act_bytes, s.tp, tp_link)
-    logit_f = model.logit_forward_flops(tokens) / s.tp / flops_rate
-    fwd, bwd, bwd_weight, first = [], [], [], 0
-    per_kind = {}
-    for g, count in enumerate(model.stage_layers(stages)):
-        kinds = model.kinds(first, count)
-        first += count
-        for kind in kinds:
-            if kind not in per_kind:
-                per_kind[kind] = layer_times(model, cluster, s, kind, tp_ar)
-        last = g == stages - 1
-        fwd.append(sum(n * per_kind[k][0] for k, n in kinds.items()) + (logit_f if last else 0.0))
-        bwd.append(sum(n * per_kind[k][1] for k, n in kinds.items()) + (2 * logit_f if last else 0.0))
-        bwd_weight.append(sum(n * per_kind[k][2] for k, n in kinds.items()) + (logit_f if last else 0.0))
-    pp_link = cluster.link(s.pp * s.cp * s.tp)
+    tp_ar = tp_link.seconds("all_reduce", act_bytes, s.tp)
+    logit_f = model.logit_forward_flops(tokens) / s.tp / (hw.peak_flops * gemm_efficiency(model, cluster, s))
+    kinds_of = stage_kinds(model, stages)
+    per_kind = {k: layer_times(model, cluster, s, k, tp_ar) for k in {k for kinds in kinds_of for k in kinds}}
+
+    def per_stage(i: int, logits: float = 0.0) -> list[float]:
+        """Item ``i`` of layer_times summed over each stage's layers, ``logits`` on the last."""
+        out = [sum(n * per_kind[k][i] for k, n in kinds.items()) for kinds in kinds_of]
+        out[-1] += logits
+        return out
     p2p = 0.0
     if s.pp > 1:
-        p2p = pp_link.alpha + act_bytes / s.tp / pp_link.beta + all_gather_time(act_bytes, s.tp, tp_link)
-    params_local = max(model.rank_params(s.pp, s.chunks)) / s.tp
-    grads = 2 * params_local
-    dp_link = cluster.link(s.gpus)
-    replicas = s.replicas            # dp·cp ranks hold the same weights
-    # ZeRO 1/2 replace the all-reduce by reduce-scatter + all-gather: the same bytes; ZeRO-3
-    # gathers the weights again for backward: 1.5× (Rajbhandari et al. 2020, §7). Without ep
-    # the MoE experts are replicated over dp, so their gradients are all-reduced too.
-    dp_sync = all_reduce_time(grads, replicas, dp_link) * (1.5 if s.zero >= 3 else 1.0)
-    optimizer = ADAM_BYTES_PER_PARAM * params_local / (replicas if s.zero >= 1 else 1) / hw.hbm_bandwidth
-    ep_comm = 0.0
-    if s.ep > 1:           # dense gradients over dp·cp, each expert's over its dp·cp/ep replicas
-        dense, expert = expert_split(model, s)
-        edp = replicas // s.ep
-        dp_sync = (all_reduce_time(2 * dense, replicas, dp_link) + all_reduce_time(2 * expert, edp, dp_link)) \
-            * (1.5 if s.zero >= 3 else 1.0)
-        optimizer = ADAM_BYTES_PER_PARAM * (dense / (replicas if s.zero >= 1 else 1)
-                                            + expert / (edp if s.zero >= 1 else 1)) / hw.hbm_bandwidth
-        ep_comm = max(model.kinds(sum(model.stage_layers(stages)[:g]), n).get("moe", 0)
-                      for g, n in enumerate(model.stage_layers(stages))) * per_kind["moe"][3]
-    layers = max(model.stage_layers(stages))
-    cp_comm = layers * max(v[4] for v in per_kind.values())
-    return StageCosts(fwd, bwd, p2p, dp_sync, optimizer, tp_comm=layers * 4 * tp_ar, bwd_weight=bwd_weight,
-                      ep_comm=ep_comm, cp_comm=cp_comm)
+        pp_link = cluster.link(s.pp * s.cp * s.tp)
+        p2p = pp_link.seconds("send", act_bytes / s.tp, 2) + tp_link.seconds("all_gather", act_bytes, s.tp)
+    # dense gradients over dp·cp, each routed expert's over its dp·cp/ep replicas; ZeRO-3: 1.5×
+    dp_link, groups = cluster.link(s.gpus), max(replica_groups(model, s), key=lambda g: sum(g.values()))
+    dp_sync = sum(dp_link.seconds("all_reduce", 2 * n, ranks) for ranks, n in groups.items()) \
+        * (1.5 if s.zero >= 3 else 1.0)
+    optimizer = ADAM_BYTES_PER_PARAM * sum(n / (ranks if s.zero >= 1 else 1) for ranks, n in groups.items()) \
+        / hw.hbm_bandwidth
+    return StageCosts(per_stage(0, logit_f), per_stage(1, 2 * logit_f), p2p, dp_sync, optimizer,
+                      tp_comm=max(model.stage_layers(stages)) * 4 * tp_ar, ep_comm=max(per_stage(3)), cp_comm=max(per_stage(4)),
+                      bwd_weight=per_stage(2, logit_f))
+
+
+def rank_work(c: StageCosts, s: ClusterStrategy, p2p: bool = True) -> list[float]:
+    """Seconds of one micro-batch on each pipeline rank: its chunks' forward and backward, and
+    with ``p2p`` their two messages."""
+    p = s.pp
+    return [sum(c.fwd[k * p + r] + c.bwd[k * p + r] + (2 * c.p2p if p2p else 0.0) for k in range(s.chunks))
+            for r in range(p)]
 
 
 def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
     """Forward and backward of all micro-batches (the closed form in the module docstring)."""
-    p, v = s.pp, s.chunks
-    per_rank = [sum(c.fwd[k * p + r] + c.bwd[k * p + r] + 2 * c.p2p for k in range(v))
-                for r in range(p)]
+    p, per_rank = s.pp, rank_work(c, s)
     if s.schedule == "interleaved":
-        return (m + (p - 1) / v) * max(per_rank)
-    if s.schedule in SPLIT_BACKWARD:       # the cool-down's W fill what 1F1B leaves idle
-        return sum(per_rank) + (m - 1) * max(per_rank) - 2 * (p - 1) * min(c.bwd_weight[:p])
-    return sum(per_rank) + (m - 1) * max(per_rank)
+        return (m + (p - 1) / s.chunks) * max(per_rank)
+    fill = 2 * (p - 1) * min(c.bwd_weight[:p]) if s.schedule in SPLIT_BACKWARD else 0.0   # W in 1F1B's bubble
+    return sum(per_rank) + (m - 1) * max(per_rank) - fill
 
 
 @dataclass
@@ -283,11 +234,6 @@ def exposed_dp_sync(c: StageCosts, s: ClusterStrategy, last: list[float]) -> flo
     return max(0.0, gather_fwd - head_fwd) + max(0.0, c.dp_sync - gather_fwd - tail_bwd)
 
 
-def hardware_flops(model: GPT, global_batch: int, recompute: str) -> float:
-    """FLOPs the GPUs execute per step (recomputation included), as the model counts them."""
-    return model.hardware_flops(global_batch, recompute)
-
-
 def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterStrategy) -> Prediction:
     """Memory, step time, MFU and TFLOP/s per GPU of ``strategy`` (ValueError if it cannot be placed)."""
     strategy.check(model, cluster, global_batch)
@@ -297,13 +243,11 @@ def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterSt
     last = c.bwd_weight if strategy.schedule in SPLIT_BACKWARD else c.bwd        # the gradients appear in W
     dp_exposed = exposed_dp_sync(c, strategy, last)
     step = pipe + dp_exposed + c.optimizer
-    tokens = global_batch * model.seq
     peak = cluster.hardware.peak_flops
-    mfu = model.model_flops(tokens) / (step * cluster.gpus * peak)      # PaLM, appendix B
-    tflops = hardware_flops(model, global_batch, strategy.recompute) / (step * cluster.gpus) / 1e12
+    mfu = model.model_flops(global_batch * model.seq) / (step * cluster.gpus * peak)      # PaLM, appendix B
+    tflops = model.hardware_flops(global_batch, strategy.recompute) / (step * cluster.gpus) / 1e12
     memory = memory_breakdown(model, strategy, global_batch)
-    ideal = m * max(sum(c.fwd[k * strategy.pp + r] + c.bwd[k * strategy.pp + r] for k in range(strategy.chunks))
-                    for r in range(strategy.pp))
+    ideal = m * max(rank_work(c, strategy, p2p=False))
     parts = {"pipeline_s": pipe, "compute_s": ideal, "bubble_and_p2p_s": pipe - ideal, "dp_comm_s": dp_exposed,
              "optimizer_s": c.optimizer, "tp_comm_s": m * c.tp_comm * strategy.chunks,
              "gemm_efficiency": gemm_efficiency(model, cluster, strategy), "microbatches": m}
