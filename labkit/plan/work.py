@@ -67,6 +67,9 @@ class BlockWork:
     params: list[int]
     out_numel: int
     linears: dict = field(default_factory=dict)      # qualified name → (in_features, out_features)
+    attention: list = field(default_factory=list)
+    """(B, H, T, hd, Hkv) of each call to :func:`labkit.parallel.context.attention` (counted with
+    ``cp`` > 1); its ops are left out and an Op named "attention" marks where it ran."""
 
 
 @dataclass
@@ -126,8 +129,95 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None) -> ModelWork:
-    """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's)."""
+class _Attention:
+    """A stand-in context while counting for cp > 1: attention computes as one process, its ops
+    left out of the count (the planner prices the cp mode's own), a zero-cost Op "attention"
+    left where it ran, forward and backward, and its shapes kept per block."""
+
+    def __init__(self, counter):
+        self.counter, self.block, self.shapes = counter, None, {}
+
+    def positions(self, t, device=None):
+        return torch.arange(t, device=device)
+
+    def attention(self, q, k, v, causal):
+        self.shapes.setdefault(self.block, []).append((*q.shape[:3], q.shape[3], k.shape[1]))
+        return _Hidden.apply(self.counter, causal, q, k, v)
+
+
+class _Hidden(torch.autograd.Function):
+    """Local attention whose ops, forward and backward, go to no sink; a marker goes instead."""
+
+    @staticmethod
+    def forward(ctx, counter, causal, q, k, v):
+        from ..parallel.context import local_attention
+        counter.sink.append(Op("attention", 0.0, 0.0))
+        keep, counter.sink = counter.sink, []
+        with torch.enable_grad():
+            ctx.inputs = [z.detach().requires_grad_() for z in (q, k, v)]
+            ctx.out = local_attention(*ctx.inputs, causal)
+        counter.sink, ctx.counter = keep, counter
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.counter.sink.append(Op("attention", 0.0, 0.0))
+        keep, ctx.counter.sink = ctx.counter.sink, []
+        grads = torch.autograd.grad(ctx.out, ctx.inputs, grad)
+        ctx.counter.sink = keep
+        return (None, None, *grads)
+
+
+def _ops(fn) -> list:
+    """The ops ``fn()`` runs, counted."""
+    counter = _Counter()
+    with counter:
+        fn()
+    return counter.sink
+
+
+def ring_pair(b: int, h: int, c: int, hd: int, hkv: int, how: str) -> tuple[Ops, Ops]:
+    """One (query chunk, key chunk) pair of ring attention of ``c`` tokens each, as
+    :mod:`labkit.parallel.context.ring` computes it: forward (``block_forward`` and ``merge``)
+    and backward (``block_backward`` and its three sums), counted."""
+    from ..parallel.context.blocks import block_backward, block_forward, merge
+    q, dout = torch.randn(b, h, c, hd), torch.randn(b, h, c, hd)
+    k, v = torch.randn(b, hkv, c, hd), torch.randn(b, hkv, c, hd)
+    out, lse = torch.zeros(b, h, c, hd), torch.full((b, h, c), float("-inf"))
+    fwd = _ops(lambda: merge(out, lse, *block_forward(q, k, v, how)))
+    dq, dkv = torch.zeros(b, h, c, hd), torch.zeros(2, b, hkv, c, hd)
+
+    def backward():
+        dq_b, dk_b, dv_b = block_backward(q, k, v, out, dout, lse, how)
+        dq.add_(dq_b), dkv[0].add_(dk_b), dkv[1].add_(dv_b)
+    return Ops(fwd), Ops(_ops(backward))
+
+
+def gathered_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> tuple[Ops, Ops]:
+    """All-gather attention (:mod:`labkit.parallel.context.allgather`) of ``t`` queries over the
+    ``cp·t`` gathered keys and values, forward and backward, counted (the calls left out)."""
+    from ..parallel.context.layout import token_index
+    q, k, v = (torch.randn(b, n, t, hd, requires_grad=True) for n in (h, hkv, hkv))
+    sink = {}
+
+    def forward():
+        kv = torch.stack([k, v])
+        gathered = torch.cat([kv] * cp).view(cp, *kv.shape)          # what the all-gather returns
+        k_all, v_all = (torch.cat(list(gathered[:, i].unbind(0)), dim=2) for i in range(2))
+        if h > hkv:
+            k_all, v_all = k_all.repeat_interleave(h // hkv, 1), v_all.repeat_interleave(h // hkv, 1)
+        k_pos = torch.cat([token_index(r, cp, t * cp, True) for r in range(cp)])
+        mask = token_index(0, cp, t * cp, True)[:, None] >= k_pos[None, :]
+        sink["y"] = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    fwd = _ops(forward)
+    return Ops(fwd), Ops(_ops(lambda: sink["y"].backward(torch.ones_like(sink["y"]))))
+
+
+def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None,
+          cp: int = 1) -> ModelWork:
+    """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
+    ``cp`` > 1: on one cp rank's 1/cp of every sequence, attention marked, not counted."""
+    from ..parallel import context
     from ..parallel.blocks import find_blocks
 
     net = build_model(model, 0)
@@ -138,6 +228,9 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     x, y = resolve_data(data, net, batch, 0)(0)
     x, y = x[:batch], y[:batch]
     counter = _Counter()
+    marks = _Attention(counter) if cp > 1 else None
+    if marks is not None:            # a cp rank's share of the tokens (cp splits the sequence)
+        x, y = x[:, :x.shape[1] // cp], y[:, :y.shape[1] // cp]
     counter.weights = {tuple(p.shape) for p in net.parameters() if p.dim() >= 2}
     for qual, mod in net.named_modules():
         if isinstance(mod, nn.Linear):
@@ -157,6 +250,8 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     def enter(i):
         def pre(m, a):
             counter.sink = sink(i, "fwd")
+            if marks is not None:
+                marks.block = i
         return pre
 
     def leave(i):
@@ -182,14 +277,19 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
         hooks += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i)),
                   block.register_full_backward_pre_hook(enter_b(i)), block.register_full_backward_hook(leave_b(i))]
     lossfn = resolve_loss(loss)
+    before = context._active
     with counter:
         counter.sink = sink("pre", "fwd")
-        out = net(x)
-        value = lossfn(out, y)
-        counter.sink = sink("post", "bwd")
-        with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
-            warnings.simplefilter("ignore", UserWarning)
-            value.backward()
+        context.activate(marks)
+        try:
+            out = net(x)
+            value = lossfn(out, y)
+            counter.sink = sink("post", "bwd")
+            with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
+                warnings.simplefilter("ignore", UserWarning)
+                value.backward()
+        finally:
+            context.activate(before)
         for h in hooks:
             h.remove()
         from ..models.training import build_optimizer
@@ -206,7 +306,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
         o = outputs.get(i)
         return BlockWork(name, Ops(pieces.get((i, "fwd"), [])), Ops(pieces.get((i, "bwd"), [])),
                          [p.numel() for p in module.parameters()], 0 if o is None else o[0].numel(),
-                         {q: linears[q] for q in quals})
+                         {q: linears[q] for q in quals}, marks.shapes.get(i, []) if marks else [])
 
     works = [block_work(i, n, b) for i, (n, b) in enumerate(found)]
     inside = {id(p) for _, b in found for p in b.parameters()}
