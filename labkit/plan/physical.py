@@ -62,9 +62,14 @@ def check(strategy, machine: Machine, model) -> None:
         raise ValueError("simulate: zero_mode='fsdp2' issues torch's own calls; simulate zero_mode='labkit'")
     if strategy.compression != "none":
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled; use compression='none'")
-    for axis in ("cp", "ep"):
-        if getattr(strategy, axis, 1) > 1:
-            raise ValueError(f"simulate: Strategy.{axis} > 1 is not modelled yet; use {axis}=1")
+    if strategy.cp > 1 and strategy.cp_mode == "ulysses":
+        raise ValueError("simulate: Strategy.cp_mode='ulysses' is not modelled yet; use cp_mode='ring' or "
+                         "'allgather'")
+    if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
+        raise ValueError(f"simulate: Strategy.cp={strategy.cp} is modelled beside dp and zero only, not with "
+                         f"pp={strategy.pp} tp={strategy.tp}; use pp=1 and tp=1 with cp, or cp=1")
+    if strategy.ep > 1:
+        raise ValueError("simulate: Strategy.ep > 1 is not modelled yet; use ep=1")
 
 
 def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None, loss="mse",
@@ -73,7 +78,10 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
-    work = _count(model, size, data, loss, optimizer)
+    work = _count(model, size, data, loss, optimizer, strategy.cp)
+    if strategy.cp > 1 and not any(b.attention for b in work.blocks):
+        raise ValueError(f"simulate: Strategy.cp={strategy.cp} but the model's blocks never call "
+                         "labkit.parallel.context.attention; route its attention through it, or use cp=1")
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
@@ -91,15 +99,25 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 _CACHE: dict = {}
 
 
-def _count(model, size, data, loss, optimizer):
+def _count(model, size, data, loss, optimizer, cp=1):
     from .work import count
     try:
-        key = (model, size, data, loss, optimizer)
+        key = (model, size, data, loss, optimizer, cp)
         hash(key)
     except TypeError:
-        return count(model, size, data, loss, optimizer)
+        return count(model, size, data, loss, optimizer, cp=cp)
     if key not in _CACHE:
-        _CACHE[key] = count(model, size, data, loss, optimizer)
+        _CACHE[key] = count(model, size, data, loss, optimizer, cp=cp)
+    return _CACHE[key]
+
+
+def _attention_ops(how: str, *shape) -> tuple:
+    """A cp mode's attention ops at ``shape`` (:func:`~labkit.plan.work.ring_pair`, or
+    :func:`~labkit.plan.work.gathered_attention` for how="gathered"), counted once."""
+    from .work import gathered_attention, ring_pair
+    key = ("attention", how, shape)
+    if key not in _CACHE:
+        _CACHE[key] = gathered_attention(*shape) if how == "gathered" else ring_pair(*shape, how)
     return _CACHE[key]
 
 
@@ -108,15 +126,16 @@ class Builder:
 
     def __init__(self, s, machine: Machine, work, plan: dict):
         self.s, self.m, self.w = s, machine, work
+        self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}
 
-    # -- the grid: ranks = arange(world).view(dp, pp, tp) ----------------------------------------
-    def rank(self, d: int, p: int, t: int) -> int:
-        return (d * self.s.pp + p) * self.s.tp + t
+    # -- the grid: ranks = arange(world).view(dp, pp, cp, tp) ------------------------------------
+    def rank(self, d: int, p: int, t: int, c: int = 0) -> int:
+        return ((d * self.s.pp + p) * self.s.cp + c) * self.s.tp + t
 
     def dp_group(self, p: int, t: int) -> tuple:
-        return tuple(self.rank(d, p, t) for d in range(self.s.dp))
+        return tuple(self.rank(d, p, t, c) for d in range(self.s.dp) for c in range(self.s.cp))
 
     def tp_group(self, d: int, p: int) -> tuple:
         return tuple(self.rank(d, p, t) for t in range(self.s.tp))
@@ -141,7 +160,7 @@ class Builder:
         return Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps)
 
     # -- compute of a range of blocks, with tp's calls -------------------------------------------
-    def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None) -> list:
+    def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None, c: int = 0) -> list:
         out, w = [], self.w
         if first:
             out.append(Compute(self.secs(w.pre.fwd), "fwd", "pre", mb))
@@ -149,7 +168,7 @@ class Builder:
             if gather:
                 out += gather(i, "fwd")
             b = w.blocks[i]
-            out.append(Compute(self.secs(b.fwd), "fwd", f"block {b.name}", mb))
+            out += self.block(b, b.fwd, "fwd", mb, d, c)
             for q in sorted(self.row & set(b.linears)):
                 out += self.blocking(("g", q, d, p, mb), self.tp_group(d, p), "all_reduce",
                                      4 * b.out_numel * w.size, "allreduce", f"tp g {q}", mb)
@@ -157,7 +176,8 @@ class Builder:
             out.append(Compute(self.secs(w.post.fwd), "fwd", "loss", mb))
         return out
 
-    def backward(self, blocks, d, p, t, mb, first: bool, last: bool, part=None, after=None, gather=None) -> list:
+    def backward(self, blocks, d, p, t, mb, first: bool, last: bool, part=None, after=None, gather=None,
+                 c: int = 0) -> list:
         """Backward over ``blocks`` (last to first); ``part``: "I" or "W" of a split backward;
         ``after(i)``: items to issue once block i's gradients are done."""
         kind = {"I": "bwd_input", "W": "bwd_weight"}.get(part, "bwd")
@@ -169,7 +189,7 @@ class Builder:
             if gather:
                 out += gather(i, "bwd")
             b = w.blocks[i]
-            out.append(Compute(self.secs(b.bwd.where(keep)), kind, f"block {b.name}", mb))
+            out += self.block(b, b.bwd.where(keep), kind, mb, d, c)
             if part != "W":
                 for q in sorted(self.col & set(b.linears)):
                     out += self.blocking(("f", q, d, p, mb), self.tp_group(d, p), "all_reduce",
@@ -181,6 +201,73 @@ class Builder:
             if after:
                 out += after(-1)
         return out
+
+    # -- context parallelism: a block's compute cut at its attention ----------------------------
+    def block(self, b, ops, kind, mb, d, c) -> list:
+        """A block's compute; under cp, cut where its attention ran (work.count's markers), each
+        attention across the cp group as ``cp_mode`` runs it."""
+        name = f"block {b.name}"
+        pieces = [[]]
+        for o in ops.ops:
+            if o.name == "attention" and self.s.cp > 1:
+                pieces.append([])
+            else:
+                pieces[-1].append(o)
+        out = [Compute(self.m.seconds(pieces[0], self.scale), kind, name, mb)]
+        shapes = b.attention if kind == "fwd" else b.attention[::-1]
+        for k, (shape, piece) in enumerate(zip(shapes, pieces[1:])):
+            out += self.cp_attention(shape, (b.name, k), kind == "fwd", name, mb, d, c)
+            out.append(Compute(self.m.seconds(piece, self.scale), kind, name, mb))
+        return out
+
+    def cp_attention(self, shape, layer, fwd: bool, name, mb, d, c) -> list:
+        """One attention of cp rank ``c`` (ring: parallel/context/ring.py; allgather: allgather.py)."""
+        s, (b, h, t, hd, hkv) = self.s, shape
+        nbytes = 4 * 2 * b * hkv * t * hd                 # k and v stacked (float32): one hop, one rank's share
+        group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
+        if s.cp_mode == "allgather":                      # blocking, no overlap inside the layer
+            ops = _attention_ops("gathered", b, h, t, hd, hkv, s.cp)[0 if fwd else 1]
+            work = Compute(self.m.seconds(ops.ops), "fwd" if fwd else "bwd", name, mb)
+            if fwd:
+                return self.blocking(("cp ag", d, mb, layer), group, "all_gather", s.cp * nbytes, "allgather",
+                                     "cp allgather kv", mb) + [work]
+            return [work] + self.blocking(("cp rs", d, mb, layer), group, "reduce_scatter", s.cp * nbytes,
+                                          "reduce_scatter", "cp reduce-scatter dkv", mb)
+        return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
+
+    def ring(self, pair, nbytes, layer, fwd: bool, mb, d, c) -> list:
+        """Ring attention: per round, the next K/V hop posted before the round's pairs and waited
+        after them; backward also passes each block's dK/dV on, posted once its round made it."""
+        from ..parallel.context.blocks import SKIP, relation
+        from ..parallel.context.layout import rank_chunks
+        s, n = self.s, self.s.cp
+        nxt, prv, me = self.rank(d, 0, 0, (c + 1) % n), self.rank(d, 0, 0, (c - 1) % n), self.rank(d, 0, 0, c)
+        secs = self.m.comm_s("send", nbytes, 2)
+
+        def hop(what, j, label):
+            send = Issue((what, d, mb, layer, j, c), (me, nxt), secs, "send", label, nbytes, nxt, mb, ordered=False)
+            recv = Issue((what, d, mb, layer, j, (c - 1) % n), (prv, me), secs, "recv", label, 0, prv, mb,
+                         ordered=False)
+            return [send, recv], [Wait(send.key), Wait(recv.key)]
+
+        def round_s(src):      # its pairs, and its buffers: the next block's (fwd), dK/dV's zeroed and summed (bwd)
+            hows = [relation(qa, kb, True) for qa in rank_chunks(c, n, s.cp_balance)
+                    for kb in rank_chunks(src, n, s.cp_balance)]
+            own = self.m.op_s if fwd else 3 * self.m.op_s + 4 * nbytes / self.m.memory_Bps
+            return own + sum(self.m.seconds(_attention_ops(how, *pair)[0 if fwd else 1].ops)
+                             for how in hows if how != SKIP)
+
+        out, grads = [], []
+        for j in range(n):
+            posts, waits = hop("kv" if fwd else "kv bwd", j, f"cp kv {j + 1}" if fwd else f"cp kv bwd {j + 1}") \
+                if j < n - 1 else ([], [])
+            out += posts + [Compute(round_s((c - j) % n), "attention", f"ring {'fwd' if fwd else 'bwd'} {j}", mb)]
+            if not fwd:                                   # the block's gradient so far in, passed on
+                posts_g, next_grads = hop("dkv", j, f"cp dkv {j + 1}")
+                out += grads + posts_g
+                grads = next_grads
+            out += waits
+        return out + grads
 
     # -- gradients -----------------------------------------------------------------------------
     def buckets(self, blocks, first: bool) -> list[tuple[int, int]]:
@@ -198,7 +285,7 @@ class Builder:
     def sync_items(self, stage, blocks, first, d, p, t, overlap_mb: int | None):
         """(issued during backward: block → items, after backward: items) of dp's gradient sync."""
         s = self.s
-        if s.dp == 1:
+        if self.dpc == 1:
             return {}, []
         group = self.dp_group(p, t)
         during, after = {}, []
@@ -219,9 +306,9 @@ class Builder:
             else:
                 after += ([self.copy(nbytes)] if s.dp_mode != "naive" or zero else [Compute(self.m.op_s)])
                 after += self.blocking(key, group, family, nbytes, kind, f"bucket {k}")
-                after.append(self.copy(nbytes / (s.dp if zero else 1)))
+                after.append(self.copy(nbytes / (self.dpc if zero else 1)))
         for key, nbytes in keys:
-            after += [Wait(key), self.copy(nbytes / (s.dp if zero else 1))]
+            after += [Wait(key), self.copy(nbytes / (self.dpc if zero else 1))]
         return during, after
 
     def gathers(self, stage, blocks, first, d, p, t) -> list:
@@ -242,18 +329,19 @@ class Builder:
         for d in range(s.dp):
             for p in range(s.pp):
                 for t in range(s.tp):
-                    one = self.zero3(d, p, t) if s.zero == 3 else (self.pipeline(d, p, t) if s.pp > 1
-                                                                   else self.single(d, t))
-                    progs[self.rank(d, p, t)] = [Compute(self.m.step_s)] + one
+                    for c in range(s.cp):
+                        one = self.zero3(d, p, t, c) if s.zero == 3 else (self.pipeline(d, p, t) if s.pp > 1
+                                                                          else self.single(d, t, c))
+                        progs[self.rank(d, p, t, c)] = [Compute(self.m.step_s)] + one
         return progs
 
     def share(self, blocks, first: bool) -> float:
         """The part of the optimizer's work this rank does: its blocks, its tp shard, its ZeRO shard."""
         total = sum(sum(b.params) for b in self.w.blocks) + sum(self.w.pre.params)
         mine = sum(sum(self.w.blocks[i].params) for i in blocks) + (sum(self.w.pre.params) if first else 0)
-        return mine / max(1, total) / self.s.tp / (self.s.dp if self.s.zero else 1)
+        return mine / max(1, total) / self.s.tp / (self.dpc if self.s.zero else 1)
 
-    def single(self, d: int, t: int) -> list:
+    def single(self, d: int, t: int, c: int = 0) -> list:
         s, n = self.s, len(self.w.blocks)
         blocks, act = range(n), Compute(self.m.action_s)
         out = []
@@ -261,8 +349,8 @@ class Builder:
             last_mb = mb == s.microbatches - 1
             sync = s.zero == 2 or last_mb
             during, after = self.sync_items(0, blocks, True, d, 0, t, mb if s.zero == 2 else None) if sync else ({}, [])
-            out += [act] + self.forward(blocks, d, 0, t, mb, True, True)
-            out += [act] + self.backward(blocks, d, 0, t, mb, True, True, after=lambda i: during.get(i, []))
+            out += [act] + self.forward(blocks, d, 0, t, mb, True, True, c=c)
+            out += [act] + self.backward(blocks, d, 0, t, mb, True, True, after=lambda i: during.get(i, []), c=c)
             if s.zero == 2 and not last_mb:
                 out += after
         out += after
@@ -271,12 +359,12 @@ class Builder:
             out += self.gathers(0, blocks, True, d, 0, t)
         return out
 
-    def zero3(self, d: int, p: int, t: int) -> list:
+    def zero3(self, d: int, p: int, t: int, c: int = 0) -> list:
         """zero=3 (pp = 1): each block gathered before its forward and its backward, reduce-scattered after."""
         s, n = self.s, len(self.w.blocks)
         group, act = self.dp_group(0, t), Compute(self.m.action_s)
-        sizes = [4 * -(-sum(b.params) // s.tp // s.dp) * s.dp for b in self.w.blocks]
-        pre = 4 * -(-sum(self.w.pre.params) // s.dp) * s.dp
+        sizes = [4 * -(-sum(b.params) // s.tp // self.dpc) * self.dpc for b in self.w.blocks]
+        pre = 4 * -(-sum(self.w.pre.params) // self.dpc) * self.dpc
         out, pending = [], []
         for mb in range(s.microbatches):
             issued = set()
@@ -302,10 +390,10 @@ class Builder:
                 pending.append((key, nbytes))
                 return [self.call(key, group, "reduce_scatter", nbytes, "reduce_scatter", f"scatter block {i}", mb)]
 
-            out += [act] + self.forward(range(n), d, 0, t, mb, True, True, gather=gather)
-            out += [act] + self.backward(range(n), d, 0, t, mb, True, True, after=scatter, gather=gather)
+            out += [act] + self.forward(range(n), d, 0, t, mb, True, True, gather=gather, c=c)
+            out += [act] + self.backward(range(n), d, 0, t, mb, True, True, after=scatter, gather=gather, c=c)
         for key, nbytes in pending:
-            out += [Wait(key), self.copy(nbytes / s.dp)]
+            out += [Wait(key), self.copy(nbytes / self.dpc)]
         out.append(self.optimizer(self.share(range(n), True)))
         return out
 
