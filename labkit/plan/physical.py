@@ -78,10 +78,12 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
+    if strategy.cp > 1:                  # the lab's own model checks: token data, attention through the context
+        from ..models.training import build_model, resolve_data
+        from ..parallel.context import check_model
+        built = build_model(model, 0)
+        check_model(strategy, built, resolve_data(data, built, batch, 0))
     work = _count(model, size, data, loss, optimizer, strategy.cp)
-    if strategy.cp > 1 and not any(b.attention for b in work.blocks):
-        raise ValueError(f"simulate: Strategy.cp={strategy.cp} but the model's blocks never call "
-                         "labkit.parallel.context.attention; route its attention through it, or use cp=1")
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
