@@ -87,6 +87,11 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     if n >= 4:
         out += [("pp4 1f1b m8", S(pp=4, schedule="1f1b", microbatches=8), base),
                 ("pp2 tp2 1f1b m4", S(dp=n // 4, pp=2, tp=2, schedule="1f1b", microbatches=4), base)]
+        # context parallelism: a llama's sequence over 2 and 4 ranks, each cp mode the planner models
+        llama, dp2, dp4 = _llama(), f"dp{n // 2} " if n > 2 else "", f"dp{n // 4} " if n > 4 else ""
+        for mode in ("ring", "allgather"):
+            out += [(f"{dp2}cp2 {mode}", S(dp=n // 2, cp=2, cp_mode=mode), llama),
+                    (f"{dp4}cp4 {mode}", S(dp=n // 4, cp=4, cp_mode=mode), llama)]
     return out
 
 
