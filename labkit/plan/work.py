@@ -70,6 +70,11 @@ class BlockWork:
     attention: list = field(default_factory=list)
     """(B, H, T, hd, Hkv) of each call to :func:`labkit.parallel.context.attention` (counted with
     ``cp`` > 1); its ops are left out and an Op named "attention" marks where it ran."""
+    moe: list = field(default_factory=list)
+    """(name, module) of each MoE layer whose routed experts ran (counted with ``ep`` > 1); an
+    Op named "experts" marks where."""
+    routed: list = field(default_factory=list)
+    """Per parameter (as ``params``): whether it is a routed expert's (ep spreads those)."""
 
 
 @dataclass
@@ -129,43 +134,51 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-class _Attention:
-    """A stand-in context while counting for cp > 1: attention computes as one process, its ops
-    left out of the count (the planner prices the cp mode's own), a zero-cost Op "attention"
-    left where it ran, forward and backward, and its shapes kept per block."""
+class _Marks:
+    """Stand-ins while counting for cp > 1 or ep > 1: attention (as the context module) and each
+    MoE layer's routed experts compute as one process with their ops left out of the count (the
+    planner prices the cp mode's and the ep rank's own), a zero-cost Op ("attention",
+    "experts") left where they ran, forward and backward, and what they ran on kept per block."""
 
     def __init__(self, counter):
-        self.counter, self.block, self.shapes = counter, None, {}
+        self.counter, self.block, self.shapes, self.moe = counter, None, {}, {}
 
     def positions(self, t, device=None):
         return torch.arange(t, device=device)
 
     def attention(self, q, k, v, causal):
+        from ..parallel.context import local_attention
         self.shapes.setdefault(self.block, []).append((*q.shape[:3], q.shape[3], k.shape[1]))
-        return _Hidden.apply(self.counter, causal, q, k, v)
+        return _Hidden.apply(self.counter, "attention", lambda *qkv: local_attention(*qkv, causal), q, k, v)
+
+    def routed(self, name, moe):
+        def routed(x, chosen, gates):
+            self.moe.setdefault(self.block, []).append((name, moe))
+            return _Hidden.apply(self.counter, "experts", type(moe)._routed.__get__(moe), x, chosen, gates)
+        return routed
 
 
 class _Hidden(torch.autograd.Function):
-    """Local attention whose ops, forward and backward, go to no sink; a marker goes instead."""
+    """``fn(*inputs)`` whose ops, forward and backward, go to no sink; an Op ``tag`` goes instead."""
 
     @staticmethod
-    def forward(ctx, counter, causal, q, k, v):
-        from ..parallel.context import local_attention
-        counter.sink.append(Op("attention", 0.0, 0.0))
+    def forward(ctx, counter, tag, fn, *inputs):
+        counter.sink.append(Op(tag, 0.0, 0.0))
         keep, counter.sink = counter.sink, []
         with torch.enable_grad():
-            ctx.inputs = [z.detach().requires_grad_() for z in (q, k, v)]
-            ctx.out = local_attention(*ctx.inputs, causal)
-        counter.sink, ctx.counter = keep, counter
+            ctx.inputs = [z.detach().requires_grad_() if z.is_floating_point() else z for z in inputs]
+            ctx.out = fn(*ctx.inputs)
+        counter.sink, ctx.counter, ctx.tag = keep, counter, tag
         return ctx.out.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.counter.sink.append(Op("attention", 0.0, 0.0))
+        ctx.counter.sink.append(Op(ctx.tag, 0.0, 0.0))
         keep, ctx.counter.sink = ctx.counter.sink, []
-        grads = torch.autograd.grad(ctx.out, ctx.inputs, grad)
+        wants = [z for z in ctx.inputs if z.requires_grad]
+        got = iter(torch.autograd.grad(ctx.out, wants, grad, allow_unused=True))
         ctx.counter.sink = keep
-        return (None, None, *grads)
+        return (None, None, None, *[next(got) if z.requires_grad else None for z in ctx.inputs])
 
 
 def _ops(fn) -> list:
@@ -214,9 +227,11 @@ def gathered_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> tu
 
 
 def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None,
-          cp: int = 1) -> ModelWork:
+          cp: int = 1, ep: int = 1) -> ModelWork:
     """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
-    ``cp`` > 1: on one cp rank's 1/cp of every sequence, attention marked, not counted."""
+    ``cp`` > 1: on one cp rank's 1/cp of every sequence, attention marked, not counted;
+    ``ep`` > 1: the MoE layers' routed experts marked, not counted."""
+    from ..parallel.expert import moe_layers
     from ..parallel import context
     from ..parallel.blocks import find_blocks
 
@@ -228,9 +243,11 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     x, y = resolve_data(data, net, batch, 0)(0)
     x, y = x[:batch], y[:batch]
     counter = _Counter()
-    marks = _Attention(counter) if cp > 1 else None
-    if marks is not None:            # a cp rank's share of the tokens (cp splits the sequence)
+    marks = _Marks(counter) if cp > 1 or ep > 1 else None
+    if cp > 1:                       # a cp rank's share of the tokens (cp splits the sequence)
         x, y = x[:, :x.shape[1] // cp], y[:, :y.shape[1] // cp]
+    for name, moe in (moe_layers(net) if ep > 1 else []):
+        moe._routed = marks.routed(name, moe)
     counter.weights = {tuple(p.shape) for p in net.parameters() if p.dim() >= 2}
     for qual, mod in net.named_modules():
         if isinstance(mod, nn.Linear):
@@ -280,7 +297,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     before = context._active
     with counter:
         counter.sink = sink("pre", "fwd")
-        context.activate(marks)
+        context.activate(marks if cp > 1 else None)
         try:
             out = net(x)
             value = lossfn(out, y)
@@ -306,7 +323,9 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
         o = outputs.get(i)
         return BlockWork(name, Ops(pieces.get((i, "fwd"), [])), Ops(pieces.get((i, "bwd"), [])),
                          [p.numel() for p in module.parameters()], 0 if o is None else o[0].numel(),
-                         {q: linears[q] for q in quals}, marks.shapes.get(i, []) if marks else [])
+                         {q: linears[q] for q in quals}, marks.shapes.get(i, []) if marks else [],
+                         marks.moe.get(i, []) if marks else [],
+                         [".experts." in f".{q}" for q, _ in module.named_parameters()])
 
     works = [block_work(i, n, b) for i, (n, b) in enumerate(found)]
     inside = {id(p) for _, b in found for p in b.parameters()}
@@ -317,3 +336,59 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
                      0, {})
     n_params = sum(p.numel() for p in net.parameters())
     return ModelWork(batch, works, pre, post, Ops(pieces.get(("opt", "fwd"), [])), n_params)
+
+
+def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
+    """Per dp rank, per micro-batch: {MoE layer name: the experts each token chose (tokens,
+    top_k)} at the first step's data and the seeded weights, as the run's first step routes."""
+    from ..parallel.expert import moe_layers
+    net = build_model(model, 0)
+    x, _ = resolve_data(data, net, batch, 0)(0)
+    seen, hooks = {}, []
+    for name, moe in moe_layers(net):
+        def hook(m, args, logits, name=name, moe=moe):     # MoE.forward's own top-k of the router's softmax
+            seen[name] = logits.float().softmax(dim=-1).topk(moe.top_k, dim=-1).indices.reshape(-1, moe.top_k)
+        hooks.append(moe.router.register_forward_hook(hook))
+    out = []
+    with torch.no_grad():
+        for rows in x.chunk(ranks):
+            out.append([])
+            for part in rows.chunk(microbatches):
+                net(part)
+                out[-1].append(dict(seen))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def routed_ops(moe, chosen, counts) -> dict:
+    """One ep rank's compute around a MoE layer's exchanges, as
+    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs it: "pre" sorts its tokens'
+    ``chosen`` (tokens, top_k) experts and gathers their rows, "experts" runs its local experts
+    on what arrives (``counts``: [sender, local expert] rows), "post" weights the results back
+    into the tokens; each (forward Ops, backward Ops), counted."""
+    from types import SimpleNamespace
+
+    from ..parallel.expert.dispatch import ExpertParallelMoE as EP
+    ep, local = counts.shape
+    me = SimpleNamespace(top_k=moe.top_k, n_experts=moe.n_experts,      # every expert has the same shapes
+                         experts={str(e): moe.experts[e] for e in range(local)})
+    c, n = moe.router.in_features, len(chosen)
+    x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, moe.top_k, requires_grad=True)
+    arrived, back = torch.randn(int(counts.sum()), c, requires_grad=True), torch.randn(n * moe.top_k, c, requires_grad=True)
+    got = {}
+
+    def pre():
+        got["order"], got["token"], _ = EP._sort(me, chosen)
+        got["pre"] = x.index_select(0, got["token"])
+
+    def experts():
+        got["experts"] = EP._experts(me, arrived, counts)
+
+    def post():
+        got["post"] = EP._unpermute(me, x.detach(), back, gates, got["order"], got["token"])
+    out = {}
+    for part, fn in (("pre", pre), ("experts", experts), ("post", post)):
+        fwd = _ops(fn)
+        out[part] = (Ops(fwd), Ops(_ops(lambda: got[part].backward(torch.ones_like(got[part])))))
+    return out
