@@ -1,5 +1,6 @@
-"""The local planner's context parallelism: what it refuses, and on 4 engines each rank's bytes
-sent per step and its span kinds equal a run's of the same strategy (no timing is asserted)."""
+"""The local planner's context and expert parallelism: what it refuses, and on 4 engines each
+rank's bytes sent in a step and its span kinds equal a run's first step of the same strategy
+(the experts' exchanges follow the routing of the first step's tokens; no timing is asserted)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from labkit.plan.machine import FAMILIES, Machine
 
 DATA = labkit.data.text(batch=8, block_size=16)
 SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size, n_kv_heads=2)
+MOE = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0)
 KW = dict(data=DATA, loss="cross_entropy", batch=8)
 SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
 
@@ -29,11 +31,12 @@ def per_rank(events, world: int) -> list[tuple[int, set]]:
     (dict(cp=2, cp_mode="ulysses"), "cp_mode='ulysses'"),
     (dict(cp=2, pp=2), "pp=1 and tp=1"),
     (dict(cp=2, tp=2), "pp=1 and tp=1"),
-    (dict(dp=2, ep=2), "ep=1"),
+    (dict(dp=2, pp=2, ep=2), "beside dp only"),
+    (dict(dp=2, ep=2, zero=1), "zero=0"),
 ])
 def test_what_is_not_modelled_is_refused_naming_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
-        plan.simulate(labkit.Strategy(**kw), _machine(), model=labkit.models.llama(**SIZES), **KW)
+        plan.simulate(labkit.Strategy(**kw), _machine(), model=MOE, **KW)
 
 
 def test_a_model_the_lab_refuses_under_cp_is_refused_by_the_lab_s_own_check():
@@ -54,16 +57,17 @@ def test_ring_rounds_follow_the_causal_split():
             assert slow == sorted(slow) and slow[3] > 2 * slow[0]
 
 
-@pytest.mark.parametrize("strategy", [
-    labkit.Strategy(dp=2, cp=2),
-    labkit.Strategy(cp=4, cp_mode="allgather"),
-    labkit.Strategy(cp=4, cp_balance=False, dp_mode="bucketed"),
-    labkit.Strategy(dp=2, cp=2, cp_mode="allgather", zero=1),
-], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1"])
-def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy):
-    model = labkit.models.llama(**SIZES)
+@pytest.mark.parametrize("strategy, model", [
+    (labkit.Strategy(dp=2, cp=2), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(cp=4, cp_mode="allgather"), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(cp=4, cp_balance=False, dp_mode="bucketed"), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=2, cp=2, cp_mode="allgather", zero=1), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=4, ep=2), MOE),
+    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), MOE),
+    (labkit.Strategy(dp=4, ep=4, microbatches=2, dp_mode="bucketed"), MOE),
+], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp4ep2",
+        "dp4ep2-overlap", "dp4ep4-m2"])
+def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, **KW)
-    run = lab4.run(strategy, model=model, steps=2, lr=0.3, **KW)
-    last = max(e["step"] for e in run.timeline.events)
-    measured = [e for e in run.timeline.events if e["step"] == last]
-    assert per_rank(pred.timeline.events, 4) == per_rank(measured, 4)
+    run = lab4.run(strategy, model=model, steps=1, lr=0.3, **KW)
+    assert per_rank(pred.timeline.events, 4) == per_rank(run.timeline.events, 4)

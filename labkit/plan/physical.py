@@ -68,8 +68,10 @@ def check(strategy, machine: Machine, model) -> None:
     if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
         raise ValueError(f"simulate: Strategy.cp={strategy.cp} is modelled beside dp and zero only, not with "
                          f"pp={strategy.pp} tp={strategy.tp}; use pp=1 and tp=1 with cp, or cp=1")
-    if strategy.ep > 1:
-        raise ValueError("simulate: Strategy.ep > 1 is not modelled yet; use ep=1")
+    if strategy.ep > 1 and (strategy.pp > 1 or strategy.tp > 1 or strategy.cp > 1 or strategy.zero):
+        raise ValueError(f"simulate: Strategy.ep={strategy.ep} is modelled beside dp only, not with pp={strategy.pp} "
+                         f"tp={strategy.tp} cp={strategy.cp} zero={strategy.zero}; use pp=1, tp=1, cp=1 and zero=0 "
+                         "with ep, or ep=1")
 
 
 def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None, loss="mse",
@@ -83,15 +85,23 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         from ..parallel.context import check_model
         built = build_model(model, 0)
         check_model(strategy, built, resolve_data(data, built, batch, 0))
-    work = _count(model, size, data, loss, optimizer, strategy.cp)
+    if strategy.ep > 1:                  # the lab's own: MoE layers whose experts divide over ep
+        from ..models.training import build_model
+        from ..parallel.expert import check_model
+        check_model(strategy, build_model(model, 0))
+    work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep)
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
     else:
         plan = {}
+    routes = None
+    if strategy.ep > 1:
+        from .work import routes as route
+        routes = route(model, batch, data, strategy.dp, strategy.microbatches)
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
-                for prog in Builder(strategy, machine, work, plan).programs()]      # posting a call is host work
+                for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
     events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
@@ -101,15 +111,15 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 _CACHE: dict = {}
 
 
-def _count(model, size, data, loss, optimizer, cp=1):
+def _count(model, size, data, loss, optimizer, cp=1, ep=1):
     from .work import count
     try:
-        key = (model, size, data, loss, optimizer, cp)
+        key = (model, size, data, loss, optimizer, cp, ep)
         hash(key)
     except TypeError:
-        return count(model, size, data, loss, optimizer, cp=cp)
+        return count(model, size, data, loss, optimizer, cp=cp, ep=ep)
     if key not in _CACHE:
-        _CACHE[key] = count(model, size, data, loss, optimizer, cp=cp)
+        _CACHE[key] = count(model, size, data, loss, optimizer, cp=cp, ep=ep)
     return _CACHE[key]
 
 
@@ -126,8 +136,8 @@ def _attention_ops(how: str, *shape) -> tuple:
 class Builder:
     """Each rank's program for one step (see the module docstring)."""
 
-    def __init__(self, s, machine: Machine, work, plan: dict):
-        self.s, self.m, self.w = s, machine, work
+    def __init__(self, s, machine: Machine, work, plan: dict, routes=None):
+        self.s, self.m, self.w, self.routes = s, machine, work, routes
         self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}
@@ -206,19 +216,24 @@ class Builder:
 
     # -- context parallelism: a block's compute cut at its attention ----------------------------
     def block(self, b, ops, kind, mb, d, c) -> list:
-        """A block's compute; under cp, cut where its attention ran (work.count's markers), each
-        attention across the cp group as ``cp_mode`` runs it."""
-        name = f"block {b.name}"
-        pieces = [[]]
+        """A block's compute; under cp and ep, cut where its attention and its routed experts ran
+        (work.count's markers): each attention across the cp group as ``cp_mode`` runs it, each
+        MoE layer's experts behind its exchanges over the ep group."""
+        name, fwd = f"block {b.name}", kind == "fwd"
+        cut = ({"attention"} if self.s.cp > 1 else set()) | ({"experts"} if self.s.ep > 1 else set())
+        pieces, marks = [[]], []
         for o in ops.ops:
-            if o.name == "attention" and self.s.cp > 1:
+            if o.name in cut:
+                marks.append(o.name)
                 pieces.append([])
             else:
                 pieces[-1].append(o)
+        todo = {"attention": list(b.attention if fwd else b.attention[::-1]), "experts": list(b.moe if fwd else b.moe[::-1])}
         out = [Compute(self.m.seconds(pieces[0], self.scale), kind, name, mb)]
-        shapes = b.attention if kind == "fwd" else b.attention[::-1]
-        for k, (shape, piece) in enumerate(zip(shapes, pieces[1:])):
-            out += self.cp_attention(shape, (b.name, k), kind == "fwd", name, mb, d, c)
+        for k, (mark, piece) in enumerate(zip(marks, pieces[1:])):
+            what = todo[mark].pop(0)
+            out += (self.cp_attention(what, (b.name, k), fwd, name, mb, d, c) if mark == "attention"
+                    else self.ep_layer(*what, fwd, kind, name, mb, d))
             out.append(Compute(self.m.seconds(piece, self.scale), kind, name, mb))
         return out
 
@@ -271,13 +286,84 @@ class Builder:
             out += waits
         return out + grads
 
+    # -- expert parallelism: a MoE layer's exchanges around this rank's experts -------------------
+    def ep_layer(self, layer, moe, fwd: bool, kind, name, mb, d) -> list:
+        """One MoE layer on dp rank ``d`` as parallel/expert/dispatch.py runs it: counts, then the
+        tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two halves
+        of the tokens whose exchanges travel under the other half's experts; backward mirrored."""
+        from .work import exchange, routed_ops
+        ep = self.s.ep
+        first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
+        group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
+        halves = [None] if self.s.ep_overlap == "none" else [0, 1]
+        out, ops, calls = [], {}, {}
+        for h in halves:
+            chosen = [self.routes[first + k][mb][layer] for k in range(ep)]
+            chosen = chosen if h is None else [x.tensor_split(2)[h] for x in chosen]
+            rows, counts = exchange(chosen, moe.n_experts, ep)
+            ops[h] = {part: pair[0 if fwd else 1] for part, pair in routed_ops(moe, chosen[me], counts[me]).items()}
+            out_rows = [sum(rows[s]) - rows[s][s] for s in range(ep)]                       # dispatch's
+            in_rows = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]    # combine's
+            for what, sent in (("dispatch", out_rows if fwd else in_rows), ("combine", in_rows if fwd else out_rows)):
+                label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
+                calls[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group,
+                                          [row * x for x in sent], me, label, mb)
+
+        def work(part, h):
+            return Compute(self.m.seconds(ops[h][part].ops), kind, name, mb)
+        n = moe.n_experts
+        counts = self.a2a(("a2a counts", first, mb, layer), group, [8 * n * (ep - 1) // ep] * ep, me,
+                          f"{layer} counts", mb)
+        if halves == [None]:
+            seq = [("dispatch", "experts", "combine")] if fwd else [("combine", "experts", "dispatch")]
+            a, b, c = seq[0]
+            items = ([work("pre", None), counts, Wait(counts.key)] if fwd else [work("post", None)])
+            items += [calls[a, None], Wait(calls[a, None].key), work(b, None), calls[c, None], Wait(calls[c, None].key)]
+            return items + [work("post" if fwd else "pre", None)]
+        if fwd:                  # both halves' sizes in one exchange: [destination, half, local expert]
+            counts = self.a2a(counts.key, group, [16 * (n // ep) * (ep - 1)] * ep, me, f"{layer} counts", mb)
+            out += [work("pre", 0), work("pre", 1), counts, Wait(counts.key), calls["dispatch", 0], calls["dispatch", 1]]
+            for h in halves:
+                out += [Wait(calls["dispatch", h].key), work("experts", h), calls["combine", h]]
+            for h in halves:
+                out += [Wait(calls["combine", h].key), work("post", h)]
+            return out
+        for h in (1, 0):         # autograd runs the later half's nodes first
+            out += [work("post", h), calls["combine", h]]
+        for h in (1, 0):
+            out += [Wait(calls["combine", h].key), work("experts", h), calls["dispatch", h]]
+        for h in (1, 0):
+            out += [Wait(calls["dispatch", h].key), work("pre", h)]
+        return out
+
+    def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
+        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member: gloo's pairwise
+        exchange, n − 1 messages, as long as its busiest member's (priced as sends)."""
+        n = len(group)
+        seconds = (n - 1) * self.m.comm_s("send", max(sent) / (n - 1), 2)
+        return Issue(key, group, seconds, "all_to_all", name, int(sent[me]), None, mb)
+
+    def expert_sync(self, d: int) -> list:
+        """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
+        their dp/ep replicas (blocking), divided and copied back."""
+        s = self.s
+        nbytes = 4 * sum(n for b in self.w.blocks for n, r in zip(b.params, b.routed) if r) // s.ep
+        if s.ep == 1 or not nbytes:
+            return []
+        group = tuple(self.rank(k * s.ep + d % s.ep, 0, 0) for k in range(s.dp // s.ep))
+        out = [self.copy(nbytes)]
+        if len(group) > 1:
+            out += self.blocking(("expert grads", d % s.ep), group, "all_reduce", nbytes, "allreduce", "expert grads")
+        return out + [Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps), self.copy(nbytes)]
+
     # -- gradients -----------------------------------------------------------------------------
     def buckets(self, blocks, first: bool) -> list[tuple[int, int]]:
         """(bytes, the block whose backward completes it) per bucket, in gradient order."""
         from ..parallel.data import fill_buckets
 
         params = ([(4 * n, -1) for n in self.w.pre.params] if first else [])
-        params += [(4 * n, i) for i in blocks for n in self.w.blocks[i].params]
+        params += [(4 * n, i) for i in blocks for n, r in zip(self.w.blocks[i].params, self.routed(i))
+                   if not (r and self.s.ep > 1)]     # ep: the experts sync on their own (expert_sync)
         if not self.s.dp_mode == "naive" or self.s.zero:
             groups = fill_buckets(params, lambda x: x[0], self.s.bucket_mb * MiB)
         else:
@@ -337,10 +423,15 @@ class Builder:
                         progs[self.rank(d, p, t, c)] = [Compute(self.m.step_s)] + one
         return progs
 
+    def routed(self, i: int) -> list:
+        return self.w.blocks[i].routed or [False] * len(self.w.blocks[i].params)
+
     def share(self, blocks, first: bool) -> float:
-        """The part of the optimizer's work this rank does: its blocks, its tp shard, its ZeRO shard."""
+        """The part of the optimizer's work this rank does: its blocks, its tp shard, its ZeRO
+        shard, its 1/ep of the routed experts."""
         total = sum(sum(b.params) for b in self.w.blocks) + sum(self.w.pre.params)
-        mine = sum(sum(self.w.blocks[i].params) for i in blocks) + (sum(self.w.pre.params) if first else 0)
+        mine = sum(n / (self.s.ep if r else 1) for i in blocks for n, r in zip(self.w.blocks[i].params, self.routed(i)))
+        mine += sum(self.w.pre.params) if first else 0
         return mine / max(1, total) / self.s.tp / (self.dpc if self.s.zero else 1)
 
     def single(self, d: int, t: int, c: int = 0) -> list:
@@ -355,7 +446,7 @@ class Builder:
             out += [act] + self.backward(blocks, d, 0, t, mb, True, True, after=lambda i: during.get(i, []), c=c)
             if s.zero == 2 and not last_mb:
                 out += after
-        out += after
+        out += after + self.expert_sync(d)
         out.append(self.optimizer(self.share(blocks, True)))
         if s.zero in (1, 2):
             out += self.gathers(0, blocks, True, d, 0, t)

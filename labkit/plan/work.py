@@ -392,3 +392,12 @@ def routed_ops(moe, chosen, counts) -> dict:
         fwd = _ops(fn)
         out[part] = (Ops(fwd), Ops(_ops(lambda: got[part].backward(torch.ones_like(got[part])))))
     return out
+
+
+def exchange(chosen: list, n_experts: int, ep: int) -> tuple[list, list]:
+    """From each ep rank's tokens' ``chosen`` experts: rows[s][r], the rows rank s sends rank r,
+    and per receiving rank r its [sender, local expert] counts (rank r holds experts
+    [r·E/ep, (r+1)·E/ep))."""
+    per = torch.stack([torch.bincount(c.reshape(-1), minlength=n_experts) for c in chosen])    # (ep, E)
+    local = n_experts // ep
+    return per.view(ep, ep, local).sum(-1).tolist(), [per[:, r * local:(r + 1) * local] for r in range(ep)]
