@@ -18,7 +18,20 @@ the machine's numbers, and runs the programs through the one simulator
   backward);
 * pipelines: the action lists of :func:`labkit.parallel.pipeline.schedules.build_schedule`,
   the stages cut by the executor's own :func:`~labkit.parallel.pipeline.stages.split_blocks`;
-  with dp, the dp modes above per stage.
+  with dp, the dp modes above per stage;
+* context parallelism (beside dp and zero): every op counted on a rank's 1/cp of each
+  sequence, each block cut at its attention (:func:`labkit.plan.work.count`'s markers); ring:
+  cp rounds, each round's K/V hop posted before its pairs (the executor's own
+  ``block_forward``/``block_backward``, counted per (query chunk, key chunk) pair the causal
+  split leaves the rank) and waited after them, backward passing dK/dV on as well; allgather:
+  a blocking all-gather of K/V before the attention, a reduce-scatter of their gradient after
+  its backward; gradients averaged over dp × cp;
+* expert parallelism (beside dp): per MoE layer the sizes, dispatch and combine all-to-alls
+  around the rank's own compute (sorting, its experts on the rows that arrive, weighting back:
+  ``ExpertParallelMoE``'s own code, counted), the rows as the first step's tokens route; with
+  ``ep_overlap="microbatch"`` two halves whose exchanges travel under each other's experts;
+  the experts' gradients summed over their replicas after the dense sync over dp. An
+  all-to-all is priced as gloo sends it: n − 1 messages, as long as its busiest member's.
 
 Every action pays the machine's host cost per action, every op its host cost per op, every
 posted call its host cost per call.
@@ -137,7 +150,7 @@ class Builder:
     """Each rank's program for one step (see the module docstring)."""
 
     def __init__(self, s, machine: Machine, work, plan: dict, routes=None):
-        self.s, self.m, self.w, self.routes = s, machine, work, routes
+        self.s, self.m, self.w, self.routes, self.counted = s, machine, work, routes, {}
         self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}
@@ -288,53 +301,42 @@ class Builder:
 
     # -- expert parallelism: a MoE layer's exchanges around this rank's experts -------------------
     def ep_layer(self, layer, moe, fwd: bool, kind, name, mb, d) -> list:
-        """One MoE layer on dp rank ``d`` as parallel/expert/dispatch.py runs it: counts, then the
-        tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two halves
-        of the tokens whose exchanges travel under the other half's experts; backward mirrored."""
+        """One MoE layer on dp rank ``d`` as parallel/expert/dispatch.py runs it: the counts, then
+        the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
+        halves of the tokens, each's exchanges in flight under the other's experts. Backward
+        mirrors forward (autograd runs the later half first)."""
         from .work import exchange, routed_ops
-        ep = self.s.ep
+        ep, n = self.s.ep, moe.n_experts
         first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
         group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
         halves = [None] if self.s.ep_overlap == "none" else [0, 1]
-        out, ops, calls = [], {}, {}
+        ops, call = {}, {}
         for h in halves:
             chosen = [self.routes[first + k][mb][layer] for k in range(ep)]
             chosen = chosen if h is None else [x.tensor_split(2)[h] for x in chosen]
-            rows, counts = exchange(chosen, moe.n_experts, ep)
-            ops[h] = {part: pair[0 if fwd else 1] for part, pair in routed_ops(moe, chosen[me], counts[me]).items()}
-            out_rows = [sum(rows[s]) - rows[s][s] for s in range(ep)]                       # dispatch's
-            in_rows = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]    # combine's
-            for what, sent in (("dispatch", out_rows if fwd else in_rows), ("combine", in_rows if fwd else out_rows)):
+            rows, counts = exchange(chosen, n, ep)
+            if (layer, d, mb, h) not in self.counted:          # forward and backward alike
+                self.counted[layer, d, mb, h] = routed_ops(moe, chosen[me], counts[me])
+            for part, pair in self.counted[layer, d, mb, h].items():
+                ops[part, h] = Compute(self.m.seconds(pair[0 if fwd else 1].ops), kind, name, mb)
+            out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
+            back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
+            for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
                 label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
-                calls[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group,
-                                          [row * x for x in sent], me, label, mb)
-
-        def work(part, h):
-            return Compute(self.m.seconds(ops[h][part].ops), kind, name, mb)
-        n = moe.n_experts
-        counts = self.a2a(("a2a counts", first, mb, layer), group, [8 * n * (ep - 1) // ep] * ep, me,
-                          f"{layer} counts", mb)
-        if halves == [None]:
-            seq = [("dispatch", "experts", "combine")] if fwd else [("combine", "experts", "dispatch")]
-            a, b, c = seq[0]
-            items = ([work("pre", None), counts, Wait(counts.key)] if fwd else [work("post", None)])
-            items += [calls[a, None], Wait(calls[a, None].key), work(b, None), calls[c, None], Wait(calls[c, None].key)]
-            return items + [work("post" if fwd else "pre", None)]
-        if fwd:                  # both halves' sizes in one exchange: [destination, half, local expert]
-            counts = self.a2a(counts.key, group, [16 * (n // ep) * (ep - 1)] * ep, me, f"{layer} counts", mb)
-            out += [work("pre", 0), work("pre", 1), counts, Wait(counts.key), calls["dispatch", 0], calls["dispatch", 1]]
-            for h in halves:
-                out += [Wait(calls["dispatch", h].key), work("experts", h), calls["combine", h]]
-            for h in halves:
-                out += [Wait(calls["combine", h].key), work("post", h)]
-            return out
-        for h in (1, 0):         # autograd runs the later half's nodes first
-            out += [work("post", h), calls["combine", h]]
-        for h in (1, 0):
-            out += [Wait(calls["combine", h].key), work("experts", h), calls["dispatch", h]]
-        for h in (1, 0):
-            out += [Wait(calls["dispatch", h].key), work("pre", h)]
-        return out
+                call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
+                                         me, label, mb)
+        per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)    # the int64 sizes, one exchange
+        sizes = self.a2a(("a2a counts", first, mb, layer), group, [per] * ep, me, f"{layer} counts", mb)
+        order = halves if fwd else halves[::-1]
+        start, a, b, end = ("pre", "dispatch", "combine", "post") if fwd else ("post", "combine", "dispatch", "pre")
+        items = [sizes, Wait(sizes.key)] if fwd else []
+        for h in order:
+            items += [ops[start, h], call[a, h]]
+        for h in order:
+            items += [Wait(call[a, h].key), ops["experts", h], call[b, h]]
+        for h in order:
+            items += [Wait(call[b, h].key), ops[end, h]]
+        return items
 
     def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
         """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member: gloo's pairwise
