@@ -25,7 +25,8 @@ the machine's numbers, and runs the programs through the one simulator
   ``block_forward``/``block_backward``, counted per (query chunk, key chunk) pair the causal
   split leaves the rank) and waited after them, backward passing dK/dV on as well; allgather:
   a blocking all-gather of K/V before the attention, a reduce-scatter of their gradient after
-  its backward; gradients averaged over dp × cp;
+  its backward; ulysses: blocking all-to-alls of q, k, v to a head split before it and of its
+  output back after (their mirrors in backward); gradients averaged over dp × cp;
 * expert parallelism (beside dp): per MoE layer the sizes, dispatch and combine all-to-alls
   around the rank's own compute (sorting, its experts on the rows that arrive, weighting back:
   ``ExpertParallelMoE``'s own code, counted), the rows as the first step's tokens route; with
@@ -75,9 +76,6 @@ def check(strategy, machine: Machine, model) -> None:
         raise ValueError("simulate: zero_mode='fsdp2' issues torch's own calls; simulate zero_mode='labkit'")
     if strategy.compression != "none":
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled; use compression='none'")
-    if strategy.cp > 1 and strategy.cp_mode == "ulysses":
-        raise ValueError("simulate: Strategy.cp_mode='ulysses' is not modelled yet; use cp_mode='ring' or "
-                         "'allgather'")
     if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
         raise ValueError(f"simulate: Strategy.cp={strategy.cp} is modelled beside dp and zero only, not with "
                          f"pp={strategy.pp} tp={strategy.tp}; use pp=1 and tp=1 with cp, or cp=1")
@@ -139,10 +137,11 @@ def _count(model, size, data, loss, optimizer, cp=1, ep=1):
 def _attention_ops(how: str, *shape) -> tuple:
     """A cp mode's attention ops at ``shape`` (:func:`~labkit.plan.work.ring_pair`, or
     :func:`~labkit.plan.work.gathered_attention` for how="gathered"), counted once."""
-    from .work import gathered_attention, ring_pair
+    from .work import gathered_attention, ring_pair, ulysses_attention
     key = ("attention", how, shape)
     if key not in _CACHE:
-        _CACHE[key] = gathered_attention(*shape) if how == "gathered" else ring_pair(*shape, how)
+        _CACHE[key] = {"gathered": gathered_attention, "ulysses": ulysses_attention}.get(
+            how, lambda *a: ring_pair(*a, how))(*shape)
     return _CACHE[key]
 
 
@@ -263,7 +262,30 @@ class Builder:
                                      "cp allgather kv", mb) + [work]
             return [work] + self.blocking(("cp rs", d, mb, layer), group, "reduce_scatter", s.cp * nbytes,
                                           "reduce_scatter", "cp reduce-scatter dkv", mb)
+        if s.cp_mode == "ulysses":
+            return self.ulysses(shape, layer, fwd, name, mb, d, c)
         return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
+
+    def ulysses(self, shape, layer, fwd: bool, name, mb, d, c) -> list:
+        """Ulysses: q, k, v turned to a head split by blocking all-to-alls, attention over the whole
+        sequence on 1/cp of the heads, its output turned back; backward the same calls mirrored."""
+        s, (b, h, t, hd, hkv) = self.s, shape
+        ops, kind = _attention_ops("ulysses", *shape, s.cp), "fwd" if fwd else "bwd"
+        group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
+
+        def turn(what, n):
+            sent = 4 * b * n * t * hd * (s.cp - 1) // s.cp          # all but this rank's own slice
+            call = self.a2a(("cp a2a", d, mb, layer, what, fwd), group, [sent] * s.cp, c,
+                            f"cp a2a {'' if fwd else 'grad '}{what}", mb)
+            return [call, Wait(call.key)]
+
+        def work(items):
+            return Compute(sum(self.m.seconds(x.ops) for x in items), kind, name, mb)
+        if fwd:
+            return ([work([ops[h][0], ops[hkv][0], ops[hkv][0]])] + turn("q", h) + turn("k", hkv) + turn("v", hkv)
+                    + [work([ops["core"][0], ops[h][1]])] + turn("out", h))
+        return ([work([ops[h][0]])] + turn("out", h) + [work([ops["core"][1], ops[h][1], ops[hkv][1], ops[hkv][1]])]
+                + turn("v", hkv) + turn("k", hkv) + turn("q", h))
 
     def ring(self, pair, nbytes, layer, fwd: bool, mb, d, c) -> list:
         """Ring attention: per round, the next K/V hop posted before the round's pairs and waited

@@ -226,6 +226,32 @@ def gathered_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> tu
     return Ops(fwd), Ops(_ops(lambda: sink["y"].backward(torch.ones_like(sink["y"]))))
 
 
+def ulysses_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> dict:
+    """Ulysses attention's compute (:mod:`labkit.parallel.context.ulysses`) for a rank's ``t``
+    tokens, the calls left out: per head count n (of q, of k and v), the layouts around a
+    tensor's all-to-all, (to the head split, back to the sequence split); and "core", sdpa over
+    the whole sequence on 1/cp of the heads in position order, (forward Ops, backward Ops)."""
+    def layout(x, to_heads: bool):
+        bb, hh, tt, d = x.shape
+        parts = (x.view(bb, cp, hh // cp, tt, d).transpose(0, 1) if to_heads
+                 else x.view(bb, hh, cp, tt // cp, d).permute(2, 0, 1, 3, 4)).contiguous()
+        got = torch.empty_like(parts)                          # what the all-to-all fills
+        return (got.permute(1, 2, 0, 3, 4).reshape(bb, hh // cp, cp * tt, d) if to_heads
+                else got.transpose(0, 1).reshape(bb, cp * hh, tt // cp, d))
+    q, k, v = (torch.randn(b, n // cp, t * cp, hd, requires_grad=True) for n in (h, hkv, hkv))
+    order = torch.randperm(t * cp)
+    got = {}
+
+    def core():
+        kk, vv = (z.repeat_interleave(h // hkv, dim=1) for z in (k, v)) if h > hkv else (k, v)
+        qh, kh, vh = (z.index_select(2, order) for z in (q, kk, vv))
+        got["y"] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).index_select(2, order)
+    fwd = _ops(core)
+    out = {n: (Ops(_ops(lambda: layout(torch.randn(b, n, t, hd), True))),
+               Ops(_ops(lambda: layout(torch.randn(b, n // cp, t * cp, hd), False)))) for n in {h, hkv}}
+    return out | {"core": (Ops(fwd), Ops(_ops(lambda: got["y"].backward(torch.ones_like(got["y"])))))}
+
+
 def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None,
           cp: int = 1, ep: int = 1) -> ModelWork:
     """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
