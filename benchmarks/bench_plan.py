@@ -53,6 +53,13 @@ def _llama(batch: int = 8) -> dict:
     return {"model": model, "batch": batch, "data": data, "loss": "cross_entropy", "label": "llama4x128"}
 
 
+def _moe(batch: int = 8) -> dict:
+    data = labkit.data.text(batch=batch, block_size=64)
+    model = labkit.models.llama(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=data.vocab_size,
+                                n_experts=4, top_k=2)
+    return {"model": model, "batch": batch, "data": data, "loss": "cross_entropy", "label": "moe4x128e4"}
+
+
 def in_sample(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     """The runs labkit.plan.measure takes itself (its host costs come from them)."""
     S, n = labkit.Strategy, engines
@@ -92,6 +99,10 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
         for mode in ("ring", "allgather"):
             out += [(f"{dp2}cp2 {mode}", S(dp=n // 2, cp=2, cp_mode=mode), llama),
                     (f"{dp4}cp4 {mode}", S(dp=n // 4, cp=4, cp_mode=mode), llama)]
+        out.append((f"{dp2}cp2 ulysses", S(dp=n // 2, cp=2, cp_mode="ulysses"), llama))
+        # expert parallelism: a MoE llama's experts over 2 and 4 of the dp ranks, with and without overlap
+        out += [(f"dp{n} ep{ep}{' overlap' if o != 'none' else ''}", S(dp=n, ep=ep, ep_overlap=o), _moe())
+                for ep in (2, 4) for o in ("none", "microbatch")]
     return out
 
 
