@@ -32,7 +32,8 @@ the machine's numbers, and runs the programs through the one simulator
   ``ExpertParallelMoE``'s own code, counted), the rows as the first step's tokens route; with
   ``ep_overlap="microbatch"`` two halves whose exchanges travel under each other's experts;
   the experts' gradients summed over their replicas after the dense sync over dp. An
-  all-to-all is priced as gloo sends it: n − 1 messages, as long as its busiest member's.
+  all-to-all is priced as gloo runs it: every pair's message posted at once, one latency and
+  the busiest member's bytes.
 
 Every action pays the machine's host cost per action, every op its host cost per op, every
 posted call its host cost per call.
@@ -361,11 +362,10 @@ class Builder:
         return items
 
     def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
-        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member: gloo's pairwise
-        exchange, n − 1 messages, as long as its busiest member's (priced as sends)."""
-        n = len(group)
-        seconds = (n - 1) * self.m.comm_s("send", max(sent) / (n - 1), 2)
-        return Issue(key, group, seconds, "all_to_all", name, int(sent[me]), None, mb)
+        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member. gloo's
+        alltoallv posts every member's n − 1 sends and receives at once, then waits for them
+        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes."""
+        return Issue(key, group, self.m.comm_s("send", max(sent), 2), "all_to_all", name, int(sent[me]), None, mb)
 
     def expert_sync(self, d: int) -> list:
         """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
