@@ -92,15 +92,12 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
-    if strategy.cp > 1:                  # the lab's own model checks: token data, attention through the context
+    if strategy.cp > 1 or strategy.ep > 1:     # the lab's own model checks, its messages
         from ..models.training import build_model, resolve_data
-        from ..parallel.context import check_model
+        from ..parallel import context, expert
         built = build_model(model, 0)
-        check_model(strategy, built, resolve_data(data, built, batch, 0))
-    if strategy.ep > 1:                  # the lab's own: MoE layers whose experts divide over ep
-        from ..models.training import build_model
-        from ..parallel.expert import check_model
-        check_model(strategy, build_model(model, 0))
+        context.check_model(strategy, built, resolve_data(data, built, batch, 0))
+        expert.check_model(strategy, built)
     work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep)
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
@@ -108,10 +105,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
     else:
         plan = {}
-    routes = None
-    if strategy.ep > 1:
-        from .work import routes as route
-        routes = route(model, batch, data, strategy.dp, strategy.microbatches)
+    routes = _routes(model, batch, data, strategy) if strategy.ep > 1 else None
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
                 for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
     events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
@@ -135,9 +129,14 @@ def _count(model, size, data, loss, optimizer, cp=1, ep=1):
     return _CACHE[key]
 
 
+def _routes(model, batch, data, s):
+    from .work import routes
+    return routes(model, batch, data, s.dp, s.microbatches)
+
+
 def _attention_ops(how: str, *shape) -> tuple:
-    """A cp mode's attention ops at ``shape`` (:func:`~labkit.plan.work.ring_pair`, or
-    :func:`~labkit.plan.work.gathered_attention` for how="gathered"), counted once."""
+    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.work.ring_pair`
+    (how: its pair's relation), ``gathered_attention`` or ``ulysses_attention``."""
     from .work import gathered_attention, ring_pair, ulysses_attention
     key = ("attention", how, shape)
     if key not in _CACHE:
