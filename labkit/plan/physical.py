@@ -105,7 +105,10 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
     else:
         plan = {}
-    routes = _routes(model, batch, data, strategy) if strategy.ep > 1 else None
+    routes = None
+    if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
+        from .work import routes as route
+        routes = route(model, batch, data, strategy.dp, strategy.microbatches)
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
                 for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
     events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
@@ -127,11 +130,6 @@ def _count(model, size, data, loss, optimizer, cp=1, ep=1):
     if key not in _CACHE:
         _CACHE[key] = count(model, size, data, loss, optimizer, cp=cp, ep=ep)
     return _CACHE[key]
-
-
-def _routes(model, batch, data, s):
-    from .work import routes
-    return routes(model, batch, data, s.dp, s.microbatches)
 
 
 def _attention_ops(how: str, *shape) -> tuple:
@@ -240,38 +238,37 @@ class Builder:
                 pieces.append([])
             else:
                 pieces[-1].append(o)
-        todo = {"attention": list(b.attention if fwd else b.attention[::-1]), "experts": list(b.moe if fwd else b.moe[::-1])}
+        todo = {"attention": b.attention[::1 if fwd else -1], "experts": b.moe[::1 if fwd else -1]}
         out = [Compute(self.m.seconds(pieces[0], self.scale), kind, name, mb)]
         for k, (mark, piece) in enumerate(zip(marks, pieces[1:])):
             what = todo[mark].pop(0)
-            out += (self.cp_attention(what, (b.name, k), fwd, name, mb, d, c) if mark == "attention"
+            out += (self.cp_attention(what, (b.name, k), fwd, kind, name, mb, d, c) if mark == "attention"
                     else self.ep_layer(*what, fwd, kind, name, mb, d))
             out.append(Compute(self.m.seconds(piece, self.scale), kind, name, mb))
         return out
 
-    def cp_attention(self, shape, layer, fwd: bool, name, mb, d, c) -> list:
-        """One attention of cp rank ``c`` (ring: parallel/context/ring.py; allgather: allgather.py)."""
+    def cp_attention(self, shape, layer, fwd: bool, kind, name, mb, d, c) -> list:
+        """One attention of cp rank ``c``: ring (parallel/context/ring.py), ulysses, or allgather
+        (blocking, no overlap inside the layer: K/V gathered before, their gradient scattered after)."""
         s, (b, h, t, hd, hkv) = self.s, shape
         nbytes = 4 * 2 * b * hkv * t * hd                 # k and v stacked (float32): one hop, one rank's share
         group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
-        if s.cp_mode == "allgather":                      # blocking, no overlap inside the layer
-            ops = _attention_ops("gathered", b, h, t, hd, hkv, s.cp)[0 if fwd else 1]
-            work = Compute(self.m.seconds(ops.ops), "fwd" if fwd else "bwd", name, mb)
-            if fwd:
-                return self.blocking(("cp ag", d, mb, layer), group, "all_gather", s.cp * nbytes, "allgather",
-                                     "cp allgather kv", mb) + [work]
-            return [work] + self.blocking(("cp rs", d, mb, layer), group, "reduce_scatter", s.cp * nbytes,
-                                          "reduce_scatter", "cp reduce-scatter dkv", mb)
+        if s.cp_mode == "ring":
+            return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
         if s.cp_mode == "ulysses":
-            return self.ulysses(shape, layer, fwd, name, mb, d, c)
-        return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
+            return self.ulysses(shape, group, layer, fwd, kind, name, mb, d, c)
+        work = Compute(self.m.seconds(_attention_ops("gathered", *shape, s.cp)[0 if fwd else 1].ops), kind, name, mb)
+        if fwd:
+            return self.blocking(("cp ag", d, mb, layer), group, "all_gather", s.cp * nbytes, "allgather",
+                                 "cp allgather kv", mb) + [work]
+        return [work] + self.blocking(("cp rs", d, mb, layer), group, "reduce_scatter", s.cp * nbytes,
+                                      "reduce_scatter", "cp reduce-scatter dkv", mb)
 
-    def ulysses(self, shape, layer, fwd: bool, name, mb, d, c) -> list:
+    def ulysses(self, shape, group, layer, fwd: bool, kind, name, mb, d, c) -> list:
         """Ulysses: q, k, v turned to a head split by blocking all-to-alls, attention over the whole
         sequence on 1/cp of the heads, its output turned back; backward the same calls mirrored."""
         s, (b, h, t, hd, hkv) = self.s, shape
-        ops, kind = _attention_ops("ulysses", *shape, s.cp), "fwd" if fwd else "bwd"
-        group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
+        ops = _attention_ops("ulysses", *shape, s.cp)
 
         def turn(what, n):
             sent = 4 * b * n * t * hd * (s.cp - 1) // s.cp          # all but this rank's own slice
@@ -311,8 +308,8 @@ class Builder:
 
         out, grads = [], []
         for j in range(n):
-            posts, waits = hop("kv" if fwd else "kv bwd", j, f"cp kv {j + 1}" if fwd else f"cp kv bwd {j + 1}") \
-                if j < n - 1 else ([], [])
+            label = f"cp kv {'' if fwd else 'bwd '}{j + 1}"
+            posts, waits = hop("kv" if fwd else "kv bwd", j, label) if j < n - 1 else ([], [])
             out += posts + [Compute(round_s((c - j) % n), "attention", f"ring {'fwd' if fwd else 'bwd'} {j}", mb)]
             if not fwd:                                   # the block's gradient so far in, passed on
                 posts_g, next_grads = hop("dkv", j, f"cp dkv {j + 1}")
@@ -347,7 +344,8 @@ class Builder:
                 label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
                 call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
                                          me, label, mb)
-        per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)    # the int64 sizes, one exchange
+        # the int64 sizes, both halves' in one exchange: (E,) per rank, or [destination, half, local expert]
+        per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)
         sizes = self.a2a(("a2a counts", first, mb, layer), group, [per] * ep, me, f"{layer} counts", mb)
         order = halves if fwd else halves[::-1]
         start, a, b, end = ("pre", "dispatch", "combine", "post") if fwd else ("post", "combine", "dispatch", "pre")

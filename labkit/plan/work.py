@@ -401,7 +401,8 @@ def routed_ops(moe, chosen, counts) -> dict:
                          experts={str(e): moe.experts[e] for e in range(local)})
     c, n = moe.router.in_features, len(chosen)
     x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, moe.top_k, requires_grad=True)
-    arrived, back = torch.randn(int(counts.sum()), c, requires_grad=True), torch.randn(n * moe.top_k, c, requires_grad=True)
+    arrived = torch.randn(int(counts.sum()), c, requires_grad=True)
+    back = torch.randn(n * moe.top_k, c, requires_grad=True)
     got = {}
 
     def pre():
