@@ -53,6 +53,13 @@ def _llama(batch: int = 8) -> dict:
     return {"model": model, "batch": batch, "data": data, "loss": "cross_entropy", "label": "llama4x128"}
 
 
+def _moe(batch: int = 8) -> dict:
+    data = labkit.data.text(batch=batch, block_size=64)
+    model = labkit.models.llama(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=data.vocab_size,
+                                n_experts=4, top_k=2)
+    return {"model": model, "batch": batch, "data": data, "loss": "cross_entropy", "label": "moe4x128e4"}
+
+
 def in_sample(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     """The runs labkit.plan.measure takes itself (its host costs come from them)."""
     S, n = labkit.Strategy, engines
@@ -87,6 +94,15 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     if n >= 4:
         out += [("pp4 1f1b m8", S(pp=4, schedule="1f1b", microbatches=8), base),
                 ("pp2 tp2 1f1b m4", S(dp=n // 4, pp=2, tp=2, schedule="1f1b", microbatches=4), base)]
+        # context parallelism: a llama's sequence over 2 and 4 ranks, each cp mode the planner models
+        llama, dp2, dp4 = _llama(), f"dp{n // 2} " if n > 2 else "", f"dp{n // 4} " if n > 4 else ""
+        for mode in ("ring", "allgather"):
+            out += [(f"{dp2}cp2 {mode}", S(dp=n // 2, cp=2, cp_mode=mode), llama),
+                    (f"{dp4}cp4 {mode}", S(dp=n // 4, cp=4, cp_mode=mode), llama)]
+        out.append((f"{dp2}cp2 ulysses", S(dp=n // 2, cp=2, cp_mode="ulysses"), llama))
+        # expert parallelism: a MoE llama's experts over 2 and 4 of the dp ranks, with and without overlap
+        out += [(f"dp{n} ep{ep}{' overlap' if o != 'none' else ''}", S(dp=n, ep=ep, ep_overlap=o), _moe())
+                for ep in (2, 4) for o in ("none", "microbatch")]
     return out
 
 

@@ -18,7 +18,22 @@ the machine's numbers, and runs the programs through the one simulator
   backward);
 * pipelines: the action lists of :func:`labkit.parallel.pipeline.schedules.build_schedule`,
   the stages cut by the executor's own :func:`~labkit.parallel.pipeline.stages.split_blocks`;
-  with dp, the dp modes above per stage.
+  with dp, the dp modes above per stage;
+* context parallelism (beside dp and zero): every op counted on a rank's 1/cp of each
+  sequence, each block cut at its attention (:func:`labkit.plan.work.count`'s markers); ring:
+  cp rounds, each round's K/V hop posted before its pairs (the executor's own
+  ``block_forward``/``block_backward``, counted per (query chunk, key chunk) pair the causal
+  split leaves the rank) and waited after them, backward passing dK/dV on as well; allgather:
+  a blocking all-gather of K/V before the attention, a reduce-scatter of their gradient after
+  its backward; ulysses: blocking all-to-alls of q, k, v to a head split before it and of its
+  output back after (their mirrors in backward); gradients averaged over dp × cp;
+* expert parallelism (beside dp): per MoE layer the sizes, dispatch and combine all-to-alls
+  around the rank's own compute (sorting, its experts on the rows that arrive, weighting back:
+  ``ExpertParallelMoE``'s own code, counted), the rows as the first step's tokens route; with
+  ``ep_overlap="microbatch"`` two halves whose exchanges travel under each other's experts;
+  the experts' gradients summed over their replicas after the dense sync over dp. An
+  all-to-all is priced as gloo runs it: every pair's message posted at once, one latency and
+  the busiest member's bytes.
 
 Every action pays the machine's host cost per action, every op its host cost per op, every
 posted call its host cost per call.
@@ -62,9 +77,13 @@ def check(strategy, machine: Machine, model) -> None:
         raise ValueError("simulate: zero_mode='fsdp2' issues torch's own calls; simulate zero_mode='labkit'")
     if strategy.compression != "none":
         raise ValueError(f"simulate: compression={strategy.compression!r} is not modelled; use compression='none'")
-    for axis in ("cp", "ep"):
-        if getattr(strategy, axis, 1) > 1:
-            raise ValueError(f"simulate: Strategy.{axis} > 1 is not modelled yet; use {axis}=1")
+    if strategy.cp > 1 and (strategy.pp > 1 or strategy.tp > 1):
+        raise ValueError(f"simulate: Strategy.cp={strategy.cp} is modelled beside dp and zero only, not with "
+                         f"pp={strategy.pp} tp={strategy.tp}; use pp=1 and tp=1 with cp, or cp=1")
+    if strategy.ep > 1 and (strategy.pp > 1 or strategy.tp > 1 or strategy.cp > 1 or strategy.zero):
+        raise ValueError(f"simulate: Strategy.ep={strategy.ep} is modelled beside dp only, not with pp={strategy.pp} "
+                         f"tp={strategy.tp} cp={strategy.cp} zero={strategy.zero}; use pp=1, tp=1, cp=1 and zero=0 "
+                         "with ep, or ep=1")
 
 
 def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None, loss="mse",
@@ -73,15 +92,25 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
-    work = _count(model, size, data, loss, optimizer, machine.cache_bytes)
+    if strategy.cp > 1 or strategy.ep > 1:     # the lab's own model checks, its messages
+        from ..models.training import build_model, resolve_data
+        from ..parallel import context, expert
+        built = build_model(model, 0)
+        context.check_model(strategy, built, resolve_data(data, built, batch, 0))
+        expert.check_model(strategy, built)
+    work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes)
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
     else:
         plan = {}
+    routes = None
+    if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
+        from .work import routes as route
+        routes = route(model, batch, data, strategy.dp, strategy.microbatches)
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
-                for prog in Builder(strategy, machine, work, plan).programs()]      # posting a call is host work
+                for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
     events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
@@ -91,33 +120,45 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 _CACHE: dict = {}
 
 
-def _count(model, size, data, loss, optimizer, cache_bytes):
+def _count(model, size, data, loss, optimizer, cp=1, ep=1, cache_bytes=float("inf")):
     """The model's counted work, its ops' bytes beyond the cache marked (kept per model)."""
     from .work import count, warm
     try:
-        key = (model, size, data, loss, optimizer, cache_bytes)
+        key = (model, size, data, loss, optimizer, cp, ep, cache_bytes)
         hash(key)
     except TypeError:
-        return warm(count(model, size, data, loss, optimizer), cache_bytes)
+        return warm(count(model, size, data, loss, optimizer, cp=cp, ep=ep), cache_bytes)
     if key not in _CACHE:
-        _CACHE[key] = warm(count(model, size, data, loss, optimizer), cache_bytes)
+        _CACHE[key] = warm(count(model, size, data, loss, optimizer, cp=cp, ep=ep), cache_bytes)
+    return _CACHE[key]
+
+
+def _attention_ops(how: str, *shape) -> tuple:
+    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.work.ring_pair`
+    (how: its pair's relation), ``gathered_attention`` or ``ulysses_attention``."""
+    from .work import gathered_attention, ring_pair, ulysses_attention
+    key = ("attention", how, shape)
+    if key not in _CACHE:
+        _CACHE[key] = {"gathered": gathered_attention, "ulysses": ulysses_attention}.get(
+            how, lambda *a: ring_pair(*a, how))(*shape)
     return _CACHE[key]
 
 
 class Builder:
     """Each rank's program for one step (see the module docstring)."""
 
-    def __init__(self, s, machine: Machine, work, plan: dict):
-        self.s, self.m, self.w = s, machine, work
+    def __init__(self, s, machine: Machine, work, plan: dict, routes=None):
+        self.s, self.m, self.w, self.routes, self.counted = s, machine, work, routes, {}
+        self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}
 
-    # -- the grid: ranks = arange(world).view(dp, pp, tp) ----------------------------------------
-    def rank(self, d: int, p: int, t: int) -> int:
-        return (d * self.s.pp + p) * self.s.tp + t
+    # -- the grid: ranks = arange(world).view(dp, pp, cp, tp) ------------------------------------
+    def rank(self, d: int, p: int, t: int, c: int = 0) -> int:
+        return ((d * self.s.pp + p) * self.s.cp + c) * self.s.tp + t
 
     def dp_group(self, p: int, t: int) -> tuple:
-        return tuple(self.rank(d, p, t) for d in range(self.s.dp))
+        return tuple(self.rank(d, p, t, c) for d in range(self.s.dp) for c in range(self.s.cp))
 
     def tp_group(self, d: int, p: int) -> tuple:
         return tuple(self.rank(d, p, t) for t in range(self.s.tp))
@@ -142,7 +183,7 @@ class Builder:
         return Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps)
 
     # -- compute of a range of blocks, with tp's calls -------------------------------------------
-    def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None) -> list:
+    def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None, c: int = 0) -> list:
         out, w = [], self.w
         if first:
             out.append(Compute(self.secs(w.pre.fwd), "fwd", "pre", mb))
@@ -150,7 +191,7 @@ class Builder:
             if gather:
                 out += gather(i, "fwd")
             b = w.blocks[i]
-            out.append(Compute(self.secs(b.fwd), "fwd", f"block {b.name}", mb))
+            out += self.block(b, b.fwd, "fwd", mb, d, c)
             for q in sorted(self.row & set(b.linears)):
                 out += self.blocking(("g", q, d, p, mb), self.tp_group(d, p), "all_reduce",
                                      4 * b.out_numel * w.size, "allreduce", f"tp g {q}", mb)
@@ -158,7 +199,8 @@ class Builder:
             out.append(Compute(self.secs(w.post.fwd), "fwd", "loss", mb))
         return out
 
-    def backward(self, blocks, d, p, t, mb, first: bool, last: bool, part=None, after=None, gather=None) -> list:
+    def backward(self, blocks, d, p, t, mb, first: bool, last: bool, part=None, after=None, gather=None,
+                 c: int = 0) -> list:
         """Backward over ``blocks`` (last to first); ``part``: "I" or "W" of a split backward;
         ``after(i)``: items to issue once block i's gradients are done."""
         kind = {"I": "bwd_input", "W": "bwd_weight"}.get(part, "bwd")
@@ -170,7 +212,7 @@ class Builder:
             if gather:
                 out += gather(i, "bwd")
             b = w.blocks[i]
-            out.append(Compute(self.secs(b.bwd.where(keep)), kind, f"block {b.name}", mb))
+            out += self.block(b, b.bwd.where(keep), kind, mb, d, c)
             if part != "W":
                 for q in sorted(self.col & set(b.linears)):
                     out += self.blocking(("f", q, d, p, mb), self.tp_group(d, p), "all_reduce",
@@ -183,13 +225,167 @@ class Builder:
                 out += after(-1)
         return out
 
+    # -- context parallelism: a block's compute cut at its attention ----------------------------
+    def block(self, b, ops, kind, mb, d, c) -> list:
+        """A block's compute; under cp and ep, cut where its attention and its routed experts ran
+        (work.count's markers): each attention across the cp group as ``cp_mode`` runs it, each
+        MoE layer's experts behind its exchanges over the ep group."""
+        name, fwd = f"block {b.name}", kind == "fwd"
+        cut = ({"attention"} if self.s.cp > 1 else set()) | ({"experts"} if self.s.ep > 1 else set())
+        pieces, marks = [[]], []
+        for o in ops.ops:
+            if o.name in cut:
+                marks.append(o.name)
+                pieces.append([])
+            else:
+                pieces[-1].append(o)
+        todo = {"attention": b.attention[::1 if fwd else -1], "experts": b.moe[::1 if fwd else -1]}
+        out = [Compute(self.m.seconds(pieces[0], self.scale), kind, name, mb)]
+        for k, (mark, piece) in enumerate(zip(marks, pieces[1:])):
+            what = todo[mark].pop(0)
+            out += (self.cp_attention(what, (b.name, k), fwd, kind, name, mb, d, c) if mark == "attention"
+                    else self.ep_layer(*what, fwd, kind, name, mb, d))
+            out.append(Compute(self.m.seconds(piece, self.scale), kind, name, mb))
+        return out
+
+    def cp_attention(self, shape, layer, fwd: bool, kind, name, mb, d, c) -> list:
+        """One attention of cp rank ``c``: ring (parallel/context/ring.py), ulysses, or allgather
+        (blocking, no overlap inside the layer: K/V gathered before, their gradient scattered after)."""
+        s, (b, h, t, hd, hkv) = self.s, shape
+        nbytes = 4 * 2 * b * hkv * t * hd                 # k and v stacked (float32): one hop, one rank's share
+        group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
+        if s.cp_mode == "ring":
+            return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
+        if s.cp_mode == "ulysses":
+            return self.ulysses(shape, group, layer, fwd, kind, name, mb, d, c)
+        work = Compute(self.m.seconds(_attention_ops("gathered", *shape, s.cp)[0 if fwd else 1].ops), kind, name, mb)
+        if fwd:
+            return self.blocking(("cp ag", d, mb, layer), group, "all_gather", s.cp * nbytes, "allgather",
+                                 "cp allgather kv", mb) + [work]
+        return [work] + self.blocking(("cp rs", d, mb, layer), group, "reduce_scatter", s.cp * nbytes,
+                                      "reduce_scatter", "cp reduce-scatter dkv", mb)
+
+    def ulysses(self, shape, group, layer, fwd: bool, kind, name, mb, d, c) -> list:
+        """Ulysses: q, k, v turned to a head split by blocking all-to-alls, attention over the whole
+        sequence on 1/cp of the heads, its output turned back; backward the same calls mirrored."""
+        s, (b, h, t, hd, hkv) = self.s, shape
+        ops = _attention_ops("ulysses", *shape, s.cp)
+
+        def turn(what, n):
+            sent = 4 * b * n * t * hd * (s.cp - 1) // s.cp          # all but this rank's own slice
+            call = self.a2a(("cp a2a", d, mb, layer, what, fwd), group, [sent] * s.cp, c,
+                            f"cp a2a {'' if fwd else 'grad '}{what}", mb)
+            return [call, Wait(call.key)]
+
+        def work(items):
+            return Compute(sum(self.m.seconds(x.ops) for x in items), kind, name, mb)
+        if fwd:
+            return ([work([ops[h][0], ops[hkv][0], ops[hkv][0]])] + turn("q", h) + turn("k", hkv) + turn("v", hkv)
+                    + [work([ops["core"][0], ops[h][1]])] + turn("out", h))
+        return ([work([ops[h][0]])] + turn("out", h) + [work([ops["core"][1], ops[h][1], ops[hkv][1], ops[hkv][1]])]
+                + turn("v", hkv) + turn("k", hkv) + turn("q", h))
+
+    def ring(self, pair, nbytes, layer, fwd: bool, mb, d, c) -> list:
+        """Ring attention: per round, the next K/V hop posted before the round's pairs and waited
+        after them; backward also passes each block's dK/dV on, posted once its round made it."""
+        from ..parallel.context.blocks import SKIP, relation
+        from ..parallel.context.layout import rank_chunks
+        s, n = self.s, self.s.cp
+        nxt, prv, me = self.rank(d, 0, 0, (c + 1) % n), self.rank(d, 0, 0, (c - 1) % n), self.rank(d, 0, 0, c)
+        secs = self.m.comm_s("send", nbytes, 2)
+
+        def hop(what, j, label):
+            send = Issue((what, d, mb, layer, j, c), (me, nxt), secs, "send", label, nbytes, nxt, mb, ordered=False)
+            recv = Issue((what, d, mb, layer, j, (c - 1) % n), (prv, me), secs, "recv", label, 0, prv, mb,
+                         ordered=False)
+            return [send, recv], [Wait(send.key), Wait(recv.key)]
+
+        def round_s(src):      # its pairs, and its buffers: the next block's (fwd), dK/dV's zeroed and summed (bwd)
+            hows = [relation(qa, kb, True) for qa in rank_chunks(c, n, s.cp_balance)
+                    for kb in rank_chunks(src, n, s.cp_balance)]
+            own = self.m.op_s if fwd else 3 * self.m.op_s + 4 * nbytes / self.m.memory_Bps
+            return own + sum(self.m.seconds(_attention_ops(how, *pair)[0 if fwd else 1].ops)
+                             for how in hows if how != SKIP)
+
+        out, grads = [], []
+        for j in range(n):
+            label = f"cp kv {'' if fwd else 'bwd '}{j + 1}"
+            posts, waits = hop("kv" if fwd else "kv bwd", j, label) if j < n - 1 else ([], [])
+            out += posts + [Compute(round_s((c - j) % n), "attention", f"ring {'fwd' if fwd else 'bwd'} {j}", mb)]
+            if not fwd:                                   # the block's gradient so far in, passed on
+                posts_g, next_grads = hop("dkv", j, f"cp dkv {j + 1}")
+                out += grads + posts_g
+                grads = next_grads
+            out += waits
+        return out + grads
+
+    # -- expert parallelism: a MoE layer's exchanges around this rank's experts -------------------
+    def ep_layer(self, layer, moe, fwd: bool, kind, name, mb, d) -> list:
+        """One MoE layer on dp rank ``d`` as parallel/expert/dispatch.py runs it: the counts, then
+        the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
+        halves of the tokens, each's exchanges in flight under the other's experts. Backward
+        mirrors forward (autograd runs the later half first)."""
+        from .work import exchange, routed_ops
+        ep, n = self.s.ep, moe.n_experts
+        first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
+        group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
+        halves = [None] if self.s.ep_overlap == "none" else [0, 1]
+        ops, call = {}, {}
+        for h in halves:
+            chosen = [self.routes[first + k][mb][layer] for k in range(ep)]
+            chosen = chosen if h is None else [x.tensor_split(2)[h] for x in chosen]
+            rows, counts = exchange(chosen, n, ep)
+            if (layer, d, mb, h) not in self.counted:          # forward and backward alike
+                self.counted[layer, d, mb, h] = routed_ops(moe, chosen[me], counts[me])
+            for part, pair in self.counted[layer, d, mb, h].items():
+                ops[part, h] = Compute(self.m.seconds(pair[0 if fwd else 1].ops), kind, name, mb)
+            out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
+            back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
+            for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
+                label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
+                call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
+                                         me, label, mb)
+        # the int64 sizes, both halves' in one exchange: (E,) per rank, or [destination, half, local expert]
+        per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)
+        sizes = self.a2a(("a2a counts", first, mb, layer), group, [per] * ep, me, f"{layer} counts", mb)
+        order = halves if fwd else halves[::-1]
+        start, a, b, end = ("pre", "dispatch", "combine", "post") if fwd else ("post", "combine", "dispatch", "pre")
+        items = [sizes, Wait(sizes.key)] if fwd else []
+        for h in order:
+            items += [ops[start, h], call[a, h]]
+        for h in order:
+            items += [Wait(call[a, h].key), ops["experts", h], call[b, h]]
+        for h in order:
+            items += [Wait(call[b, h].key), ops[end, h]]
+        return items
+
+    def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
+        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member. gloo's
+        alltoallv posts every member's n − 1 sends and receives at once, then waits for them
+        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes."""
+        return Issue(key, group, self.m.comm_s("send", max(sent), 2), "all_to_all", name, int(sent[me]), None, mb)
+
+    def expert_sync(self, d: int) -> list:
+        """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
+        their dp/ep replicas (blocking), divided and copied back."""
+        s = self.s
+        nbytes = 4 * sum(n for b in self.w.blocks for n, r in zip(b.params, b.routed) if r) // s.ep
+        if s.ep == 1 or not nbytes:
+            return []
+        group = tuple(self.rank(k * s.ep + d % s.ep, 0, 0) for k in range(s.dp // s.ep))
+        out = [self.copy(nbytes)]
+        if len(group) > 1:
+            out += self.blocking(("expert grads", d % s.ep), group, "all_reduce", nbytes, "allreduce", "expert grads")
+        return out + [Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps), self.copy(nbytes)]
+
     # -- gradients -----------------------------------------------------------------------------
     def buckets(self, blocks, first: bool) -> list[tuple[int, int]]:
         """(bytes, the block whose backward completes it) per bucket, in gradient order."""
         from ..parallel.data import fill_buckets
 
         params = ([(4 * n, -1) for n in self.w.pre.params] if first else [])
-        params += [(4 * n, i) for i in blocks for n in self.w.blocks[i].params]
+        params += [(4 * n, i) for i in blocks for n, r in zip(self.w.blocks[i].params, self.routed(i))
+                   if not (r and self.s.ep > 1)]     # ep: the experts sync on their own (expert_sync)
         if not self.s.dp_mode == "naive" or self.s.zero:
             groups = fill_buckets(params, lambda x: x[0], self.s.bucket_mb * MiB)
         else:
@@ -199,7 +395,7 @@ class Builder:
     def sync_items(self, stage, blocks, first, d, p, t, overlap_mb: int | None):
         """(issued during backward: block → items, after backward: items) of dp's gradient sync."""
         s = self.s
-        if s.dp == 1:
+        if self.dpc == 1:
             return {}, []
         group = self.dp_group(p, t)
         during, after = {}, []
@@ -220,9 +416,9 @@ class Builder:
             else:
                 after += ([self.copy(nbytes)] if s.dp_mode != "naive" or zero else [Compute(self.m.op_s)])
                 after += self.blocking(key, group, family, nbytes, kind, f"bucket {k}")
-                after.append(self.copy(nbytes / (s.dp if zero else 1)))
+                after.append(self.copy(nbytes / (self.dpc if zero else 1)))
         for key, nbytes in keys:
-            after += [Wait(key), self.copy(nbytes / (s.dp if zero else 1))]
+            after += [Wait(key), self.copy(nbytes / (self.dpc if zero else 1))]
         return during, after
 
     def gathers(self, stage, blocks, first, d, p, t) -> list:
@@ -243,18 +439,24 @@ class Builder:
         for d in range(s.dp):
             for p in range(s.pp):
                 for t in range(s.tp):
-                    one = self.zero3(d, p, t) if s.zero == 3 else (self.pipeline(d, p, t) if s.pp > 1
-                                                                   else self.single(d, t))
-                    progs[self.rank(d, p, t)] = [Compute(self.m.step_s)] + one
+                    for c in range(s.cp):
+                        one = self.zero3(d, p, t, c) if s.zero == 3 else (self.pipeline(d, p, t) if s.pp > 1
+                                                                          else self.single(d, t, c))
+                        progs[self.rank(d, p, t, c)] = [Compute(self.m.step_s)] + one
         return progs
 
-    def share(self, blocks, first: bool) -> float:
-        """The part of the optimizer's work this rank does: its blocks, its tp shard, its ZeRO shard."""
-        total = sum(sum(b.params) for b in self.w.blocks) + sum(self.w.pre.params)
-        mine = sum(sum(self.w.blocks[i].params) for i in blocks) + (sum(self.w.pre.params) if first else 0)
-        return mine / max(1, total) / self.s.tp / (self.s.dp if self.s.zero else 1)
+    def routed(self, i: int) -> list:
+        return self.w.blocks[i].routed or [False] * len(self.w.blocks[i].params)
 
-    def single(self, d: int, t: int) -> list:
+    def share(self, blocks, first: bool) -> float:
+        """The part of the optimizer's work this rank does: its blocks, its tp shard, its ZeRO
+        shard, its 1/ep of the routed experts."""
+        total = sum(sum(b.params) for b in self.w.blocks) + sum(self.w.pre.params)
+        mine = sum(n / (self.s.ep if r else 1) for i in blocks for n, r in zip(self.w.blocks[i].params, self.routed(i)))
+        mine += sum(self.w.pre.params) if first else 0
+        return mine / max(1, total) / self.s.tp / (self.dpc if self.s.zero else 1)
+
+    def single(self, d: int, t: int, c: int = 0) -> list:
         s, n = self.s, len(self.w.blocks)
         blocks, act = range(n), Compute(self.m.action_s)
         out = []
@@ -262,22 +464,22 @@ class Builder:
             last_mb = mb == s.microbatches - 1
             sync = s.zero == 2 or last_mb
             during, after = self.sync_items(0, blocks, True, d, 0, t, mb if s.zero == 2 else None) if sync else ({}, [])
-            out += [act] + self.forward(blocks, d, 0, t, mb, True, True)
-            out += [act] + self.backward(blocks, d, 0, t, mb, True, True, after=lambda i: during.get(i, []))
+            out += [act] + self.forward(blocks, d, 0, t, mb, True, True, c=c)
+            out += [act] + self.backward(blocks, d, 0, t, mb, True, True, after=lambda i: during.get(i, []), c=c)
             if s.zero == 2 and not last_mb:
                 out += after
-        out += after
+        out += after + self.expert_sync(d)
         out.append(self.optimizer(self.share(blocks, True)))
         if s.zero in (1, 2):
             out += self.gathers(0, blocks, True, d, 0, t)
         return out
 
-    def zero3(self, d: int, p: int, t: int) -> list:
+    def zero3(self, d: int, p: int, t: int, c: int = 0) -> list:
         """zero=3 (pp = 1): each block gathered before its forward and its backward, reduce-scattered after."""
         s, n = self.s, len(self.w.blocks)
         group, act = self.dp_group(0, t), Compute(self.m.action_s)
-        sizes = [4 * -(-sum(b.params) // s.tp // s.dp) * s.dp for b in self.w.blocks]
-        pre = 4 * -(-sum(self.w.pre.params) // s.dp) * s.dp
+        sizes = [4 * -(-sum(b.params) // s.tp // self.dpc) * self.dpc for b in self.w.blocks]
+        pre = 4 * -(-sum(self.w.pre.params) // self.dpc) * self.dpc
         out, pending = [], []
         for mb in range(s.microbatches):
             issued = set()
@@ -303,10 +505,10 @@ class Builder:
                 pending.append((key, nbytes))
                 return [self.call(key, group, "reduce_scatter", nbytes, "reduce_scatter", f"scatter block {i}", mb)]
 
-            out += [act] + self.forward(range(n), d, 0, t, mb, True, True, gather=gather)
-            out += [act] + self.backward(range(n), d, 0, t, mb, True, True, after=scatter, gather=gather)
+            out += [act] + self.forward(range(n), d, 0, t, mb, True, True, gather=gather, c=c)
+            out += [act] + self.backward(range(n), d, 0, t, mb, True, True, after=scatter, gather=gather, c=c)
         for key, nbytes in pending:
-            out += [Wait(key), self.copy(nbytes / s.dp)]
+            out += [Wait(key), self.copy(nbytes / self.dpc)]
         out.append(self.optimizer(self.share(range(n), True)))
         return out
 

@@ -1,0 +1,73 @@
+"""The local planner's context and expert parallelism: what it refuses, and on 4 engines each
+rank's bytes sent in a step and its span kinds equal a run's first step of the same strategy
+(the experts' exchanges follow the routing of the first step's tokens; no timing is asserted)."""
+from __future__ import annotations
+
+import pytest
+
+import labkit
+from labkit import plan
+from labkit.plan.machine import FAMILIES, Machine
+
+DATA = labkit.data.text(batch=8, block_size=16)
+SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size, n_kv_heads=2)
+MOE = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0)
+KW = dict(data=DATA, loss="cross_entropy", batch=8)
+SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
+
+
+def _machine() -> Machine:
+    return Machine(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
+                   step_s=1e-3, comm={f: (20e-6, 1e9) for f in FAMILIES}, comm_load=0.25, engines=4)
+
+
+def per_rank(events, world: int) -> list[tuple[int, set]]:
+    """(bytes sent, span kinds but ``wait``, a timing accident) of each rank."""
+    return [(sum(e["bytes"] for e in events if e["rank"] == r and e["kind"] in SENT),
+             {e["kind"] for e in events if e["rank"] == r} - {"wait"}) for r in range(world)]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cp=2, pp=2), "pp=1 and tp=1"),
+    (dict(cp=2, tp=2), "pp=1 and tp=1"),
+    (dict(dp=2, pp=2, ep=2), "beside dp only"),
+    (dict(dp=2, ep=2, zero=1), "zero=0"),
+])
+def test_what_is_not_modelled_is_refused_naming_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        plan.simulate(labkit.Strategy(**kw), _machine(), model=MOE, **KW)
+
+
+def test_a_model_the_lab_refuses_under_cp_is_refused_by_the_lab_s_own_check():
+    with pytest.raises(ValueError, match="never calls labkit.parallel.context.attention"):
+        plan.simulate(labkit.Strategy(cp=2), _machine(), model=labkit.models.mlp(width=16, depth=2), batch=8)
+
+
+def test_ring_rounds_follow_the_causal_split():
+    """Contiguous split: cp rank i computes i + 1 rounds of pairs, the balanced split cp on every rank."""
+    model = labkit.models.llama(**SIZES)
+    for balance in (True, False):
+        pred = plan.simulate(labkit.Strategy(cp=4, cp_balance=balance), _machine(), model=model, **KW)
+        slow = [sum(e["end"] - e["start"] for e in pred.timeline.events
+                    if e["rank"] == r and e["kind"] == "attention") for r in range(4)]
+        if balance:
+            assert max(slow) == pytest.approx(min(slow))
+        else:
+            assert slow == sorted(slow) and slow[3] > 2 * slow[0]
+
+
+@pytest.mark.parametrize("strategy, model", [
+    (labkit.Strategy(dp=2, cp=2), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(cp=4, cp_mode="allgather"), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(cp=4, cp_balance=False, dp_mode="bucketed"), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=2, cp=2, cp_mode="allgather", zero=1), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=4, ep=2), MOE),
+    (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), MOE),
+    (labkit.Strategy(dp=4, ep=4, microbatches=2, dp_mode="bucketed"), MOE),
+], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
+        "dp4ep2-overlap", "dp4ep4-m2"])
+def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
+    pred = plan.simulate(strategy, _machine(), model=model, **KW)
+    run = lab4.run(strategy, model=model, steps=1, lr=0.3, **KW)
+    assert per_rank(pred.timeline.events, 4) == per_rank(run.timeline.events, 4)
