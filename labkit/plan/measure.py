@@ -12,6 +12,7 @@ and no strategy it will predict runs.
 from __future__ import annotations
 
 from dataclasses import replace
+from statistics import median
 
 from .machine import FAMILIES, Machine, bus_factor, ring_steps
 
@@ -86,24 +87,28 @@ def _stream(mib: int, seconds: float) -> float:
 
 def _cache(seconds: float) -> tuple[float, tuple]:
     """(bytes of weights that products keep in the cache, (rows, bytes/s) of reading one that is
-    not). Products of ``rows``×512 by 512×512 weights go round N weights of 1 MiB; from
-    N = 1 to 128 a product's time climbs from hot to cold; the cache holds the largest N whose
-    time is nearer hot than cold. The cold read rate, at 16 and at 64 rows (a product of few
-    rows hides less of it behind arithmetic): 1 MiB / (cold − hot)."""
+    not). Products of ``rows``×512 by 512×512 weights go round N weights of 1 MiB; from N = 1
+    to 128 a product's time climbs from hot to cold; the cache holds the largest N whose time
+    is nearer hot than cold. The cold read rate, at 16 and at 64 rows (a product of few rows
+    hides less of it behind arithmetic): 1 MiB / (cold − hot). Each time is the median of
+    five, each taken beside the hot one, so a change of the host's load meets both."""
+    from statistics import median
+
     import torch
     weights = [torch.randn(512, 512) for _ in range(128)]
 
-    def timed(rows: int, n: int) -> float:
-        a, turn = torch.randn(rows, 512), iter(range(1 << 62))
-        return _loop(lambda: a @ weights[next(turn) % n], seconds / 8, chunks=3)
-    rates = []
-    for rows in (16, 64):
-        hot, cold = timed(rows, 1), timed(rows, 128)
-        rates.append((rows, (1 << 20) / max(cold - hot, 1e-9)))
-        if rows == 64:
-            warm = [n for n in (2, 4, 8, 16, 32) if timed(rows, n) < (hot + cold) / 2]
-            cache = float(max(warm, default=1) << 20)
-    return cache, tuple(rates)
+    def extra(rows: int, n: int) -> float:
+        """Seconds a product going round n weights takes beyond one going round one."""
+        a = torch.randn(rows, 512)
+
+        def timed(k):
+            turn = iter(range(1 << 62))
+            return _loop(lambda: a @ weights[next(turn) % k], seconds / 40, chunks=1)
+        return median(timed(n) - timed(1) for _ in range(5))
+    cold = {rows: extra(rows, 128) for rows in (16, 64)}
+    warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(64, n) < cold[64] / 2]
+    rates = tuple((rows, (1 << 20) / max(t, 1e-9)) for rows, t in cold.items())
+    return float(max(warm, default=1) << 20), rates
 
 
 def _attention(seconds: float) -> float:
@@ -341,10 +346,11 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
         call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
-        beside = sum(lab.apply(_together, seconds, True))
-        # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores
-        if beside < sum(together):
-            load = max(0.0, min(1.0, sum(together) / beside * min(world, cores) / world - 1))
+        # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores;
+        # without and with the transfer in turn, three times (a change of the host's load meets both)
+        slower = median(sum(lab.apply(_together, seconds / 3, False)) / sum(lab.apply(_together, seconds / 3, True))
+                        for _ in range(3))
+        load = max(0.0, min(1.0, slower * min(world, cores) / world - 1))
     machine = Machine(cores, **alone, comm=comm, comm_load=load,
                       wake_s=wake, call_s=call_s, cross_s=cross,
                       engines=world,
