@@ -125,6 +125,10 @@ def wire_bytes(op: str, nbytes: int, n: int) -> int:
 
 
 # -- handles --------------------------------------------------------------------------------
+BLOCKED_S = 50e-6
+"""A wait on an asynchronous call longer than this cuts the compute span around it."""
+
+
 class Handle:
     """An issued call: ``wait()`` blocks until it completes (and records when it did)."""
 
@@ -135,7 +139,7 @@ class Handle:
         # An emulated link's end (perf_counter): a float, or a function that knows it once the
         # real work is done (a receive learns when its message left from the message itself).
         self._deadline = deadline
-        self._watcher = None
+        self._watcher, self._thread = None, thread
         if (watch and work is not None and ctx.recorder.enabled and not ctx.recorder.cuda
                 and entry["op"] not in ("send", "recv")):
             # gloo completes collectives on its own thread: note when, without blocking.
@@ -169,7 +173,19 @@ class Handle:
             hold_until(self._deadline)
 
     def wait(self):
-        """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step."""
+        """Block until done; raise CollectiveTimeout / CommFailure naming rank, op and step.
+
+        An asynchronous call's wait that blocks inside a compute span (a ZeRO-2 bucket collected
+        during backward, a ring attention's K/V hop inside a block's forward) cuts that span, as
+        a blocking call does: the rank computed nothing while it waited."""
+        rec = self._ctx.recorder
+        began = rec.mark() if self._thread and rec.enabled and not rec.cuda else None
+        self._wait()
+        if began is not None and (ended := rec.mark()) - began > BLOCKED_S:
+            rec.blocked(began, ended)
+        return self
+
+    def _wait(self):
         if self._watcher is not None:
             _guard(self._ctx, self.entry, self._watcher.join)
         elif self.work is not None:
@@ -178,7 +194,6 @@ class Handle:
         self._completed()
         self.entry["state"] = "done"
         _record(self._ctx, self.entry, self._start, self._done_at)
-        return self
 
     def future(self, first: bool = False) -> torch.futures.Future:
         """A future resolving to the (reduced) tensors (``first``: to the first one, as a DDP

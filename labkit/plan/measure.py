@@ -368,11 +368,13 @@ def _host_costs(lab, machine: Machine) -> tuple[float, float]:
 
     model, world = mlp(width=8, depth=2), lab.world_size
     bare = replace(machine, action_s=0.0, step_s=0.0)
-    measured, simulated = [], []
-    for m in (1, 8):
-        s = Strategy(dp=world, microbatches=m, dp_mode="bucketed") if world > 1 else Strategy(microbatches=m)
-        measured.append(lab.run(s, model=model, batch=8 * world, steps=12, record=True).metrics["step_time_s"])
-        simulated.append(simulate(s, bare, model=model, batch=8 * world).metrics["step_time_s"])
+    plans = [Strategy(dp=world, microbatches=m, dp_mode="bucketed") if world > 1 else Strategy(microbatches=m)
+             for m in (1, 8)]
+    # 1 and 8 micro-batches in turn, three times (a change of the host's load meets both)
+    runs = [[lab.run(s, model=model, batch=8 * world, steps=8, record=True).metrics["step_time_s"] for s in plans]
+            for _ in range(3)]
+    measured = [median(r[k] for r in runs) for k in range(2)]
+    simulated = [simulate(s, bare, model=model, batch=8 * world).metrics["step_time_s"] for s in plans]
     slow = max(1.0, world / machine.cores)            # the engines share the cores
     action_s = max(0.0, (measured[1] - measured[0]) - (simulated[1] - simulated[0])) / (2 * 7 * slow)
     step_s = max(0.0, measured[0] - simulated[0] - 2 * action_s * slow) / slow
