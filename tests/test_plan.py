@@ -724,3 +724,45 @@ def test_on_an_emulated_link_a_call_takes_the_longer_of_the_links_time_and_gloos
     for nbytes in (1 << 10, 1 << 22):
         gloo = _machine().comm_s("all_reduce", nbytes, 2)
         assert machine.comm_s("all_reduce", nbytes, 2) == pytest.approx(max(gloo, link.seconds("all_reduce", nbytes, 2)))
+
+
+def test_weights_miss_the_cache_when_a_step_outgrows_it_and_not_when_it_fits():
+    from labkit.models import mlp
+    from labkit.plan.work import count, warm
+
+    work = count(mlp(width=256, depth=4), batch=8)
+    weight = 256 * 256 * 4
+    products = lambda w: [o for b in w.blocks for o in b.fwd.ops if o.flops]  # noqa: E731
+    assert all(o.cold == 0 for o in products(warm(work, float("inf"))))
+    small = products(warm(work, 64 * 1024))          # a cache smaller than one weight
+    assert all(o.cold >= weight for o in small), [o.cold for o in small]
+
+
+def test_cpu_attention_is_counted_with_torchs_sdpa_formula():
+    import torch
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from labkit.plan.work import _Counter
+
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    counter = _Counter()
+    with counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    fwd = next(o for o in counter.sink if o.name == "_scaled_dot_product_flash_attention_for_cpu")
+    bwd = next(o for o in counter.sink if o.name.endswith("flash_attention_for_cpu_backward"))
+    assert fwd.flops == sdpa_flop_count(q.shape, k.shape, v.shape) > 0
+    assert bwd.flops == sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)
+
+
+def test_an_op_pays_its_cold_bytes_and_the_longer_of_its_bytes_and_its_arithmetic():
+    from labkit.plan.work import Op
+
+    m = _machine(memory_Bps=1e10, dram_Bps=1e9, cold_Bps=((16, 1e9), (64, 4e9)), elementwise={"gelu": 1e-8},
+                 op_s=0.0, matmul_half_dim=0.0)
+    gelu = Op("gelu", 0.0, 8e6, elements=1_000_000)
+    assert m.op_seconds(gelu) == pytest.approx(1e-2)                        # arithmetic: 1e6 × 10 ns
+    assert m.op_seconds(Op("add", 0.0, 8e6, elements=1_000_000)) == pytest.approx(8e-4)
+    assert m.op_seconds(Op("add", 0.0, 8e6, elements=1_000_000, cold=4e6)) == pytest.approx(4e-4 + 4e-3)
+    product = Op("mm", 2e9, 0.0, dim=32, cold=1e6)
+    rate = m.rate(2e9, 32)
+    assert m.op_seconds(product) == pytest.approx(2e9 / rate + 1e6 / 2.5e9)  # half way in log rows: 2.5 GB/s

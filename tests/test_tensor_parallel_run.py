@@ -86,6 +86,32 @@ def test_compute_span_is_cut_around_a_blocking_call():
     assert spans == [(0.1, 0.2), (0.3, 0.5), (0.6, 0.7)]
 
 
+def test_compute_span_is_cut_around_a_wait_on_an_async_call_that_blocks():
+    """A ZeRO-2 bucket collected during backward: the rank waits, and computes nothing then."""
+    import time
+
+    from labkit.comm import CommContext, Handle
+
+    class Slow:                  # a torch work that takes 30 ms to complete
+        def wait(self):
+            time.sleep(0.03)
+
+    class Done:
+        def wait(self):
+            pass
+    rec = Recorder(0)
+    rec.start_step(0)
+    ctx = CommContext(rank=0, recorder=rec, timeout_s=5.0)
+    entry = {"op": "reduce_scatter", "kind": "reduce_scatter", "name": "bucket 0", "microbatch": None,
+             "bytes": 0, "peer": None, "state": "issued"}
+    t0 = rec.now()
+    Handle(ctx, dict(entry), Slow(), t0, watch=False, thread=True).wait()
+    Handle(ctx, dict(entry), Done(), rec.now(), watch=False, thread=True).wait()    # done already: no cut
+    rec.add("bwd", "B0", t0 - 0.01, rec.now() + 0.01)
+    spans = [(e["start"], e["end"]) for e in rec.drain() if e["stream"] == "compute"]
+    assert len(spans) == 2 and spans[1][0] - spans[0][1] >= 0.025, spans
+
+
 def test_megatron_formula():
     # per layer 4 all-reduces of b·s·h fp32 values, ring factor 2(t−1)/t = 1 at t=2
     assert megatron_tp_bytes(2, 8, 16, 32, 2) == 2 * 4 * 8 * 16 * 32 * 4

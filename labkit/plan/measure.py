@@ -174,8 +174,8 @@ def _together(seconds: float, with_comm: bool):
 def _messages(rounds: int, busy_s: float = 0.03):
     """On ranks 0 and 1 (the others return at once), 32 KiB messages with labkit.comm's
     isend/irecv, as a pipeline sends an activation: (the CPU seconds posting one takes on the
-    issuing thread, and on rank 1 the median delivery while the sender computes ``busy_s``
-    after posting, less the median while the sender waits). ``busy_s`` is long beside the wait,
+    issuing thread, and on rank 1 the mean delivery while the sender computes ``busy_s``
+    after posting, less the mean while the sender waits; :func:`_trimmed_mean`). ``busy_s`` is long beside the wait,
     so the sender's span ending (which frees its core) does not cut the wait short."""
     import time
     from statistics import median
@@ -217,8 +217,18 @@ def _messages(rounds: int, busy_s: float = 0.03):
                 delivered[busy].append(done - float(stamp[0]))
     finally:
         rec.enabled = was
-    wake = max(0.0, median(delivered[True]) - median(delivered[False])) if me == 1 else None
+    wake = max(0.0, _trimmed_mean(delivered[True]) - _trimmed_mean(delivered[False])) if me == 1 else None
     return median(posting), wake
+
+
+def _trimmed_mean(values, cut: float = 0.1) -> float:
+    """The mean of ``values`` without the highest and lowest ``cut`` of them. A message's extra
+    wait is either none or a scheduler's turn of milliseconds: what a step's many messages add
+    up to is the mean, where the median jumps from one to the other as the odds pass a half."""
+    xs = sorted(values)
+    k = int(len(xs) * cut)
+    xs = xs[k:len(xs) - k] or xs
+    return sum(xs) / len(xs)
 
 
 _PAIR = {}
@@ -282,10 +292,28 @@ def _comm(seconds: float):
                     _operation(family, "torch", nbytes, n, me)[0]
                 out[(family, nbytes)] = _median_of_five(call, 6 if family == "send" else 3)
         # both ways at once between the same pair, the smallest size
-        out[("exchange", COMM_SIZES[0])] = _median_of_five(_ping_pong(COMM_SIZES[0], n, me, both=True), 3)
+        out[("exchange", COMM_SIZES[0])] = _mean_of(_ping_pong(COMM_SIZES[0], n, me, both=True), 1)
+        out[("one way", COMM_SIZES[0])] = _mean_of(_ping_pong(COMM_SIZES[0], n, me), 2)
     finally:
         rec.enabled = was
     return out
+
+
+def _mean_of(call, per_call: int, calls: int = 30) -> float:
+    """Seconds per message of ``call`` (warmed once): the trimmed mean of ``calls`` calls, each
+    timed alone after a barrier; ``per_call`` messages in one call."""
+    import time
+
+    import torch.distributed as dist
+
+    call()
+    runs = []
+    for _ in range(calls):
+        dist.barrier()
+        t0 = time.perf_counter()
+        call()
+        runs.append((time.perf_counter() - t0) / per_call)
+    return _trimmed_mean(runs)
 
 
 def _median_of_five(call, per_run: int) -> float:
@@ -342,7 +370,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
                 lab.link = link
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
-        cross = max(0.0, times[("exchange", COMM_SIZES[0])] - times[("send", COMM_SIZES[0])])
+        cross = max(0.0, times[("exchange", COMM_SIZES[0])] - times[("one way", COMM_SIZES[0])])
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
         call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
