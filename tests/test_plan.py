@@ -766,3 +766,17 @@ def test_an_op_pays_its_cold_bytes_and_the_longer_of_its_bytes_and_its_arithmeti
     product = Op("mm", 2e9, 0.0, dim=32, cold=1e6)
     rate = m.rate(2e9, 32)
     assert m.op_seconds(product) == pytest.approx(2e9 / rate + 1e6 / 2.5e9)  # half way in log rows: 2.5 GB/s
+
+
+def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_before_it():
+    """A 1F1B stage's last gradient, sent after its backward posted the dp buckets, waits for them
+    (the emulated link is one FIFO per rank); without links it travels beside them."""
+    def programs():
+        buckets = [Issue(("dp", k), (1, 3), 1.0, "allreduce", f"bucket {k}") for k in range(2)]
+        partner = [Issue(("dp", k), (1, 3), 1.0, "allreduce", f"bucket {k}") for k in range(2)]
+        send = Issue(("B", 3), (1, 0), 0.1, "send", "B 3", peer=0, ordered=False)
+        recv = Issue(("B", 3), (1, 0), 0.1, "recv", "B 3", peer=1, ordered=False)
+        return [[recv, Wait(("B", 3))], buckets + [send, Wait(("B", 3))], [], partner]
+    arrive = lambda links: next(e["end"] for e in Sim(programs(), cores=4, links=links).run()  # noqa: E731
+                                if e["kind"] == "recv")
+    assert arrive(False) == pytest.approx(0.1) and arrive(True) == pytest.approx(2.1)

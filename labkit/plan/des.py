@@ -24,6 +24,12 @@ scheduler's turn), or less if the member's compute span ends sooner and frees it
 Two messages in opposite directions between the same two ranks, in flight at once, each take
 ``cross`` longer: gloo's two handshakes on one pair wait on each other.
 
+On an emulated link (``links=True``) each rank's link is one more resource, as
+:class:`labkit.Link` imposes it: a call takes its poster's link when posted (a collective both
+sides, a message the sending side), once the calls posted before it are through, and a message
+takes its receiver's receiving side when it arrives; so a pipeline's gradient sent after a
+backward's buckets waits for all of them to leave.
+
 Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
 read a simulated step as a measured one.
 """
@@ -79,6 +85,7 @@ class Sim:
     load: float = 0.0
     wake: float = 0.0
     cross: float = 0.0
+    links: bool = False
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
@@ -88,6 +95,7 @@ class Sim:
         self.streams = [[] for _ in range(n)]      # posted, unfinished calls, in order
         self.posts, self.done, self.calls, self.loose, self.crossed = {}, set(), {}, {}, set()
         self.running: list[_Job] = []
+        self.tx, self.rx, self.reserved = [0.0] * n, [0.0] * n, {}    # each rank's link, busy until (links)
         while True:
             self._advance()
             self._start_ready()
@@ -114,6 +122,7 @@ class Sim:
                             self.busy[r] = _Job(item.seconds, 1.0, self.t, ("compute", r, item))
                             self.running.append(self.busy[r])
                     elif isinstance(item, Issue):
+                        self._reserve(item, r)
                         if item.ordered:
                             self.streams[r].append(item.key)
                         else:
@@ -135,7 +144,9 @@ class Sim:
                 cross = self._crossing(group)
                 if cross:
                     self.crossed.add(key)
-                self.running.append(_Job(self.calls[key].seconds + self._wait_for_core(group) + cross,
+                seconds = self.calls[key].seconds
+                self.running.append(_Job(self._queue(key, seconds, group, False) + seconds
+                                         + self._wait_for_core(group) + cross,
                                          self.load * len(posted), self.t, ("call", key)))
         started = True
         while started:
@@ -149,9 +160,36 @@ class Sim:
                 if all(self.streams[m] and self.streams[m][0] == key for m in group):
                     for m in group:
                         self.streams[m][0] = None          # in flight: the stream is busy
-                    job = _Job(call.seconds, self.load * len(group), self.t, ("call", key))
+                    job = _Job(self._queue(key, call.seconds, group, True) + call.seconds, self.load * len(group),
+                               self.t, ("call", key))
                     self.running.append(job)
                     started = True
+
+    def _reserve(self, item: Issue, r: int) -> None:
+        """Rank r posts ``item``: it takes r's link once the calls posted before are through (a
+        collective both sides, a message its sender's sending side; ``links``)."""
+        if not self.links or not (item.ordered or r == item.group[0]):
+            return
+        begin = max(self.t, self.tx[r], self.rx[r] if item.ordered else 0.0)
+        self.tx[r] = begin + item.seconds
+        if item.ordered:
+            self.rx[r] = begin + item.seconds
+        self.reserved[(item.key, r)] = begin
+
+    def _queue(self, key, seconds: float, group, ordered: bool) -> float:
+        """Seconds a call starting now waits for its links (module docstring): a collective for
+        its members' reservations, a message for its sender's and its receiver's receiving side."""
+        if not self.links:
+            return 0.0
+        if ordered:
+            begin = max([self.t] + [self.reserved.pop((key, m)) for m in group])
+            for m in group:
+                self.tx[m], self.rx[m] = max(self.tx[m], begin + seconds), max(self.rx[m], begin + seconds)
+        else:
+            sender, receiver = group
+            begin = max(self.t, self.reserved.pop((key, sender)), self.rx[receiver])
+            self.rx[receiver] = begin + seconds
+        return begin - self.t
 
     def _wait_for_core(self, group) -> float:
         """A message's wait for a core when a member computes and the cores are all taken: ``wake``,

@@ -111,7 +111,8 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         routes = route(model, batch, data, strategy.dp, strategy.microbatches)
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
                 for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
-    events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s).run()
+    events = Sim(programs, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s,
+                 links=bool(machine.link_alpha_beta)).run()
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
                      Timeline(events, world, title="predicted", grid=strategy), batch)
