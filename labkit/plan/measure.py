@@ -252,7 +252,7 @@ COMM_SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 24)
 
 def _ping_pong(nbytes: int, n: int, me: int, both: bool = False):
     """One message each way between neighbour pairs (0↔1, 2↔3, …; an odd last rank idles), sent
-    as a pipeline sends them (labkit.comm's isend and irecv, with their header); the call's
+    as a pipeline sends them (labkit.comm's isend and irecv, no header); the call's
     time is half the round trip, one message's (OSU's osu_latency). ``both``: the two messages
     at once, crossing (a 1F1B pipeline's activation and gradient), the call's time is both."""
     import torch
@@ -263,11 +263,14 @@ def _ping_pong(nbytes: int, n: int, me: int, both: bool = False):
     peer = me + 1 if me % 2 == 0 else me - 1
     if peer >= n:
         return lambda: None
+    # no header, as a stage sends every activation after its first
+    send = lambda: comm.isend(out, peer, name="probe", check=False)       # noqa: E731
+    recv = lambda: comm.irecv(inbox, peer, name="probe", check=False)     # noqa: E731
     if both:
-        return lambda: [h.wait() for h in (comm.irecv(inbox, peer, name="probe"), comm.isend(out, peer, name="probe"))]
+        return lambda: [h.wait() for h in (recv(), send())]
     if me % 2 == 0:
-        return lambda: (comm.isend(out, peer, name="probe").wait(), comm.irecv(inbox, peer, name="probe").wait())
-    return lambda: (comm.irecv(inbox, peer, name="probe").wait(), comm.isend(out, peer, name="probe").wait())
+        return lambda: (send().wait(), recv().wait())
+    return lambda: (recv().wait(), send().wait())
 
 
 def _comm(seconds: float):
