@@ -780,3 +780,16 @@ def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_befor
     arrive = lambda links: next(e["end"] for e in Sim(programs(), cores=4, links=links).run()  # noqa: E731
                                 if e["kind"] == "recv")
     assert arrive(False) == pytest.approx(0.1) and arrive(True) == pytest.approx(2.1)
+
+
+def test_on_an_emulated_link_a_collective_first_pays_its_start_stamp_and_a_message_does_not():
+    import labkit
+
+    link = labkit.Link(bandwidth=50e6, latency=2e-4)
+    on_link = dict(link_alpha_beta=(link.latency, link.bandwidth), link=str(link), engines=4)
+    stamped, bare = _machine(join_s=3e-3, **on_link), _machine(**on_link)
+    gloo = _machine().comm_s("all_reduce", 1 << 10, 4)
+    assert stamped.comm_s("all_reduce", 1 << 10, 4) == pytest.approx(max(gloo + 3e-3, bare.comm_s("all_reduce", 1 << 10, 4)))
+    assert stamped.comm_s("all_reduce", 1 << 10, 2) == pytest.approx(max(_machine().comm_s("all_reduce", 1 << 10, 2) + 1e-3,
+                                                                         link.seconds("all_reduce", 1 << 10, 2)))
+    assert stamped.comm_s("send", 1 << 10, 2) == bare.comm_s("send", 1 << 10, 2)

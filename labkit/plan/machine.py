@@ -105,6 +105,11 @@ class Machine:
     the same two ranks is in flight (a 1F1B pipeline's activations and gradients): gloo's
     handshakes on one pair wait on each other. Measured: an exchange of 16 KiB both ways at
     once, less one message one way (half a ping-pong), gloo as it is."""
+    join_s: float = 0.0
+    """Seconds of an all-reduce of one number over every engine (gloo as it is): what a
+    collective on an emulated link pays first, to agree on its start (``labkit.comm._join``);
+    a group of n pays it in proportion to its ring steps, n − 1. Measured: the median of
+    such all-reduces, each after a barrier."""
     matmul_half_dim: float = 0.0
     """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
     of few rows, or a weight gradient summed over them), the form the cluster planner gives a
@@ -158,12 +163,17 @@ class Machine:
         """Seconds of a list of ops, each op's work scaled by ``scale(op)``."""
         return sum(self.op_seconds(op, scale(op)) for op in ops)
 
-    def comm_s(self, family: str, nbytes: float, n: int) -> float:
+    def comm_s(self, family: str, nbytes: float, n: int, gloo: float | None = None) -> float:
         """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks:
-        gloo's own time, or the emulated link's when that is longer."""
-        t = self.comm[family].seconds(family, nbytes, n)
+        gloo's own time (``gloo``, if given), or the emulated link's when that is longer. On the
+        link a collective first all-reduces its members' start times (one number, gloo's own
+        speed: :func:`labkit.comm._join`), before gloo moves its bytes; the link's time counts
+        from those starts, so it runs beside that stamp."""
+        t = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
         if self.link_alpha_beta:
             alpha, beta = self.link_alpha_beta
+            if family != "send":
+                t += self.join_s * (n - 1) / max(1, self.engines - 1)
             t = max(t, Link(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n))
         return t
 
@@ -193,7 +203,8 @@ class Machine:
                 f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
                 f"{self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
-                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another"
+                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another; a "
+                f"start stamp {self.join_s * 1e6:.0f} µs"
                 + (f"; link {self.link}" if self.link else "") + ")")
 
 

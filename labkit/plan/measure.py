@@ -277,8 +277,7 @@ def _comm(seconds: float):
     """On every engine: the median seconds per call of each family at each of COMM_SIZES (through
     labkit.comm as a step issues them, recording off; a send's is half a ping-pong's round
     trip), the slowest rank's; and a message crossing one the other way."""
-    import time
-
+    import torch
     import torch.distributed as dist
 
     from ..bench import _operation
@@ -294,6 +293,8 @@ def _comm(seconds: float):
                 call = _ping_pong(nbytes, n, me) if family == "send" else \
                     _operation(family, "torch", nbytes, n, me)[0]
                 out[(family, nbytes)] = _median_of_five(call, 6 if family == "send" else 3)
+        stamp = torch.zeros(1, dtype=torch.float64)       # an emulated link's start stamp
+        out[("join", 8)] = _median_of_five(lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX), 3)
         # both ways at once between the same pair, the smallest size
         out[("exchange", COMM_SIZES[0])] = _mean_of(_ping_pong(COMM_SIZES[0], n, me, both=True), 1)
         out[("one way", COMM_SIZES[0])] = _mean_of(_ping_pong(COMM_SIZES[0], n, me), 2)
@@ -360,7 +361,8 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
     cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
-    comm, link_name, link_ab, load, wake, call_s, cross = {f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0, 0.0, 0.0
+    comm, link_name, link_ab, load, wake, call_s, cross, join = ({f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0,
+                                                                 0.0, 0.0, 0.0)
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
@@ -374,6 +376,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
         cross = max(0.0, times[("exchange", COMM_SIZES[0])] - times[("one way", COMM_SIZES[0])])
+        join = times[("join", 8)]
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
         call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
@@ -383,7 +386,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
                         for _ in range(3))
         load = max(0.0, min(1.0, slower * min(world, cores) / world - 1))
     machine = Machine(cores, **alone, comm=comm, comm_load=load,
-                      wake_s=wake, call_s=call_s, cross_s=cross,
+                      wake_s=wake, call_s=call_s, cross_s=cross, join_s=join,
                       engines=world,
                       link=link_name, link_alpha_beta=tuple(link_ab))
     action_s, step_s = _host_costs(lab, machine)

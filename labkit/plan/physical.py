@@ -363,8 +363,12 @@ class Builder:
     def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
         """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member. gloo's
         alltoallv posts every member's n − 1 sends and receives at once, then waits for them
-        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes."""
-        return Issue(key, group, self.m.comm_s("send", max(sent), 2), "all_to_all", name, int(sent[me]), None, mb)
+        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes. An emulated
+        link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
+        leaving the busiest member); the call takes the longer."""
+        n = len(group)
+        seconds = self.m.comm_s("all_to_all", max(sent) * n / (n - 1), n, self.m.comm["send"].seconds("send", max(sent), 2))
+        return Issue(key, group, seconds, "all_to_all", name, int(sent[me]), None, mb)
 
     def expert_sync(self, d: int) -> list:
         """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
