@@ -292,50 +292,35 @@ def _comm(seconds: float):
             for nbytes in COMM_SIZES:
                 call = _ping_pong(nbytes, n, me) if family == "send" else \
                     _operation(family, "torch", nbytes, n, me)[0]
-                out[(family, nbytes)] = _median_of_five(call, 6 if family == "send" else 3)
+                out[(family, nbytes)] = _per_message(call, 6 if family == "send" else 3)
         stamp = torch.zeros(1, dtype=torch.float64)       # an emulated link's start stamp
-        out[("join", 8)] = _median_of_five(lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX), 3)
+        out[("join", 8)] = _per_message(lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX), 3)
         # both ways at once between the same pair, the smallest size
-        out[("exchange", COMM_SIZES[0])] = _mean_of(_ping_pong(COMM_SIZES[0], n, me, both=True), 1)
-        out[("one way", COMM_SIZES[0])] = _mean_of(_ping_pong(COMM_SIZES[0], n, me), 2)
+        exchange, one_way = _ping_pong(COMM_SIZES[0], n, me, both=True), _ping_pong(COMM_SIZES[0], n, me)
+        out[("exchange", COMM_SIZES[0])] = _per_message(exchange, 1, runs=30, calls=1, summary=_trimmed_mean)
+        out[("one way", COMM_SIZES[0])] = _per_message(one_way, 2, runs=30, calls=1, summary=_trimmed_mean)
     finally:
         rec.enabled = was
     return out
 
 
-def _mean_of(call, per_call: int, calls: int = 30) -> float:
-    """Seconds per message of ``call`` (warmed once): the trimmed mean of ``calls`` calls, each
-    timed alone after a barrier; ``per_call`` messages in one call."""
+def _per_message(call, messages: int, runs: int = 5, calls: int = 3, summary=None) -> float:
+    """Seconds per message of ``call`` (warmed once): ``runs`` timed runs of ``calls`` calls, each
+    run started together after a barrier, ``messages`` messages in a run; their median, or
+    ``summary`` of them (:func:`_trimmed_mean` for a wait that is none or a scheduler's turn)."""
     import time
 
     import torch.distributed as dist
 
     call()
-    runs = []
-    for _ in range(calls):
+    times = []
+    for _ in range(runs):
         dist.barrier()
         t0 = time.perf_counter()
-        call()
-        runs.append((time.perf_counter() - t0) / per_call)
-    return _trimmed_mean(runs)
-
-
-def _median_of_five(call, per_run: int) -> float:
-    """Seconds per message of ``call`` (warmed once): the median of five timed runs of three
-    calls, each run started together after a barrier; ``per_run`` messages in three calls."""
-    import time
-
-    import torch.distributed as dist
-
-    call()
-    runs = []
-    for _ in range(5):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(3):
+        for _ in range(calls):
             call()
-        runs.append((time.perf_counter() - t0) / per_run)
-    return sorted(runs)[2]
+        times.append((time.perf_counter() - t0) / messages)
+    return (summary or median)(times)
 
 
 def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
