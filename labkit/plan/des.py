@@ -22,7 +22,9 @@ handshake that a comm thread of each end runs. When it starts while a member is 
 and the cores are all taken, that thread first waits for a core: ``wake`` seconds (the
 scheduler's turn), or less if the member's compute span ends sooner and frees its own core.
 Two messages in opposite directions between the same two ranks, in flight at once, each take
-``cross`` longer: gloo's two handshakes on one pair wait on each other.
+``cross`` longer: gloo's two handshakes on one pair wait on each other. On an emulated link
+that delay is gloo's, so it hides under the link's time as far as that time exceeds gloo's
+own (``Issue.link``).
 
 On an emulated link (``links=True``) each rank's link is one more resource, as
 :class:`labkit.Link` imposes it: a call takes its poster's link when posted (a collective both
@@ -61,6 +63,9 @@ class Issue:
     ordered: bool = True
     """In order on the rank's comm stream (collectives); False: matched by key alone, as
     point-to-point messages are matched by tag."""
+    link: float = 0.0
+    """A message's time on an emulated link (0: none): it takes the longer of that and gloo's
+    own ``seconds`` with its crossing, since the link waits off what gloo has not spent."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class _Job:
     ask: float
     start: float
     what: object                  # ("compute", rank, item) or ("call", key)
+    slack: float = 0.0            # a message's link time beyond gloo's own: what a crossing fills first
 
 
 @dataclass
@@ -140,14 +146,14 @@ class Sim:
         for key, posted in list(self.loose.items()):
             if posted.issuperset(self.calls[key].group):
                 del self.loose[key]
-                group = self.calls[key].group
-                cross = self._crossing(group)
+                call = self.calls[key]
+                cross = self._crossing(call.group)
                 if cross:
                     self.crossed.add(key)
-                seconds = self.calls[key].seconds
-                self.running.append(_Job(self._queue(key, seconds, group, False) + seconds
-                                         + self._wait_for_core(group) + cross,
-                                         self.load * len(posted), self.t, ("call", key)))
+                own = call.seconds + cross
+                self.running.append(_Job(self._queue(key, max(call.link, call.seconds), call.group, False)
+                                         + max(call.link, own) + self._wait_for_core(call.group),
+                                         self.load * len(posted), self.t, ("call", key), max(0.0, call.link - own)))
         started = True
         while started:
             started = False
@@ -209,7 +215,8 @@ class Sim:
         for j in back:
             if j.what[1] not in self.crossed:
                 self.crossed.add(j.what[1])
-                j.remaining += self.cross
+                j.remaining += max(0.0, self.cross - j.slack)
+                j.slack = max(0.0, j.slack - self.cross)
         return self.cross if back else 0.0
 
     # -- time --------------------------------------------------------------------------------

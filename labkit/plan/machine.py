@@ -177,6 +177,13 @@ class Machine:
             t = max(t, Link(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n))
         return t
 
+    def message_s(self, nbytes: float) -> tuple[float, float]:
+        """(gloo's own seconds, the emulated link's seconds or 0) of one point-to-point message:
+        the simulator adds a crossing to the first and takes the longer (:class:`~.des.Issue`)."""
+        link = Link(alpha=self.link_alpha_beta[0], beta=self.link_alpha_beta[1], per_step=True) \
+            if self.link_alpha_beta else None
+        return self.comm["send"].seconds("send", nbytes, 2), link.seconds("send", nbytes, 2) if link else 0.0
+
     # -- files -------------------------------------------------------------------------------
     def save(self, path) -> None:
         with open(path, "w") as f:

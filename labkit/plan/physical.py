@@ -40,7 +40,7 @@ posted call its host cost per call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 
 from ..analysis.metrics import step_metrics
@@ -173,8 +173,11 @@ class Builder:
 
     def call(self, key, group, family, nbytes, kind, name, mb=None, peer=None) -> Issue:
         n = len(group)
+        if family == "send":
+            own, link = self.m.message_s(nbytes)
+            return Issue(key, group, own, kind, name, int(nbytes), peer, mb, ordered=False, link=link)
         return Issue(key, group, self.m.comm_s(family, nbytes, n), kind, name,
-                     int(round(bus_factor(family, n) * nbytes)), peer, mb, ordered=family != "send")
+                     int(round(bus_factor(family, n) * nbytes)), peer, mb)
 
     def blocking(self, key, group, family, nbytes, kind, name, mb=None) -> list:
         return [self.call(key, group, family, nbytes, kind, name, mb), Wait(key)]
@@ -293,13 +296,10 @@ class Builder:
         from ..parallel.context.layout import rank_chunks
         s, n = self.s, self.s.cp
         nxt, prv, me = self.rank(d, 0, 0, (c + 1) % n), self.rank(d, 0, 0, (c - 1) % n), self.rank(d, 0, 0, c)
-        secs = self.m.comm_s("send", nbytes, 2)
-
         def hop(what, j, label):
-            send = Issue((what, d, mb, layer, j, c), (me, nxt), secs, "send", label, nbytes, nxt, mb, ordered=False)
-            recv = Issue((what, d, mb, layer, j, (c - 1) % n), (prv, me), secs, "recv", label, 0, prv, mb,
-                         ordered=False)
-            return [send, recv], [Wait(send.key), Wait(recv.key)]
+            send = self.call((what, d, mb, layer, j, c), (me, nxt), "send", nbytes, "send", label, mb, nxt)
+            recv = self.call((what, d, mb, layer, j, (c - 1) % n), (prv, me), "send", nbytes, "recv", label, mb, prv)
+            return [send, replace(recv, bytes=0)], [Wait(send.key), Wait(recv.key)]
 
         def round_s(src):      # its pairs, and its buffers: the next block's (fwd), dK/dV's zeroed and summed (bwd)
             hows = [relation(qa, kb, True) for qa in rank_chunks(c, n, s.cp_balance)
@@ -559,7 +559,7 @@ class Builder:
                 key = ("p2p", direction, src, mb, d, t)
                 item = self.call(key, (peer, self.rank(d, p, t)), "send", _act_bytes(w, ranges, src, direction, size),
                                  "recv", f"{direction} {mb}", mb, peer)
-                out += [Issue(item.key, item.group, item.seconds, "recv", item.name, 0, peer, mb, ordered=False), Wait(key)]
+                out += [replace(item, bytes=0), Wait(key)]
         held = sorted({a.stage for a in actions})
         for g in held:
             out += syncs[g][1]

@@ -28,6 +28,10 @@ MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention
            "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution", "convolution_backward")
 
 
+VIEWS = ("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
+         "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk")
+
+
 @dataclass(frozen=True)
 class Op:
     """One aten call: its FLOPs (0 for memory-bound ones), its bytes, and the Linear it serves."""
@@ -107,9 +111,8 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name in ("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided",
-                    "unsqueeze", "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh"):
-            return out               # views and metadata: no work
+        if name in VIEWS:            # views and metadata: no work
+            return out
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else _attention_flops(name, args)
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
@@ -340,6 +343,8 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
                   block.register_full_backward_pre_hook(enter_b(i)), block.register_full_backward_hook(leave_b(i))]
     lossfn = resolve_loss(loss)
     before = context._active
+    for p in net.parameters():          # as the executor keeps them: zeros the backward adds into
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
     with counter:
         counter.sink = sink("pre", "fwd")
         if cp > 1:                          # attention goes through the stand-in
@@ -359,7 +364,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
         opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
         counter.sink = sink("opt", "fwd")
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)
     linears = {q: (m.in_features, m.out_features) for q, m in net.named_modules() if isinstance(m, nn.Linear)}
     in_blocks = set()
 
