@@ -546,6 +546,15 @@ def test_a_message_crossing_one_the_other_way_takes_cross_longer():
     assert ends(False) == pytest.approx([1.0])
     assert ends(True) == pytest.approx([1.5, 1.5])      # each started beside the other
 
+    def on_link(link):           # gloo's 1.0 s and its crossing, under an emulated link's time
+        programs = [[Issue("b", (1, 0), 1.0, "recv", ordered=False, link=link),
+                     Issue("a", (0, 1), 1.0, "send", ordered=False, link=link), Wait("a"), Wait("b")],
+                    [Issue("b", (1, 0), 1.0, "send", ordered=False, link=link),
+                     Issue("a", (0, 1), 1.0, "recv", ordered=False, link=link), Wait("a"), Wait("b")]]
+        return sorted(e["end"] for e in Sim(programs, cores=4, cross=0.5, links=True).run() if e["kind"] == "recv")
+    assert on_link(2.0) == pytest.approx([2.0, 2.0])    # the link's 2 s hide gloo's 1.5
+    assert on_link(1.2) == pytest.approx([1.5, 1.5])    # gloo's 1.5 outlast the link's 1.2
+
 
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
     late = [[Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")],
@@ -586,6 +595,10 @@ def test_a_models_work_is_its_counted_operations():
     assert work.blocks[0].params == [64 * 64, 64] and work.blocks[0].out_numel == 64
     assert [o.dim for o in work.blocks[2].fwd.ops if o.flops] == [8]          # 8 rows × 64 × 64
     assert sorted(o.dim for o in work.blocks[2].bwd.ops if o.flops) == [8, 8]     # input grad, weight grad
+    # as the executor runs a step: each backward adds into the gradients, the step zeroes them in place
+    added = [o for o in work.blocks[2].bwd.ops if o.name == "accumulate_grad"]
+    assert sorted(o.elements for o in added) == [64, 64 * 64] and all(o.weight_grad for o in added)   # W's part
+    assert sum(o.elements for o in work.optimizer.ops if o.name == "zero_") == 3 * (64 * 64 + 64)
 
 
 STRATEGIES = [dict(dp=2, dp_mode=m) for m in ("naive", "bucketed", "overlap", "ddp")] + \

@@ -150,6 +150,9 @@ class Builder:
 
     def __init__(self, s, machine: Machine, work, plan: dict, routes=None):
         self.s, self.m, self.w, self.routes, self.counted = s, machine, work, routes, {}
+        if s.zero == 3:
+            from .work import unaccumulated
+            self.w = unaccumulated(work)
         self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}

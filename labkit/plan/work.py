@@ -104,7 +104,7 @@ class _Counter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.sink, self.linear, self.weights = [], "", set()
+        self.sink, self.linear, self.weights, self.grads = [], "", set(), set()
         self.by_storage, self.by_shape = {}, {}     # a Linear's weight → its name (backward has no hooks)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,6 +119,8 @@ class _Counter(TorchDispatchMode):
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         wgrad = flops > 0 and any(tuple(t.shape) in self.weights for t in outs)
+        if name == "add_" and _storage(args[0]) in self.grads:
+            name, wgrad = "accumulate_grad", True       # a backward adding into a parameter's gradient
         linear = self.linear
         if not linear and flops:        # backward: the product that reads a weight, or makes its gradient
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -345,6 +347,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     before = context._active
     for p in net.parameters():          # as the executor keeps them: zeros the backward adds into
         p.grad = torch.zeros_like(p) if p.requires_grad else None
+    counter.grads = {_storage(p.grad) for p in net.parameters() if p.grad is not None}
     with counter:
         counter.sink = sink("pre", "fwd")
         if cp > 1:                          # attention goes through the stand-in
@@ -419,6 +422,14 @@ def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
     block = lambda b: replace(b, fwd=warmed(b.fwd), bwd=warmed(b.bwd))  # noqa: E731
     return replace(work, blocks=[block(b) for b in work.blocks], pre=block(work.pre), post=block(work.post),
                    optimizer=warmed(work.optimizer))
+
+
+def unaccumulated(work: ModelWork) -> ModelWork:
+    """``work`` without its backwards' adds into the gradients: ZeRO-3 hands each backward's
+    gradients to its reduce-scatter and keeps none to add into."""
+    from dataclasses import replace
+    keep = lambda b: replace(b, bwd=b.bwd.where(lambda o: o.name != "accumulate_grad"))  # noqa: E731
+    return replace(work, blocks=[keep(b) for b in work.blocks], pre=keep(work.pre), post=keep(work.post))
 
 
 def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
