@@ -21,6 +21,9 @@ from dataclasses import asdict, dataclass, field
 from .hardware import Link, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
+                   "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk"))
+"""aten ops that make a view or take metadata: no arithmetic and no bytes, a host call (``view_s``)."""
 
 
 def _link(value) -> Link:
@@ -74,6 +77,9 @@ class Machine:
     op_s: float = 5e-6
     """Host seconds per aten op (dispatch, autograd bookkeeping). Measured: forward and backward
     of a chain of one-element ops, divided by the ops counted."""
+    view_s: float = 0.0
+    """Host seconds per aten call that makes a view (a transpose, a reshape, a detach: no bytes
+    moved). Measured: view, t and transpose of a small tensor that needs a gradient, the median."""
     action_s: float = 1e-4
     """Host seconds the executor adds per action (a forward or backward of a micro-batch):
     hooks, recording, Python. Measured: a trivial model's step at 1 and 8 micro-batches."""
@@ -151,6 +157,8 @@ class Machine:
         """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`), its work
         scaled by ``k`` (a tensor-parallel shard): host cost, then arithmetic or bytes, then
         the bytes it finds beyond the cache."""
+        if op.name in VIEWS:
+            return self.view_s
         flops, cold = op.flops * k, op.cold * k
         if "scaled_dot_product" in op.name and self.attention_Fps:
             return self.op_s + flops / self.attention_Fps + cold / _interpolate(self.cold_Bps, 64)
@@ -207,7 +215,7 @@ class Machine:
                 f"{self.dram_Bps / 1e9:.1f} GB/s beyond it, a product's cold operands at "
                 + ", ".join(f"{b / 1e9:.1f}" for _, b in self.cold_Bps) + " GB/s (by its rows); attention "
                 f"{self.attention_Fps / 1e9:.1f} GFLOP/s; a product of smallest dimension d at d/(d + "
-                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.action_s * 1e6:.0f} µs/action, "
+                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.view_s * 1e6:.1f} µs/view, {self.action_s * 1e6:.0f} µs/action, "
                 f"{self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
                 f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another; a "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from statistics import median
 
-from .machine import FAMILIES, Machine, bus_factor, ring_steps
+from .machine import FAMILIES, VIEWS, Machine, bus_factor, ring_steps
 
 MATMUL_SHAPES = ((16, 128, 128), (64, 256, 256), (64, 512, 512), (128, 1024, 1024), (256, 1024, 2048))
 
@@ -24,7 +24,6 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
     The median, not the best: on a host shared with other work a step meets the typical share
     of the cores, not the quietest moment's."""
     import time
-    from statistics import median
     fn()
     runs = []
     for _ in range(chunks):
@@ -38,7 +37,6 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): matmul table, memory rate, op host cost."""
-    from statistics import median
 
     import torch
     import torch.distributed as dist
@@ -71,9 +69,12 @@ def _alone(seconds: float, rank_only: int | None = 0):
     with counter:
         chain()
     import os
-    op_s = _loop(chain, seconds) / len(counter.sink)
+    x = torch.randn(4, 8, requires_grad=True)
+    view_s = median(_loop(f, seconds / 8) for f in (lambda: x.view(8, 4), x.t, lambda: x.transpose(0, 1)))
+    views = sum(op.name in VIEWS for op in counter.sink)
+    op_s = (_loop(chain, seconds) - views * view_s) / (len(counter.sink) - views)
     elementwise = {name: max(0.0, t - op_s / (1024 * 512)) for name, t in elementwise.items()}
-    return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "matmul_half_dim": half,
+    return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "view_s": view_s, "matmul_half_dim": half,
             "cache_bytes": cache, "dram_Bps": dram, "cold_Bps": cold, "elementwise": elementwise,
             "attention_Fps": _attention(seconds)}, len(os.sched_getaffinity(0))
 
@@ -92,7 +93,6 @@ def _cache(seconds: float) -> tuple[float, tuple]:
     is nearer hot than cold. The cold read rate, at 16 and at 64 rows (a product of few rows
     hides less of it behind arithmetic): 1 MiB / (cold − hot). Each time is the median of
     five, each taken beside the hot one, so a change of the host's load meets both."""
-    from statistics import median
 
     import torch
     weights = [torch.randn(512, 512) for _ in range(128)]
@@ -178,7 +178,6 @@ def _messages(rounds: int, busy_s: float = 0.03):
     after posting, less the mean while the sender waits; :func:`_trimmed_mean`). ``busy_s`` is long beside the wait,
     so the sender's span ending (which frees its core) does not cut the wait short."""
     import time
-    from statistics import median
 
     import torch
     import torch.distributed as dist

@@ -23,13 +23,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from ..models.training import build_model, resolve_data, resolve_loss
+from .machine import VIEWS
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
            "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution", "convolution_backward")
-
-
-VIEWS = ("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
-         "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk")
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,8 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name in VIEWS:            # views and metadata: no work
+        if name in VIEWS:            # no arithmetic, no bytes: the host's call alone (Machine.view_s)
+            self.sink.append(Op(name, 0.0, 0.0, self.linear))
             return out
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else _attention_flops(name, args)
