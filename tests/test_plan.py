@@ -781,6 +781,18 @@ def test_an_op_pays_its_cold_bytes_and_the_longer_of_its_bytes_and_its_arithmeti
     assert m.op_seconds(product) == pytest.approx(2e9 / rate + 1e6 / 2.5e9)  # half way in log rows: 2.5 GB/s
 
 
+def test_a_view_pays_view_s_and_an_op_with_a_setup_of_its_own_pays_it_beside_op_s():
+    import labkit
+    from labkit.plan.work import Op, count
+
+    m = _machine(op_s=4e-6, view_s=1e-6, setup_s={"gelu": 6e-6}, memory_Bps=float("inf"), dram_Bps=float("inf"))
+    assert m.op_seconds(Op("t", 0.0, 0.0)) == pytest.approx(1e-6)
+    assert m.op_seconds(Op("gelu", 0.0, 0.0)) == pytest.approx(1e-5)
+    assert m.op_seconds(Op("add", 0.0, 0.0)) == pytest.approx(4e-6)
+    work = count(labkit.models.mlp(width=8, depth=1), batch=2)
+    assert "t" in {o.name for o in work.blocks[0].fwd.ops}        # F.linear's transpose of its weight
+
+
 def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_before_it():
     """A 1F1B stage's last gradient, sent after its backward posted the dp buckets, waits for them
     (the emulated link is one FIFO per rank); without links it travels beside them."""

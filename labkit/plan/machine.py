@@ -70,6 +70,10 @@ class Machine:
     """aten op name → seconds per output element of an op whose arithmetic, not its bytes,
     bounds it (GELU's erf, SiLU's exp, softmax). Measured: each op of a fixed list on a
     1024×512 tensor in the cache. Ops not listed are priced by their bytes."""
+    setup_s: dict = field(default_factory=dict)
+    """aten op name → host seconds a call of that kind takes beyond ``op_s`` whatever its size
+    (its kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list
+    on a 4×4 tensor, less an add on the same tensor."""
     attention_Fps: float = 0.0
     """FLOP/s of torch's CPU scaled-dot-product attention kernels (forward and backward),
     which tile and exponentiate rather than run a GEMM. Measured: causal attention on a
@@ -159,13 +163,13 @@ class Machine:
         the bytes it finds beyond the cache."""
         if op.name in VIEWS:
             return self.view_s
-        flops, cold = op.flops * k, op.cold * k
+        host, flops, cold = self.op_s + self.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
         if "scaled_dot_product" in op.name and self.attention_Fps:
-            return self.op_s + flops / self.attention_Fps + cold / _interpolate(self.cold_Bps, 64)
+            return host + flops / self.attention_Fps + cold / _interpolate(self.cold_Bps, 64)
         if flops:
-            return self.op_s + flops / self.rate(flops, op.dim) + cold / _interpolate(self.cold_Bps, op.dim or 64)
+            return host + flops / self.rate(flops, op.dim) + cold / _interpolate(self.cold_Bps, op.dim or 64)
         moved = (op.bytes * k - cold) / self.memory_Bps + cold / self.dram_Bps
-        return self.op_s + max(moved, op.elements * k * self.elementwise.get(op.name, 0.0))
+        return host + max(moved, op.elements * k * self.elementwise.get(op.name, 0.0))
 
     def seconds(self, ops, scale=lambda op: 1.0) -> float:
         """Seconds of a list of ops, each op's work scaled by ``scale(op)``."""
@@ -215,7 +219,9 @@ class Machine:
                 f"{self.dram_Bps / 1e9:.1f} GB/s beyond it, a product's cold operands at "
                 + ", ".join(f"{b / 1e9:.1f}" for _, b in self.cold_Bps) + " GB/s (by its rows); attention "
                 f"{self.attention_Fps / 1e9:.1f} GFLOP/s; a product of smallest dimension d at d/(d + "
-                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op, {self.view_s * 1e6:.1f} µs/view, {self.action_s * 1e6:.0f} µs/action, "
+                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op (more for "
+                f"{sum(v > 0 for v in self.setup_s.values())} kinds of op), {self.view_s * 1e6:.1f} µs/view, "
+                f"{self.action_s * 1e6:.0f} µs/action, "
                 f"{self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
                 f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another; a "

@@ -74,8 +74,11 @@ def _alone(seconds: float, rank_only: int | None = 0):
     views = sum(op.name in VIEWS for op in counter.sink)
     op_s = (_loop(chain, seconds) - views * view_s) / (len(counter.sink) - views)
     elementwise = {name: max(0.0, t - op_s / (1024 * 512)) for name, t in elementwise.items()}
+    tiny = torch.randn(4, 4)
+    base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
+    setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
     return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "view_s": view_s, "matmul_half_dim": half,
-            "cache_bytes": cache, "dram_Bps": dram, "cold_Bps": cold, "elementwise": elementwise,
+            "cache_bytes": cache, "dram_Bps": dram, "cold_Bps": cold, "elementwise": elementwise, "setup_s": setup,
             "attention_Fps": _attention(seconds)}, len(os.sched_getaffinity(0))
 
 
@@ -144,6 +147,14 @@ ELEMENTWISE = {
     "_log_softmax_backward_data": lambda x: _aten("_log_softmax_backward_data")(x, x, -1, x.dtype),
 }
 """Elementwise ops whose arithmetic can bound them, each timed alone (``Machine.elementwise``)."""
+
+SETUP = ELEMENTWISE | {
+    "mse_loss": lambda x: _aten("mse_loss")(x, x), "mean": lambda x: _aten("mean")(x),
+    "index_add": lambda x: _aten("index_add")(x, 0, _aten("arange")(x.shape[0]), x),
+    "_scaled_dot_product_flash_attention_for_cpu":
+        lambda x: _aten("_scaled_dot_product_flash_attention_for_cpu")(*(x.view(1, 1, 4, 4),) * 3, 0.0, True),
+}
+"""Ops whose kernels take a setup of their own, beyond an add's, each timed on a 4×4 tensor (``Machine.setup_s``)."""
 
 
 def _together(seconds: float, with_comm: bool):
