@@ -793,6 +793,17 @@ def test_a_view_pays_view_s_and_an_op_with_a_setup_of_its_own_pays_it_beside_op_
     assert "t" in {o.name for o in work.blocks[0].fwd.ops}        # F.linear's transpose of its weight
 
 
+def test_cpu_attention_is_priced_at_its_rate_for_the_query_length():
+    from labkit.plan.work import Op
+
+    m = _machine(op_s=0.0, attention_Fps=((32, 1e10), (256, 4e10)))
+    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
+    assert m.op_seconds(Op(sdpa, 1e8, 0.0, dim=32)) == pytest.approx(1e-2)
+    assert m.op_seconds(Op(sdpa, 1e8, 0.0, dim=256)) == pytest.approx(2.5e-3)
+    assert m.op_seconds(Op(sdpa, 1e8, 0.0, dim=90)) == pytest.approx(1e8 / 2.5e10, rel=1e-2)   # ~half way in log T
+    assert _machine(attention_Fps=5e10).attention_Fps == ((256, 5e10),)          # one rate, as saved before
+
+
 def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_before_it():
     """A 1F1B stage's last gradient, sent after its backward posted the dp buckets, waits for them
     (the emulated link is one FIFO per rank); without links it travels beside them."""

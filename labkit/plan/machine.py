@@ -74,10 +74,11 @@ class Machine:
     """aten op name → host seconds a call of that kind takes beyond ``op_s`` whatever its size
     (its kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list
     on a 4×4 tensor, less an add on the same tensor."""
-    attention_Fps: float = 0.0
-    """FLOP/s of torch's CPU scaled-dot-product attention kernels (forward and backward),
-    which tile and exponentiate rather than run a GEMM. Measured: causal attention on a
-    4×4×256×32 query, forward and backward (0: priced as a product)."""
+    attention_Fps: tuple = ()
+    """(query length, FLOP/s) rows of torch's CPU scaled-dot-product attention kernels
+    (forward and backward), which tile and exponentiate rather than run a GEMM, interpolated in
+    log length (a short sequence fills fewer tiles). Measured: causal attention on 4×4×T×32
+    queries, forward and backward, at T = 32, 64 and 256 (empty: priced as a product)."""
     op_s: float = 5e-6
     """Host seconds per aten op (dispatch, autograd bookkeeping). Measured: forward and backward
     of a chain of one-element ops, divided by the ops counted."""
@@ -143,6 +144,9 @@ class Machine:
             raise ValueError(f"Machine.comm lacks {missing}; give a Link (or α seconds, β bytes/s) for each of "
                              f"{FAMILIES}")
         object.__setattr__(self, "comm", {f: _link(v) for f, v in self.comm.items()})
+        rows = self.attention_Fps       # one rate, as earlier machines saved it: every length
+        object.__setattr__(self, "attention_Fps", ((256, float(rows)),) if isinstance(rows, (int, float)) and rows
+                           else tuple(tuple(r) for r in rows or ()))
 
     # -- prices ------------------------------------------------------------------------------
     def efficiency(self, dim: float) -> float:
@@ -165,7 +169,7 @@ class Machine:
             return self.view_s
         host, flops, cold = self.op_s + self.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
         if "scaled_dot_product" in op.name and self.attention_Fps:
-            return host + flops / self.attention_Fps + cold / _interpolate(self.cold_Bps, 64)
+            return host + flops / _interpolate(self.attention_Fps, op.dim or 256) + cold / _interpolate(self.cold_Bps, 64)
         if flops:
             return host + flops / self.rate(flops, op.dim) + cold / _interpolate(self.cold_Bps, op.dim or 64)
         moved = (op.bytes * k - cold) / self.memory_Bps + cold / self.dram_Bps
@@ -218,8 +222,8 @@ class Machine:
                 f"{self.memory_Bps / 1e9:.1f} GB/s in a cache of {self.cache_bytes / 2 ** 20:.0f} MiB, "
                 f"{self.dram_Bps / 1e9:.1f} GB/s beyond it, a product's cold operands at "
                 + ", ".join(f"{b / 1e9:.1f}" for _, b in self.cold_Bps) + " GB/s (by its rows); attention "
-                f"{self.attention_Fps / 1e9:.1f} GFLOP/s; a product of smallest dimension d at d/(d + "
-                f"{self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op (more for "
+                + ", ".join(f"{f / 1e9:.0f}" for _, f in self.attention_Fps) + " GFLOP/s (by its length); a "
+                f"product of smallest dimension d at d/(d + {self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op (more for "
                 f"{sum(v > 0 for v in self.setup_s.values())} kinds of op), {self.view_s * 1e6:.1f} µs/view, "
                 f"{self.action_s * 1e6:.0f} µs/action, "
                 f"{self.call_s * 1e6:.0f} µs/call, "

@@ -114,20 +114,24 @@ def _cache(seconds: float) -> tuple[float, tuple]:
     return float(max(warm, default=1) << 20), rates
 
 
-def _attention(seconds: float) -> float:
-    """FLOP/s of torch's CPU scaled-dot-product attention, causal, forward and backward."""
+def _attention(seconds: float) -> tuple:
+    """(query length, FLOP/s) of torch's CPU scaled-dot-product attention, causal, forward and
+    backward, on 4×4×T×32 queries at T = 32, 64 and 256."""
     import torch
     import torch.nn.functional as F
 
     from .work import _Counter
-    q, k, v = (torch.randn(4, 4, 256, 32, requires_grad=True) for _ in range(3))
+    rows = []
+    for t in (32, 64, 256):
+        q, k, v = (torch.randn(4, 4, t, 32, requires_grad=True) for _ in range(3))
 
-    def once():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    counter = _Counter()
-    with counter:
-        once()
-    return sum(op.flops for op in counter.sink) / _loop(once, seconds)
+        def once():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        counter = _Counter()
+        with counter:
+            once()
+        rows.append((t, sum(op.flops for op in counter.sink) / _loop(once, seconds / 3)))
+    return tuple(rows)
 
 
 def _aten(name):

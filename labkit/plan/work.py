@@ -142,7 +142,10 @@ def _attention_flops(name: str, args) -> float:
 
 
 def _smallest_dim(name: str, args) -> int:
-    """min(m, k, n) of mm, addmm, bmm and baddbmm (their last two operands); 0 otherwise."""
+    """min(m, k, n) of mm, addmm, bmm and baddbmm (their last two operands); a CPU attention
+    kernel's query length (its first operand: q, or the output's gradient); 0 otherwise."""
+    if "scaled_dot_product" in name:
+        return int(args[0].shape[-2])
     if name not in ("mm", "addmm", "bmm", "baddbmm"):
         return 0
     a, b = args[-2], args[-1]
