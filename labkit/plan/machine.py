@@ -187,18 +187,21 @@ class Machine:
         from those starts, so it runs beside that stamp."""
         t = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
         if self.link_alpha_beta:
-            alpha, beta = self.link_alpha_beta
             if family != "send":
                 t += self.join_s * (n - 1) / max(1, self.engines - 1)
-            t = max(t, Link(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n))
+            t = max(t, self._wire().seconds(family, nbytes, n))
         return t
 
     def message_s(self, nbytes: float) -> tuple[float, float]:
         """(gloo's own seconds, the emulated link's seconds or 0) of one point-to-point message:
         the simulator adds a crossing to the first and takes the longer (:class:`~.des.Issue`)."""
-        link = Link(alpha=self.link_alpha_beta[0], beta=self.link_alpha_beta[1], per_step=True) \
-            if self.link_alpha_beta else None
-        return self.comm["send"].seconds("send", nbytes, 2), link.seconds("send", nbytes, 2) if link else 0.0
+        gloo = self.comm["send"].seconds("send", nbytes, 2)
+        return gloo, self._wire().seconds("send", nbytes, 2) if self.link_alpha_beta else 0.0
+
+    def _wire(self) -> Link:
+        """The emulated link as a Link: α per message, β bytes/s per rank (``link_alpha_beta``)."""
+        alpha, beta = self.link_alpha_beta
+        return Link(alpha=alpha, beta=beta, per_step=True)
 
     # -- files -------------------------------------------------------------------------------
     def save(self, path) -> None:

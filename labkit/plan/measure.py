@@ -36,8 +36,8 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 
 def _alone(seconds: float, rank_only: int | None = 0):
-    """On one engine (the others return at once): matmul table, memory rate, op host cost."""
-
+    """On one engine (the others return at once): the compute fields (matmul table, memory and cache,
+    elementwise and setup costs, attention, host cost per op and per view) and the CPUs it may use."""
     import torch
     import torch.distributed as dist
 
@@ -96,7 +96,6 @@ def _cache(seconds: float) -> tuple[float, tuple]:
     is nearer hot than cold. The cold read rate, at 16 and at 64 rows (a product of few rows
     hides less of it behind arithmetic): 1 MiB / (cold − hot). Each time is the median of
     five, each taken beside the hot one, so a change of the host's load meets both."""
-
     import torch
     weights = [torch.randn(512, 512) for _ in range(128)]
 

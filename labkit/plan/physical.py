@@ -370,7 +370,7 @@ class Builder:
         link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
         leaving the busiest member); the call takes the longer."""
         n = len(group)
-        seconds = self.m.comm_s("all_to_all", max(sent) * n / (n - 1), n, self.m.comm["send"].seconds("send", max(sent), 2))
+        seconds = self.m.comm_s("all_to_all", max(sent) * n / (n - 1), n, gloo=self.m.message_s(max(sent))[0])
         return Issue(key, group, seconds, "all_to_all", name, int(sent[me]), None, mb)
 
     def expert_sync(self, d: int) -> list:
