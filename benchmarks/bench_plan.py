@@ -7,7 +7,8 @@
 The machine is measured once (``labkit.plan.measure``: matmuls, an elementwise loop, tiny
 autograd ops, collectives, a trivial model's host costs; no model of the cases, no strategy of
 the cases); then every case (strategies, model widths and depths, micro-batch counts, degrees
-and a Llama model that no measurement ran) is simulated from it and run on the lab, twice.
+a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
+over ep ranks) is simulated from it and run on the lab, twice.
 The two runs ``measure`` itself takes of a trivial model (its host costs per action and per
 step) are repeated as the in-sample cases; every other case is held out. Prints, per case,
 the measured step time (median of the two runs), the predicted, their ratio, the prediction
@@ -94,15 +95,16 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     if n >= 4:
         out += [("pp4 1f1b m8", S(pp=4, schedule="1f1b", microbatches=8), base),
                 ("pp2 tp2 1f1b m4", S(dp=n // 4, pp=2, tp=2, schedule="1f1b", microbatches=4), base)]
-        # context parallelism: a llama's sequence over 2 and 4 ranks, each cp mode the planner models
-        llama, dp2, dp4 = _llama(), f"dp{n // 2} " if n > 2 else "", f"dp{n // 4} " if n > 4 else ""
-        for mode in ("ring", "allgather"):
-            out += [(f"{dp2}cp2 {mode}", S(dp=n // 2, cp=2, cp_mode=mode), llama),
-                    (f"{dp4}cp4 {mode}", S(dp=n // 4, cp=4, cp_mode=mode), llama)]
-        out.append((f"{dp2}cp2 ulysses", S(dp=n // 2, cp=2, cp_mode="ulysses"), llama))
-        # expert parallelism: a MoE llama's experts over 2 and 4 of the dp ranks, with and without overlap
-        out += [(f"dp{n} ep{ep}{' overlap' if o != 'none' else ''}", S(dp=n, ep=ep, ep_overlap=o), _moe())
-                for ep in (2, 4) for o in ("none", "microbatch")]
+    # context parallelism: a llama's sequence over 2 (and 4) ranks, each cp mode the planner models
+    llama, dp2, dp4 = _llama(), f"dp{n // 2} " if n > 2 else "", f"dp{n // 4} " if n > 4 else ""
+    for mode in ("ring", "allgather"):
+        out.append((f"{dp2}cp2 {mode}", S(dp=n // 2, cp=2, cp_mode=mode), llama))
+        if n >= 4:
+            out.append((f"{dp4}cp4 {mode}", S(dp=n // 4, cp=4, cp_mode=mode), llama))
+    out.append((f"{dp2}cp2 ulysses", S(dp=n // 2, cp=2, cp_mode="ulysses"), llama))
+    # expert parallelism: a MoE llama's experts over 2 (and 4) of the dp ranks, with and without overlap
+    out += [(f"dp{n} ep{ep}{' overlap' if o != 'none' else ''}", S(dp=n, ep=ep, ep_overlap=o), _moe())
+            for ep in (2, 4) if ep <= n for o in ("none", "microbatch")]
     return out
 
 

@@ -645,6 +645,45 @@ def test_overlap_hides_what_bucketed_exposes_and_a_slower_link_costs_more():
         plan.simulate(labkit.Strategy(dp=2), m, batch=64)
 
 
+def test_a_bucket_goes_out_inside_its_block_once_its_gradients_are_added():
+    """The executor's post-accumulate hooks: a bucket holding a block's last layer is all-reduced
+    while that block's backward still runs its first layer, as on the measured timeline."""
+    import labkit
+    from torch import nn
+
+    class Residual(nn.Module):                  # a model written as users write them
+        def __init__(self, width=128, depth=2):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                      nn.Linear(4 * width, width)) for _ in range(depth))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    s = labkit.Strategy(dp=2, dp_mode="overlap", bucket_mb=0.1)     # each Linear a bucket of its own
+    events = [e for e in plan.simulate(s, _machine(), model=Residual(), batch=16).timeline.events if e["rank"] == 0]
+    backward = [e for e in events if e["kind"] == "bwd" and e["name"] == "block layers.1"]
+    first = min((e for e in events if e["kind"] == "allreduce"), key=lambda e: e["start"])
+    assert len(backward) > 1                                    # the block's backward cut where a bucket left
+    assert backward[0]["end"] <= first["start"] < backward[-1]["end"]
+
+
+def test_a_calls_time_on_the_emulated_link_is_a_wait_off_the_cores():
+    """gloo's own work shares the cores; the link's time beyond it runs on the wall clock: a
+    collective of 0.1 s of gloo and 0.5 s of link ends at 0.5 s while both ranks compute on one core."""
+    def programs():
+        call = Issue("grads", (0, 1), 0.1, "allreduce", "bucket 0", link=0.5)
+        return [[call, Compute(1.0, "fwd", "F"), Wait("grads")] for _ in range(2)]
+    events = Sim(programs(), cores=1.0, load=0.25, links=True).run()
+    comm = [e for e in events if e["kind"] == "allreduce"]
+    fwd = [e for e in events if e["kind"] == "fwd"]
+    assert all(e["end"] == pytest.approx(0.5) for e in comm)
+    # while gloo's 0.1 s runs (0.25 s at 0.4 of a core) each compute gets 0.4 of the core, then half
+    assert all(e["end"] == pytest.approx(0.25 + (1.0 - 0.1) / 0.5) for e in fwd)
+
+
 def plan_import_graph() -> dict:
     """labkit.plan's modules → the plan modules each imports anywhere in its file (functions too)."""
     from test_layout import MODULES, imports_of
@@ -808,10 +847,10 @@ def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_befor
     """A 1F1B stage's last gradient, sent after its backward posted the dp buckets, waits for them
     (the emulated link is one FIFO per rank); without links it travels beside them."""
     def programs():
-        buckets = [Issue(("dp", k), (1, 3), 1.0, "allreduce", f"bucket {k}") for k in range(2)]
-        partner = [Issue(("dp", k), (1, 3), 1.0, "allreduce", f"bucket {k}") for k in range(2)]
-        send = Issue(("B", 3), (1, 0), 0.1, "send", "B 3", peer=0, ordered=False)
-        recv = Issue(("B", 3), (1, 0), 0.1, "recv", "B 3", peer=1, ordered=False)
+        buckets = [Issue(("dp", k), (1, 3), 1.0, "allreduce", f"bucket {k}", link=1.0) for k in range(2)]
+        partner = [Issue(("dp", k), (1, 3), 1.0, "allreduce", f"bucket {k}", link=1.0) for k in range(2)]
+        send = Issue(("B", 3), (1, 0), 0.1, "send", "B 3", peer=0, ordered=False, link=0.1)
+        recv = Issue(("B", 3), (1, 0), 0.1, "recv", "B 3", peer=1, ordered=False, link=0.1)
         return [[recv, Wait(("B", 3))], buckets + [send, Wait(("B", 3))], [], partner]
     arrive = lambda links: next(e["end"] for e in Sim(programs(), cores=4, links=links).run()  # noqa: E731
                                 if e["kind"] == "recv")

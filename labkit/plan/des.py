@@ -10,7 +10,8 @@ Each rank runs a program, a list of items, on its compute thread:
 
 A call is identified by its ``key``; it starts when every member of its ``group`` has posted
 it and it is at the head of each member's stream (:meth:`Sim._start_ready`, the one place where
-sends meet receives and collectives meet their members), and it takes ``seconds``.
+sends meet receives and collectives meet their members), and it takes ``seconds`` of work on the
+cores (gloo's own) and, on an emulated link, at least ``link`` seconds of wall time.
 
 The cores are shared by processor sharing (Kleinrock 1967; Calculon's ``processor_usage``
 plays the same part for transfers): a running compute span asks for one core, a transfer in
@@ -30,7 +31,8 @@ On an emulated link (``links=True``) each rank's link is one more resource, as
 :class:`labkit.Link` imposes it: a call takes its poster's link when posted (a collective both
 sides, a message the sending side), once the calls posted before it are through, and a message
 takes its receiver's receiving side when it arrives; so a pipeline's gradient sent after a
-backward's buckets waits for all of them to leave.
+backward's buckets waits for all of them to leave. The link's time is a wait off the cores
+(``labkit.Link`` sleeps it off): a call asks for cores only while gloo's own work lasts.
 
 Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
 read a simulated step as a measured one.
@@ -64,8 +66,8 @@ class Issue:
     """In order on the rank's comm stream (collectives); False: matched by key alone, as
     point-to-point messages are matched by tag."""
     link: float = 0.0
-    """A message's time on an emulated link (0: none): it takes the longer of that and gloo's
-    own ``seconds`` with its crossing, since the link waits off what gloo has not spent."""
+    """The call's time on an emulated link (0: none), a wait off the cores: the call takes the
+    longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,11 @@ class Wait:
 
 @dataclass
 class _Job:
-    remaining: float
-    ask: float
+    remaining: float              # work on the shared cores
+    ask: float                    # the cores it asks for while that work remains
     start: float
     what: object                  # ("compute", rank, item) or ("call", key)
-    slack: float = 0.0            # a message's link time beyond gloo's own: what a crossing fills first
+    until: float = 0.0            # a call's end on its emulated link: wall time, off the cores
 
 
 @dataclass
@@ -150,10 +152,9 @@ class Sim:
                 cross = self._crossing(call.group)
                 if cross:
                     self.crossed.add(key)
-                own = call.seconds + cross
-                self.running.append(_Job(self._queue(key, max(call.link, call.seconds), call.group, False)
-                                         + max(call.link, own) + self._wait_for_core(call.group),
-                                         self.load * len(posted), self.t, ("call", key), max(0.0, call.link - own)))
+                until = self.t + self._queue(key, call.link, call.group, False) + call.link
+                self.running.append(_Job(call.seconds + cross + self._wait_for_core(call.group),
+                                         self.load * len(posted), self.t, ("call", key), until))
         started = True
         while started:
             started = False
@@ -166,8 +167,8 @@ class Sim:
                 if all(self.streams[m] and self.streams[m][0] == key for m in group):
                     for m in group:
                         self.streams[m][0] = None          # in flight: the stream is busy
-                    job = _Job(self._queue(key, call.seconds, group, True) + call.seconds, self.load * len(group),
-                               self.t, ("call", key))
+                    until = self.t + self._queue(key, call.link, group, True) + call.link
+                    job = _Job(call.seconds, self.load * len(group), self.t, ("call", key), until)
                     self.running.append(job)
                     started = True
 
@@ -177,9 +178,9 @@ class Sim:
         if not self.links or not (item.ordered or r == item.group[0]):
             return
         begin = max(self.t, self.tx[r], self.rx[r] if item.ordered else 0.0)
-        self.tx[r] = begin + item.seconds
+        self.tx[r] = begin + item.link
         if item.ordered:
-            self.rx[r] = begin + item.seconds
+            self.rx[r] = begin + item.link
         self.reserved[(item.key, r)] = begin
 
     def _queue(self, key, seconds: float, group, ordered: bool) -> float:
@@ -201,7 +202,7 @@ class Sim:
         """A message's wait for a core when a member computes and the cores are all taken: ``wake``,
         or until that member's compute span ends (module docstring)."""
         computing = [self.busy[m] for m in group if self.busy[m] is not None]
-        asks = sum(j.ask for j in self.running)
+        asks = sum(j.ask for j in self.running if j.remaining > 0)
         if not computing or asks + 1 <= self.cores:
             return 0.0
         speed = min(1.0, self.cores / asks)
@@ -215,19 +216,22 @@ class Sim:
         for j in back:
             if j.what[1] not in self.crossed:
                 self.crossed.add(j.what[1])
-                j.remaining += max(0.0, self.cross - j.slack)
-                j.slack = max(0.0, j.slack - self.cross)
+                j.remaining += self.cross
         return self.cross if back else 0.0
 
     # -- time --------------------------------------------------------------------------------
     def _step(self) -> None:
-        asks = sum(j.ask for j in self.running)
+        """Advance to the next end of a job's work or of a call's time on its link: the jobs with
+        work left share the cores (each at most one), the links' waits run on the wall clock."""
+        asks = sum(j.ask for j in self.running if j.remaining > 0)
         speed = min(1.0, self.cores / asks) if asks > 0 else 1.0
-        dt = min(j.remaining for j in self.running) / speed
+        dt = min(j.remaining / speed if j.remaining > 0 else max(0.0, j.until - self.t) for j in self.running)
         self.t += dt
-        finished = [j for j in self.running if j.remaining - dt * speed <= EPS * max(1.0, j.remaining)]
         for j in self.running:
-            j.remaining -= dt * speed
+            if j.remaining > 0:
+                left = j.remaining - dt * speed
+                j.remaining = left if left > EPS * max(1.0, j.remaining) else 0.0
+        finished = [j for j in self.running if j.remaining == 0 and j.until <= self.t + EPS]
         self.running = [j for j in self.running if j not in finished]
         for j in finished:
             self._finish(j)

@@ -181,22 +181,22 @@ class Machine:
 
     def comm_s(self, family: str, nbytes: float, n: int, gloo: float | None = None) -> float:
         """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks:
-        gloo's own time (``gloo``, if given), or the emulated link's when that is longer. On the
-        link a collective first all-reduces its members' start times (one number, gloo's own
-        speed: :func:`labkit.comm._join`), before gloo moves its bytes; the link's time counts
-        from those starts, so it runs beside that stamp."""
-        t = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
-        if self.link_alpha_beta:
-            if family != "send":
-                t += self.join_s * (n - 1) / max(1, self.engines - 1)
-            t = max(t, self._wire().seconds(family, nbytes, n))
-        return t
+        the longer of its two parts (:meth:`comm_parts`)."""
+        return max(self.comm_parts(family, nbytes, n, gloo))
 
-    def message_s(self, nbytes: float) -> tuple[float, float]:
-        """(gloo's own seconds, the emulated link's seconds or 0) of one point-to-point message:
-        the simulator adds a crossing to the first and takes the longer (:class:`~.des.Issue`)."""
-        gloo = self.comm["send"].seconds("send", nbytes, 2)
-        return gloo, self._wire().seconds("send", nbytes, 2) if self.link_alpha_beta else 0.0
+    def comm_parts(self, family: str, nbytes: float, n: int, gloo: float | None = None) -> tuple[float, float]:
+        """(gloo's own seconds, the emulated link's seconds or 0) of one call of ``family``:
+        ``gloo`` if given, else its fitted α-β. gloo's part is the cores' work; the link's is a
+        wait off them (``labkit.Link``: the call's handle completes no earlier). On the link a
+        collective first all-reduces its members' start times (one number, gloo's own speed:
+        :func:`labkit.comm._join`) before gloo moves its bytes; the link's time counts from those
+        starts, so it runs beside that stamp."""
+        own = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
+        if not self.link_alpha_beta:
+            return own, 0.0
+        if family != "send":
+            own += self.join_s * (n - 1) / max(1, self.engines - 1)
+        return own, self._wire().seconds(family, nbytes, n)
 
     def _wire(self) -> Link:
         """The emulated link as a Link: α per message, β bytes/s per rank (``link_alpha_beta``)."""

@@ -176,11 +176,10 @@ class Builder:
 
     def call(self, key, group, family, nbytes, kind, name, mb=None, peer=None) -> Issue:
         n = len(group)
+        own, link = self.m.comm_parts(family, nbytes, n)
         if family == "send":
-            own, link = self.m.message_s(nbytes)
             return Issue(key, group, own, kind, name, int(nbytes), peer, mb, ordered=False, link=link)
-        return Issue(key, group, self.m.comm_s(family, nbytes, n), kind, name,
-                     int(round(bus_factor(family, n) * nbytes)), peer, mb)
+        return Issue(key, group, own, kind, name, int(round(bus_factor(family, n) * nbytes)), peer, mb, link=link)
 
     def blocking(self, key, group, family, nbytes, kind, name, mb=None) -> list:
         return [self.call(key, group, family, nbytes, kind, name, mb), Wait(key)]
@@ -207,9 +206,11 @@ class Builder:
         return out
 
     def backward(self, blocks, d, p, t, mb, first: bool, last: bool, part=None, after=None, gather=None,
-                 c: int = 0) -> list:
+                 c: int = 0, issue=None) -> list:
         """Backward over ``blocks`` (last to first); ``part``: "I" or "W" of a split backward;
-        ``after(i)``: items to issue once block i's gradients are done."""
+        ``after(i)``: items to issue once block i's backward is done; ``issue``: block → [(its
+        parameters, items)], each issued inside the block once those gradients are added."""
+        issue = issue or {}
         kind = {"I": "bwd_input", "W": "bwd_weight"}.get(part, "bwd")
         keep = {None: lambda o: True, "I": lambda o: not o.weight_grad, "W": lambda o: o.weight_grad}[part]
         out, w = [], self.w
@@ -219,7 +220,7 @@ class Builder:
             if gather:
                 out += gather(i, "bwd")
             b = w.blocks[i]
-            out += self.block(b, b.bwd.where(keep), kind, mb, d, c)
+            out += self.block(b, b.bwd.where(keep), kind, mb, d, c, issue.get(i, ()))
             if part != "W":
                 for q in sorted(self.col & set(b.linears)):
                     out += self.blocking(("f", q, d, p, mb), self.tp_group(d, p), "all_reduce",
@@ -228,32 +229,44 @@ class Builder:
                 out += after(i)
         if first:
             out.append(Compute(self.secs(w.pre.bwd.where(keep)), kind, "pre", mb))
+            out += [x for _, items in issue.get(-1, ()) for x in items]
             if after:
                 out += after(-1)
         return out
 
     # -- context parallelism: a block's compute cut at its attention ----------------------------
-    def block(self, b, ops, kind, mb, d, c) -> list:
+    def block(self, b, ops, kind, mb, d, c, issue=()) -> list:
         """A block's compute; under cp and ep, cut where its attention and its routed experts ran
         (work.count's markers): each attention across the cp group as ``cp_mode`` runs it, each
-        MoE layer's experts behind its exchanges over the ep group."""
+        MoE layer's experts behind its exchanges over the ep group. ``issue``: [(parameters,
+        items)], each cut in once the block has added into those parameters' gradients."""
         name, fwd = f"block {b.name}", kind == "fwd"
         cut = ({"attention"} if self.s.cp > 1 else set()) | ({"experts"} if self.s.ep > 1 else set())
-        pieces, marks = [[]], []
+        todo = {"attention": b.attention[::1 if fwd else -1], "experts": b.moe[::1 if fwd else -1]}
+        pending, added = list(issue), set()
+        out, piece, marks = [], [], 0
+
+        def close():
+            out.append(Compute(self.m.seconds(piece, self.scale), kind, name, mb))
+            piece.clear()
         for o in ops.ops:
             if o.name in cut:
-                marks.append(o.name)
-                pieces.append([])
-            else:
-                pieces[-1].append(o)
-        todo = {"attention": b.attention[::1 if fwd else -1], "experts": b.moe[::1 if fwd else -1]}
-        out = [Compute(self.m.seconds(pieces[0], self.scale), kind, name, mb)]
-        for k, (mark, piece) in enumerate(zip(marks, pieces[1:])):
-            what = todo[mark].pop(0)
-            out += (self.cp_attention(what, (b.name, k), fwd, kind, name, mb, d, c) if mark == "attention"
-                    else self.ep_layer(*what, fwd, kind, name, mb, d))
-            out.append(Compute(self.m.seconds(piece, self.scale), kind, name, mb))
-        return out
+                close()
+                what = todo[o.name].pop(0)
+                out += (self.cp_attention(what, (b.name, marks), fwd, kind, name, mb, d, c) if o.name == "attention"
+                        else self.ep_layer(*what, fwd, kind, name, mb, d))
+                marks += 1
+                continue
+            piece.append(o)
+            if o.param >= 0 and pending:
+                added.add(o.param)
+                ready = [x for x in pending if x[0] <= added]
+                if ready:
+                    close()
+                    out += [item for _, items in ready for item in items]
+                    pending = [x for x in pending if not x[0] <= added]
+        close()
+        return out + [item for _, items in pending for item in items]
 
     def cp_attention(self, shape, layer, fwd: bool, kind, name, mb, d, c) -> list:
         """One attention of cp rank ``c``: ring (parallel/context/ring.py), ulysses, or allgather
@@ -370,8 +383,9 @@ class Builder:
         link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
         leaving the busiest member); the call takes the longer."""
         n = len(group)
-        seconds = self.m.comm_s("all_to_all", max(sent) * n / (n - 1), n, gloo=self.m.message_s(max(sent))[0])
-        return Issue(key, group, seconds, "all_to_all", name, int(sent[me]), None, mb)
+        own, link = self.m.comm_parts("all_to_all", max(sent) * n / (n - 1), n,
+                                  gloo=self.m.comm_parts("send", max(sent), 2)[0])
+        return Issue(key, group, own, "all_to_all", name, int(sent[me]), None, mb, link=link)
 
     def expert_sync(self, d: int) -> list:
         """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
@@ -387,21 +401,28 @@ class Builder:
         return out + [Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps), self.copy(nbytes)]
 
     # -- gradients -----------------------------------------------------------------------------
-    def buckets(self, blocks, first: bool) -> list[tuple[int, int]]:
-        """(bytes, the block whose backward completes it) per bucket, in gradient order."""
+    def buckets(self, blocks, first: bool) -> list[tuple[int, int, frozenset]]:
+        """(bytes, the block whose backward completes it, its parameters in that block: their
+        indices among the block's) per bucket, in gradient order."""
         from ..parallel.data import fill_buckets
 
-        params = ([(4 * n, -1) for n in self.w.pre.params] if first else [])
-        params += [(4 * n, i) for i in blocks for n, r in zip(self.w.blocks[i].params, self.routed(i))
+        params = ([(4 * n, -1, j) for j, n in enumerate(self.w.pre.params)] if first else [])
+        params += [(4 * n, i, j) for i in blocks for j, (n, r) in enumerate(zip(self.w.blocks[i].params, self.routed(i)))
                    if not (r and self.s.ep > 1)]     # ep: the experts sync on their own (expert_sync)
         if not self.s.dp_mode == "naive" or self.s.zero:
             groups = fill_buckets(params, lambda x: x[0], self.s.bucket_mb * MiB)
         else:
             groups = [[x] for x in reversed(params)]
-        return [(sum(x[0] for x in g) // self.s.tp, min(x[1] for x in g)) for g in groups]
+        out = []
+        for g in groups:
+            i = min(x[1] for x in g)
+            out.append((sum(x[0] for x in g) // self.s.tp, i, frozenset(x[2] for x in g if x[1] == i)))
+        return out
 
     def sync_items(self, stage, blocks, first, d, p, t, overlap_mb: int | None):
-        """(issued during backward: block → items, after backward: items) of dp's gradient sync."""
+        """(issued during backward: block → [(its parameters, items)], after backward: items) of
+        dp's gradient sync; a bucket goes out once the block's backward has added into the
+        gradients of its parameters there (the executor's post-accumulate hooks)."""
         s = self.s
         if self.dpc == 1:
             return {}, []
@@ -415,11 +436,11 @@ class Builder:
             return {}, []                    # its reduce-scatters are per block (zero3_program)
         asynchronous = zero == 2 or (not zero and s.dp_mode in ("overlap", "ddp"))
         keys = []
-        for k, (nbytes, i) in enumerate(units):
+        for k, (nbytes, i, members) in enumerate(units):
             key = ("grad", stage, p, t, k, overlap_mb)
             if asynchronous:
-                during.setdefault(i, []).extend([self.copy(nbytes), self.call(key, group, family, nbytes, kind,
-                                                                              f"bucket {k}")])
+                during.setdefault(i, []).append((members, [self.copy(nbytes), self.call(key, group, family, nbytes,
+                                                                                      kind, f"bucket {k}")]))
                 keys.append((key, nbytes))
             else:
                 after += ([self.copy(nbytes)] if s.dp_mode != "naive" or zero else [Compute(self.m.op_s)])
@@ -432,7 +453,7 @@ class Builder:
     def gathers(self, stage, blocks, first, d, p, t) -> list:
         """ZeRO 1/2: the updated shards all-gathered after the optimizer step."""
         out = []
-        for k, (nbytes, _) in enumerate(self.buckets(blocks, first)):
+        for k, (nbytes, _, _) in enumerate(self.buckets(blocks, first)):
             out += self.blocking(("gather", stage, p, t, k), self.dp_group(p, t), "all_gather", nbytes,
                                  "allgather", f"bucket {k}")
         return out
@@ -473,7 +494,7 @@ class Builder:
             sync = s.zero == 2 or last_mb
             during, after = self.sync_items(0, blocks, True, d, 0, t, mb if s.zero == 2 else None) if sync else ({}, [])
             out += [act] + self.forward(blocks, d, 0, t, mb, True, True, c=c)
-            out += [act] + self.backward(blocks, d, 0, t, mb, True, True, after=lambda i: during.get(i, []), c=c)
+            out += [act] + self.backward(blocks, d, 0, t, mb, True, True, issue=during, c=c)
             if s.zero == 2 and not last_mb:
                 out += after
         out += after + self.expert_sync(d)
@@ -548,7 +569,7 @@ class Builder:
                     part = "I"
                 out += [act] + self.backward(blocks, d, p, t, mb, first, last, part)
                 if k == last_b.get(g) and s.dp_mode in ("overlap", "ddp") and not s.zero:
-                    out += [x for items in syncs[g][0].values() for x in items]
+                    out += [x for issued in syncs[g][0].values() for _, items in issued for x in items]
             elif a.op.startswith("SEND"):
                 peer = self.rank(d, a.peer, t)
                 direction = a.op[-1]

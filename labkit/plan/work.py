@@ -47,6 +47,8 @@ class Op:
     """(storage, bytes) of each tensor it reads or writes, for the cache (:func:`warm`)."""
     cold: float = 0.0
     """Bytes it reads or writes beyond the cache in a steady step (:func:`warm`)."""
+    param: int = -1
+    """An ``accumulate_grad``'s parameter: its index among its block's (as ``BlockWork.params``)."""
 
 
 @dataclass
@@ -101,7 +103,7 @@ class _Counter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.sink, self.linear, self.weights, self.grads = [], "", set(), set()
+        self.sink, self.linear, self.weights, self.grads = [], "", set(), {}   # grads: storage → index
         self.by_storage, self.by_shape = {}, {}     # a Linear's weight → its name (backward has no hooks)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -117,7 +119,8 @@ class _Counter(TorchDispatchMode):
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         wgrad = flops > 0 and any(tuple(t.shape) in self.weights for t in outs)
-        if name == "add_" and _storage(args[0]) in self.grads:
+        param = self.grads.get(_storage(args[0]), -1) if name == "add_" else -1
+        if param >= 0:
             name, wgrad = "accumulate_grad", True       # a backward adding into a parameter's gradient
         linear = self.linear
         if not linear and flops:        # backward: the product that reads a weight, or makes its gradient
@@ -126,7 +129,7 @@ class _Counter(TorchDispatchMode):
             linear = linear or next((self.by_shape[tuple(t.shape)] for t in outs if tuple(t.shape) in self.by_shape), "")
         operands = tuple(dict.fromkeys((_storage(t), t.numel() * t.element_size()) for t in tensors))
         self.sink.append(Op(name, flops, nbytes, linear, wgrad, _smallest_dim(name, args),
-                            sum(t.numel() for t in outs), operands))
+                            sum(t.numel() for t in outs), operands, param=param))
         return out
 
 
@@ -348,7 +351,9 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     before = context._active
     for p in net.parameters():          # as the executor keeps them: zeros the backward adds into
         p.grad = torch.zeros_like(p) if p.requires_grad else None
-    counter.grads = {_storage(p.grad) for p in net.parameters() if p.grad is not None}
+    inside = {id(p) for _, b in found for p in b.parameters()}
+    for params in [[p for p in net.parameters() if id(p) not in inside]] + [list(b.parameters()) for _, b in found]:
+        counter.grads.update((_storage(p.grad), j) for j, p in enumerate(params) if p.grad is not None)
     with counter:
         counter.sink = sink("pre", "fwd")
         if cp > 1:                          # attention goes through the stand-in
@@ -383,7 +388,6 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
                          [".experts." in f".{q}" for q, _ in module.named_parameters()])
 
     works = [block_work(i, n, b) for i, (n, b) in enumerate(found)]
-    inside = {id(p) for _, b in found for p in b.parameters()}
     outside = [p.numel() for p in net.parameters() if id(p) not in inside]
     rest = {q: v for q, v in linears.items() if q not in in_blocks}
     pre = BlockWork("pre", Ops(pieces.get(("pre", "fwd"), [])), Ops(pieces.get(("pre", "bwd"), [])), outside, 0, rest)
