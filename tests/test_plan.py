@@ -857,6 +857,20 @@ def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_befor
     assert arrive(False) == pytest.approx(0.1) and arrive(True) == pytest.approx(2.1)
 
 
+def test_a_call_that_sleeps_off_the_emulated_link_wakes_sleep_s_late():
+    """The link's part of a call is its α-β time and the sleep's lateness; gloo's part and a
+    machine without a link do not pay it."""
+    import labkit
+
+    link = labkit.Link(bandwidth=50e6, latency=2e-4)
+    on_link = dict(link_alpha_beta=(link.latency, link.bandwidth), link=str(link))
+    late, prompt = _machine(sleep_s=1e-4, **on_link), _machine(**on_link)
+    for family, n in (("send", 2), ("all_gather", 2), ("all_reduce", 2)):
+        assert late.comm_parts(family, 1 << 16, n)[1] == pytest.approx(prompt.comm_parts(family, 1 << 16, n)[1] + 1e-4)
+        assert late.comm_parts(family, 1 << 16, n)[0] == prompt.comm_parts(family, 1 << 16, n)[0]
+    assert _machine(sleep_s=1e-4).comm_parts("all_reduce", 1 << 16, 2) == _machine().comm_parts("all_reduce", 1 << 16, 2)
+
+
 def test_on_an_emulated_link_a_collective_first_pays_its_start_stamp_and_a_message_does_not():
     import labkit
 

@@ -121,6 +121,10 @@ class Machine:
     collective on an emulated link pays first, to agree on its start (``labkit.comm._join``);
     a group of n pays it in proportion to its ring steps, n − 1. Measured: the median of
     such all-reduces, each after a barrier."""
+    sleep_s: float = 0.0
+    """Seconds a thread that sleeps until a time wakes after it (the kernel's timer slack and
+    wake-up): a call on an emulated link that ends by sleeping off the link's time ends that
+    much late. Measured: 1 ms sleeps on one engine, the median overshoot."""
     matmul_half_dim: float = 0.0
     """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
     of few rows, or a weight gradient summed over them), the form the cluster planner gives a
@@ -187,7 +191,8 @@ class Machine:
     def comm_parts(self, family: str, nbytes: float, n: int, gloo: float | None = None) -> tuple[float, float]:
         """(gloo's own seconds, the emulated link's seconds or 0) of one call of ``family``:
         ``gloo`` if given, else its fitted α-β. gloo's part is the cores' work; the link's is a
-        wait off them (``labkit.Link``: the call's handle completes no earlier). On the link a
+        wait off them (``labkit.Link``: the call's handle sleeps until then, and wakes
+        ``sleep_s`` late). On the link a
         collective first all-reduces its members' start times (one number, gloo's own speed:
         :func:`labkit.comm._join`) before gloo moves its bytes; the link's time counts from those
         starts, so it runs beside that stamp."""
@@ -196,7 +201,7 @@ class Machine:
             return own, 0.0
         if family != "send":
             own += self.join_s * (n - 1) / max(1, self.engines - 1)
-        return own, self._wire().seconds(family, nbytes, n)
+        return own, self._wire().seconds(family, nbytes, n) + self.sleep_s
 
     def _wire(self) -> Link:
         """The emulated link as a Link: α per message, β bytes/s per rank (``link_alpha_beta``)."""
@@ -232,7 +237,7 @@ class Machine:
                 f"{self.call_s * 1e6:.0f} µs/call, "
                 f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
                 f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another; a "
-                f"start stamp {self.join_s * 1e6:.0f} µs"
+                f"start stamp {self.join_s * 1e6:.0f} µs; a sleep wakes {self.sleep_s * 1e6:.0f} µs late"
                 + (f"; link {self.link}" if self.link else "") + ")")
 
 

@@ -37,7 +37,8 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): the compute fields (matmul table, memory and cache,
-    elementwise and setup costs, attention, host cost per op and per view) and the CPUs it may use."""
+    elementwise and setup costs, attention, host cost per op and per view, a sleep's lateness)
+    and the CPUs it may use."""
     import torch
     import torch.distributed as dist
 
@@ -77,9 +78,15 @@ def _alone(seconds: float, rank_only: int | None = 0):
     tiny = torch.randn(4, 4)
     base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
     setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
+    import time
+    late = []
+    for _ in range(max(9, int(seconds * 100))):       # 1 ms sleeps: how late the thread wakes
+        t0 = time.perf_counter()
+        time.sleep(1e-3)
+        late.append(time.perf_counter() - t0 - 1e-3)
     return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "view_s": view_s, "matmul_half_dim": half,
             "cache_bytes": cache, "dram_Bps": dram, "cold_Bps": cold, "elementwise": elementwise, "setup_s": setup,
-            "attention_Fps": _attention(seconds)}, len(os.sched_getaffinity(0))
+            "attention_Fps": _attention(seconds), "sleep_s": max(0.0, median(late))}, len(os.sched_getaffinity(0))
 
 
 def _stream(mib: int, seconds: float) -> float:
