@@ -342,6 +342,17 @@ def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
     assert 'course.check("cp_tokens"' in last and 'course.check("zero3_forward"' in last
 
 
+def test_09_the_new_axes_are_predicted_in_the_order_they_run():
+    """09's text: the all-gather is the fastest cp mode in the prediction and in the run, and the
+    MoE model's ep step is predicted short of the measured one."""
+    _, v = notebook("09_plan_at_scale")
+    axes = v["new_axes"]
+    cp = [name for name in axes if name.startswith("cp=")]
+    for key in ("predicted_ms", "measured_ms"):
+        assert min(cp, key=lambda name: axes[name][key]) == "cp=2 allgather", axes
+    assert axes["dp=2 ep=2"]["predicted_ms"] < axes["dp=2 ep=2"]["measured_ms"], axes
+
+
 EXERCISED = ["00_start_here", "01_data_parallel", "02_pipeline", "03_hybrid", "04_communication",
              "06_troubleshooting", "07_tensor_parallel", "08_sharding", "09_plan_at_scale", "10_precision",
              "11_bubbles_and_memory", "12_bring_your_model", "13_long_sequences", "14_experts",

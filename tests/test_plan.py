@@ -732,6 +732,8 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
     machine = plan.measure(lab2, seconds=0.05)
     assert machine.engines == 2 and machine.cores > 0 and machine.op_s > 0
     assert all(r > 0 for _, r in machine.matmul) and set(machine.comm) == set(FAMILIES)
+    assert machine.dram_Bps > 0 and [rows for rows, _ in machine.cold_Bps] == [16, 64]      # the shared rates
+    assert all(r > 0 for _, r in machine.cold_Bps) and machine.sleep_s >= 0
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
     assert again == machine

@@ -59,13 +59,15 @@ class Machine:
     products going round N weights of 1 MiB; the largest N whose product stays nearer its
     in-cache time than its cold one."""
     dram_Bps: float = 5e9
-    """Bytes per second an elementwise op streams from and to memory beyond the cache.
-    Measured: add_ on 64 MiB tensors."""
+    """Bytes per second an elementwise op streams from and to memory beyond the cache: each
+    engine's share, since the engines share the memory bus and a step runs on all of them at
+    once. Measured: add_ on 64 MiB tensors on every engine at once, the median."""
     cold_Bps: tuple = ((1, 5e9),)
     """(smallest dimension, bytes/s) rows: how fast a matrix product reads operands that are not
     in the cache (a weight read once a step), interpolated in log dimension; a product of few
-    rows hides less of it behind arithmetic. Measured: 16×512×512 and 64×512×512 products
-    going round 128 MiB of weights, against one weight again (``cache_bytes`` too)."""
+    rows hides less of it behind arithmetic; each engine's share, as ``dram_Bps``. Measured:
+    16×512×512 and 64×512×512 products going round 128 MiB of weights, against one weight
+    again, on every engine at once, the median."""
     elementwise: dict = field(default_factory=dict)
     """aten op name → seconds per output element of an op whose arithmetic, not its bytes,
     bounds it (GELU's erf, SiLU's exp, softmax). Measured: each op of a fixed list on a

@@ -96,7 +96,13 @@ def _stream(mib: int, seconds: float) -> float:
     return 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds, chunks=3)
 
 
-def _cache(seconds: float) -> tuple[float, tuple]:
+def _shared(seconds: float) -> tuple[float, tuple]:
+    """On every engine at once: (bytes/s of add_ on 64 MiB tensors, the cold rows of
+    :func:`_cache`), what each gets of the memory bus it shares with the others."""
+    return _stream(64, seconds / 2), _cache(seconds, knee=False)[1]
+
+
+def _cache(seconds: float, knee: bool = True) -> tuple[float, tuple]:
     """(bytes of weights that products keep in the cache, (rows, bytes/s) of reading one that is
     not). Products of ``rows``×512 by 512×512 weights go round N weights of 1 MiB; from N = 1
     to 128 a product's time climbs from hot to cold; the cache holds the largest N whose time
@@ -115,7 +121,7 @@ def _cache(seconds: float) -> tuple[float, tuple]:
             return _loop(lambda: a @ weights[next(turn) % k], seconds / 40, chunks=1)
         return median(timed(n) - timed(1) for _ in range(5))
     cold = {rows: extra(rows, 128) for rows in (16, 64)}
-    warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(64, n) < cold[64] / 2]
+    warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(64, n) < cold[64] / 2] if knee else []
     rates = tuple((rows, (1 << 20) / max(t, 1e-9)) for rows, t in cold.items())
     return float(max(warm, default=1) << 20), rates
 
@@ -366,6 +372,10 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
     cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
+    if world > 1:       # beyond the cache the engines share the memory bus: each one's share
+        shared = lab.apply(_shared, seconds)
+        alone["dram_Bps"] = median(d for d, _ in shared)
+        alone["cold_Bps"] = tuple((rows, median(dict(c)[rows] for _, c in shared)) for rows, _ in shared[0][1])
     comm, link_name, link_ab, load, wake, call_s, cross, join = ({f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0,
                                                                  0.0, 0.0, 0.0)
     if world > 1:
