@@ -342,14 +342,13 @@ def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
     assert 'course.check("cp_tokens"' in last and 'course.check("zero3_forward"' in last
 
 
-def test_09_the_new_axes_are_predicted_in_the_order_they_run():
-    """09's text: the all-gather is the fastest cp mode in the prediction and in the run, and the
-    MoE model's ep step is predicted short of the measured one."""
+def test_09_the_new_axes_are_predicted_and_the_moe_step_short():
+    """09's text: each cp mode and ep is predicted beside its run, and the MoE model's ep step is
+    predicted short of the measured one (its forward's compute, priced short)."""
     _, v = notebook("09_plan_at_scale")
     axes = v["new_axes"]
-    cp = [name for name in axes if name.startswith("cp=")]
-    for key in ("predicted_ms", "measured_ms"):
-        assert min(cp, key=lambda name: axes[name][key]) == "cp=2 allgather", axes
+    assert set(axes) == {"cp=2 ring", "cp=2 allgather", "cp=2 ulysses", "dp=2 ep=2"}
+    assert all(a["predicted_ms"] > 0 and a["measured_ms"] > 0 for a in axes.values()), axes
     assert axes["dp=2 ep=2"]["predicted_ms"] < axes["dp=2 ep=2"]["measured_ms"], axes
 
 
