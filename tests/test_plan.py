@@ -670,6 +670,18 @@ def test_a_bucket_goes_out_inside_its_block_once_its_gradients_are_added():
     assert backward[0]["end"] <= first["start"] < backward[-1]["end"]
 
 
+def test_each_step_of_a_collective_waits_for_a_core_when_its_members_compute_on_taken_cores():
+    """A ring's steps are messages: on taken cores each waits ``wake`` for its thread's turn, as a
+    point-to-point message does; on free cores none does."""
+    def ends(cores, steps):
+        call = Issue("grads", (0, 1), 0.05, "allreduce", "bucket 0", steps=steps)
+        programs = [[call, Compute(1.0, "bwd", "B"), Wait("grads")] for _ in range(2)]
+        events = Sim(programs, cores=cores, load=0.0, wake=0.1).run()
+        return [e["end"] for e in events if e["kind"] == "allreduce"]
+    assert ends(2.0, 2) == pytest.approx([0.25, 0.25]) and ends(2.0, 1) == pytest.approx([0.15, 0.15])
+    assert ends(4.0, 2) == pytest.approx([0.05, 0.05])
+
+
 def test_a_calls_time_on_the_emulated_link_is_a_wait_off_the_cores():
     """gloo's own work shares the cores; the link's time beyond it runs on the wall clock: a
     collective of 0.1 s of gloo and 0.5 s of link ends at 0.5 s while both ranks compute on one core."""

@@ -22,6 +22,7 @@ A point-to-point message is latency-bound rather than work-bound: it is delivere
 handshake that a comm thread of each end runs. When it starts while a member is computing
 and the cores are all taken, that thread first waits for a core: ``wake`` seconds (the
 scheduler's turn), or less if the member's compute span ends sooner and frees its own core.
+A collective is a ring of such messages: each of its ``steps`` waits the same way.
 Two messages in opposite directions between the same two ranks, in flight at once, each take
 ``cross`` longer: gloo's two handshakes on one pair wait on each other. On an emulated link
 that delay is gloo's, so it hides under the link's time as far as that time exceeds gloo's
@@ -65,6 +66,9 @@ class Issue:
     ordered: bool = True
     """In order on the rank's comm stream (collectives); False: matched by key alone, as
     point-to-point messages are matched by tag."""
+    steps: int = 1
+    """Messages each member sends one after another (a ring's steps): on taken cores each waits
+    for its thread's turn as a point-to-point message does (``wake``)."""
     link: float = 0.0
     """The call's time on an emulated link (0: none), a wait off the cores: the call takes the
     longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
@@ -168,7 +172,8 @@ class Sim:
                     for m in group:
                         self.streams[m][0] = None          # in flight: the stream is busy
                     until = self.t + self._queue(key, call.link, group, True) + call.link
-                    job = _Job(call.seconds, self.load * len(group), self.t, ("call", key), until)
+                    job = _Job(call.seconds + call.steps * self._wait_for_core(group), self.load * len(group),
+                               self.t, ("call", key), until)
                     self.running.append(job)
                     started = True
 

@@ -46,7 +46,7 @@ from fnmatch import fnmatch
 from ..analysis.metrics import step_metrics
 from ..analysis.timeline import Timeline
 from .des import Compute, Issue, Sim, Wait
-from .machine import Machine, bus_factor
+from .machine import Machine, bus_factor, ring_steps
 
 MiB = 1024 * 1024
 
@@ -179,7 +179,8 @@ class Builder:
         own, link = self.m.comm_parts(family, nbytes, n)
         if family == "send":
             return Issue(key, group, own, kind, name, int(nbytes), peer, mb, ordered=False, link=link)
-        return Issue(key, group, own, kind, name, int(round(bus_factor(family, n) * nbytes)), peer, mb, link=link)
+        return Issue(key, group, own, kind, name, int(round(bus_factor(family, n) * nbytes)), peer, mb,
+                     steps=ring_steps(family, n), link=link)
 
     def blocking(self, key, group, family, nbytes, kind, name, mb=None) -> list:
         return [self.call(key, group, family, nbytes, kind, name, mb), Wait(key)]
