@@ -194,10 +194,9 @@ class Machine:
         """(gloo's own seconds, the emulated link's seconds or 0) of one call of ``family``:
         ``gloo`` if given, else its fitted α-β. gloo's part is the cores' work; the link's is a
         wait off them (``labkit.Link``: the call's handle sleeps until then, and wakes
-        ``sleep_s`` late). On the link a
-        collective first all-reduces its members' start times (one number, gloo's own speed:
-        :func:`labkit.comm._join`) before gloo moves its bytes; the link's time counts from those
-        starts, so it runs beside that stamp."""
+        ``sleep_s`` late). On the link a collective first all-reduces its members' start times
+        (one number, gloo's own speed: :func:`labkit.comm._join`) before gloo moves its bytes; the
+        link's time counts from those starts, so it runs beside that stamp."""
         own = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
         if not self.link_alpha_beta:
             return own, 0.0

@@ -36,9 +36,12 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 
 def _alone(seconds: float, rank_only: int | None = 0):
-    """On one engine (the others return at once): the compute fields (matmul table, memory and cache,
-    elementwise and setup costs, attention, host cost per op and per view, a sleep's lateness)
-    and the CPUs it may use."""
+    """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
+    rate and the cache's size, elementwise and setup costs, attention, host cost per op and per
+    view, a sleep's lateness) and the CPUs it may use. The rates beyond the cache are
+    :func:`_shared`'s."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -54,8 +57,8 @@ def _alone(seconds: float, rank_only: int | None = 0):
     half = max(0.0, 1024 * (1 - r) / (64 * r - 16)) if 64 * r > 16 else 64.0
     table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
              for m, k, n in MATMUL_SHAPES]
-    memory, dram = _stream(1, seconds / 2), _stream(64, seconds / 2)
-    cache, cold = _cache(seconds)
+    memory = _stream(1, seconds / 2)
+    cache, _ = _cache(seconds)
     elementwise = {name: _loop(lambda f=f, x=torch.randn(1024, 512): f(x), seconds / 8) / (1024 * 512)
                    for name, f in ELEMENTWISE.items()}
     w = torch.ones(1, requires_grad=True)
@@ -78,14 +81,13 @@ def _alone(seconds: float, rank_only: int | None = 0):
     tiny = torch.randn(4, 4)
     base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
     setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
-    import time
     late = []
     for _ in range(max(9, int(seconds * 100))):       # 1 ms sleeps: how late the thread wakes
         t0 = time.perf_counter()
         time.sleep(1e-3)
         late.append(time.perf_counter() - t0 - 1e-3)
     return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "view_s": view_s, "matmul_half_dim": half,
-            "cache_bytes": cache, "dram_Bps": dram, "cold_Bps": cold, "elementwise": elementwise, "setup_s": setup,
+            "cache_bytes": cache, "elementwise": elementwise, "setup_s": setup,
             "attention_Fps": _attention(seconds), "sleep_s": max(0.0, median(late))}, len(os.sched_getaffinity(0))
 
 
@@ -372,10 +374,9 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
     cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
-    if world > 1:       # beyond the cache the engines share the memory bus: each one's share
-        shared = lab.apply(_shared, seconds)
-        alone["dram_Bps"] = median(d for d, _ in shared)
-        alone["cold_Bps"] = tuple((rows, median(dict(c)[rows] for _, c in shared)) for rows, _ in shared[0][1])
+    shared = lab.apply(_shared, seconds)     # beyond the cache the engines share the memory bus
+    alone["dram_Bps"] = median(d for d, _ in shared)
+    alone["cold_Bps"] = tuple((rows, median(dict(c)[rows] for _, c in shared)) for rows, _ in shared[0][1])
     comm, link_name, link_ab, load, wake, call_s, cross, join = ({f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0,
                                                                  0.0, 0.0, 0.0)
     if world > 1:
