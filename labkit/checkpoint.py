@@ -216,16 +216,18 @@ def _check_supported(spec) -> None:
 
 
 # -- a save, driven from the notebook -------------------------------------------------------------
-def save(lab, spec, plan: Plan, step: int, run_id: str) -> str:
+def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> str:
     """Every rank writes the state after global ``step`` into a temporary folder; the metadata
     and ``labkit.json`` complete it; the rename makes it a checkpoint (an older one of the same
-    step is replaced only then)."""
+    step is replaced only then). Each rank's costs go to ``io["save"][step]``."""
     from .parallel import state
 
     os.makedirs(plan.root, exist_ok=True)
     final = step_dir(plan.root, step)
     tmp = os.path.join(plan.root, f".step_{step:06d}.tmp-{run_id}")
     ranks = lab.apply(state.save, tmp, step, plan.layout)
+    if io is not None:
+        io.setdefault("save", {})[step] = ranks
     s = spec.strategy
     data = {"format": FORMAT, "step": step, "strategy": s.label(), "strategy_fields": _fields(s),
             "optimizer": spec.optimizer, "momentum": spec.momentum, "lr": spec.lr, "batch": spec.batch,
@@ -314,3 +316,27 @@ def describe(path) -> Description:
              if n.endswith(".distcp")}
     return Description(folder, saved["step"], saved["strategy"], saved["optimizer"], len(tensors), nbytes,
                        files, entries)
+
+
+def pieces(lab, model, name: str, seed: int = 0) -> list[dict]:
+    """Per rank, which elements of the whole parameter ``name`` the lab's current run holds in
+    the tensors its optimizer steps (a ZeRO flat shard's range, a Megatron chunk's rows or
+    columns, a pipeline stage's whole tensor, nothing): the pieces a save gathers and a resume
+    cuts again. Rank order; ``count`` 0 where a rank holds none of it."""
+    from .parallel import state
+    from .run.runner import model_for_checks
+    layout = state.Layout.of(model_for_checks(model, seed)).to_dict()
+    return lab.apply(state.pieces, name, layout)
+
+
+def show_pieces(found: list[dict]) -> str:
+    """One line per rank for :func:`pieces`: how much of the weight, and where in it."""
+    lines = []
+    for p in found:
+        where = "none of it"
+        if p["count"]:
+            where = f"elements {p['first']}–{p['last']}"
+            if "rows" in p:
+                where += f" (rows {p['rows'][0]}–{p['rows'][1]}, cols {p['cols'][0]}–{p['cols'][1]})"
+        lines.append(f"rank {p['rank']}: {p['count']:>4} of {p['of']}  {where}")
+    return "\n".join(lines)

@@ -333,3 +333,28 @@ class FromStep:
 
     def __getattr__(self, name):
         return getattr(self.__dict__["data"], name)
+
+
+# -- where a whole tensor lives now (the course's picture of resharding) --------------------------
+def pieces(name: str, layout: dict) -> dict:
+    """Which elements of parameter ``name`` (numbered in the whole tensor, row-major) this rank's
+    optimizer steps, i.e. what its part of a checkpoint's ``name`` comes from: ``count``, the
+    ``rows`` and ``cols`` they fall in (a 2-D weight), and the ``first`` and ``last`` element."""
+    from .. import engine
+
+    s = engine.session()
+    lay = Layout.from_dict(layout)
+    name = lay.alias.get(name, name)
+    if name not in lay.offsets:
+        raise KeyError(f"{name!r} is not a parameter of this model; one of {lay.names[:4]}…")
+    start, shape = lay.offsets[name], lay.shapes[lay.names.index(name)]
+    held = torch.cat([ids[(ids >= start) & (ids < start + _numel(shape))] for _, ids, _ in optimizer_ids(s.job, lay)]
+                     or [torch.empty(0, dtype=torch.long)]).unique() - start
+    out = {"rank": s.rank, "count": int(held.numel()), "of": _numel(shape), "shape": list(shape)}
+    if held.numel():
+        out["first"], out["last"] = int(held.min()), int(held.max())
+        if len(shape) == 2:
+            rows, cols = (held // shape[1]).unique(), (held % shape[1]).unique()
+            out["rows"] = [int(rows.min()), int(rows.max())]
+            out["cols"] = [int(cols.min()), int(cols.max())]
+    return out

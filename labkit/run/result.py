@@ -48,6 +48,9 @@ class Run:
     checkpoints: list[str] = field(default_factory=list, repr=False)
     """With ``lab.run(..., checkpoint=DIR)``: the complete checkpoints it saved, in step order
     (labkit.checkpoint)."""
+    checkpoint_io: dict = field(default_factory=dict, repr=False)
+    """Per rank, what checkpointing cost: ``"load"`` (resume=: seconds reading) and ``"save"``
+    ({step: seconds gathering and writing, bytes offered and written}), in rank order."""
     first_step: int = 0
     """The global step its step 0 was (``resume=``: the checkpoint's step; ``data(step)`` saw it)."""
 

@@ -192,15 +192,18 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         warned: set = set()           # engine warnings, each relayed once per rank and run
         built = lab.apply(engine.setup_run, spec, run_id)
         relay_warnings(built, warned)
+        restored = None
         if plan is not None and plan.resume is not None:      # the state, and the data from its step
             from ..parallel import state
-            lab.apply(state.restore, plan.resume, plan.first, plan.layout)
+            restored = lab.apply(state.restore, plan.resume, plan.first, plan.layout)
         link = getattr(lab, "link", None)          # the emulated link its calls obey (None: raw gloo)
         title = f"emulated link {link}" if link is not None else None     # shown on every timeline
         run = Run(s, [], Timeline([], lab.world_size, title=title, grid=s), {}, spec.batch, ranks=lab.ranks)
         run.link = link
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
         run.first_step = plan.first if plan is not None else 0
+        if restored is not None:
+            run.checkpoint_io["load"] = restored
         peak = [0] * lab.world_size
         for step in range(spec.steps):
             results = lab.apply(engine.run_step, step, run_id)
@@ -211,7 +214,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             stopping = stop is not None and stop() and step < spec.steps - 1
             if plan is not None and plan.due(step, spec.steps, stopping):
                 from ..checkpoint import save
-                run.checkpoints.append(save(lab, spec, plan, plan.first + step + 1, run_id))
+                run.checkpoints.append(save(lab, spec, plan, plan.first + step + 1, run_id, run.checkpoint_io))
             if stopping:
                 run.interrupted = True
                 break
