@@ -337,6 +337,10 @@ def show_pieces(found: list[dict]) -> str:
         if p["count"]:
             where = f"elements {p['first']}–{p['last']}"
             if "rows" in p:
-                where += f" (rows {p['rows'][0]}–{p['rows'][1]}, cols {p['cols'][0]}–{p['cols'][1]})"
+                where += f" ({_span('row', p['rows'])}, {_span('col', p['cols'])})"
         lines.append(f"rank {p['rank']}: {p['count']:>4} of {p['of']}  {where}")
     return "\n".join(lines)
+
+
+def _span(what: str, bounds: list) -> str:
+    return f"{what} {bounds[0]}" if bounds[0] == bounds[1] else f"{what}s {bounds[0]}–{bounds[1]}"
