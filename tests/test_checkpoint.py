@@ -87,6 +87,25 @@ def test_sgd_momentum_resumes_from_fsdp2_into_ddp_and_interleaved(lab2, tmp_path
     assert c.max_diff(ref) <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def at_step_2(tmp_path_factory):
+    """Two AdamW steps under FSDP2's zero=2, saved: the start every layout below resumes from."""
+    from conftest import lab_with
+    root = tmp_path_factory.mktemp("at_step_2")
+    train(lab_with(2), labkit.Strategy(dp=2, zero=2, zero_mode="fsdp2"), 2, checkpoint=root)
+    return root
+
+
+@pytest.mark.parametrize("strategy", [
+    dict(tp=2, tp_mode="dtensor"), dict(pp=2, schedule="gpipe", microbatches=2),
+    dict(pp=2, schedule="zb-h1", microbatches=2), dict(pp=2, schedule="zbv", chunks=2, microbatches=2),
+    dict(dp=2, dp_mode="bucketed", bucket_mb=0.001), dict(dp=2, zero=2)], ids=str)
+def test_any_layout_resumes_exactly(lab2, at_step_2, strategy):
+    run = train(lab2, labkit.Strategy(**strategy), 1, resume=at_step_2)
+    assert run.first_step == 2
+    assert run.max_diff(reference(3)) <= 1e-5
+
+
 def test_files_are_torchs_and_load_describe_read_them(lab2, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
