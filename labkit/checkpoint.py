@@ -24,7 +24,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -162,7 +162,6 @@ class Plan:
     every: int | None = None
     resume: str | None = None           # the complete checkpoint folder it starts from
     first: int = 0                      # its step: the resumed run's step 0 is this global step
-    saved: list = field(default_factory=list)
 
     def due(self, step: int, steps: int, stopping: bool = False) -> bool:
         """Save after run step ``step``? Every ``every`` global steps, and at the end."""
@@ -242,7 +241,6 @@ def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) 
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    plan.saved.append(final)
     return final
 
 

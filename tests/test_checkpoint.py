@@ -87,6 +87,13 @@ def test_sgd_momentum_resumes_from_fsdp2_into_ddp_and_interleaved(lab2, tmp_path
     assert c.max_diff(ref) <= 1e-5
 
 
+def test_plain_sgd_keeps_no_optimizer_state_and_resumes(lab2, tmp_path):
+    train(lab2, labkit.Strategy(dp=2, zero=1), 2, "sgd", checkpoint=tmp_path)
+    assert labkit.checkpoint.load(tmp_path, optimizer=True)["optim"] == {}
+    run = train(lab2, labkit.Strategy(pp=2, microbatches=2), 1, "sgd", resume=tmp_path)
+    assert run.max_diff(reference(3, "sgd")) <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def at_step_2(tmp_path_factory):
     """Two AdamW steps under FSDP2's zero=2, saved: the start every layout below resumes from."""
