@@ -196,3 +196,10 @@ class Slim(Net):
     def __init__(self):
         super().__init__()
         self.out = nn.Linear(19, 7, bias=False)
+
+
+def test_the_cli_refuses_a_missing_resume_folder_before_starting_engines(tmp_path, capsys):
+    from labkit import cli
+    argv = ["run", "--dp", "2", "--width", "8", "--depth", "2", "--batch", "8", "--resume", str(tmp_path / "none")]
+    assert cli.main(argv) == 2
+    assert "does not exist" in capsys.readouterr().err
