@@ -71,7 +71,8 @@ def chain(lab, model, kw, last, root) -> float:
 
 def exactness(lab, root) -> None:
     kw = dict(data=net_data, batch=16, lr=0.01, seed=3)
-    print(f"user nn.Module, zero1 → dp2×pp2 → zero3: max diff {chain(lab, Net, kw, labkit.Strategy(dp=4, zero=3), root + '/net'):.2e}")
+    diff = chain(lab, Net, kw, labkit.Strategy(dp=4, zero=3), root + "/net")
+    print(f"user nn.Module, zero1 → dp2×pp2 → zero3: max diff {diff:.2e}")
     text = labkit.data.text(batch=8, block_size=16)
     kw = dict(data=text, loss="cross_entropy", batch=8, lr=1e-3, seed=3)   # lr 0.01: straight runs alone differ by 4e-5
     diff = chain(lab, hf_llama(), kw, labkit.Strategy(dp=4, dp_mode="ddp"), root + "/hf")
@@ -94,7 +95,8 @@ def cost(lab, root, width: int, depth: int) -> None:
     torch.load(plain)
     t2 = time.perf_counter()
     print(f"\nMLP width {width} depth {depth}: {total / 1e6:.1f} MB of parameters and AdamW moments")
-    print(f"one process: torch.save {t1 - t0:.3f} s, torch.load {t2 - t1:.3f} s, file {os.path.getsize(plain) / 1e6:.1f} MB")
+    print(f"one process: torch.save {t1 - t0:.3f} s, torch.load {t2 - t1:.3f} s, "
+          f"file {os.path.getsize(plain) / 1e6:.1f} MB")
     print("saved under dp4 ZeRO-3 (its share of the model state per rank: "
           f"{share / 1e6:.1f} MB); resumed under dp2×pp2")
     print("rank  gather s  write s  offered MB  file MB  read s (resume)")
