@@ -180,7 +180,7 @@ def prepare(spec, built) -> Plan | None:
             raise ValueError(f"checkpoint_every={every!r} without checkpoint=; name the folder, e.g. "
                              "checkpoint='ckpt/'")
         return None
-    _check_supported(spec)
+    _check_supported(spec, built)
     from .parallel.state import Layout
     plan = Plan(Layout.of(built).to_dict())
     if root is not None:
@@ -204,8 +204,14 @@ def prepare(spec, built) -> Plan | None:
     return plan
 
 
-def _check_supported(spec) -> None:
+def _check_supported(spec, built) -> None:
+    """What a checkpoint does not carry yet, refused by name."""
     s = spec.strategy
+    odd = next(((n, p.dtype) for n, p in built.named_parameters() if p.dtype != torch.float32), None)
+    if odd is not None:
+        raise ValueError(f"checkpoint/resume: parameter {odd[0]!r} is {odd[1]}, and the optimizer state is "
+                         "gathered in float32; keep the parameters float32 (Strategy.precision computes in "
+                         "bf16 with float32 weights)")
     if s.ep > 1:
         raise ValueError(f"checkpoint/resume with Strategy.ep={s.ep} is not built: experts split over ranks "
                          "have no index map yet; use ep=1 for a run that saves or resumes")

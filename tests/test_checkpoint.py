@@ -106,7 +106,8 @@ def at_step_2(tmp_path_factory):
 @pytest.mark.parametrize("strategy", [
     dict(tp=2, tp_mode="dtensor"), dict(pp=2, schedule="gpipe", microbatches=2),
     dict(pp=2, schedule="zb-h1", microbatches=2), dict(pp=2, schedule="zbv", chunks=2, microbatches=2),
-    dict(dp=2, dp_mode="bucketed", bucket_mb=0.001), dict(dp=2, zero=2)], ids=str)
+    dict(dp=2, dp_mode="bucketed", bucket_mb=0.001), dict(dp=2, zero=2), dict(dp=2, zero=3, zero_mode="fsdp2")],
+    ids=str)
 def test_any_layout_resumes_exactly(lab2, at_step_2, strategy):
     run = train(lab2, labkit.Strategy(**strategy), 1, resume=at_step_2)
     assert run.first_step == 2
@@ -185,6 +186,9 @@ def test_bad_folders_are_named_with_the_fix(saved, tmp_path):
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(ValueError, match=r"__1_0.distcp' is truncated"):
         check(saved)
+    with pytest.raises(ValueError, match=r"parameter 'inp.weight' is torch.float64"):
+        validate(RunSpec(labkit.Strategy(dp=2), lambda: Net().double(), data, batch=BATCH, steps=1,
+                         extra={"checkpoint": tmp_path}), 2)
     with pytest.raises(ValueError, match=r"checkpoint_every=0"):
         validate(RunSpec(labkit.Strategy(dp=2), Net, data, batch=BATCH, steps=1,
                          extra={"checkpoint": tmp_path, "checkpoint_every": 0}), 2)
