@@ -162,6 +162,8 @@ class Plan:
     every: int | None = None
     resume: str | None = None           # the complete checkpoint folder it starts from
     first: int = 0                      # its step: the resumed run's step 0 is this global step
+    asynchronous: bool = False          # written behind the next steps (DCP's async_save)
+    pending: tuple | None = None        # the asynchronous save in flight: (folder, step, ranks' costs)
 
     def due(self, step: int, steps: int, stopping: bool = False) -> bool:
         """Save after run step ``step``? Every ``every`` global steps, and at the end."""
@@ -175,6 +177,11 @@ def prepare(spec, built) -> Plan | None:
     model (built for the checks, on ``meta``); the plan, or None when the run asks for none."""
     extra = spec.extra
     root, every, resume = extra.get("checkpoint"), extra.get("checkpoint_every"), extra.get("resume")
+    asynchronous = extra.get("checkpoint_async", False)
+    if not isinstance(asynchronous, bool):
+        raise TypeError(f"checkpoint_async={asynchronous!r} must be True or False")
+    if asynchronous and root is None:
+        raise ValueError("checkpoint_async=True without checkpoint=; name the folder, e.g. checkpoint='ckpt/'")
     if root is None and resume is None:
         if every is not None:
             raise ValueError(f"checkpoint_every={every!r} without checkpoint=; name the folder, e.g. "
@@ -193,7 +200,7 @@ def prepare(spec, built) -> Plan | None:
             every = spec.steps
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every={every!r} must be a whole number of steps ≥ 1")
-        plan.root, plan.every = root, every
+        plan.root, plan.every, plan.asynchronous = root, every, asynchronous
     if resume is not None:
         folder = find(resume)
         saved = info(folder)
@@ -221,18 +228,54 @@ def _check_supported(spec, built) -> None:
 
 
 # -- a save, driven from the notebook -------------------------------------------------------------
-def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> str:
+def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io: dict) -> list[str]:
+    """After run step ``step``: complete an asynchronous save that has finished, save when one is
+    due (waiting first for one still being written); the checkpoints completed, by path."""
+    done = []
+    if plan.pending is not None and (plan.due(step, spec.steps, stopping) or
+                                     all(lab.apply(state_module().save_done, plan.pending[0]))):
+        done.append(finish(lab, spec, plan, io))
+    if plan.due(step, spec.steps, stopping):
+        path = save(lab, spec, plan, plan.first + step + 1, run_id, io)
+        done += [path] if path is not None else []
+    return done
+
+
+def finish(lab, spec, plan: Plan, io: dict) -> str:
+    """Wait for the asynchronous save in flight on every rank, then complete it."""
+    tmp, step, ranks = plan.pending
+    plan.pending = None
+    written = lab.apply(state_module().finish_save, tmp)
+    ranks = [{**a, **b} for a, b in zip(ranks, written)]
+    io.setdefault("save", {})[step] = ranks
+    return complete_save(spec, plan, tmp, step, ranks)
+
+
+def state_module():
+    from .parallel import state
+    return state
+
+
+def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> str | None:
     """Every rank writes the state after global ``step`` into a temporary folder; the metadata
     and ``labkit.json`` complete it; the rename makes it a checkpoint (an older one of the same
-    step is replaced only then). Each rank's costs go to ``io["save"][step]``."""
-    from .parallel import state
-
+    step is replaced only then). Each rank's costs go to ``io["save"][step]``. Asynchronous
+    (``plan.asynchronous``): the files are written behind the next steps and the save is
+    completed by :func:`finish` (None here)."""
     os.makedirs(plan.root, exist_ok=True)
-    final = step_dir(plan.root, step)
     tmp = os.path.join(plan.root, f".step_{step:06d}.tmp-{run_id}")
-    ranks = lab.apply(state.save, tmp, step, plan.layout)
+    ranks = lab.apply(state_module().save, tmp, step, plan.layout, plan.asynchronous)
+    if plan.asynchronous:
+        plan.pending = (tmp, step, ranks)
+        return None
     if io is not None:
         io.setdefault("save", {})[step] = ranks
+    return complete_save(spec, plan, tmp, step, ranks)
+
+
+def complete_save(spec, plan: Plan, tmp: str, step: int, ranks: list) -> str:
+    """``labkit.json`` into the written folder, then the rename that makes it a checkpoint."""
+    final = step_dir(plan.root, step)
     s = spec.strategy
     data = {"format": FORMAT, "step": step, "strategy": s.label(), "strategy_fields": _fields(s),
             "optimizer": spec.optimizer, "momentum": spec.momentum, "lr": spec.lr, "batch": spec.batch,

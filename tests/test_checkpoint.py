@@ -94,6 +94,17 @@ def test_plain_sgd_keeps_no_optimizer_state_and_resumes(lab2, tmp_path):
     assert run.max_diff(reference(3, "sgd")) <= 1e-5
 
 
+def test_asynchronous_saves_are_written_behind_the_steps_and_resume_exactly(lab2, tmp_path):
+    run = train(lab2, labkit.Strategy(dp=2, zero=1), 3, checkpoint=tmp_path, checkpoint_every=1,
+                checkpoint_async=True)
+    assert [os.path.basename(p) for p in run.checkpoints] == ["step_000001", "step_000002", "step_000003"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]      # every save completed
+    for ranks in run.checkpoint_io["save"].values():
+        assert all(0 <= r["waited_s"] <= r["write_s"] and r["file_bytes"] > 0 for r in ranks)
+    resumed = train(lab2, labkit.Strategy(pp=2, microbatches=2), 1, resume=tmp_path)
+    assert resumed.max_diff(reference(4)) <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def at_step_2(tmp_path_factory):
     """Two AdamW steps under FSDP2's zero=2, saved: the start every layout below resumes from."""

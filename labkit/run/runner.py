@@ -212,12 +212,15 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             if on_step is not None:
                 on_step(run, step)
             stopping = stop is not None and stop() and step < spec.steps - 1
-            if plan is not None and plan.due(step, spec.steps, stopping):
-                from ..checkpoint import save
-                run.checkpoints.append(save(lab, spec, plan, plan.first + step + 1, run_id, run.checkpoint_io))
+            if plan is not None and plan.root is not None:     # checkpoint=: due saves, finished async ones
+                from ..checkpoint import after_step
+                run.checkpoints += after_step(lab, spec, plan, step, stopping, run_id, run.checkpoint_io)
             if stopping:
                 run.interrupted = True
                 break
+        if plan is not None and plan.pending is not None:     # the last asynchronous save, waited for
+            from ..checkpoint import finish
+            run.checkpoints.append(finish(lab, spec, plan, run.checkpoint_io))
         if spec.extra.get("profile"):
             run.profile_paths = save_profiles(lab.apply(engine.finish_profile), spec.extra["profile"], run_id)
         run.params = gather_parameters(lab)
