@@ -13,7 +13,9 @@
    resumed under dp2×pp2. Per rank: seconds gathering the whole tensors, seconds writing
    (``dcp.save``), bytes offered and bytes of its file, against the rank's ZeRO-3 share of the
    model state (parameters and both AdamW moments ÷ 4); seconds reading on resume. Against
-   ``torch.save``/``torch.load`` of the same tensors in this one process.
+   ``torch.save``/``torch.load`` of the same tensors in this one process. Then the same saves
+   with ``checkpoint_async=True``: per rank, the writer's seconds behind the steps and the
+   seconds the step loop still waited for it.
 """
 from __future__ import annotations
 
@@ -105,6 +107,13 @@ def cost(lab, root, width: int, depth: int) -> None:
         print(f"{s['rank']:>4}  {s['gather_s']:>8.3f}  {s['write_s']:>7.3f}  {s['offered_bytes'] / 1e6:>10.1f}  "
               f"{s['file_bytes'] / 1e6:>7.1f}  {r['read_s']:>6.3f}")
     print(labkit.checkpoint.describe(root + "/mlp"))
+    hidden = lab.run(labkit.Strategy(dp=4, zero=3), steps=3, checkpoint=root + "/async", checkpoint_every=1,
+                     checkpoint_async=True, **kw)
+    print("\ncheckpoint_async=True, a save after each of 3 steps (dp4 ZeRO-3): per rank, seconds the writer "
+          "ran behind the steps, and seconds the step loop then waited for it")
+    for step, ranks in sorted(hidden.checkpoint_io["save"].items()):
+        print(f"step {step}: " + "  ".join(f"r{r['rank']} {r['write_s']:.3f}/{r['waited_s']:.3f}" for r in ranks))
+    print(f"step times with async saves: {', '.join(f'{t:.3f}' for t in hidden.step_times)} s")
 
 
 def main() -> None:

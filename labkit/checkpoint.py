@@ -7,8 +7,9 @@ one ``__{rank}_0.distcp`` per rank, and ``labkit.json`` (the step, the strategy 
 under, the optimizer). Each save is written under a temporary name (``.step_000004.tmp-…``)
 and renamed once every rank has written and the metadata is complete, so a save that fails
 leaves the checkpoints before it untouched, and a folder under its final name is always
-whole. The engines' side (what each rank writes and how any strategy reads it back) is
-:mod:`labkit.parallel.state`.
+whole. ``checkpoint_async=True`` writes behind the next steps and completes the save at a
+later step boundary. The engines' side (what each rank writes and how any strategy reads it
+back) is :mod:`labkit.parallel.state`.
 
     >>> run = lab.run(labkit.Strategy(dp=4, zero=1), model, steps=3, checkpoint="ckpt/", checkpoint_every=3)
     >>> run2 = lab.run(labkit.Strategy(dp=2, pp=2), model, steps=3, resume="ckpt/")   # steps 3..5
@@ -27,6 +28,8 @@ import shutil
 from dataclasses import dataclass
 
 import torch
+
+from .parallel import state as engine_state
 
 FORMAT = "labkit-checkpoint/1"
 INFO = "labkit.json"
@@ -188,8 +191,7 @@ def prepare(spec, built) -> Plan | None:
                              "checkpoint='ckpt/'")
         return None
     _check_supported(spec, built)
-    from .parallel.state import Layout
-    plan = Plan(Layout.of(built).to_dict())
+    plan = Plan(engine_state.Layout.of(built).to_dict())
     if root is not None:
         if not isinstance(root, (str, os.PathLike)):
             raise TypeError(f"checkpoint={root!r} must be a folder path, e.g. checkpoint='ckpt/'")
@@ -233,7 +235,7 @@ def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io
     due (waiting first for one still being written); the checkpoints completed, by path."""
     done = []
     if plan.pending is not None and (plan.due(step, spec.steps, stopping) or
-                                     all(lab.apply(state_module().save_done, plan.pending[0]))):
+                                     all(lab.apply(engine_state.save_done, plan.pending[0]))):
         done.append(finish(lab, spec, plan, io))
     if plan.due(step, spec.steps, stopping):
         path = save(lab, spec, plan, plan.first + step + 1, run_id, io)
@@ -245,15 +247,10 @@ def finish(lab, spec, plan: Plan, io: dict) -> str:
     """Wait for the asynchronous save in flight on every rank, then complete it."""
     tmp, step, ranks = plan.pending
     plan.pending = None
-    written = lab.apply(state_module().finish_save, tmp)
+    written = lab.apply(engine_state.finish_save, tmp)
     ranks = [{**a, **b} for a, b in zip(ranks, written)]
     io.setdefault("save", {})[step] = ranks
     return complete_save(spec, plan, tmp, step, ranks)
-
-
-def state_module():
-    from .parallel import state
-    return state
 
 
 def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> str | None:
@@ -264,7 +261,7 @@ def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) 
     completed by :func:`finish` (None here)."""
     os.makedirs(plan.root, exist_ok=True)
     tmp = os.path.join(plan.root, f".step_{step:06d}.tmp-{run_id}")
-    ranks = lab.apply(state_module().save, tmp, step, plan.layout, plan.asynchronous)
+    ranks = lab.apply(engine_state.save, tmp, step, plan.layout, plan.asynchronous)
     if plan.asynchronous:
         plan.pending = (tmp, step, ranks)
         return None
@@ -303,8 +300,6 @@ def _fields(s) -> dict:
 def load(path, optimizer: bool = False) -> dict:
     """The model's state dict (its own names, whole tensors) from a checkpoint, in this process;
     ``optimizer=True``: ``{"model": …, "optim": {name: {state: tensor}}, "step": N}``."""
-    from .parallel.state import read
-
     folder = find(path)
     check_files(folder)
     want: dict = {}
@@ -314,7 +309,7 @@ def load(path, optimizer: bool = False) -> dict:
         if key.startswith("optim.") and not optimizer:
             continue
         want[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    read(folder, want)
+    engine_state.read(folder, want)
     model = {k[len("model."):]: v for k, v in want.items() if k.startswith("model.")}
     if not optimizer:
         return model
@@ -370,10 +365,9 @@ def pieces(lab, model, name: str, seed: int = 0) -> list[dict]:
     the tensors its optimizer steps (a ZeRO flat shard's range, a Megatron chunk's rows or
     columns, a pipeline stage's whole tensor, nothing): the pieces a save gathers and a resume
     cuts again. Rank order; ``count`` 0 where a rank holds none of it."""
-    from .parallel import state
     from .run.runner import model_for_checks
-    layout = state.Layout.of(model_for_checks(model, seed)).to_dict()
-    return lab.apply(state.pieces, name, layout)
+    layout = engine_state.Layout.of(model_for_checks(model, seed)).to_dict()
+    return lab.apply(engine_state.pieces, name, layout)
 
 
 def show_pieces(found: list[dict]) -> str:
