@@ -103,7 +103,7 @@ def _numel(shape) -> int:
 # -- the index map: what each local tensor is, in the whole model's numbering ---------------------
 def parameter_ids(model: nn.Module, layout: Layout, tp_index: int, tp_size: int) -> dict:
     """``id(parameter)`` → (its numbers, shaped like the local tensor; its whole name) for every
-    trainable parameter of this rank's ``model``, cut as the strategy cut it: a Megatron layer's
+    parameter of this rank's ``model``, cut as the strategy cut it: a Megatron layer's
     chunk along its ``shard_dims`` (labkit.parallel.tensor.layers), then a DTensor's local
     shard (DTensor tp, FSDP2) from its mesh and placements."""
     out = {}
