@@ -15,20 +15,21 @@ import labkit  # noqa: E402
 DATA = labkit.data.text(batch=8, block_size=16)
 KW = dict(data=DATA, loss="cross_entropy", batch=8, steps=3, lr=0.3, seed=0)
 TOL = 1e-5
+VOCAB = DATA.vocab_size      # read here: a factory reading it would build the corpus while recorded on meta
 
 
 def qwen2():
     """The user's factory: a Qwen2 from a config (6 query heads over 2 key/value heads)."""
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-        vocab_size=DATA.vocab_size, max_position_embeddings=32, rope_theta=500.0))
+        vocab_size=VOCAB, max_position_embeddings=32, rope_theta=500.0))
 
 
 def llama_odd_scale():
     """A Llama whose attention scales its scores by its own head_dim (12, not hidden / heads = 8)."""
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=12, vocab_size=DATA.vocab_size, max_position_embeddings=32))
+        head_dim=12, vocab_size=VOCAB, max_position_embeddings=32))
 
 
 def equal_to_one_process(lab, strategy, model, **kw):
@@ -46,7 +47,7 @@ def test_the_registry_route_leaves_one_process_as_it_was():
 
     torch.manual_seed(0)
     model = qwen2()
-    x = torch.randint(0, DATA.vocab_size, (2, 16))
+    x = torch.randint(0, VOCAB, (2, 16))
     want = model(x).logits
     assert probe(model, x[:1])["attention"] == 0          # its own sdpa: labkit's is not reached unasked
     with routed(model):
@@ -64,12 +65,17 @@ def test_context_parallel_on_a_raw_hf_model_equals_one_process(lab2, strategy, m
     equal_to_one_process(lab2, strategy, model)
 
 
+def test_pipeline_stages_of_a_raw_hf_model_under_cp_equal_one_process(lab4):
+    """Each stage recomputes RoPE from the rank's slice of positions (and no mask)."""
+    equal_to_one_process(lab4, labkit.Strategy(pp=2, cp=2, microbatches=2), qwen2)
+
+
 class SdpaItself(torch.nn.Module):
     """A model whose attention calls torch's sdpa itself: reachable neither way."""
 
     def __init__(self):
         super().__init__()
-        self.emb, self.head = torch.nn.Embedding(DATA.vocab_size, 16), torch.nn.Linear(16, DATA.vocab_size)
+        self.emb, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
 
     def forward(self, idx):
         x = self.emb(idx).unsqueeze(1)
