@@ -32,6 +32,22 @@ def llama_odd_scale():
         head_dim=12, vocab_size=VOCAB, max_position_embeddings=32))
 
 
+def mixtral(router_logits: bool = False):
+    """A Mixtral: 4 experts (fused tensors), top-2, attention over 2 key/value heads."""
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=32,
+        output_router_logits=router_logits))
+
+
+def qwen2_moe():
+    """A Qwen2-MoE: 4 routed experts beside a gated shared expert."""
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        vocab_size=VOCAB, max_position_embeddings=32))
+
+
 def equal_to_one_process(lab, strategy, model, **kw):
     kw = {**KW, **kw}
     run, ref = lab.run(strategy, model=model, **kw), labkit.reference(model, **kw)
@@ -89,3 +105,56 @@ def test_attention_reachable_neither_way_is_refused_naming_both():
     strategy = labkit.Strategy(cp=2)
     with pytest.raises(ValueError, match="labkit.parallel.context.attention.*ALL_ATTENTION_FUNCTIONS"):
         validate(RunSpec(strategy, SdpaItself, DATA, "cross_entropy", batch=8), strategy.world_size)
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+def test_fused_experts_found_where_the_ep_plan_puts_them_and_refused_when_not_that_shape():
+    from labkit.parallel.expert import check_model, fused_experts
+
+    found = fused_experts(mixtral())
+    assert [n for n, _ in found] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert fused_experts(qwen2()) == []
+    with pytest.raises(ValueError, match="n_experts=4, which does not divide over 3 ranks"):
+        check_model(labkit.Strategy(dp=3, ep=3), mixtral())
+    with pytest.raises(ValueError, match="no mixture-of-experts layer"):
+        check_model(labkit.Strategy(dp=2, ep=2), qwen2())
+
+
+@pytest.mark.parametrize("strategy, model", [
+    (labkit.Strategy(dp=2, ep=2), mixtral),
+    (labkit.Strategy(dp=2, ep=2, ep_overlap="microbatch", zero=1), mixtral),
+    (labkit.Strategy(dp=2, ep=2), qwen2_moe),
+], ids=["mixtral", "mixtral-overlap-zero1", "qwen2_moe"])
+def test_expert_parallel_on_a_raw_hf_moe_equals_one_process(lab2, strategy, model):
+    equal_to_one_process(lab2, strategy, model)
+
+
+def test_all_to_all_bytes_are_the_rows_that_leave_each_rank_as_for_labkits_llama(lab2):
+    """The formula test_expert.py checks on labkit's llama: a rank dispatches (and gets back in
+    backward) one row of hidden_size floats per (token, choice) whose expert lives on the other rank."""
+    from labkit.models.training import build_model
+
+    run = lab2.run(labkit.Strategy(dp=2, ep=2), model=mixtral, **{**KW, "steps": 1})
+    net, chosen = build_model(mixtral, KW["seed"]), []
+    for layer in net.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
+    with torch.no_grad():
+        net(DATA(0)[0])
+    rows = KW["batch"] // 2 * DATA.block_size
+    for layer, picked in enumerate(chosen):
+        for rank in range(2):
+            away = int(((picked[rank * rows:(rank + 1) * rows] // 2) != rank).sum())
+            sent = {e["name"]: e["bytes"] for e in run.timeline.events if e["rank"] == rank
+                    and e["kind"] == "all_to_all" and e["name"].startswith(f"model.layers.{layer}.")}
+            assert sent[f"model.layers.{layer}.mlp.experts dispatch"] == away * 32 * 4
+            assert sent[f"model.layers.{layer}.mlp.experts combine backward"] == away * 32 * 4
+
+
+def test_ep_keeps_the_router_loss_the_model_computes(lab2):
+    """With output_router_logits the model adds its own load-balancing loss from the router's
+    logits; ep leaves the router in the block, so dp2×ep2 equals dp2 (a batch-level loss: each
+    dp rank computes it over its own rows, under ep as without)."""
+    kw = {**KW, "model": lambda: mixtral(router_logits=True)}
+    with_ep, without = lab2.run(labkit.Strategy(dp=2, ep=2), **kw), lab2.run(labkit.Strategy(dp=2), **kw)
+    assert with_ep.losses == pytest.approx(without.losses, abs=TOL)
+    assert with_ep.max_diff(without) < TOL
