@@ -18,11 +18,16 @@ TOL = 1e-5
 VOCAB = DATA.vocab_size      # read here: a factory reading it would build the corpus while recorded on meta
 
 
-def qwen2():
+def qwen2(tie: bool = False):
     """The user's factory: a Qwen2 from a config (6 query heads over 2 key/value heads)."""
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=32, rope_theta=500.0))
+        vocab_size=VOCAB, max_position_embeddings=32, rope_theta=500.0, tie_word_embeddings=tie))
+
+
+def qwen2_tied():
+    """Qwen2 with its head tied to its embedding, as Qwen2-0.5B/1.5B are."""
+    return qwen2(tie=True)
 
 
 def llama_odd_scale():
@@ -158,3 +163,30 @@ def test_ep_keeps_the_router_loss_the_model_computes(lab2):
     with_ep, without = lab2.run(labkit.Strategy(dp=2, ep=2), **kw), lab2.run(labkit.Strategy(dp=2), **kw)
     assert with_ep.losses == pytest.approx(without.losses, abs=TOL)
     assert with_ep.max_diff(without) < TOL
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+def test_a_raw_hf_models_own_plan_in_labkits_styles():
+    from labkit.parallel.tensor import check_tensor_parallel
+
+    matched = check_tensor_parallel(2, "megatron", qwen2_tied)
+    assert matched["lm_head"] == "colwise_gather_output" and matched["model.embed_tokens"] == "rowwise"
+    assert matched["model.layers.1.self_attn.k_proj"] == "colwise"          # 2 K/V heads: one a rank
+    assert matched["model.layers.1.mlp.down_proj"] == "rowwise" and len(matched) == 2 + 2 * 7
+
+
+@pytest.mark.parametrize("args, match", [
+    ((4, "megatron", qwen2_tied), f"pad the vocabulary.*vocab_size=96, a multiple of 4"),
+    ((2, "dtensor", qwen2_tied), "tied to 'lm_head'.*tp_mode='megatron'"),
+    ((2, "megatron", qwen2_tied, {"model.embed_tokens": "rowwise"}), "tied to 'lm_head'; split both by vocabulary"),
+])
+def test_what_tp_cannot_split_of_a_raw_hf_model_is_refused_with_the_fix(args, match):
+    from labkit.parallel.tensor import check_tensor_parallel
+
+    with pytest.raises(ValueError, match=match):
+        check_tensor_parallel(*args)
+
+
+@pytest.mark.parametrize("model", [qwen2, qwen2_tied], ids=["untied", "tied-one-vocab-shard"])
+def test_tensor_parallel_by_a_raw_hf_models_own_plan_equals_one_process(lab2, model):
+    equal_to_one_process(lab2, labkit.Strategy(tp=2), model)
