@@ -14,6 +14,12 @@ fraction of all tokens sent to each expert times the mean probability), a produc
 batch means that data-parallel shards do not reproduce, so runs could not equal one process.
 ``use_cache`` is off too: training needs no key/value cache.
 
+A model built any other way (``transformers.Qwen2ForCausalLM(config)`` in the user's own
+factory) is trained as it is: tensor parallelism reads its own ``model.tp_plan``
+(:func:`model_tp_plan`), context parallelism reaches its attention through transformers'
+attention registry (:mod:`labkit.parallel.context.hf`) and expert parallelism its sparse
+blocks' fused experts (:func:`labkit.parallel.expert.fused_experts`).
+
 Tensor parallelism uses the config's own ``base_model_tp_plan``, prefixed with the base
 model's attribute (``model.layers.*.self_attn.q_proj``), in labkit's two styles:
 

@@ -97,11 +97,16 @@ def routed(model):
 
 def check_hf(s, model, t: int) -> None:
     """What a transformers model's config must allow under cp: no attention dropout (the cp
-    kernels have none) and no sliding window shorter than the sequence (they attend to every
-    earlier token)."""
+    kernels have none), no sliding window shorter than the sequence (they attend to every
+    earlier token), and no router loss (a product of two means over the whole batch's tokens,
+    which a slice of each sequence does not give)."""
     if not is_hf(model):
         return
     config = model.config
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"Strategy.cp={s.cp}: config.output_router_logits=True adds the router's load-balancing "
+                         "loss, a product of two means over every token of the batch, which each cp rank's slice "
+                         "of the sequences cannot compute; use output_router_logits=False, or cp=1")
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"Strategy.cp={s.cp}: config.attention_dropout={config.attention_dropout}, and context-"
                          "parallel attention has no dropout; use a config with attention_dropout=0.0, or cp=1")
