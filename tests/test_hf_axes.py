@@ -91,6 +91,17 @@ def test_pipeline_stages_of_a_raw_hf_model_under_cp_equal_one_process(lab4):
     equal_to_one_process(lab4, labkit.Strategy(pp=2, cp=2, microbatches=2), qwen2)
 
 
+def test_cp_bytes_per_rank_equal_labkits_llama_of_the_same_shape(lab2):
+    """The ring moves K/V blocks of (B, Hkv, T/cp, hd): the same bytes whoever wrote the attention."""
+    llama = labkit.models.llama(n_layer=2, n_head=6, n_kv_heads=2, n_embd=48, block_size=16, vocab_size=VOCAB)
+
+    def sent(model):
+        run = lab2.run(labkit.Strategy(cp=2), model=model, **{**KW, "steps": 1})
+        return [sum(e["bytes"] for e in run.timeline.events if e["rank"] == r and e["name"].startswith("cp "))
+                for r in range(2)]
+    assert sent(qwen2) == sent(llama) != [0, 0]
+
+
 class SdpaItself(torch.nn.Module):
     """A model whose attention calls torch's sdpa itself: reachable neither way."""
 
@@ -119,6 +130,15 @@ def test_fused_experts_found_where_the_ep_plan_puts_them_and_refused_when_not_th
     found = fused_experts(mixtral())
     assert [n for n, _ in found] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert fused_experts(qwen2()) == []
+    qwen3 = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, vocab_size=VOCAB))
+    qwen3.config.base_model_ep_plan = None                   # found where the family keeps them, by shape
+    assert [(n, e.gate_up_proj.shape[0]) for n, e in fused_experts(qwen3)] == [("model.layers.0.mlp.experts", 6)]
+    listed = mixtral()
+    listed.model.layers[1].mlp.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.experts is a ModuleList, not a module of the shape"):
+        fused_experts(listed)
     with pytest.raises(ValueError, match="n_experts=4, which does not divide over 3 ranks"):
         check_model(labkit.Strategy(dp=3, ep=3), mixtral())
     with pytest.raises(ValueError, match="no mixture-of-experts layer"):

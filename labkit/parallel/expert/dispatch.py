@@ -178,7 +178,6 @@ class Routing:
         return torch.cat(out), shared
 
 
-
 class ExpertParallelMoE(Routing, MoE):
     """A :class:`~labkit.models.moe.MoE` holding only its ep rank's experts (``experts`` keyed
     by their global index, so state_dict keys stay the whole model's) and routing by all-to-all."""
@@ -258,7 +257,9 @@ class ExpertParallelExperts(Routing, nn.Module):
         """The model's experts module on the rows that arrived (``counts``: [sender, local expert])."""
         ep, local = counts.shape
         expert_of_row = torch.arange(local, device=arrived.device).repeat(ep).repeat_interleave(counts.reshape(-1))
-        return self.inner(arrived, expert_of_row.unsqueeze(1), arrived.new_ones(len(arrived), 1))
+        y = self.inner(arrived, expert_of_row.unsqueeze(1), arrived.new_ones(len(arrived), 1))
+        # every parameter in the graph (a zero gradient when no row came), as labkit's MoE runs every expert
+        return y + sum(p.reshape(-1)[:0].sum() for p in self.parameters())
 
 
 def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "none", tp_group=None) -> nn.Module:
