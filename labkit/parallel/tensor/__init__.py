@@ -6,7 +6,8 @@ Two modes over the same plan (DTensor's convention, see :mod:`.plan`):
   :class:`~.layers.ColumnParallelLinear`, :class:`~.layers.RowParallelLinear` or
   :class:`~.layers.VocabParallelEmbedding`, built from the whole seeded module and split;
   their collectives are the f/g pair of :mod:`.mappings`, over :mod:`labkit.comm` (on the
-  timeline);
+  timeline); an embedding and a head that share one weight (tied), both split by vocabulary,
+  share one shard, as Megatron-LM ties its vocab-parallel embedding and output layer;
 * ``"dtensor"`` — ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a
   device mesh over the same tp group (gloo on CPU runs it); torch's own collectives, so they
   are not on labkit's timeline.

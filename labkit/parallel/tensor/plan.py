@@ -8,6 +8,9 @@ in ``torch.distributed.tensor.parallel.parallelize_module``, a key is split at d
 part is matched (``fnmatch``) against one level of the module tree, so ``*`` matches one
 name: ``"*.mlp.fc"`` matches ``"3.mlp.fc"`` but not ``"mlp.fc"``.
 
+A transformers model's plan is its own ``model.tp_plan`` (its config's ``base_model_tp_plan``
+with the head's and the embedding's) in labkit's styles (:func:`labkit.models.hf.model_tp_plan`).
+
 Every check raises ValueError naming the field and the fix, in the notebook, before an
 engine is called (:func:`check_tensor_parallel`).
 """
@@ -192,8 +195,8 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
     if size % tp and (isinstance(module, nn.Embedding) or style == "colwise_gather_output"):
         raise ValueError(f"tp_plan[{name!r}]={style!r} splits the vocabulary ({dim}={size}) over Strategy.tp={tp}, "
                          f"which does not divide it; pad the vocabulary as Megatron-LM does (a model with "
-                         f"vocab_size={-(-size // tp) * tp}, a multiple of {tp}: the extra rows are never a "
-                         f"target, so they never train), or use a tp that divides {size}")
+                         f"vocab_size={-(-size // tp) * tp}, a multiple of {tp}; the extra ids never occur in the "
+                         f"data), or use a tp that divides {size}")
     if size % tp:
         raise ValueError(f"tp_plan[{name!r}]={style!r} splits {dim}={size} over Strategy.tp={tp}, which does not "
                          f"divide it; use a tp that divides {size}, or a width that is a multiple of {tp}")
@@ -228,7 +231,7 @@ def tied_vocab_pair(modules: dict, matched: dict, names: list[str]) -> bool:
     """Whether ``names`` (the modules sharing one weight) are an embedding split by vocabulary
     and a head split by vocabulary (colwise): one shard serves both, as Megatron-LM ties its
     vocab-parallel embedding and output layer."""
-    kinds = sorted((isinstance(modules[n], nn.Embedding), matched.get(n)) for n in names)
+    kinds = sorted(((isinstance(modules[n], nn.Embedding), matched.get(n)) for n in names), key=lambda k: k[0])
     return len(names) == 2 and kinds[0][0] is False and kinds[1] == (True, "rowwise") \
         and kinds[0][1] in ("colwise", "colwise_gather_output")
 
