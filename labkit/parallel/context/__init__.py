@@ -161,6 +161,8 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None):
     ``scale`` multiplies the scores (None: 1/√hd)."""
     if _active is None:
         return local_attention(q, k, v, causal, scale)
+    if scale is None:          # the default scale: a stand-in context (the planner's counter) needs none
+        return _active.attention(q, k, v, causal)
     return _active.attention(q, k, v, causal, scale)
 
 

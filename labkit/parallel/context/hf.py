@@ -43,7 +43,8 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
                          "none), or use cp=1")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    out = attention(query, key, value, causal=bool(causal), scale=scaling)
+    default = scaling is None or scaling == query.shape[-1] ** -0.5     # 1/√hd: every cp mode's own
+    out = attention(query, key, value, causal=bool(causal), scale=None if default else scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
