@@ -33,6 +33,7 @@ from torch import nn
 from ..config import Strategy
 from ..models.training import build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward, instrument_forward
+from .context.hf import is_hf, route
 from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
@@ -76,6 +77,8 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     full = build_batchnorm(build_rank_model(spec, groups, device), s, groups)   # 1. under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     data = build_context_parallel(s, groups, data)        # cp > 1: this rank's tokens, attention across cp
+    if s.cp > 1 and is_hf(full):                          # a transformers model: its attention registry
+        route(full)
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     if s.ep > 1:                                                          # 2. expert parallel
         from .expert.dispatch import build_expert_parallel
