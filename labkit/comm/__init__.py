@@ -146,7 +146,7 @@ class Handle:
             try:
                 work.get_future().add_done_callback(lambda _f: self._completed())
             except RuntimeError:
-                # gloo's reduce_scatter_tensor has no future and its is_completed() stays False;
+                # gloo's reduce_scatter_single has no future and its is_completed() stays False;
                 # an async one (zero=2/3, issued during backward) is waited for by one watcher
                 # thread, so it ends on the timeline when it did, not when the optimizer waits.
                 # That thread is the only waiter: two threads waiting on one such work copied
@@ -405,7 +405,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, name="", 
     size = output.numel() * output.element_size()
     nbytes = wire_bytes("allgather", size, _group_size(group))
     return _issue("all_gather", tensor, group, name, None, None, nbytes,
-                  lambda: dist.all_gather_into_tensor(output, tensor, group=group, async_op=True), async_op,
+                  lambda: dist.all_gather_single(output, tensor, group=group, async_op=True), async_op,
                   size=size)
 
 
@@ -415,7 +415,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group=None, name=
     nbytes = wire_bytes("reduce_scatter", size, _group_size(group))
     reduce_op = OPS[op] if isinstance(op, str) else op        # FSDP2 passes torch's ReduceOp
     return _issue("reduce_scatter", tensor, group, name, None, None, nbytes,
-                  lambda: dist.reduce_scatter_tensor(output, tensor, op=reduce_op, group=group, async_op=True),
+                  lambda: dist.reduce_scatter_single(output, tensor, op=reduce_op, group=group, async_op=True),
                   async_op, size=size)
 
 
