@@ -142,6 +142,33 @@ def test_the_old_flat_names_are_gone_and_the_public_ones_stay():
     assert labkit.widgets is importlib.import_module("labkit.widgets")
 
 
+# -- one name, one thing --------------------------------------------------------------------------
+def class_definitions(paths, name=module_name) -> dict[str, list[str]]:
+    """Every class name defined in ``paths`` (nested ones too) → the modules that define it."""
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(name(path))
+    return found
+
+
+def test_no_class_name_is_defined_twice_outside_models():
+    """A name says one thing (a Link is the emulated interconnect; the planner's α-β pair and the
+    pipeline's channel have names of their own). models/ may repeat a part's name per model."""
+    defined = class_definitions(MODULES.values())
+    twice = {name: where for name, where in defined.items()
+             if len(where) > 1 and any(not m.startswith("labkit.models") for m in where)}
+    assert not twice, f"class names defined more than once: {twice}; give each thing its own name"
+
+
+def test_the_class_scan_fires_on_a_repeated_name(tmp_path):
+    (tmp_path / "a.py").write_text("class Link:\n    pass\n")
+    (tmp_path / "b.py").write_text("def f():\n    class Link:\n        pass\n")
+    found = class_definitions([tmp_path / "a.py", tmp_path / "b.py"], name=lambda path: path.stem)
+    assert found == {"Link": ["a", "b"]}
+
+
 # -- the kind table -------------------------------------------------------------------------------
 DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "attention", "optimizer", "allreduce", "reduce_scatter",
                 "allgather", "broadcast", "all_to_all", "send", "recv", "wait", "compress", "decompress")

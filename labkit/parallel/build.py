@@ -37,7 +37,7 @@ from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
-from .pipeline.stages import Link, stage_blocks, stage_module
+from .pipeline.stages import PipeChannel, stage_blocks, stage_module
 from .blocks import blocks_path as find_path, find_blocks, units
 from .materialize import build_rank_model
 from .precision import build_precision
@@ -95,7 +95,7 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
                          "parameters onto it (Strategy.split_at) or use precision='bf16'")
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
-        Link(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
+        PipeChannel(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
         build_step_optimizer(spec, stages, params), ActivationMeter(params),
         recorder, device, dp_index, owns_parameters=dp_index == 0, tied=tied,
         tp_group=groups.tp if s.tp > 1 else None, tp_index=tp_index,

@@ -64,7 +64,9 @@ def key(t: torch.Tensor) -> int:
 
 
 @dataclass
-class Event:
+class AtenCall:
+    """One aten call recorded while building on ``meta``: what to replay and which storages it touches."""
+
     func: object
     args: tuple
     kwargs: dict
@@ -79,7 +81,7 @@ class Trace(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.events: list[Event] = []
+        self.events: list[AtenCall] = []
         self.seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -90,8 +92,8 @@ class Trace(TorchDispatchMode):
         self.events.append(self._event(func, args, kwargs, out))
         return out
 
-    def _event(self, func, args, kwargs, out) -> Event:
-        e = Event(func, args, kwargs, out, always=torch.Tag.nondeterministic_seeded in func.tags)
+    def _event(self, func, args, kwargs, out) -> AtenCall:
+        e = AtenCall(func, args, kwargs, out, always=torch.Tag.nondeterministic_seeded in func.tags)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         inputs = [t for t in tensors if t.device.type == "meta"]     # a real one (a constant) is used as is
         written = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -126,7 +128,7 @@ def _covers(t: torch.Tensor) -> bool:
         t.untyped_storage().nbytes()
 
 
-def record(factory: Callable[[], nn.Module]) -> tuple[nn.Module, list[Event]]:
+def record(factory: Callable[[], nn.Module]) -> tuple[nn.Module, list[AtenCall]]:
     """``factory()`` built on ``meta`` (the caller's RNG untouched), with its record."""
     with torch.random.fork_rng(devices=[]):
         try:
@@ -166,7 +168,7 @@ class Replay:
     tensor name, after its storage's last use, with the whole value (a view, valid during the
     call; returning it keeps the whole tensor)."""
 
-    def __init__(self, events: list[Event], finals: list[tuple[str, torch.Tensor]], keep: Callable):
+    def __init__(self, events: list[AtenCall], finals: list[tuple[str, torch.Tensor]], keep: Callable):
         self.events, self.keep = events, keep
         self.finals: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for name, t in finals:
@@ -223,7 +225,7 @@ class Replay:
             self._count(self.storages[s].nbytes())
         return torch.empty(0, dtype=t.dtype).set_(self.storages[s], t.storage_offset(), t.shape, t.stride())
 
-    def _execute(self, e: Event) -> None:
+    def _execute(self, e: AtenCall) -> None:
         fresh = e.writes - e.reads - {key(t) for t in tree_flatten((e.args, e.kwargs))[0]
                                       if isinstance(t, torch.Tensor) and t.device.type == "meta"}
 
