@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.engine.grid import ParallelDims
+from labkit.grid import ParallelDims
 from labkit.parallel.build import RunSpec
 from labkit.parallel.context.layout import token_index
 from labkit.run.runner import validate

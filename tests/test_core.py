@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.engine.grid import ParallelDims
+from labkit.grid import ParallelDims
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import validate
 

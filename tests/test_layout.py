@@ -130,8 +130,55 @@ def test_the_scans_fire_on_a_bad_import(tmp_path):
     assert matplotlib_imports(found) == ["matplotlib.pyplot"]
 
 
+# -- one rank grid -----------------------------------------------------------------------------------
+AXES = {"dp", "pp", "cp", "tp"}
+
+
+def _is_axis(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in AXES or isinstance(node, ast.Name) and node.id in AXES
+
+
+def _times_axis(node) -> bool:
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and (_is_axis(node.left) or _is_axis(node.right))
+
+
+def grid_arithmetic(path: Path) -> list[int]:
+    """Lines of ``path`` that turn a rank into grid coordinates or back: a divmod by an axis's
+    degree, or Horner's nesting ``(d·pp + p)·cp`` of a rank's index."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "divmod" \
+                and any(_is_axis(n) for a in node.args[1:] for n in ast.walk(a)):
+            lines.append(node.lineno)
+        elif _times_axis(node) and any(isinstance(side, ast.BinOp) and isinstance(side.op, ast.Add)
+                                       and (_times_axis(side.left) or _times_axis(side.right))
+                                       for side in (node.left, node.right)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_one_module_holds_the_rank_grid_and_it_imports_nothing_heavy():
+    """labkit.grid lays ranks out for the engine, the timeline and the planner; importing it
+    runs no torch (engine/__init__ would pull torch.distributed in)."""
+    held = {name: grid_arithmetic(path) for name, path in MODULES.items()}
+    assert held["labkit.grid"], "the scan no longer finds labkit.grid's own arithmetic"
+    elsewhere = {name: lines for name, lines in held.items() if lines and name != "labkit.grid"}
+    assert not elsewhere, f"rank-grid arithmetic outside labkit.grid: {elsewhere}; use ParallelDims"
+    assert {m.split(".")[0] for m in imports_of(MODULES["labkit.grid"])} <= {"__future__", "dataclasses", "itertools"}
+
+
+def test_the_grid_scan_fires_on_a_rank_formula(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def rank(d, p, c, t, g):\n    return ((d * g.pp + p) * g.cp + c) * g.tp + t\n\n\n"
+                   "def coords(rank, g):\n    return divmod(rank, g.cp * g.tp)\n")
+    assert sorted(set(grid_arithmetic(bad))) == [2, 6]
+    fine = tmp_path / "fine.py"
+    fine.write_text("rows = dims.dp * dims.tp\ny = 1.3 * (dp_i * dims.tp + tp_i)\n")     # a drawing's rows
+    assert grid_arithmetic(fine) == []
+
+
 def test_the_old_flat_names_are_gone_and_the_public_ones_stay():
-    old = ("labkit._moved", "labkit.strategies", "labkit.grid", "labkit.job", "labkit.runner",
+    old = ("labkit._moved", "labkit.strategies", "labkit.job", "labkit.runner",
            "labkit.metrics", "labkit.timeline")
     assert not set(old) & set(MODULES)
     users = [*MODULES.values(), *(p for d in ("tests", "benchmarks", "scripts") for p in (ROOT.parent / d).glob("*.py"))]

@@ -45,6 +45,7 @@ from fnmatch import fnmatch
 
 from ..analysis.metrics import step_metrics
 from ..analysis.timeline import Timeline
+from ..grid import ParallelDims
 from .des import Compute, Issue, Sim, Wait
 from .machine import Machine, bus_factor, ring_steps
 
@@ -154,18 +155,20 @@ class Builder:
             from .work import unaccumulated
             self.w = unaccumulated(work)
         self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
+        self.grid = ParallelDims(s.dp, s.pp, s.tp, s.cp)
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}
 
-    # -- the grid: ranks = arange(world).view(dp, pp, cp, tp) ------------------------------------
+    # -- the grid: labkit.grid's ranks = arange(world).view(dp, pp, cp, tp), as the engines lay them out
     def rank(self, d: int, p: int, t: int, c: int = 0) -> int:
-        return ((d * self.s.pp + p) * self.s.cp + c) * self.s.tp + t
+        return self.grid.rank_of(d, p, t, c)
 
     def dp_group(self, p: int, t: int) -> tuple:
-        return tuple(self.rank(d, p, t, c) for d in range(self.s.dp) for c in range(self.s.cp))
+        """The ranks that average stage ``p``'s gradients at tp index ``t``: dp × cp."""
+        return tuple(self.grid.group("dc", pp=p, tp=t))
 
     def tp_group(self, d: int, p: int) -> tuple:
-        return tuple(self.rank(d, p, t) for t in range(self.s.tp))
+        return tuple(self.grid.group("t", dp=d, pp=p))
 
     # -- prices ---------------------------------------------------------------------------------
     def scale(self, op) -> float:
@@ -274,7 +277,7 @@ class Builder:
         (blocking, no overlap inside the layer: K/V gathered before, their gradient scattered after)."""
         s, (b, h, t, hd, hkv) = self.s, shape
         nbytes = 4 * 2 * b * hkv * t * hd                 # k and v stacked (float32): one hop, one rank's share
-        group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
+        group = tuple(self.grid.group("c", dp=d))
         if s.cp_mode == "ring":
             return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
         if s.cp_mode == "ulysses":
