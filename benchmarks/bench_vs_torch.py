@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 import labkit
 from labkit.parallel.pipeline.stages import stage_blocks
-from labkit.models.training import build_model, resolve_data
+from labkit.training import build_model, resolve_data
 
 MiB = 1024 * 1024
 

@@ -71,7 +71,7 @@ def fsdp2_steps(rank: int, args) -> list[float]:
     import labkit
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
-    from labkit.models.training import SyntheticRegression
+    from labkit.training import SyntheticRegression
 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from torch import nn
 
 import labkit
 from labkit.grid import ParallelDims
-from labkit.models.training import build_model
+from labkit.training import build_model
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import validate
 

@@ -19,7 +19,7 @@ import torch
 from ..analysis.events import SEND_KINDS
 from ..analysis.tables import CellTable
 from ..config import Strategy
-from ..models.training import build_model, resolve_data, resolve_loss
+from ..training import build_model, resolve_data, resolve_loss
 
 SETTINGS = {
     "fp32": dict(dp_mode="overlap"),

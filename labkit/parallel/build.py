@@ -26,12 +26,11 @@ wraps the stage's blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..config import Strategy
-from ..models.training import build_optimizer, resolve_data, resolve_loss
+from ..training import build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward, instrument_forward
 from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
@@ -44,6 +43,8 @@ from .precision import build_precision
 from .recompute import apply_recompute
 from .pipeline.tied import build_tied_sync
 
+if TYPE_CHECKING:       # a name in annotations only: config imports each axis's checks from parallel/
+    from ..config import Strategy
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.training import TokenLoss
+from ..training import TokenLoss
 from .buffers import warn_written_buffers, written_buffers
 from .pipeline.modules import merge_stages
 from .pipeline.split_backward import backward_input, backward_weight

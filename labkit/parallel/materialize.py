@@ -483,7 +483,7 @@ def build_rank_model(spec, groups, device) -> nn.Module:
     instance, or a strategy that holds it all anyway), or with only this rank's pieces
     (``init="per_rank"``; ``"auto"``: when the whole model would exceed
     :data:`AUTO_FRACTION` of the free memory). Either way the values are the eager build's."""
-    from ..models.training import build_model
+    from ..training import build_model
 
     init = getattr(spec, "init", "auto")
     check_init(init)

@@ -94,7 +94,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
     if strategy.cp > 1 or strategy.ep > 1:     # the lab's own model checks, its messages
-        from ..models.training import build_model, resolve_data
+        from ..training import build_model, resolve_data
         from ..parallel import context, expert
         built = build_model(model, 0)
         context.check_model(strategy, built, resolve_data(data, built, batch, 0))

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from ..models.training import build_model, resolve_data, resolve_loss
+from ..training import build_model, resolve_data, resolve_loss
 from .machine import VIEWS
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -369,7 +369,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
             context.activate(before)
         for h in hooks:
             h.remove()
-        from ..models.training import build_optimizer
+        from ..training import build_optimizer
         opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
         counter.sink = sink("opt", "fwd")
         opt.step()
