@@ -237,6 +237,17 @@ def test_no_package_import_cycle_at_module_level():
     assert found == KNOWN_CYCLES, f"package import cycles {found}; break them with a lower module"
 
 
+def test_the_event_schema_is_at_the_bottom():
+    """analysis/events.py imports nothing of labkit, and it is all the engine side's recorders
+    (comm/, record/) take from analysis/: analysis/ reads events, it does not feed them."""
+    assert not [m for m in imports_of(MODULES["labkit.analysis.events"]) if m.startswith("labkit")]
+    for name, path in MODULES.items():
+        if _layer(name) in ("comm", "record"):
+            taken = sorted(m for m in imports_of(path) if _layer(m) == "analysis"
+                           and m.split(".")[:3] != ["labkit", "analysis", "events"])
+            assert not taken, f"{name} imports {taken} from analysis/; only the event schema is below comm/ and record/"
+
+
 def test_the_cycle_scan_fires_and_skips_what_import_does_not_run(tmp_path):
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert cycles({"a": {"b"}, "b": set()}) == []
