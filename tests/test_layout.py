@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,73 @@ def test_the_class_scan_fires_on_a_repeated_name(tmp_path):
     (tmp_path / "b.py").write_text("def f():\n    class Link:\n        pass\n")
     found = class_definitions([tmp_path / "a.py", tmp_path / "b.py"], name=lambda path: path.stem)
     assert found == {"Link": ["a", "b"]}
+
+
+# -- the README's layout block ---------------------------------------------------------------------
+FOLDER = re.compile(r"(?<![\w/.])(\w+)/(?!\w)")          # "engine/", not "docs/design.md"
+FILE = re.compile(r"(?<![\w/.])(\w+\.(?:py|md|sh))\b")
+
+
+def layout_entries(block: str) -> dict[str, str]:
+    """A layout block's top folders, each with its text (continuation lines joined)."""
+    entries: dict[str, str] = {}
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            top, _, text = line.partition("/")
+            entries[top] = text
+        elif line.strip():
+            entries[top] += " " + line.strip()
+    return entries
+
+
+def layout_problems(block: str, repo: Path) -> list[str]:
+    """Where a layout block and the tree at ``repo`` disagree: a folder or file it names that is
+    not there, a package of labkit or a model module it leaves out, a notebook range that is not
+    the notebooks'."""
+    problems, entries = [], layout_entries(block)
+    for top, text in entries.items():
+        under = list((repo / top).rglob("*"))
+        dirs = {p.name for p in under if p.is_dir()}
+        files = {p.name for p in under if p.is_file()}
+        problems += [f"{top}/ has no folder {d}/" for d in sorted(set(FOLDER.findall(text)) - dirs)]
+        problems += [f"{top}/ has no file {f}" for f in sorted(set(FILE.findall(text)) - files)]
+    package = repo / "labkit"
+    named = set(FOLDER.findall(entries.get("labkit", "")))
+    problems += [f"labkit/ leaves out {p}/" for p in sorted({i.parent.name for i in package.rglob("__init__.py")}
+                                                            - {"labkit"} - named)]
+    listed = re.search(r"models/ \(([^)]*)\)", entries.get("labkit", ""))
+    listed = {n.strip() for n in listed.group(1).split(",")} if listed else set()
+    with_classes = {p.stem for p in (package / "models").glob("*.py") if p.stem != "__init__"
+                    and any(isinstance(n, ast.ClassDef) for n in ast.parse(p.read_text()).body)}
+    problems += [f"models/ leaves out {m}" for m in sorted(with_classes - listed)]
+    numbers = sorted(int(p.name.split("_")[0]) for p in (repo / "notebooks").glob("[0-9]*.ipynb"))
+    span = re.search(r"(\d+)_… to (\d+)_…", entries.get("notebooks", ""))
+    if not span or (int(span[1]), int(span[2])) != (numbers[0], numbers[-1]):
+        problems.append(f"notebooks/ are {numbers[0]:02d}_… to {numbers[-1]:02d}_…")
+    return problems
+
+
+def readme_layout_block() -> str:
+    text = (ROOT.parent / "README.md").read_text()
+    return text.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_layout_block_holds_against_the_tree():
+    assert layout_problems(readme_layout_block(), ROOT.parent) == []
+    listed = re.search(r"models/ \(([^)]*)\)", layout_entries(readme_layout_block())["labkit"]).group(1)
+    assert all((ROOT / "models" / f"{n.strip()}.py").exists() or hasattr(labkit.models, n.strip())
+               for n in listed.split(","))
+
+
+def test_the_layout_check_fires_on_a_stale_block():
+    stale = ("labkit/        engine/ (rank grid) → parallel/ (data/, pipeline/); models/ (mlp,\n"
+             "               gpt), widgets.py, gone.py\n"
+             "notebooks/     the course, 00_… to 11_…\n"
+             "docs/          design.md, security.md\n")
+    problems = layout_problems(stale, ROOT.parent)
+    assert "labkit/ has no file gone.py" in problems and "docs/ has no file security.md" in problems
+    assert "labkit/ leaves out expert/" in problems and "models/ leaves out llama" in problems
+    assert any(p.startswith("notebooks/ are 00_… to") for p in problems)
 
 
 # -- the kind table -------------------------------------------------------------------------------
