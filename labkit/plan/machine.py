@@ -120,7 +120,7 @@ class Machine:
     once, less one message one way (half a ping-pong), gloo as it is."""
     join_s: float = 0.0
     """Seconds of an all-reduce of one number over every engine (gloo as it is): what a
-    collective on an emulated link pays first, to agree on its start (``labkit.comm._join``);
+    collective on an emulated link pays first, to agree on its start (``labkit.comm.calls._join``);
     a group of n pays it in proportion to its ring steps, n − 1. Measured: the median of
     such all-reduces, each after a barrier."""
     sleep_s: float = 0.0
@@ -195,7 +195,7 @@ class Machine:
         ``gloo`` if given, else its fitted α-β. gloo's part is the cores' work; the link's is a
         wait off them (``labkit.Link``: the call's handle sleeps until then, and wakes
         ``sleep_s`` late). On the link a collective first all-reduces its members' start times
-        (one number, gloo's own speed: :func:`labkit.comm._join`) before gloo moves its bytes; the
+        (one number, gloo's own speed: :func:`labkit.comm.calls._join`) before gloo moves its bytes; the
         link's time counts from those starts, so it runs beside that stamp."""
         own = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
         if not self.link_alpha_beta:
