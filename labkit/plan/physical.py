@@ -108,7 +108,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         plan = {}
     routes = None
     if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
-        from .work import routes as route
+        from .expert_work import routes as route
         routes = route(model, batch, data, strategy.dp, strategy.microbatches)
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
                 for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
@@ -136,9 +136,9 @@ def _count(model, size, data, loss, optimizer, cp=1, ep=1, cache_bytes=float("in
 
 
 def _attention_ops(how: str, *shape) -> tuple:
-    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.work.ring_pair`
+    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.context_work.ring_pair`
     (how: its pair's relation), ``gathered_attention`` or ``ulysses_attention``."""
-    from .work import gathered_attention, ring_pair, ulysses_attention
+    from .context_work import gathered_attention, ring_pair, ulysses_attention
     key = ("attention", how, shape)
     if key not in _CACHE:
         _CACHE[key] = {"gathered": gathered_attention, "ulysses": ulysses_attention}.get(
@@ -346,7 +346,7 @@ class Builder:
         the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
         halves of the tokens, each's exchanges in flight under the other's experts. Backward
         mirrors forward (autograd runs the later half first)."""
-        from .work import exchange, routed_ops
+        from .expert_work import exchange, routed_ops
         ep, n = self.s.ep, moe.n_experts
         first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
         group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
