@@ -298,6 +298,17 @@ def test_the_class_scan_fires_on_a_repeated_name(tmp_path):
     assert found == {"Link": ["a", "b"]}
 
 
+# -- file size -------------------------------------------------------------------------------------------
+MAX_LINES = 500
+OVER_MAX_LINES = {"labkit.session.lab"}       # the Lab class: to split along its roles (start, run, link)
+
+
+def test_no_module_is_over_500_lines():
+    """A file reads top to bottom (picotron's ~160-line median); past 500 lines it holds two things."""
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= OVER_MAX_LINES, f"modules over {MAX_LINES} lines: {long}; split them by role"
+
+
 # -- the README's layout block ---------------------------------------------------------------------
 FOLDER = re.compile(r"(?<![\w/.])(\w+)/(?!\w)")          # "engine/", not "docs/design.md"
 FILE = re.compile(r"(?<![\w/.])(\w+\.(?:py|md|sh))\b")
