@@ -157,7 +157,7 @@ def test_dp2_ep2_equals_one_process_and_sends_the_rows_that_leave_each_rank(lab2
     """Exact, and the bytes are the formula test_expert.py checks on labkit's llama: a rank
     dispatches (and gets back in backward) one row of hidden_size floats per (token, choice)
     whose expert lives on the other rank."""
-    from labkit.models.training import build_model
+    from labkit.training import build_model
 
     run = equal_to_one_process(lab2, labkit.Strategy(dp=2, ep=2), mixtral, steps=1)
     net, chosen = build_model(mixtral, KW["seed"]), []

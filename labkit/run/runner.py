@@ -23,7 +23,7 @@ from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
 from ..analysis.timeline import Timeline
-from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
+from ..training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from ..parallel.materialize import check_init
 from .checks import check_loss, check_model, check_number, check_profile, warn_dropout
