@@ -185,15 +185,18 @@ class Executor:
         asked for once the step's clock has stopped: counting them is not the step's work."""
         return measure_memory(self.stages, self.optimizer, self.meter.peak)
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, every: bool = False) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
         rank (here: dp index 0 reports its stages; with tp, its tp index 0 after gathering the
         shards, a collective every tp rank of dp index 0 joins), so the notebook just merges.
-        Every rank asks its syncs first: a sharded one (zero) gathers, which takes the whole dp group."""
+        Every rank asks its syncs first: a sharded one (zero) gathers, which takes the whole dp group.
+
+        ``every``: every dp replica reports its own copy (its tp index 0, after its own tp
+        group gathered), for the check that reads every replica (``run.max_diff``)."""
         state = {}
         for stage in self.stages:
             state.update(stage.sync.full_state_dict(stage.module))
-        if not self.owns_parameters:
+        if not (self.owns_parameters or every):
             return {}
         if self.tp_group is not None:
             from .tensor import full_state_dict

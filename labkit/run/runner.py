@@ -206,7 +206,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
                 break
         if spec.extra.get("profile"):
             run.profile_paths = save_profiles(lab.apply(engine.finish_profile), spec.extra["profile"], run_id)
-        run.params = gather_parameters(lab)
+        run.params, run.holders, run.copies = gather_parameters(lab)
     return run
 
 
@@ -293,10 +293,27 @@ def _memory(results: list[dict]) -> list[dict]:
     return [r.get("memory", {}) for r in sorted(results, key=lambda r: r["rank"])]
 
 
-def gather_parameters(lab) -> dict:
-    """The full state_dict: every rank's job reports the keys it owns (its full_state_dict),
-    so nothing here assumes which ranks hold which parameters."""
-    merged = {}
-    for part in lab.apply(engine.parameters):
-        merged.update(part)
-    return merged
+def gather_parameters(lab) -> tuple[dict, dict, dict]:
+    """The full state_dict, each key from the rank that reports it (every rank's job reports
+    the keys it owns, its full_state_dict, so nothing here assumes which ranks hold which
+    parameters); which rank that is, per key; and every other rank's copy of a key where it is
+    not bitwise the reported one ({rank: {key: tensor}}), for ``run.max_diff``.
+
+    Every rank hashes its own copy (each dp replica, each stage; ZeRO shards and tp pieces
+    gathered as for the report), so an agreeing replica costs a digest, not a copy; only when a
+    digest differs are the copies fetched (a second gather)."""
+    parts = sorted(lab.apply(engine.parameter_copy), key=lambda p: p["rank"])
+    merged, holders, digests = {}, {}, {}
+    for part in parts:
+        if part["owner"]:
+            for key, tensor in part["state"].items():
+                merged[key], holders[key] = tensor, part["rank"]
+                digests.setdefault(key, part["digests"][key])
+    differ = {p["rank"] for p in parts for k, d in p["digests"].items() if digests.get(k, d) != d}
+    copies: dict = {}
+    if differ:
+        for part in lab.apply(engine.parameter_copy, True):
+            if part["rank"] in differ:
+                copies[part["rank"]] = {k: part["state"][k] for k, d in part["digests"].items()
+                                        if digests.get(k, d) != d}
+    return merged, holders, copies
