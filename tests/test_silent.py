@@ -45,3 +45,84 @@ def test_unbalanced_cp_on_a_sequence_that_leaves_tokens_out_is_refused(mode):
     model = labkit.models.llama(n_layer=1, n_head=2, n_kv_heads=2, n_embd=16, block_size=6, vocab_size=data.vocab_size)
     refused(labkit.Strategy(cp=2, cp_mode=mode, cp_balance=False), model, data, "cross_entropy",
             match="6 tokens does not cut into cp = 2 slices of two equal chunks .* multiple of 4")
+
+
+# -- 3. pp > 1 and arithmetic in a user's forward --------------------------------------------------
+class ScaledEmbedding(nn.Module):
+    """Gemma's embedding ×√d, written in forward between modules."""
+
+    def __init__(self, vocab=32, d=16, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+        self.d = d
+
+    def forward(self, x):
+        h = self.emb(x) * self.d ** 0.5
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class SoftCapped(ScaledEmbedding):
+    """Gemma 2's logits soft-capped in forward."""
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return 5.0 * torch.tanh(self.head(h) / 5.0)
+
+
+class Chain(ScaledEmbedding):
+    """The same modules called in order: what the stages compute."""
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class Pooled(nn.Module):
+    """A classifier that mean-pools the sequence before its head."""
+
+    def __init__(self, vocab=32, d=16, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h.mean(dim=1))
+
+
+def tokens(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 32, (8, 6), generator=g)
+    return x, torch.roll(x, 1, dims=1)
+
+
+def classes(step):
+    x, _ = tokens(step)
+    return x, x[:, 0] % 3
+
+
+@pytest.mark.parametrize("model, data, match", [
+    (ScaledEmbedding, tokens, "differs from ScaledEmbedding.forward by"),
+    (SoftCapped, tokens, "differs from SoftCapped.forward by"),
+    (Pooled, classes, "gives shape \\(2, 6, 3\\) on the first batch where Pooled.forward gives \\(2, 3\\)"),
+])
+def test_pp_refuses_a_forward_that_computes_between_its_modules(model, data, match):
+    refused(labkit.Strategy(pp=2), model, data, "cross_entropy", match=match + ".*pp_plan")
+
+
+@pytest.mark.slow
+def test_pp_runs_a_forward_that_is_the_chain_exactly(lab2):
+    kw = dict(data=tokens, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
+    run = lab2.run(labkit.Strategy(pp=2, microbatches=2), model=Chain, **kw)
+    assert run.max_diff(labkit.reference(Chain, **kw)) < 1e-5

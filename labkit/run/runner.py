@@ -83,6 +83,20 @@ def validate(spec: RunSpec, engines: int) -> None:
         from ..parallel.pipeline.stages import check_split
         check_split(s, unit_count(built), len(layer_span(built)))
         _check_tied_split_backward(s, built)
+        check_pipeline_chain(spec, data)
+
+
+def check_pipeline_chain(spec: RunSpec, data) -> None:
+    """pp > 1: the stages' chain of units computes what the model's forward does (the probe of
+    :func:`labkit.parallel.pipeline.modules.check_chain`), on two rows of the first batch, with
+    the model built for real in this process (its values matter here), the caller's RNG kept."""
+    from ..parallel.pipeline.modules import check_chain
+    x = data(0)[0]
+    if not isinstance(x, torch.Tensor):
+        return
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec.model, spec.seed)
+    check_chain(model, x[:2])
 
 
 def model_for_checks(model, seed: int) -> nn.Module:
