@@ -126,3 +126,46 @@ def test_pp_runs_a_forward_that_is_the_chain_exactly(lab2):
     kw = dict(data=tokens, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
     run = lab2.run(labkit.Strategy(pp=2, microbatches=2), model=Chain, **kw)
     assert run.max_diff(labkit.reference(Chain, **kw)) < 1e-5
+
+
+# -- 4. AdamW and a parameter that got no gradient -------------------------------------------------
+class Routed(nn.Module):
+    """Rows flagged in their last feature go through ``b`` (only some steps, only some rows);
+    ``spare`` is never called: one process's AdamW skips them when backward does not reach them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.spare = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h, flagged = x[:, :8], x[:, 8] > 0
+        out = self.a(h)
+        if flagged.any():
+            out = out.index_put((flagged.nonzero(as_tuple=True)[0],), self.b(h[flagged]))
+        return self.head(torch.tanh(out))
+
+
+def routed_data(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.cat([torch.randn(16, 8, generator=g), torch.zeros(16, 1)], dim=1)
+    if step % 2:
+        x[:4, 8] = 1.0               # odd steps: the first rows only (one replica's share)
+    return x, torch.randn(16, 2, generator=g)
+
+
+@pytest.mark.slow
+def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2):
+    kw = dict(data=routed_data, batch=16, steps=4, lr=0.05, seed=0, optimizer="adamw")
+    ref = labkit.reference(Routed, **kw)
+    torch.manual_seed(0)
+    start = Routed()
+    assert torch.equal(ref.parameters()["spare.weight"], start.spare.weight)     # one process: never moved
+    for s in (labkit.Strategy(dp=2, dp_mode="naive"), labkit.Strategy(dp=2, dp_mode="bucketed"),
+              labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(dp=2, zero=1),
+              labkit.Strategy(dp=2, zero=2)):
+        run = lab2.run(s, model=Routed, **kw)
+        assert run.max_diff(ref) < 1e-5, s.label()
+    momentum = dict(kw, optimizer="sgd", momentum=0.9)
+    assert lab2.run(labkit.Strategy(dp=2), model=Routed, **momentum).max_diff(
+        labkit.reference(Routed, **momentum)) < 1e-5

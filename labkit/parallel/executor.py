@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..models.training import TokenLoss
@@ -109,10 +110,59 @@ class Executor:
         # its last W when the schedule splits backward (parameter gradients appear in W).
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.op in ("B", "W")}
         self.chunk_of = {st.index: st.chunk for st in stages}     # stages this rank holds
+        self.reached = self._watch_reached()
         unknown = sorted({a.op for a in actions} - self.HANDLERS.keys())
         if unknown:
             raise ValueError(f"schedule {spec.strategy.schedule!r} uses action(s) {unknown} that the executor "
                              f"cannot run yet; add them to Executor.HANDLERS")
+
+    def _watch_reached(self) -> set | None:
+        """The parameters a backward reached this step (ids), watched when the optimizer moves
+        a parameter whose gradient is zero (AdamW, momentum) and a missing gradient is therefore
+        not the same as a zero one; None when it does not (plain SGD) or the sync's parameters
+        are not its own (FSDP2 is torch's, exact already; ep's experts sync apart)."""
+        s = self.spec.strategy
+        if (self.spec.optimizer != "adamw" and not self.spec.momentum) or s.zero_mode == "fsdp2" or s.ep > 1:
+            return None
+        reached: set = set()
+        for stage in self.stages:
+            for _, p in getattr(stage.sync, "params", ()):
+                p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p)))
+        return reached
+
+    def _unreached(self) -> list:
+        """The parameters that no replica's backward reached this step: one process would have
+        no gradient for them (``.grad`` None) and torch's optimizer would skip them, while the
+        syncs filled their gradients with zeros so every replica sends the same buckets. The
+        replicas agree (a max over each stage's dp group), so they skip the same ones."""
+        out = []
+        for stage in self.stages:
+            params = [p for _, p in getattr(stage.sync, "params", ())]
+            if not params:
+                continue
+            flags = torch.tensor([float(id(p) in self.reached) for p in params])
+            if getattr(stage.sync, "dp", 1) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=stage.sync.group)
+            out += [p for p, f in zip(params, flags.tolist()) if not f]
+        self.reached.clear()
+        return out
+
+    def _step_optimizer(self) -> dict:
+        """The optimizer step, skipping what one process would skip (:meth:`_unreached`)."""
+        unreached = self._unreached() if self.reached is not None else []
+        if not unreached:
+            return self.precision.step(self.optimizer)
+        if hasattr(self.optimizer, "skipping"):           # ZeRO: the shards' pieces of them
+            with self.optimizer.skipping(unreached):
+                return self.precision.step(self.optimizer)
+        hidden = [(p, p.grad) for p in unreached]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            return self.precision.step(self.optimizer)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad        # a bucket's view stays in place for the next step
 
     def close(self) -> None:
         """Let go of this job. A parameter's autograd hooks are held from C++, where Python's
@@ -172,7 +222,7 @@ class Executor:
         if self.optimizer is not None:
             label = getattr(self.optimizer, "label", f"{type(self.optimizer).__name__} step")
             with self.recorder.span("optimizer", label):
-                stepped = self.precision.step(self.optimizer)     # fp16: unscale, maybe skip
+                stepped = self._step_optimizer()     # fp16: unscale, maybe skip
                 self.optimizer.zero_grad(set_to_none=False)
         for stage in self.stages:
             stage.sync.after_step()          # ZeRO-1/2: updated shards gathered back

@@ -74,7 +74,7 @@ def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots, optim
         value = loss_fn(net(x), y)
         value.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()            # torch's default: a parameter backward never reaches has no gradient
         times.append(time.perf_counter() - t0)
         losses.append(value.item())
         if recorder is not None:
