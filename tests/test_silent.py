@@ -3,6 +3,8 @@ writes that labkit would train differently from one process is made exact, refus
 engines with the fix, or warned about."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -169,3 +171,62 @@ def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2)
     momentum = dict(kw, optimizer="sgd", momentum=0.9)
     assert lab2.run(labkit.Strategy(dp=2), model=Routed, **momentum).max_diff(
         labkit.reference(Routed, **momentum)) < 1e-5
+
+
+# -- 5. warnings where a run departs on purpose, and token ids with the default loss ------------
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x)))
+
+
+class FunctionalDropout(TinyLM):
+    def forward(self, x):
+        return self.head(torch.nn.functional.dropout(torch.tanh(self.emb(x)), 0.1, self.training))
+
+
+def padded(step):
+    x, y = tokens(step)
+    y[4:, 3:] = -100                 # the second half of the rows is mostly padding
+    return x, y
+
+
+def validated(strategy, model, data, loss):
+    validate(RunSpec(strategy, model, data, loss, batch=8), strategy.world_size)
+
+
+def test_token_ids_with_the_default_loss_are_refused_naming_cross_entropy():
+    refused(labkit.Strategy(dp=2), TinyLM, tokens, "mse", match="targets are token ids .*pass loss='cross_entropy'")
+
+
+def test_padding_with_a_callable_loss_warns_naming_token_loss():
+    def loss(out, y):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+    with pytest.warns(UserWarning, match="hold -100 .*labkit.losses.token_loss"):
+        validated(labkit.Strategy(dp=2), TinyLM, padded, loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validated(labkit.Strategy(dp=2), TinyLM, padded, labkit.losses.token_loss(
+            lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")))
+        validated(labkit.Strategy(dp=2), TinyLM, tokens, loss)
+
+
+def test_functional_dropout_in_forward_warns_and_a_plain_forward_does_not():
+    with pytest.warns(UserWarning, match="draws random numbers .*F.dropout"):
+        validated(labkit.Strategy(dp=2), FunctionalDropout, tokens, "cross_entropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validated(labkit.Strategy(dp=2), TinyLM, tokens, "cross_entropy")
+        validated(labkit.Strategy(dp=1), FunctionalDropout, tokens, "cross_entropy")     # not split: one process
+
+
+def test_a_raw_hf_moe_with_its_router_loss_on_warns():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2,
+                                        max_position_embeddings=16, output_router_logits=True)
+    with pytest.warns(UserWarning, match="output_router_logits=True"):
+        validated(labkit.Strategy(dp=2), lambda: transformers.MixtralForCausalLM(config), tokens, "cross_entropy")

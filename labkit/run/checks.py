@@ -145,3 +145,87 @@ def warn_dropout(model: nn.Module, strategy) -> None:
                       f"{', …' if len(drops) > 3 else ''}): each rank draws its own masks for its rows, so the run "
                       "departs from one process by the masks alone; set their p to 0 to compare parameters "
                       "with labkit.reference", UserWarning, stacklevel=4)
+
+
+def split(strategy) -> bool:
+    """Whether a run cuts the batch (replicas, sequence slices, micro-batches) or the model."""
+    s = strategy
+    return s.dp * s.pp * s.tp * s.cp * s.microbatches > 1
+
+
+# -- the first batch's targets ---------------------------------------------------------------------
+def check_targets(loss, data: Callable) -> None:
+    """The default ``loss="mse"`` on integer targets (token ids) would fail on the engines with
+    a shape error; refused here, naming the loss they need."""
+    if loss != "mse":
+        return
+    y = _first_targets(data)
+    if isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()):
+        raise ValueError(f"loss='mse' (the default) on integer targets (dtype {y.dtype}, shape {tuple(y.shape)}): "
+                         "targets are token ids or classes: pass loss='cross_entropy'")
+
+
+def warn_ignored_targets(loss, data: Callable, strategy) -> None:
+    """Targets holding -100 (padding, as torch's ``ignore_index``) with a user's callable loss:
+    its mean is over each shard's own counted tokens, and a mean of means is not the mean over
+    the global batch when shards hold different numbers of them (an all-padding shard: 0/0).
+    :func:`labkit.losses.token_loss` divides by the global batch's count instead."""
+    from ..models.training import TokenLoss
+    if isinstance(loss, TokenLoss) or not callable(loss) or strategy.dp * strategy.cp * strategy.microbatches == 1:
+        return
+    y = _first_targets(data)
+    if isinstance(y, torch.Tensor) and not y.is_floating_point() and bool((y == -100).any()):
+        warnings.warn("the first batch's targets hold -100 (padding), and the loss is a callable: its mean over "
+                      "each replica's or micro-batch's own counted tokens, averaged, is not the mean over the "
+                      "whole batch when they hold different numbers of them (one all padding gives NaN), so the "
+                      "run departs from one process; wrap a summed loss in labkit.losses.token_loss "
+                      "(it divides by the global batch's count)", UserWarning, stacklevel=4)
+
+
+def _first_targets(data: Callable):
+    try:
+        return data(0)[1]
+    except Exception:               # the run reports the data's own error
+        return None
+
+
+# -- a Hugging Face MoE's router loss --------------------------------------------------------------
+def warn_router_loss(model: nn.Module, strategy) -> None:
+    """A transformers MoE whose config keeps ``output_router_logits=True`` adds its load-balancing
+    loss to the output: transformers computes it over the batch the forward sees (the fraction
+    of tokens per expert times the mean router probability, a product of two batch means), so
+    shards do not reproduce it, and a pipeline's chain of layers leaves it out.
+    ``labkit.models.from_hf`` turns it off; a model built by hand may not."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or not split(strategy):
+        return
+    warnings.warn(f"{type(model).__name__}'s config has output_router_logits=True: transformers adds its router "
+                  "loss computed over the batch each rank sees (a product of two batch means; left out by pipeline "
+                  "stages), so the run departs from one process; set config.output_router_logits=False (as "
+                  "labkit.models.from_hf does) to compare parameters with labkit.reference",
+                  UserWarning, stacklevel=4)
+
+
+# -- randomness in forward -------------------------------------------------------------------------
+def warn_random_forward(model: nn.Module, x, strategy) -> None:
+    """Dropout called as a function (``F.dropout`` in a forward) draws masks as a layer does
+    but has no module :func:`warn_dropout` could see: the forward, in train mode, run twice on
+    the same rows gives two answers. Warned as dropout layers are (a split run draws other
+    masks than one process). ``model``: a throwaway copy with real weights."""
+    if not split(strategy) or any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+                                  for m in model.modules()):
+        return
+    from ..models.training import model_output
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.train()
+            first = model_output(model(x))[0]
+            second = model_output(model(x))[0]
+    except Exception:               # what the engines would report, with its step
+        return
+    if first.shape == second.shape and not torch.equal(first, second):
+        warnings.warn(f"{type(model).__name__}'s forward gives two different outputs on the same rows in train "
+                      "mode, so it draws random numbers (dropout called as a function, e.g. F.dropout): each rank "
+                      "draws its own for its rows, so the run departs from one process by the draws alone; make "
+                      "the probability 0 (or the module's training=False) to compare parameters with "
+                      "labkit.reference", UserWarning, stacklevel=4)

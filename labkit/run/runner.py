@@ -26,7 +26,8 @@ from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from ..parallel.materialize import check_init
-from .checks import check_loss, check_model, check_number, check_profile, warn_dropout
+from .checks import (check_loss, check_model, check_number, check_profile, check_targets, split, warn_dropout,
+                     warn_ignored_targets, warn_random_forward, warn_router_loss)
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -72,8 +73,11 @@ def validate(spec: RunSpec, engines: int) -> None:
     warn_dropout(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a chain
     data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    check_targets(spec.loss, data)                   # token ids with the default "mse": refused
     if callable(spec.loss):
         check_loss(loss, built, data, spec.batch)    # a user's loss: a mean over the rows, or refused
+        warn_ignored_targets(loss, data, s)          # padding (-100) averaged per shard
+    warn_router_loss(built, s)                       # a transformers MoE's batch-wide router loss
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
@@ -83,20 +87,35 @@ def validate(spec: RunSpec, engines: int) -> None:
         from ..parallel.pipeline.stages import check_split
         check_split(s, unit_count(built), len(layer_span(built)))
         _check_tied_split_backward(s, built)
-        check_pipeline_chain(spec, data)
+    check_first_batch(spec, built, data)
 
 
-def check_pipeline_chain(spec: RunSpec, data) -> None:
-    """pp > 1: the stages' chain of units computes what the model's forward does (the probe of
-    :func:`labkit.parallel.pipeline.modules.check_chain`), on two rows of the first batch, with
-    the model built for real in this process (its values matter here), the caller's RNG kept."""
-    from ..parallel.pipeline.modules import check_chain
-    x = data(0)[0]
+PROBE_PARAMETERS = 50_000_000
+"""The largest model :func:`check_first_batch` builds for real in the notebook (200 MB in fp32)."""
+
+
+def check_first_batch(spec: RunSpec, built: nn.Module, data) -> None:
+    """What needs the model's values, on two rows of the first batch, in this process: with
+    pp > 1, the stages' chain of units computes what its forward does (refused otherwise,
+    :func:`labkit.parallel.pipeline.modules.check_chain`); with a split run, a forward that
+    draws random numbers is warned about (:func:`.checks.warn_random_forward`). The model is
+    built for real under the run's seed, the caller's RNG kept; a model over
+    ``PROBE_PARAMETERS`` is not built (its chain and forward are not probed)."""
+    s = spec.strategy
+    if not split(s) or sum(p.numel() for p in built.parameters()) > PROBE_PARAMETERS:
+        return
+    try:
+        x = data(0)[0]
+    except Exception:             # the run reports the data's own error
+        return
     if not isinstance(x, torch.Tensor):
         return
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec.model, spec.seed)
-    check_chain(model, x[:2])
+    if s.pp > 1:
+        from ..parallel.pipeline.modules import check_chain
+        check_chain(model, x[:2])
+    warn_random_forward(model, x[:2], s)
 
 
 def model_for_checks(model, seed: int) -> nn.Module:
