@@ -230,3 +230,41 @@ def test_a_raw_hf_moe_with_its_router_loss_on_warns():
                                         max_position_embeddings=16, output_router_logits=True)
     with pytest.warns(UserWarning, match="output_router_logits=True"):
         validated(labkit.Strategy(dp=2), lambda: transformers.MixtralForCausalLM(config), tokens, "cross_entropy")
+
+
+# -- 6. closing the lab from another thread mid-run --------------------------------------------------
+def slow_data(step):
+    import time
+    time.sleep(0.5)
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+
+
+@pytest.mark.slow
+def test_closing_the_lab_from_another_thread_ends_the_run_with_an_error():
+    import threading
+    import time
+
+    from conftest import release_labs
+
+    release_labs()                         # one lab at a time on this machine
+    lab = labkit.Lab.start(engines=2, timeout=30, progress=False)
+    outcome = {}
+
+    def train():
+        try:
+            lab.run(labkit.Strategy(dp=2), model=nn.Linear(8, 8), data=slow_data, batch=16, steps=400)
+        except Exception as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=train, daemon=True)
+    try:
+        thread.start()
+        time.sleep(6)                      # well inside the run (400 steps of ≥ 0.5 s)
+        lab.close()
+        closed_at = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and time.monotonic() - closed_at < 30
+    finally:
+        lab.close()
+    assert isinstance(outcome.get("error"), labkit.LabError) and "closed" in str(outcome["error"])
