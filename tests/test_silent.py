@@ -268,3 +268,26 @@ def test_closing_the_lab_from_another_thread_ends_the_run_with_an_error():
     finally:
         lab.close()
     assert isinstance(outcome.get("error"), labkit.LabError) and "closed" in str(outcome["error"])
+
+
+# -- 7. unclear errors made clear ----------------------------------------------------------------------
+def test_infinite_fault_factor_and_router_skew_are_refused():
+    with pytest.raises(ValueError, match="factor=inf must be a finite number"):
+        SyncFault("factor", bucket=0, factor=float("inf"))
+    with pytest.raises(ValueError, match="router_skew=inf must be a finite number"):
+        labkit.models.llama(n_experts=4, router_skew=float("inf"))
+    with pytest.raises(ValueError, match="aux_loss_coef=inf must be a finite number"):
+        labkit.models.llama(n_experts=4, aux_loss_coef=float("inf"))
+
+
+def test_an_unwritable_profile_folder_is_refused_before_the_run(tmp_path):
+    import os
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    refused(labkit.Strategy(dp=2), nn.Linear(8, 8), match="notes.txt cannot be written",
+            profile=str(tmp_path / "notes.txt" / "traces"))
+    validate(RunSpec(labkit.Strategy(dp=2), nn.Linear(8, 8), None, "mse", batch=8,
+                     extra={"profile": str(tmp_path / "new" / "traces")}), 2)      # made after the run: fine
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):                 # (root writes anywhere)
+        refused(labkit.Strategy(dp=2), nn.Linear(8, 8), match="cannot be written", profile=str(locked / "traces"))

@@ -25,8 +25,16 @@ def check_profile(profile) -> None:
     if not isinstance(profile, (bool, str, os.PathLike)):
         raise TypeError(f"profile={profile!r} must be True, False or a folder to save the traces in "
                         f"(profile='traces/')")
-    if not isinstance(profile, bool) and os.path.isfile(profile):
+    if isinstance(profile, bool):
+        return
+    if os.path.isfile(profile):
         raise ValueError(f"profile={str(profile)!r} is a file; name a folder for the per-rank traces")
+    existing = os.path.abspath(profile)
+    while not os.path.exists(existing):           # the folder is made after the run: its nearest ancestor
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"profile={str(profile)!r}: {existing} cannot be written, so the traces could not be saved "
+                         "after the run; name a folder you can write (or profile=True: a new temporary folder)")
 
 
 def check_model(model: nn.Module, strategy) -> None:
