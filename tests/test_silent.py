@@ -291,3 +291,28 @@ def test_an_unwritable_profile_folder_is_refused_before_the_run(tmp_path):
     locked.mkdir(mode=0o500)
     if not os.access(locked, os.W_OK):                 # (root writes anywhere)
         refused(labkit.Strategy(dp=2), nn.Linear(8, 8), match="cannot be written", profile=str(locked / "traces"))
+
+
+class MaskedLM(nn.Module):
+    """Takes keyword tensors, as a Hugging Face model does."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(torch.tanh(self.emb(input_ids)) * attention_mask.unsqueeze(-1))
+
+
+def keyword_batches(step):
+    x, y = tokens(step)
+    mask = torch.ones_like(x, dtype=torch.float32)
+    mask[:, -1] = 0.0
+    return {"input_ids": x, "attention_mask": mask}, y
+
+
+@pytest.mark.slow
+def test_dict_inputs_reach_forward_as_keyword_tensors(lab2):
+    kw = dict(data=keyword_batches, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
+    for s in (labkit.Strategy(dp=2), labkit.Strategy(dp=2, microbatches=2, dp_mode="overlap")):
+        assert lab2.run(s, model=MaskedLM, **kw).max_diff(labkit.reference(MaskedLM, **kw)) < 1e-5

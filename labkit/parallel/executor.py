@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.training import TokenLoss
+from ..models.training import TokenLoss, call_model
 from .buffers import warn_written_buffers, written_buffers
 from .pipeline.modules import merge_stages
 from .pipeline.split_backward import backward_input, backward_weight
@@ -277,7 +277,7 @@ class Executor:
                                                                         microbatch=a.microbatch)
         with span, self.meter.forward(key, inp) as kept, stage.sync.defer():
             with self.precision.autocast():
-                out = stage.run(inp)
+                out = call_model(stage.module, inp, stage.run)     # a dict: keyword tensors where taken
                 if a.stage == self.last_stage:
                     out = self._loss(out, self.ys[a.microbatch])
             if a.stage == self.last_stage:

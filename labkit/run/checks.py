@@ -106,6 +106,8 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
     """(random outputs of two rows, the same rows twice, their targets) shaped by the model's
     forward on the meta device, or None where that cannot be done."""
     from torch.func import functional_call
+
+    from ..models.training import takes_keywords
     try:
         x, y = data(0)
         rows = min(2, batch)
@@ -115,7 +117,8 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
                 for k, v in [*model.named_parameters(), *model.named_buffers()]}
         on_meta = {k: v.to("meta") for k, v in x2.items()} if isinstance(x2, dict) else x2.to("meta")
         with torch.no_grad():
-            out = functional_call(model, meta, (on_meta,), strict=False, tie_weights=True)
+            args, kwargs = ((), on_meta) if takes_keywords(model, on_meta) else ((on_meta,), None)
+            out = functional_call(model, meta, args, kwargs, strict=False, tie_weights=True)
         g = torch.Generator().manual_seed(0)
         once, twice = _made(out, rows, g, once=True), None
         g.manual_seed(0)
