@@ -316,3 +316,10 @@ def test_dict_inputs_reach_forward_as_keyword_tensors(lab2):
     kw = dict(data=keyword_batches, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
     for s in (labkit.Strategy(dp=2), labkit.Strategy(dp=2, microbatches=2, dp_mode="overlap")):
         assert lab2.run(s, model=MaskedLM, **kw).max_diff(labkit.reference(MaskedLM, **kw)) < 1e-5
+
+
+@pytest.mark.slow
+def test_ddp_with_a_parameter_used_on_some_steps_names_it_and_the_modes_that_work(lab2):
+    with pytest.raises(labkit.LabError, match=r"dp_mode='ddp': parameter\(s\) \['b.weight', 'b.bias', "
+                                              r"'spare.weight', 'spare.bias'\] got no gradient.*'bucketed'"):
+        lab2.run(labkit.Strategy(dp=2, dp_mode="ddp"), model=Routed, data=routed_data, batch=16, steps=2)
