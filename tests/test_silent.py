@@ -323,3 +323,43 @@ def test_ddp_with_a_parameter_used_on_some_steps_names_it_and_the_modes_that_wor
     with pytest.raises(labkit.LabError, match=r"dp_mode='ddp': parameter\(s\) \['b.weight', 'b.bias', "
                                               r"'spare.weight', 'spare.bias'\] got no gradient.*'bucketed'"):
         lab2.run(labkit.Strategy(dp=2, dp_mode="ddp"), model=Routed, data=routed_data, batch=16, steps=2)
+
+
+def test_from_profiler_reads_a_folder_of_traces_and_skips_an_event_without_a_start(tmp_path):
+    from test_traces import kineto, write
+
+    folder = tmp_path / "tb"
+    folder.mkdir()
+    for r in (0, 1):
+        trace = kineto(r)
+        if r == 1:
+            trace["traceEvents"].append({"ph": "X", "name": "aten::mm", "dur": 10, "tid": 1})     # no "ts"
+        write(folder / f"worker{r}.1700000000.pt.trace.json", trace)
+    whole = labkit.Timeline.from_profiler(folder)
+    files = labkit.Timeline.from_profiler(sorted(folder.iterdir()))
+    assert whole.world_size == 2 and len(whole.events) == len(files.events) > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="a folder with no .json or .json.gz trace"):
+        labkit.Timeline.from_profiler(empty)
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_and_head_under_fsdp2_equals_one_process(lab2):
+    class TiedLM(nn.Module):
+        def __init__(self, vocab=32, d=16):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(2))
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            h = self.emb(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h)
+
+    kw = dict(data=tokens, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
+    run = lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=TiedLM, **kw)
+    assert run.max_diff(labkit.reference(TiedLM, **kw)) < 1e-5
