@@ -156,6 +156,22 @@ def routed_data(step):
     return x, torch.randn(16, 2, generator=g)
 
 
+class RoutedStack(Routed):
+    """Routed with repeated blocks, for ZeRO-3 (which shards block by block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h, flagged = x[:, :8], x[:, 8] > 0
+        for block in self.blocks:
+            h = block(h)
+        if flagged.any():
+            h = h.index_put((flagged.nonzero(as_tuple=True)[0],), self.b(h[flagged]))
+        return self.head(torch.tanh(self.a(h)))
+
+
 @pytest.mark.slow
 def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2):
     kw = dict(data=routed_data, batch=16, steps=4, lr=0.05, seed=0, optimizer="adamw")
@@ -168,6 +184,8 @@ def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2)
               labkit.Strategy(dp=2, zero=2)):
         run = lab2.run(s, model=Routed, **kw)
         assert run.max_diff(ref) < 1e-5, s.label()
+    stacked = labkit.reference(RoutedStack, **kw)
+    assert lab2.run(labkit.Strategy(dp=2, zero=3), model=RoutedStack, **kw).max_diff(stacked) < 1e-5
     momentum = dict(kw, optimizer="sgd", momentum=0.9)
     assert lab2.run(labkit.Strategy(dp=2), model=Routed, **momentum).max_diff(
         labkit.reference(Routed, **momentum)) < 1e-5
