@@ -34,6 +34,21 @@ def test_max_diff_reads_every_replica_and_names_the_one_that_departs(lab2):
     assert repr(healthy.max_diff(ref)) == repr(float(healthy.max_diff(ref)))
 
 
+@pytest.mark.slow
+def test_drift_reads_every_rank_copy_under_zero_and_pipelines(lab2):
+    model = labkit.models.mlp(width=16, depth=4)
+    kw = dict(batch=16, steps=2, lr=0.1, seed=0, snapshots=True)
+    ref = labkit.reference(model, **kw)
+    for s in (labkit.Strategy(dp=2, zero=1), labkit.Strategy(dp=2, zero=3), labkit.Strategy(pp=2)):
+        run = lab2.run(s, model=model, **kw)
+        assert labkit.drift(run, ref) is None, s.label()
+        held = {rank: set(snap["params"]) for rank, snap in run.snapshots[-1].items()}
+        if s.zero:              # every replica's whole copy, its shards gathered
+            assert held[0] == held[1] == set(ref.snapshots[-1][0]["params"])
+        else:                   # each stage's own
+            assert held[0] | held[1] == set(ref.snapshots[-1][0]["params"]) and not held[0] & held[1]
+
+
 def refused(strategy, model, data=None, loss="mse", match="", batch=8, **extra):
     """``lab.run``'s checks, as they run before any engine is called."""
     with pytest.raises((ValueError, TypeError), match=match):

@@ -203,6 +203,10 @@ class ShardedOptimizer:
     def step(self) -> None:
         self.inner.step()
 
+    def register_step_post_hook(self, hook):
+        """``hook(self, args, kwargs)`` after each step, as torch's optimizers offer (labkit.drift's snapshots)."""
+        return self.inner.register_step_post_hook(lambda opt, args, kwargs: hook(self, args, kwargs))
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.inner.zero_grad(set_to_none=False)      # shard grads are accumulated into in place
 
