@@ -194,8 +194,7 @@ def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2)
     torch.manual_seed(0)
     start = Routed()
     assert torch.equal(ref.parameters()["spare.weight"], start.spare.weight)     # one process: never moved
-    for s in (labkit.Strategy(dp=2, dp_mode="naive"), labkit.Strategy(dp=2, dp_mode="bucketed"),
-              labkit.Strategy(dp=2, dp_mode="overlap"), labkit.Strategy(dp=2, zero=1),
+    for s in (labkit.Strategy(dp=2, dp_mode="naive"), labkit.Strategy(dp=2, dp_mode="overlap"),
               labkit.Strategy(dp=2, zero=2)):
         run = lab2.run(s, model=Routed, **kw)
         assert run.max_diff(ref) < 1e-5, s.label()
