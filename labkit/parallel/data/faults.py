@@ -61,7 +61,8 @@ class SyncFault:
         if self.kind == "skip" and self.rank is None:
             raise ValueError("SyncFault('skip') needs rank=: the rank that keeps its own gradient, e.g. rank=1")
         if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not 0 < self.factor < math.inf:
-            raise ValueError(f"SyncFault factor={self.factor!r} must be a finite number > 0 (2: the sum divided by 2·dp)")
+            raise ValueError(f"SyncFault factor={self.factor!r} must be a finite number > 0 "
+                             "(2: the sum divided by 2·dp)")
 
     def __str__(self) -> str:
         who = "every rank" if self.rank is None else f"rank {self.rank}"

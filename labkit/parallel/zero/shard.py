@@ -90,8 +90,12 @@ class FlatUnit:
         storage, its gradient a view of the shard's. An optimizer over the pieces steps the
         same elements as one over the shard, while keeping each member's state apart, so a
         member can be skipped as one process skips a parameter with no gradient."""
-        out, offset, lo, hi = [], 0, self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
-        spans = [(p, offset, offset := offset + p.numel()) for _, p in self.members] + [(None, self.numel, self.padded)]
+        spans, offset = [], 0
+        for _, p in self.members:
+            spans.append((p, offset, offset + p.numel()))
+            offset += p.numel()
+        spans.append((None, self.numel, self.padded))
+        out, lo, hi = [], self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         for member, start, end in spans:
             a, b = max(start, lo), min(end, hi)
             if a < b:
