@@ -264,44 +264,6 @@ def test_a_raw_hf_moe_with_its_router_loss_on_warns():
         validated(labkit.Strategy(dp=2), lambda: transformers.MixtralForCausalLM(config), tokens, "cross_entropy")
 
 
-# -- 6. closing the lab from another thread mid-run --------------------------------------------------
-def slow_data(step):
-    import time
-    time.sleep(0.5)
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
-
-
-@pytest.mark.slow
-def test_closing_the_lab_from_another_thread_ends_the_run_with_an_error():
-    import threading
-    import time
-
-    from conftest import release_labs
-
-    release_labs()                         # one lab at a time on this machine
-    lab = labkit.Lab.start(engines=2, timeout=30, progress=False)
-    outcome = {}
-
-    def train():
-        try:
-            lab.run(labkit.Strategy(dp=2), model=nn.Linear(8, 8), data=slow_data, batch=16, steps=400)
-        except Exception as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=train, daemon=True)
-    try:
-        thread.start()
-        time.sleep(6)                      # well inside the run (400 steps of ≥ 0.5 s)
-        lab.close()
-        closed_at = time.monotonic()
-        thread.join(timeout=60)
-        assert not thread.is_alive() and time.monotonic() - closed_at < 30
-    finally:
-        lab.close()
-    assert isinstance(outcome.get("error"), labkit.LabError) and "closed" in str(outcome["error"])
-
-
 # -- 7. unclear errors made clear ----------------------------------------------------------------------
 def test_infinite_fault_factor_and_router_skew_are_refused():
     with pytest.raises(ValueError, match="factor=inf must be a finite number"):
@@ -395,3 +357,41 @@ def test_a_tied_embedding_and_head_under_fsdp2_equals_one_process(lab2):
     kw = dict(data=tokens, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
     run = lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=TiedLM, **kw)
     assert run.max_diff(labkit.reference(TiedLM, **kw)) < 1e-5
+
+
+# -- 6. closing the lab from another thread mid-run (last here: it starts and closes its own lab) ---
+def slow_data(step):
+    import time
+    time.sleep(0.5)
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+
+
+@pytest.mark.slow
+def test_closing_the_lab_from_another_thread_ends_the_run_with_an_error():
+    import threading
+    import time
+
+    from conftest import release_labs
+
+    release_labs()                         # one lab at a time on this machine
+    lab = labkit.Lab.start(engines=2, timeout=30, progress=False)
+    outcome = {}
+
+    def train():
+        try:
+            lab.run(labkit.Strategy(dp=2), model=nn.Linear(8, 8), data=slow_data, batch=16, steps=400)
+        except Exception as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=train, daemon=True)
+    try:
+        thread.start()
+        time.sleep(3)                      # well inside the run (400 steps of ≥ 0.5 s)
+        lab.close()
+        closed_at = time.monotonic()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and time.monotonic() - closed_at < 30
+    finally:
+        lab.close()
+    assert isinstance(outcome.get("error"), labkit.LabError) and "closed" in str(outcome["error"])
