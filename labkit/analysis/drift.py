@@ -5,13 +5,15 @@
 >>> labkit.drift(run, ref)          # None, or the first (step, parameter, rank) that departs
 >>> run.grad_norms()                # the gradient check: every parameter's gradient norm, per rank
 
-What is recorded, and why. With ``snapshots=True`` every rank keeps, after each optimizer
-step, a float32 copy of each of its parameters and the norm of each gradient (the averaged
-gradient the optimizer just used). Full copies cost ``4 bytes × parameters held × ranks ×
-steps`` in the notebook, plus one copy per step for the reference: 28 KB a step per rank for
-the tests' 7 k-parameter MLP, 2.1 MB for the default ``mlp()`` (526 k), 3.2 MB for a 0.8 M
-GPT — fine for the tens of steps a lesson looks at, and the reason the option is off by
-default (when on, the copy is timed as part of the optimizer step). The cheap alternative, a
+What is recorded, and why. With ``snapshots=True`` every rank keeps, after each step, a
+float32 copy of its parameters — its own copy, whole: each dp replica's, each stage's, ZeRO
+shards gathered (ZeRO-1/2 write the updated shards back after the optimizer's step) and tp
+pieces gathered onto the replica's first tp rank — and the norm of each gradient (the
+averaged gradient the optimizer just used). Full copies cost ``4 bytes × parameters held ×
+ranks × steps`` in the notebook, plus one copy per step for the reference: 28 KB a step per
+rank for the tests' 7 k-parameter MLP, 2.1 MB for the default ``mlp()`` (526 k), 3.2 MB for a
+0.8 M GPT — fine for the tens of steps a lesson looks at, and the reason the option is off by
+default (when on, the gradient norms are taken in the optimizer step). The cheap alternative, a
 norm and a checksum per parameter, fails exactly where this tool is needed:
 
 * a norm sees only the part of a departure along the weights (‖p + d‖ − ‖p‖ ≈ p̂·d): a
