@@ -171,6 +171,12 @@ def routed_data(step):
     return x, torch.randn(16, 2, generator=g)
 
 
+def routed_everywhere(step):
+    x, y = routed_data(step)
+    x[::2, 8] = float(step % 2)      # odd steps: rows on every replica
+    return x, y
+
+
 class RoutedStack(Routed):
     """Routed with repeated blocks, for ZeRO-3 (which shards block by block)."""
 
@@ -200,6 +206,11 @@ def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2)
         assert run.max_diff(ref) < 1e-5, s.label()
     stacked = labkit.reference(RoutedStack, **kw)
     assert lab2.run(labkit.Strategy(dp=2, zero=3), model=RoutedStack, **kw).max_diff(stacked) < 1e-5
+    # FSDP2 (torch's): every replica must reach the same parameters (it reduce-scatters only
+    # those); then one it drops the gradient of between steps is skipped as one process skips it
+    everywhere = dict(kw, data=routed_everywhere)
+    run = lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=RoutedStack, **everywhere)
+    assert run.max_diff(labkit.reference(RoutedStack, **everywhere)) < 1e-5
     momentum = dict(kw, optimizer="sgd", momentum=0.9)
     assert lab2.run(labkit.Strategy(dp=2), model=Routed, **momentum).max_diff(
         labkit.reference(Routed, **momentum)) < 1e-5

@@ -110,6 +110,7 @@ class Executor:
         # its last W when the schedule splits backward (parameter gradients appear in W).
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.op in ("B", "W")}
         self.chunk_of = {st.index: st.chunk for st in stages}     # stages this rank holds
+        self.grads_to_none = any(getattr(st.sync, "grads_to_none", False) for st in stages)
         self.reached = self._watch_reached()
         unknown = sorted({a.op for a in actions} - self.HANDLERS.keys())
         if unknown:
@@ -119,10 +120,11 @@ class Executor:
     def _watch_reached(self) -> set | None:
         """The parameters a backward reached this step (ids), watched when the optimizer moves
         a parameter whose gradient is zero (AdamW, momentum) and a missing gradient is therefore
-        not the same as a zero one; None when it does not (plain SGD) or the sync's parameters
-        are not its own (FSDP2 is torch's, exact already; ep's experts sync apart)."""
+        not the same as a zero one; None when it does not (plain SGD), when the gradients are
+        dropped after each step instead (FSDP2: a parameter not reached has none), or when the
+        sync's parameters are not all its own (ep's experts sync apart)."""
         s = self.spec.strategy
-        if (self.spec.optimizer != "adamw" and not self.spec.momentum) or s.zero_mode == "fsdp2" or s.ep > 1:
+        if (self.spec.optimizer != "adamw" and not self.spec.momentum) or self.grads_to_none or s.ep > 1:
             return None
         reached: set = set()
         for stage in self.stages:
@@ -225,7 +227,7 @@ class Executor:
             label = getattr(self.optimizer, "label", f"{type(self.optimizer).__name__} step")
             with self.recorder.span("optimizer", label):
                 stepped = self._step_optimizer()     # fp16: unscale, maybe skip
-                self.optimizer.zero_grad(set_to_none=False)
+                self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         for stage in self.stages:
             stage.sync.after_step()          # ZeRO-1/2: updated shards gathered back
         last = any(st.index == self.last_stage for st in self.stages)

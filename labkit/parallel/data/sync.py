@@ -92,6 +92,12 @@ class GradSync:
         raise NotImplementedError
 
     # -- what sharded syncs (labkit.parallel.zero) change; plain data parallelism needs none --
+    grads_to_none = False
+    """True when the optimizer drops the gradients after a step instead of zeroing them: FSDP2,
+    which reduces into gradients of its own, so that a parameter no backward reached in the next
+    step has none and the optimizer skips it as one process does. The other syncs keep them (a
+    bucket's views stay in place) and tell the executor which were reached instead."""
+
     times_forward = times_backward = False
     """True when the sync records forward (backward) spans per block itself: ZeRO-3 gathers
     inside them, and only it knows where a gather's wait ends and compute begins."""
