@@ -257,6 +257,20 @@ def test_padding_with_a_callable_loss_warns_naming_token_loss():
         validated(labkit.Strategy(dp=2), TinyLM, tokens, loss)
 
 
+@pytest.mark.slow
+def test_a_shard_of_padding_alone_names_token_loss_not_the_lr(lab2):
+    def all_padding_on_one_replica(step):
+        x, y = tokens(step)
+        y[4:] = -100
+        return x, y
+
+    def loss(out, y):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+    with pytest.warns(UserWarning, match="token_loss"), pytest.raises(labkit.LabError, match="all padding: use "
+                                                                                              "labkit.losses.token_loss"):
+        lab2.run(labkit.Strategy(dp=2), model=TinyLM, data=all_padding_on_one_replica, loss=loss, batch=8, steps=1)
+
+
 def test_functional_dropout_in_forward_warns_and_a_plain_forward_does_not():
     with pytest.warns(UserWarning, match="draws random numbers .*F.dropout"):
         validated(labkit.Strategy(dp=2), FunctionalDropout, tokens, "cross_entropy")

@@ -258,8 +258,9 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         result["tokens_per_expert"] = routed          # MoE routing, for labkit.view.experts
     if result.get("loss_weight", 0) > 0 and not math.isfinite(result["loss"]) and not s.job.spec.allow_nonfinite:
         # after the step, so every rank has finished its collectives: the lab stays in step
-        raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, or a NaN "
-                            f"or inf in the model or data); lab.run(..., allow_nonfinite=True) carries on")
+        raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, a NaN or "
+                            f"inf in the model or data, or a mean over a shard whose targets are all padding: "
+                            f"use labkit.losses.token_loss); lab.run(..., allow_nonfinite=True) carries on")
     return result
 
 
