@@ -145,6 +145,11 @@ def _made(out, rows: int, g: torch.Generator, once: bool):
     raise TypeError(f"cannot make an output like {type(out).__name__}")
 
 
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` has a dropout layer with p > 0."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
 def warn_dropout(model: nn.Module, strategy) -> None:
     """Dropout draws its masks from each rank's generator, per replica and per micro-batch, so
     a split run zeroes other activations than one process does: same data, other model."""
@@ -220,23 +225,21 @@ def warn_router_loss(model: nn.Module, strategy) -> None:
 # -- randomness in forward -------------------------------------------------------------------------
 def warn_random_forward(model: nn.Module, x, strategy) -> None:
     """Dropout called as a function (``F.dropout`` in a forward) draws masks as a layer does
-    but has no module :func:`warn_dropout` could see: the forward, in train mode, run twice on
-    the same rows gives two answers. Warned as dropout layers are (a split run draws other
-    masks than one process). ``model``: a throwaway copy with real weights."""
-    if not split(strategy) or any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-                                  for m in model.modules()):
+    but has no module :func:`warn_dropout` could see: the forward, in train mode, moves torch's
+    random generator. Warned as dropout layers are (a split run draws other masks than one
+    process). ``model``: a throwaway copy with real weights; the caller's generator is kept."""
+    if not split(strategy) or has_dropout(model):
         return
-    from ..models.training import model_output
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model.train()
-            first = model_output(model(x))[0]
-            second = model_output(model(x))[0]
+            before = torch.random.get_rng_state()
+            model(**x) if isinstance(x, dict) else model(x)
+            drew = not torch.equal(before, torch.random.get_rng_state())
     except Exception:               # what the engines would report, with its step
         return
-    if first.shape == second.shape and not torch.equal(first, second):
-        warnings.warn(f"{type(model).__name__}'s forward gives two different outputs on the same rows in train "
-                      "mode, so it draws random numbers (dropout called as a function, e.g. F.dropout): each rank "
-                      "draws its own for its rows, so the run departs from one process by the draws alone; make "
-                      "the probability 0 (or the module's training=False) to compare parameters with "
-                      "labkit.reference", UserWarning, stacklevel=4)
+    if drew:
+        warnings.warn(f"{type(model).__name__}'s forward draws random numbers in train mode (dropout called as a "
+                      "function, e.g. F.dropout, or noise): each rank draws its own for its rows, so the run departs "
+                      "from one process by the draws alone; make the probability 0 (or pass training=False) to "
+                      "compare parameters with labkit.reference", UserWarning, stacklevel=4)

@@ -26,7 +26,8 @@ from ..analysis.timeline import Timeline
 from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from ..parallel.materialize import check_init
-from .checks import (check_loss, check_model, check_number, check_profile, check_targets, split, warn_dropout,
+from .checks import (check_loss, check_model, check_number, check_profile, check_targets, has_dropout, split,
+                     warn_dropout,
                      warn_ignored_targets, warn_random_forward, warn_router_loss)
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
@@ -95,14 +96,15 @@ PROBE_PARAMETERS = 50_000_000
 
 
 def check_first_batch(spec: RunSpec, built: nn.Module, data) -> None:
-    """What needs the model's values, on two rows of the first batch, in this process: with
+    """What needs the model's values, on one row of the first batch, in this process: with
     pp > 1, the stages' chain of units computes what its forward does (refused otherwise,
     :func:`labkit.parallel.pipeline.modules.check_chain`); with a split run, a forward that
     draws random numbers is warned about (:func:`.checks.warn_random_forward`). The model is
     built for real under the run's seed, the caller's RNG kept; a model over
     ``PROBE_PARAMETERS`` is not built (its chain and forward are not probed)."""
     s = spec.strategy
-    if not split(s) or sum(p.numel() for p in built.parameters()) > PROBE_PARAMETERS:
+    random_probe = split(s) and not has_dropout(built)      # dropout layers are warned about already
+    if not (s.pp > 1 or random_probe) or sum(p.numel() for p in built.parameters()) > PROBE_PARAMETERS:
         return
     try:
         x = data(0)[0]
@@ -114,8 +116,9 @@ def check_first_batch(spec: RunSpec, built: nn.Module, data) -> None:
         model = build_model(spec.model, spec.seed)
     if s.pp > 1:
         from ..parallel.pipeline.modules import check_chain
-        check_chain(model, x[:2])
-    warn_random_forward(model, x[:2], s)
+        check_chain(model, x[:1])
+    if random_probe:
+        warn_random_forward(model, x[:1], s)
 
 
 def model_for_checks(model, seed: int) -> nn.Module:
