@@ -6,6 +6,7 @@ same data" mean the same weights and the same batches.
 from __future__ import annotations
 
 import copy
+import inspect
 from functools import cached_property
 from dataclasses import dataclass
 from typing import Callable
@@ -13,6 +14,27 @@ from typing import Callable
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+
+def takes_keywords(module: nn.Module, x) -> bool:
+    """Whether ``module``'s forward takes the dict of inputs ``x`` as keyword tensors
+    (``forward(input_ids=, attention_mask=)``, as Hugging Face models do) rather than as one
+    argument (``forward(batch)``, reading ``batch["a"]``): the keys bind to its parameters."""
+    if not isinstance(x, dict):
+        return False
+    try:
+        inspect.signature(module.forward).bind(**x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def call_model(module: nn.Module, x, run: Callable | None = None):
+    """``module`` on the inputs ``x``: a dict as keyword tensors where its forward takes them
+    (:func:`takes_keywords`), else as one argument. ``run``: what to call instead (a DDP
+    wrapper), the signature still read from ``module``."""
+    fn = run if run is not None else module
+    return fn(**x) if takes_keywords(module, x) else fn(x)
 
 
 def model_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -60,7 +60,7 @@ def test_strategy_checks_its_cp_fields(kwargs, match):
 
 @pytest.mark.parametrize("model, strategy, data, match", [
     (llama(), labkit.Strategy(cp=4), labkit.data.text(batch=8, block_size=12), "12 tokens does not cut into 2·cp = 8"),
-    (llama(), labkit.Strategy(cp=4, cp_balance=False), labkit.data.text(batch=8, block_size=14), "cp = 4 slices"),
+    (llama(), labkit.Strategy(cp=4, cp_balance=False), labkit.data.text(batch=8, block_size=12), "cp = 4 slices"),
     (Plain, labkit.Strategy(cp=2), DATA, "never calls labkit.parallel.context.attention nor positions"),
     (llama(n_experts=4, aux_loss_coef=0.01), labkit.Strategy(cp=2), DATA, "aux_loss_coef=0.01"),
     (gpt(dropout=0.1), labkit.Strategy(cp=2), DATA, "dropout=0.1"),

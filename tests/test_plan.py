@@ -179,12 +179,12 @@ def test_cli_predicts_one_strategy_as_json(tmp_path, capsys):
     (["--tp", "8", "--pp", "8", "--dp", "8"], "1024 GPUs"),
     (["--hardware", "tpu"], "hardware"),
 ])
-def test_cli_bad_input_is_a_message_and_exit_1(extra, message, capsys):
+def test_cli_bad_input_is_a_message_and_exit_2(extra, message, capsys):
     from labkit.cli import main
 
     rc = main(["plan", "--layers", "96", "--hidden", "12288", "--heads", "96", "--gpus", "1024",
                "--global-batch", "1536", *extra])
-    assert rc == 1
+    assert rc == 2
     assert message in capsys.readouterr().err
 
 

@@ -34,15 +34,15 @@ def plan(argv, capsys):
     (["--json", "/nonexistent/p.json"], "/nonexistent does not exist"),
     (["--model-config", str(CONFIGS / "llama3-8b.json")], "--layers --hidden --heads describe a GPT"),
 ])
-def test_a_bad_argument_is_one_line_and_exit_1_before_any_work(extra, message, capsys):
+def test_a_bad_argument_is_one_line_and_exit_2_before_any_work(extra, message, capsys):
     rc, out, err = plan(GPT3 + extra, capsys)
-    assert rc == 1 and out == ""                         # nothing ranked or predicted first
+    assert rc == 2 and out == ""                         # nothing ranked or predicted first
     assert message in err and err.count("\n") == 1
 
 
 def test_json_that_is_a_folder_is_refused_first(tmp_path, capsys):
     rc, out, err = plan(GPT3 + ["--json", str(tmp_path)], capsys)
-    assert rc == 1 and out == "" and "is a folder" in err
+    assert rc == 2 and out == "" and "is a folder" in err
 
 
 def test_one_strategy_that_does_not_fit_exits_1_and_says_what_fits_means(capsys):
@@ -77,7 +77,14 @@ def test_a_hf_config_is_ranked_and_predicted(tmp_path, capsys):
 def test_an_unsupported_config_is_one_line(capsys):
     rc, out, err = plan(["plan", "--model-config", str(CONFIGS / "deepseek-v3.json"), "--gpus", "64",
                          "--global-batch", "64"], capsys)
-    assert rc == 1 and out == "" and "MLA" in err and err.count("\n") == 1
+    assert rc == 2 and out == "" and "MLA" in err and err.count("\n") == 1
+
+
+def test_a_config_that_is_a_json_list_is_one_line_and_exit_2(tmp_path, capsys):
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps([json.loads((CONFIGS / "llama3-8b.json").read_text())]))
+    rc, out, err = plan(["plan", "--model-config", str(listed), "--gpus", "64", "--global-batch", "64"], capsys)
+    assert rc == 2 and out == "" and "holds a JSON list, not an object" in err and err.count("\n") == 1
 
 
 def test_published_llama_table_prints(capsys):

@@ -5,13 +5,15 @@
 >>> labkit.drift(run, ref)          # None, or the first (step, parameter, rank) that departs
 >>> run.grad_norms()                # the gradient check: every parameter's gradient norm, per rank
 
-What is recorded, and why. With ``snapshots=True`` every rank keeps, after each optimizer
-step, a float32 copy of each of its parameters and the norm of each gradient (the averaged
-gradient the optimizer just used). Full copies cost ``4 bytes × parameters held × ranks ×
-steps`` in the notebook, plus one copy per step for the reference: 28 KB a step per rank for
-the tests' 7 k-parameter MLP, 2.1 MB for the default ``mlp()`` (526 k), 3.2 MB for a 0.8 M
-GPT — fine for the tens of steps a lesson looks at, and the reason the option is off by
-default (when on, the copy is timed as part of the optimizer step). The cheap alternative, a
+What is recorded, and why. With ``snapshots=True`` every rank keeps, after each step, a
+float32 copy of its parameters — its own copy, whole: each dp replica's, each stage's, ZeRO
+shards gathered (ZeRO-1/2 write the updated shards back after the optimizer's step) and tp
+pieces gathered onto the replica's first tp rank — and the norm of each gradient (the
+averaged gradient the optimizer just used). Full copies cost ``4 bytes × parameters held ×
+ranks × steps`` in the notebook, plus one copy per step for the reference: 28 KB a step per
+rank for the tests' 7 k-parameter MLP, 2.1 MB for the default ``mlp()`` (526 k), 3.2 MB for a
+0.8 M GPT — fine for the tens of steps a lesson looks at, and the reason the option is off by
+default (when on, the gradient norms are taken in the optimizer step). The cheap alternative, a
 norm and a checksum per parameter, fails exactly where this tool is needed:
 
 * a norm sees only the part of a departure along the weights (‖p + d‖ − ‖p‖ ≈ p̂·d): a
@@ -38,6 +40,7 @@ that is not a mean over the rows, e.g. a sum); else a **precision** or math effe
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -62,33 +65,53 @@ def take_snapshot(model: torch.nn.Module) -> dict:
     for name, p in model.named_parameters():
         params[name] = p.detach().float().cpu().clone()
         grad_norms[name] = float(p.grad.detach().float().norm()) if p.grad is not None else 0.0
-    buffers = {name: b.detach().float().cpu().clone() for name, b in model.named_buffers()
-               if isinstance(b, torch.Tensor) and not b.is_meta}
-    return {"params": params, "grad_norms": grad_norms, "buffers": buffers}
+    return {"params": params, "grad_norms": grad_norms, "buffers": _buffers(model)}
+
+
+def _buffers(model: torch.nn.Module) -> dict:
+    return {name: b.detach().float().cpu().clone() for name, b in model.named_buffers()
+            if isinstance(b, torch.Tensor) and not b.is_meta}
 
 
 class StepSnapshots:
     """Takes a snapshot of ``model`` after every ``optimizer.step()``; :meth:`pop` hands it over.
 
     A step post-hook, so the gradients are still there (jobs zero them right after the step).
+    ``copy``: where :meth:`pop` takes the parameters from instead, after the whole step (an
+    engine's job: its rank's own copy, ZeRO shards and tp pieces gathered, as ZeRO-1/2 write
+    the updated shards back only after the optimizer's step and ZeRO-3 holds shards alone).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
-        self.model, self.latest = model, {}
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 copy: Callable[[], dict] | None = None):
+        self.model, self.latest, self.copy = model, {}, copy
         if optimizer is not None:         # a pipeline stage without parameters has no optimizer
             optimizer.register_step_post_hook(lambda opt, args, kwargs: self._take())
 
     def _take(self) -> None:
-        self.latest = take_snapshot(self.model)
+        if self.copy is None:
+            self.latest = take_snapshot(self.model)
+            return
+        # the parameters come from the copy at pop(); ZeRO-3's own may be freed here (not read)
+        self.latest = {"params": {}, "buffers": _buffers(self.model),
+                       "grad_norms": {name: float(p.grad.detach().float().norm()) if p.grad is not None else 0.0
+                                      for name, p in self.model.named_parameters()}}
 
     def pop(self) -> dict:
         out, self.latest = self.latest or {"params": {}, "grad_norms": {}}, {}
+        if self.copy is not None:         # every rank calls it (a collective where shards are gathered)
+            buffers = {name for name, _ in self.model.named_buffers()}
+            out["params"] = {k: v.detach().float().cpu().clone() for k, v in self.copy().items() if k not in buffers}
         return out
 
 
 def build_step_snapshots(job) -> StepSnapshots:
-    """Snapshots for an engine's job (anything with ``.model`` and ``.optimizer``)."""
-    return StepSnapshots(job.model, getattr(job, "optimizer", None))
+    """Snapshots for an engine's job (anything with ``.model`` and ``.optimizer``); the
+    parameters from its ``full_state_dict(every=True)`` where it has one: this rank's copy,
+    whole."""
+    whole = getattr(job, "full_state_dict", None)
+    return StepSnapshots(job.model, getattr(job, "optimizer", None),
+                         (lambda: whole(every=True)) if whole is not None else None)
 
 
 # -- the gradient check -----------------------------------------------------------------------

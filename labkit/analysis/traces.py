@@ -90,7 +90,7 @@ def read_profiler(paths, title: str | None = None, ranks=None):
     """
     from .timeline import Timeline
 
-    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    paths = [f for p in ([paths] if isinstance(paths, (str, Path)) else paths) for f in _trace_files(Path(p))]
     if not paths:
         raise ValueError("from_profiler(paths): no paths given; pass one trace file per rank")
     if ranks is not None and len(ranks) != len(paths):
@@ -112,6 +112,18 @@ def read_profiler(paths, title: str | None = None, ranks=None):
                       f"{_ranges(missing)}; those ranks are empty and the metrics count them idle "
                       f"(pass every rank's trace)", stacklevel=3)
     return Timeline(EventTable.concat(parts), world, title or "profiler trace")
+
+
+def _trace_files(path: Path) -> list[Path]:
+    """A trace file as it is; a folder (torch's ``tensorboard_trace_handler`` writes one file per
+    rank into a folder) as its ``.json`` / ``.json.gz`` files, in name order."""
+    if not path.is_dir():
+        return [path]
+    found = sorted(f for f in path.iterdir() if f.is_file() and f.name.endswith((".json", ".json.gz")))
+    if not found:
+        raise ValueError(f"{path}: a folder with no .json or .json.gz trace in it; pass the folder "
+                         "torch.profiler's tensorboard_trace_handler wrote, or the trace files themselves")
+    return found
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -142,7 +154,8 @@ def _rank_of(trace, path: Path, given) -> tuple[int, int]:
 
 def _read_rank(trace: dict, path: Path, rank: int) -> tuple[EventTable, list[int]]:
     """One rank's events and its step numbers."""
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    # a complete event ("X") is placed by its start and length; one without either cannot be
+    spans = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
     steps = sorted((int(m.group(1)), float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("tid"))
                    for e in spans if (m := _STEP.match(str(e.get("name", "")))))
     if not steps:

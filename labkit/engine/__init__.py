@@ -8,6 +8,7 @@ micro-batches, bucket size or mode reuses them.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import socket
@@ -258,8 +259,9 @@ def run_step(step: int, run_id: str | None = None) -> dict:
         result["tokens_per_expert"] = routed          # MoE routing, for labkit.view.experts
     if result.get("loss_weight", 0) > 0 and not math.isfinite(result["loss"]) and not s.job.spec.allow_nonfinite:
         # after the step, so every rank has finished its collectives: the lab stays in step
-        raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, or a NaN "
-                            f"or inf in the model or data); lab.run(..., allow_nonfinite=True) carries on")
+        raise NonFiniteLoss(f"rank {s.rank}, step {step}: loss is {result['loss']} (a diverging lr, a NaN or "
+                            f"inf in the model or data, or a mean over a shard whose targets are all padding: "
+                            f"use labkit.losses.token_loss); lab.run(..., allow_nonfinite=True) carries on")
     return result
 
 
@@ -341,6 +343,25 @@ def parameters() -> dict:
     the model's state_dict; merged over ranks they are the whole model."""
     s = session()
     return s.job.full_state_dict() if s.job is not None else {}
+
+
+def parameter_copy(whole: bool = False) -> dict:
+    """This rank's copy of the parameters, for the check that reads every replica
+    (``run.max_diff``): a digest of each tensor (its bytes hashed), and the tensors themselves
+    where this rank reports them for ``run.parameters()`` (``owner``) or ``whole`` asks. A
+    collective like :func:`parameters`: every rank calls it."""
+    s = session()
+    if s.job is None:
+        return {"rank": s.rank, "owner": False, "digests": {}, "state": {}}
+    owner, state = s.job.owns_parameters, s.job.full_state_dict(every=True)
+    return {"rank": s.rank, "owner": owner, "digests": {k: tensor_digest(v) for k, v in state.items()},
+            "state": state if owner or whole else {}}
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and bytes, hashed: equal digests, bitwise-equal tensors."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode() + data, digest_size=16).hexdigest()
 
 
 def shutdown() -> None:

@@ -213,12 +213,13 @@ class Llama:
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"llama: top_k={self.top_k} is more than n_experts={self.n_experts}; "
                              f"use top_k ≤ {self.n_experts}")
-        if not self.aux_loss_coef >= 0:
-            raise ValueError(f"llama: aux_loss_coef={self.aux_loss_coef!r} must be ≥ 0 (0 turns it off)")
-        if not (isinstance(self.router_skew, (int, float)) and self.router_skew >= 0) or \
+        if not 0 <= self.aux_loss_coef < math.inf:
+            raise ValueError(f"llama: aux_loss_coef={self.aux_loss_coef!r} must be a finite number ≥ 0 "
+                             "(0 turns it off)")
+        if not (isinstance(self.router_skew, (int, float)) and 0 <= self.router_skew < math.inf) or \
                 (self.router_skew and not self.n_experts):
-            raise ValueError(f"llama: router_skew={self.router_skew!r} must be a number ≥ 0, and needs experts "
-                             "(n_experts > 0); use router_skew=0 for a dense model")
+            raise ValueError(f"llama: router_skew={self.router_skew!r} must be a finite number ≥ 0, and needs "
+                             "experts (n_experts > 0); use router_skew=0 for a dense model")
 
     @property
     def kv_heads(self) -> int:

@@ -19,9 +19,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ..training import TokenLoss
+from ..training import TokenLoss, call_model
 from .buffers import warn_written_buffers, written_buffers
 from .pipeline.modules import merge_stages
 from .pipeline.split_backward import backward_input, backward_weight
@@ -109,10 +110,63 @@ class Executor:
         # its last W when the schedule splits backward (parameter gradients appear in W).
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.op in ("B", "W")}
         self.chunk_of = {st.index: st.chunk for st in stages}     # stages this rank holds
+        self.grads_to_none = any(getattr(st.sync, "grads_to_none", False) for st in stages)
+        self.reached = self._watch_reached()
         unknown = sorted({a.op for a in actions} - self.HANDLERS.keys())
         if unknown:
             raise ValueError(f"schedule {spec.strategy.schedule!r} uses action(s) {unknown} that the executor "
                              f"cannot run yet; add them to Executor.HANDLERS")
+
+    def _watch_reached(self) -> set | None:
+        """The parameters a backward reached this step (ids), watched when the optimizer moves
+        a parameter whose gradient is zero (AdamW, momentum) and a missing gradient is therefore
+        not the same as a zero one; None when it does not (plain SGD), when the gradients are
+        dropped after each step instead (FSDP2: a parameter not reached has none), or when the
+        sync's parameters are not all its own (ep's experts sync apart)."""
+        s = self.spec.strategy
+        if (self.spec.optimizer != "adamw" and not self.spec.momentum) or self.grads_to_none or s.ep > 1:
+            return None
+        reached: set = set()
+        for stage in self.stages:
+            for _, p in getattr(stage.sync, "params", ()):
+                p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p)))
+        return reached
+
+    def _unreached(self) -> list:
+        """The parameters that no replica's backward reached this step: one process would have
+        no gradient for them (``.grad`` None) and torch's optimizer would skip them, while the
+        syncs filled their gradients with zeros so every replica sends the same buckets. The
+        replicas agree (a max over each stage's dp group), so they skip the same ones."""
+        out = []
+        for stage in self.stages:
+            params = [p for _, p in getattr(stage.sync, "params", ())]
+            if not params:
+                continue
+            flags = torch.tensor([float(id(p) in self.reached) for p in params])
+            if getattr(stage.sync, "dp", 1) > 1:
+                # bookkeeping, a few bytes, kept off the timeline (as labkit.comm's own clock
+                # stamps are): the lesson's comm is the gradients' and the parameters'
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=stage.sync.group)
+            out += [p for p, f in zip(params, flags.tolist()) if not f]
+        self.reached.clear()
+        return out
+
+    def _step_optimizer(self) -> dict:
+        """The optimizer step, skipping what one process would skip (:meth:`_unreached`)."""
+        unreached = self._unreached() if self.reached is not None else []
+        if not unreached:
+            return self.precision.step(self.optimizer)
+        if hasattr(self.optimizer, "skipping"):           # ZeRO: the shards' pieces of them
+            with self.optimizer.skipping(unreached):
+                return self.precision.step(self.optimizer)
+        hidden = [(p, p.grad) for p in unreached]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            return self.precision.step(self.optimizer)
+        finally:
+            for p, grad in hidden:
+                p.grad = grad        # a bucket's view stays in place for the next step
 
     def close(self) -> None:
         """Let go of this job. A parameter's autograd hooks are held from C++, where Python's
@@ -172,8 +226,8 @@ class Executor:
         if self.optimizer is not None:
             label = getattr(self.optimizer, "label", f"{type(self.optimizer).__name__} step")
             with self.recorder.span("optimizer", label):
-                stepped = self.precision.step(self.optimizer)     # fp16: unscale, maybe skip
-                self.optimizer.zero_grad(set_to_none=False)
+                stepped = self._step_optimizer()     # fp16: unscale, maybe skip
+                self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         for stage in self.stages:
             stage.sync.after_step()          # ZeRO-1/2: updated shards gathered back
         last = any(st.index == self.last_stage for st in self.stages)
@@ -185,15 +239,18 @@ class Executor:
         asked for once the step's clock has stopped: counting them is not the step's work."""
         return measure_memory(self.stages, self.optimizer, self.meter.peak)
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, every: bool = False) -> dict:
         """The parameters this rank reports for ``run.parameters()``: each key from exactly one
         rank (here: dp index 0 reports its stages; with tp, its tp index 0 after gathering the
         shards, a collective every tp rank of dp index 0 joins), so the notebook just merges.
-        Every rank asks its syncs first: a sharded one (zero) gathers, which takes the whole dp group."""
+        Every rank asks its syncs first: a sharded one (zero) gathers, which takes the whole dp group.
+
+        ``every``: every dp replica reports its own copy (its tp index 0, after its own tp
+        group gathered), for the check that reads every replica (``run.max_diff``)."""
         state = {}
         for stage in self.stages:
             state.update(stage.sync.full_state_dict(stage.module))
-        if not self.owns_parameters:
+        if not (self.owns_parameters or every):
             return {}
         if self.tp_group is not None:
             from .tensor import full_state_dict
@@ -224,7 +281,7 @@ class Executor:
                                                                         microbatch=a.microbatch)
         with span, self.meter.forward(key, inp) as kept, stage.sync.defer():
             with self.precision.autocast():
-                out = stage.run(inp)
+                out = call_model(stage.module, inp, stage.run)     # a dict: keyword tensors where taken
                 if a.stage == self.last_stage:
                     out = self._loss(out, self.ys[a.microbatch])
             if a.stage == self.last_stage:

@@ -8,7 +8,8 @@
     labkit plan --published llama                                        # Llama 3 and torchtitan tables
 
 Every argument is checked, and the output path too, before any prediction: a bad one is a
-one-line message and exit code 1. A single strategy that does not fit exits 1 as well.
+one-line message and exit code 2 (argparse's own code for bad usage). A strategy that does not
+fit, or a ranking in which none fits, exits 1.
 """
 from __future__ import annotations
 
@@ -62,9 +63,22 @@ def add_parser(subparsers) -> None:
 
 
 def _one_line_error(message: str):
-    """argparse's own errors (a flag that is not a number, an unknown choice) as one line, exit 1."""
+    """argparse's own errors (a flag that is not a number, an unknown choice) as one line, exit 2."""
     print(f"labkit plan: {message}", file=sys.stderr)
-    raise SystemExit(1)
+    raise SystemExit(BAD_ARGUMENTS)
+
+
+BAD_ARGUMENTS = 2
+"""The exit code of bad input (docs/troubleshooting.md); 1 is "does not fit"."""
+
+
+def _check_config_object(path: str) -> None:
+    """A config.json holds one JSON object ({"model_type": …, …}); anything else is named."""
+    with open(path) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"--model-config {path} holds a JSON {type(config).__name__}, not an object; a Hugging Face "
+                         "config.json is one object such as {\"model_type\": \"llama\", \"hidden_size\": 4096, …}")
 
 
 def check_args(args) -> None:
@@ -99,6 +113,7 @@ def _model_and_cluster(args):
         raise ValueError(f"give {' '.join(missing)} (the model, the cluster size and the batch)")
     if args.model_config:
         try:
+            _check_config_object(args.model_config)
             model = from_hf_config(args.model_config, seq=args.seq)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"--model-config {args.model_config} is not a JSON file ({exc})") from None
@@ -155,7 +170,7 @@ def _rank(args, model, cluster) -> int:
 
 
 def run(args) -> int:
-    """The ``plan`` subcommand; bad input prints one line and returns 1."""
+    """The ``plan`` subcommand; bad input prints one line and returns 2 (nothing fits: 1)."""
     try:
         check_args(args)
         if args.validate or args.published:
@@ -170,4 +185,4 @@ def run(args) -> int:
         return _rank(args, model, cluster)
     except ValueError as exc:
         print(f"labkit plan: {exc}", file=sys.stderr)
-        return 1
+        return BAD_ARGUMENTS

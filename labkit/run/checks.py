@@ -25,8 +25,16 @@ def check_profile(profile) -> None:
     if not isinstance(profile, (bool, str, os.PathLike)):
         raise TypeError(f"profile={profile!r} must be True, False or a folder to save the traces in "
                         f"(profile='traces/')")
-    if not isinstance(profile, bool) and os.path.isfile(profile):
+    if isinstance(profile, bool):
+        return
+    if os.path.isfile(profile):
         raise ValueError(f"profile={str(profile)!r} is a file; name a folder for the per-rank traces")
+    existing = os.path.abspath(profile)
+    while not os.path.exists(existing):           # the folder is made after the run: its nearest ancestor
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"profile={str(profile)!r}: {existing} cannot be written, so the traces could not be saved "
+                         "after the run; name a folder you can write (or profile=True: a new temporary folder)")
 
 
 def check_model(model: nn.Module, strategy) -> None:
@@ -98,6 +106,8 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
     """(random outputs of two rows, the same rows twice, their targets) shaped by the model's
     forward on the meta device, or None where that cannot be done."""
     from torch.func import functional_call
+
+    from ..training import takes_keywords
     try:
         x, y = data(0)
         rows = min(2, batch)
@@ -107,7 +117,8 @@ def _sample_outputs(model: nn.Module, data: Callable, batch: int):
                 for k, v in [*model.named_parameters(), *model.named_buffers()]}
         on_meta = {k: v.to("meta") for k, v in x2.items()} if isinstance(x2, dict) else x2.to("meta")
         with torch.no_grad():
-            out = functional_call(model, meta, (on_meta,), strict=False, tie_weights=True)
+            args, kwargs = ((), on_meta) if takes_keywords(model, on_meta) else ((on_meta,), None)
+            out = functional_call(model, meta, args, kwargs, strict=False, tie_weights=True)
         g = torch.Generator().manual_seed(0)
         once, twice = _made(out, rows, g, once=True), None
         g.manual_seed(0)
@@ -134,6 +145,11 @@ def _made(out, rows: int, g: torch.Generator, once: bool):
     raise TypeError(f"cannot make an output like {type(out).__name__}")
 
 
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` has a dropout layer with p > 0."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
 def warn_dropout(model: nn.Module, strategy) -> None:
     """Dropout draws its masks from each rank's generator, per replica and per micro-batch, so
     a split run zeroes other activations than one process does: same data, other model."""
@@ -145,3 +161,85 @@ def warn_dropout(model: nn.Module, strategy) -> None:
                       f"{', …' if len(drops) > 3 else ''}): each rank draws its own masks for its rows, so the run "
                       "departs from one process by the masks alone; set their p to 0 to compare parameters "
                       "with labkit.reference", UserWarning, stacklevel=4)
+
+
+def split(strategy) -> bool:
+    """Whether a run cuts the batch (replicas, sequence slices, micro-batches) or the model."""
+    s = strategy
+    return s.dp * s.pp * s.tp * s.cp * s.microbatches > 1
+
+
+# -- the first batch's targets ---------------------------------------------------------------------
+def check_targets(loss, data: Callable) -> None:
+    """The default ``loss="mse"`` on integer targets (token ids) would fail on the engines with
+    a shape error; refused here, naming the loss they need."""
+    if loss != "mse":
+        return
+    y = _first_targets(data)
+    if isinstance(y, torch.Tensor) and not (y.is_floating_point() or y.is_complex()):
+        raise ValueError(f"loss='mse' (the default) on integer targets (dtype {y.dtype}, shape {tuple(y.shape)}): "
+                         "targets are token ids or classes: pass loss='cross_entropy'")
+
+
+def warn_ignored_targets(loss, data: Callable, strategy) -> None:
+    """Targets holding -100 (padding, as torch's ``ignore_index``) with a user's callable loss:
+    its mean is over each shard's own counted tokens, and a mean of means is not the mean over
+    the global batch when shards hold different numbers of them (an all-padding shard: 0/0).
+    :func:`labkit.losses.token_loss` divides by the global batch's count instead."""
+    from ..training import TokenLoss
+    if isinstance(loss, TokenLoss) or not callable(loss) or strategy.dp * strategy.cp * strategy.microbatches == 1:
+        return
+    y = _first_targets(data)
+    if isinstance(y, torch.Tensor) and not y.is_floating_point() and bool((y == -100).any()):
+        warnings.warn("the first batch's targets hold -100 (padding), and the loss is a callable: its mean over "
+                      "each replica's or micro-batch's own counted tokens, averaged, is not the mean over the "
+                      "whole batch when they hold different numbers of them (one all padding gives NaN), so the "
+                      "run departs from one process; wrap a summed loss in labkit.losses.token_loss "
+                      "(it divides by the global batch's count)", UserWarning, stacklevel=4)
+
+
+def _first_targets(data: Callable):
+    try:
+        return data(0)[1]
+    except Exception:               # the run reports the data's own error
+        return None
+
+
+# -- a Hugging Face MoE's router loss --------------------------------------------------------------
+def warn_router_loss(model: nn.Module, strategy) -> None:
+    """A transformers MoE whose config keeps ``output_router_logits=True`` adds its load-balancing
+    loss to the output: transformers computes it over the batch the forward sees (the fraction
+    of tokens per expert times the mean router probability, a product of two batch means), so
+    shards do not reproduce it, and a pipeline's chain of layers leaves it out.
+    ``labkit.models.from_hf`` turns it off; a model built by hand may not."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or not split(strategy):
+        return
+    warnings.warn(f"{type(model).__name__}'s config has output_router_logits=True: transformers adds its router "
+                  "loss computed over the batch each rank sees (a product of two batch means; left out by pipeline "
+                  "stages), so the run departs from one process; set config.output_router_logits=False (as "
+                  "labkit.models.from_hf does) to compare parameters with labkit.reference",
+                  UserWarning, stacklevel=4)
+
+
+# -- randomness in forward -------------------------------------------------------------------------
+def warn_random_forward(model: nn.Module, x, strategy) -> None:
+    """Dropout called as a function (``F.dropout`` in a forward) draws masks as a layer does
+    but has no module :func:`warn_dropout` could see: the forward, in train mode, moves torch's
+    random generator. Warned as dropout layers are (a split run draws other masks than one
+    process). ``model``: a throwaway copy with real weights; the caller's generator is kept."""
+    if not split(strategy) or has_dropout(model):
+        return
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.train()
+            before = torch.random.get_rng_state()
+            model(**x) if isinstance(x, dict) else model(x)
+            drew = not torch.equal(before, torch.random.get_rng_state())
+    except Exception:               # what the engines would report, with its step
+        return
+    if drew:
+        warnings.warn(f"{type(model).__name__}'s forward draws random numbers in train mode (dropout called as a "
+                      "function, e.g. F.dropout, or noise): each rank draws its own for its rows, so the run departs "
+                      "from one process by the draws alone; make the probability 0 (or pass training=False) to "
+                      "compare parameters with labkit.reference", UserWarning, stacklevel=4)

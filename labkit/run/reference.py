@@ -12,7 +12,7 @@ from statistics import median
 import torch
 
 from ..analysis.drift import StepSnapshots, check_snapshots
-from ..training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..training import build_model, build_optimizer, call_model, resolve_data, resolve_loss
 
 
 @dataclass
@@ -71,10 +71,10 @@ def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots, optim
     for step in range(steps):
         x, y = data_fn(step)
         t0 = time.perf_counter()
-        value = loss_fn(net(x), y)
+        value = loss_fn(call_model(net, x), y)
         value.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()            # torch's default: a parameter backward never reaches has no gradient
         times.append(time.perf_counter() - t0)
         losses.append(value.item())
         if recorder is not None:

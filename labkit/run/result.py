@@ -13,7 +13,58 @@ def max_abs_diff(a: dict, b: dict) -> float:
     if set(a) != set(b):
         missing = sorted(set(a) ^ set(b))
         raise KeyError(f"the parameter sets differ: {missing[:6]}")
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    return max(_abs_diff(a[k], b[k]) for k in a)
+
+
+def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+class MaxDiff(float):
+    """``run.max_diff(ref)``: the largest |Δ| over every rank's copy, a float that also says
+    where: ``rank`` and ``parameter`` of the largest, and ``by_rank`` {rank: its largest |Δ|}
+    for every rank whose copy was read apart (a replica that is not bitwise the reported one).
+    Its repr names the rank that departs when the replicas disagree."""
+
+    rank: int | None
+    parameter: str | None
+    by_rank: dict
+
+    def __new__(cls, value: float, rank=None, parameter=None, by_rank=None):
+        out = super().__new__(cls, value)
+        out.rank, out.parameter, out.by_rank = rank, parameter, dict(by_rank or {})
+        return out
+
+    def __repr__(self) -> str:
+        value = float.__repr__(self)
+        if not self.by_rank:
+            return value
+        return (f"{value} (rank {self.rank} departs, parameter {self.parameter!r}: the dp replicas disagree, "
+                f"largest |Δ| per rank {', '.join(f'{r}: {v:.3g}' for r, v in sorted(self.by_rank.items()))})")
+
+    def __reduce__(self):
+        return MaxDiff, (float(self), self.rank, self.parameter, self.by_rank)
+
+
+def every_copy_diff(params: dict, holders: dict, copies: dict, theirs: dict) -> MaxDiff:
+    """The largest |Δ| between ``theirs`` and every rank's copy: the reported ``params`` (each
+    key from the rank in ``holders``) and every other rank's copies that differ from them
+    (``copies``: {rank: {key: tensor}})."""
+    max_abs_diff(params, theirs)                   # the same keys, or KeyError naming them
+    best = (-1.0, None, None)
+    for key, tensor in params.items():
+        best = max(best, (_abs_diff(tensor, theirs[key]), holders.get(key), key), key=lambda b: b[0])
+    by_rank = {}
+    for rank, part in copies.items():
+        for key, tensor in part.items():
+            d = _abs_diff(tensor, theirs[key])
+            by_rank[rank] = max(by_rank.get(rank, 0.0), d)
+            best = max(best, (d, rank, key), key=lambda b: b[0])
+    if by_rank:                      # the reported copies too, for the comparison
+        for key, tensor in params.items():
+            r = holders.get(key)
+            by_rank[r] = max(by_rank.get(r, 0.0), _abs_diff(tensor, theirs[key]))
+    return MaxDiff(best[0], best[1], best[2], by_rank)
 
 
 @dataclass
@@ -43,6 +94,11 @@ class Run:
     step_entries: dict = field(default_factory=dict, repr=False)
     """Per recorded step, its part of the metrics (analysis.metrics.step_entry), so the metrics
     are refreshed after each step from the new step's events alone."""
+    holders: dict = field(default_factory=dict, repr=False)
+    """Per parameter, the rank whose copy ``parameters()`` reports."""
+    copies: dict = field(default_factory=dict, repr=False)
+    """{rank: {parameter: tensor}}: every other rank's copy of a parameter where it is not
+    bitwise the reported one (empty when the replicas agree, as they do in a correct run)."""
     profile_paths: list[str] = field(default_factory=list, repr=False)
     """With ``lab.run(..., profile=True)``: each rank's torch profiler trace, in rank order."""
     checkpoints: list[str] = field(default_factory=list, repr=False)
@@ -82,9 +138,17 @@ class Run:
         from ..analysis.tensor_bytes import tp_bytes_table
         return tp_bytes_table(self, n_embd, seq)
 
-    def max_diff(self, other) -> float:
-        """Largest parameter difference from another run or ``labkit.reference`` result."""
-        return max_abs_diff(self.parameters(), other.parameters())
+    def max_diff(self, other) -> MaxDiff:
+        """Largest parameter difference from another run or ``labkit.reference`` result, over
+        every rank's copy (each dp replica, each stage; ZeRO shards and tp pieces as gathered),
+        not just the reported one: a replica that departed shows here, named by its rank."""
+        theirs = other.parameters()
+        mine = every_copy_diff(self.params, self.holders, self.copies, theirs)
+        if getattr(other, "copies", None):           # the other run's replicas, read alike
+            other_side = every_copy_diff(other.params, other.holders, other.copies, self.params)
+            if other_side > mine:
+                return other_side
+        return mine
 
     def __repr__(self) -> str:
         s = self.strategy

@@ -26,7 +26,9 @@ from ..analysis.timeline import Timeline
 from ..training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from ..parallel.materialize import check_init
-from .checks import check_loss, check_model, check_number, check_profile, warn_dropout
+from .checks import (check_loss, check_model, check_number, check_profile, check_targets, has_dropout, split,
+                     warn_dropout,
+                     warn_ignored_targets, warn_random_forward, warn_router_loss)
 from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
@@ -73,8 +75,11 @@ def validate(spec: RunSpec, engines: int):
     warn_dropout(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a chain
     data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    check_targets(spec.loss, data)                   # token ids with the default "mse": refused
     if callable(spec.loss):
         check_loss(loss, built, data, spec.batch)    # a user's loss: a mean over the rows, or refused
+        warn_ignored_targets(loss, data, s)          # padding (-100) averaged per shard
+    warn_router_loss(built, s)                       # a transformers MoE's batch-wide router loss
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
     check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
     check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
@@ -84,8 +89,39 @@ def validate(spec: RunSpec, engines: int):
         from ..parallel.pipeline.stages import check_split
         check_split(s, unit_count(built), len(layer_span(built)))
         _check_tied_split_backward(s, built)
+    check_first_batch(spec, built, data)
     from ..checkpoint import prepare
     return prepare(spec, built)                      # checkpoint=, resume=: the folder, model, optimizer
+
+
+PROBE_PARAMETERS = 50_000_000
+"""The largest model :func:`check_first_batch` builds for real in the notebook (200 MB in fp32)."""
+
+
+def check_first_batch(spec: RunSpec, built: nn.Module, data) -> None:
+    """What needs the model's values, on one row of the first batch, in this process: with
+    pp > 1, the stages' chain of units computes what its forward does (refused otherwise,
+    :func:`labkit.parallel.pipeline.modules.check_chain`); with a split run, a forward that
+    draws random numbers is warned about (:func:`.checks.warn_random_forward`). The model is
+    built for real under the run's seed, the caller's RNG kept; a model over
+    ``PROBE_PARAMETERS`` is not built (its chain and forward are not probed)."""
+    s = spec.strategy
+    random_probe = split(s) and not has_dropout(built)      # dropout layers are warned about already
+    if not (s.pp > 1 or random_probe) or sum(p.numel() for p in built.parameters()) > PROBE_PARAMETERS:
+        return
+    try:
+        x = data(0)[0]
+    except Exception:             # the run reports the data's own error
+        return
+    if not isinstance(x, torch.Tensor):
+        return
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec.model, spec.seed)
+    if s.pp > 1:
+        from ..parallel.pipeline.modules import check_chain
+        check_chain(model, x[:1])
+    if random_probe:
+        warn_random_forward(model, x[:1], s)
 
 
 def model_for_checks(model, seed: int) -> nn.Module:
@@ -223,7 +259,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             run.checkpoints.append(finish(lab, spec, plan, run.checkpoint_io))
         if spec.extra.get("profile"):
             run.profile_paths = save_profiles(lab.apply(engine.finish_profile), spec.extra["profile"], run_id)
-        run.params = gather_parameters(lab)
+        run.params, run.holders, run.copies = gather_parameters(lab)
     return run
 
 
@@ -310,10 +346,27 @@ def _memory(results: list[dict]) -> list[dict]:
     return [r.get("memory", {}) for r in sorted(results, key=lambda r: r["rank"])]
 
 
-def gather_parameters(lab) -> dict:
-    """The full state_dict: every rank's job reports the keys it owns (its full_state_dict),
-    so nothing here assumes which ranks hold which parameters."""
-    merged = {}
-    for part in lab.apply(engine.parameters):
-        merged.update(part)
-    return merged
+def gather_parameters(lab) -> tuple[dict, dict, dict]:
+    """The full state_dict, each key from the rank that reports it (every rank's job reports
+    the keys it owns, its full_state_dict, so nothing here assumes which ranks hold which
+    parameters); which rank that is, per key; and every other rank's copy of a key where it is
+    not bitwise the reported one ({rank: {key: tensor}}), for ``run.max_diff``.
+
+    Every rank hashes its own copy (each dp replica, each stage; ZeRO shards and tp pieces
+    gathered as for the report), so an agreeing replica costs a digest, not a copy; only when a
+    digest differs are the copies fetched (a second gather)."""
+    parts = sorted(lab.apply(engine.parameter_copy), key=lambda p: p["rank"])
+    merged, holders, digests = {}, {}, {}
+    for part in parts:
+        if part["owner"]:
+            for key, tensor in part["state"].items():
+                merged[key], holders[key] = tensor, part["rank"]
+                digests.setdefault(key, part["digests"][key])
+    differ = {p["rank"] for p in parts for k, d in p["digests"].items() if digests.get(k, d) != d}
+    copies: dict = {}
+    if differ:
+        for part in lab.apply(engine.parameter_copy, True):
+            if part["rank"] in differ:
+                copies[part["rank"]] = {k: part["state"][k] for k, d in part["digests"].items()
+                                        if digests.get(k, d) != d}
+    return merged, holders, copies

@@ -48,6 +48,7 @@ class Lab:
         self._engine_of: dict[int, int] = {}     # rank → engine id
         self._rank_of: dict[int, int] = {}       # engine id → rank
         self._interrupt = False
+        self._closing = False           # close() began: a call another thread waits on ends
         self.view = None
         self.debug = False
         self._dead: list[int] = []      # ranks whose engine died: lab.recover() restarts them
@@ -288,6 +289,7 @@ class Lab:
         sent, stopped_since = time.monotonic(), {}
 
         def still_there(pending):
+            self._check_closing(what)
             self._check_controller(what)
             self._check_stopped(what, [self._rank_of.get(t) for t, f in zip(targets, children) if f in pending],
                                 sent, stopped_since)
@@ -373,6 +375,14 @@ class Lab:
         if self.client is None:
             raise LabError("the lab is closed; start a new one with labkit.Lab.start(...) "
                            "or labkit.Lab.connect(...)")
+
+    def _check_closing(self, what: str) -> None:
+        """LabError once :meth:`close` began (from another thread, while a call waits): the
+        client that would deliver the answers is going away, so waiting would last the call's
+        whole limit (10 × the collective timeout + 60 s) for answers that cannot come."""
+        if self._closing:
+            raise LabError(f"{what}: the lab was closed (lab.close(), from another thread) while this call ran, so "
+                           "its answers cannot arrive; start a new lab with labkit.Lab.start(...) and run it again")
 
     def _check_controller(self, what: str) -> None:
         """ControllerDiedError once a local lab's controller is gone (local labs only, lifetime.py)."""
@@ -576,7 +586,10 @@ class Lab:
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Leave the process group and, for a lab that started its engines, stop them all."""
+        """Leave the process group and, for a lab that started its engines, stop them all.
+        A call another thread is waiting on (a ``lab.run`` in flight) ends with LabError
+        within a second or so (:meth:`_check_closing`)."""
+        self._closing = True
         self._kill_stopped()
         if self.view is not None and lifetime.controller_alive(self.cluster):
             try:

@@ -58,8 +58,10 @@ def check_strategy(s) -> None:
 
 
 def sequence_divisor(s) -> int:
-    """What the sequence length must divide by: 2·cp chunks balanced, cp slices otherwise."""
-    return 2 * s.cp if s.cp_balance else s.cp
+    """What the sequence length must divide by: 2·cp chunks, balanced or not. Unbalanced, a
+    rank's slice of T/cp tokens is still two chunks of T/(2·cp) (attention works chunk by
+    chunk, :mod:`.layout`), so a T that cp divides but 2·cp does not would leave tokens out."""
+    return 2 * s.cp
 
 
 def check_model(s, built, data) -> None:
@@ -76,9 +78,10 @@ def check_model(s, built, data) -> None:
                          f"{tuple(getattr(y, 'shape', ()))}); use token data such as labkit.data.text, or cp=1")
     t, n = x.shape[1], sequence_divisor(s)
     if t % n:
-        what = f"2·cp = {n} chunks (causal load balancing)" if s.cp_balance else f"cp = {n} slices"
+        what = (f"2·cp = {n} chunks (causal load balancing)" if s.cp_balance else
+                f"cp = {s.cp} slices of two equal chunks (2·cp = {n}: attention works chunk by chunk)")
         raise ValueError(f"Strategy.cp={s.cp}: a sequence of {t} tokens does not cut into {what}; use a block_size "
-                         f"that is a multiple of {n}" + (", or cp_balance=False" if s.cp_balance else ""))
+                         f"that is a multiple of {n}")
     for name, m in built.named_modules():
         if getattr(m, "aux_loss_coef", 0) and hasattr(m, "n_experts"):
             # routing is per token (exact under cp), but the balance loss is a product of means

@@ -25,6 +25,7 @@ fired (a bucket index past the last, a step past the run, a mode without buckets
 """
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,8 +60,9 @@ class SyncFault:
             raise ValueError(f"SyncFault rank={self.rank!r} must be a rank (a whole number ≥ 0) or None")
         if self.kind == "skip" and self.rank is None:
             raise ValueError("SyncFault('skip') needs rank=: the rank that keeps its own gradient, e.g. rank=1")
-        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not self.factor > 0:
-            raise ValueError(f"SyncFault factor={self.factor!r} must be a number > 0 (2: the sum divided by 2·dp)")
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not 0 < self.factor < math.inf:
+            raise ValueError(f"SyncFault factor={self.factor!r} must be a finite number > 0 "
+                             "(2: the sum divided by 2·dp)")
 
     def __str__(self) -> str:
         who = "every rank" if self.rank is None else f"rank {self.rank}"

@@ -27,6 +27,7 @@ Every sync object has the methods the executor needs, and no caller asks which c
 """
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -91,6 +92,12 @@ class GradSync:
         raise NotImplementedError
 
     # -- what sharded syncs (labkit.parallel.zero) change; plain data parallelism needs none --
+    grads_to_none = False
+    """True when the optimizer drops the gradients after a step instead of zeroing them: FSDP2,
+    which reduces into gradients of its own, so that a parameter no backward reached in the next
+    step has none and the optimizer skips it as one process does. The other syncs keep them (a
+    bucket's views stay in place) and tell the executor which were reached instead."""
+
     times_forward = times_backward = False
     """True when the sync records forward (backward) spans per block itself: ZeRO-3 gathers
     inside them, and only it knows where a gather's wait ends and compute begins."""
@@ -293,16 +300,40 @@ class DDPSync(GradSync):
                                                 self.error_feedback)
         return self.ddp
 
+    @contextmanager
     def defer(self):
-        return self.ddp.no_sync()
+        with self._unused_named(), self.ddp.no_sync():
+            yield
 
     @contextmanager
     def backward(self, last: bool):
         if last:
             # Forwards ran under no_sync; arm DDP's reducer for this stage's final backward
             # (torch.distributed.pipelining's PipelineStage does the same).
-            self.ddp.reducer.prepare_for_backward([])
+            with self._unused_named():
+                self.ddp.reducer.prepare_for_backward([])
         yield
+
+    @contextmanager
+    def _unused_named(self):
+        """torch's error for a parameter that got no gradient in the last step, in labkit's
+        terms: DDP's advice (``find_unused_parameters=True``) is not an option a labkit user
+        has, and the parameters are named, not numbered. The other modes handle it."""
+        try:
+            yield
+        except RuntimeError as error:
+            text = str(error)
+            if "Expected to have finished reduction" not in text:
+                raise
+            names = [n for n, _ in self.params]
+            found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
+            unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
+            raise RuntimeError(
+                f"dp_mode='ddp': parameter(s) {unused[:6] or '(not named by torch)'} got no gradient in the last "
+                "step (a layer used on some steps or rows only, or never), and torch's DDP stops there (its "
+                "find_unused_parameters, which labkit leaves off, walks the graph every step); use "
+                "dp_mode='bucketed' or 'overlap', which send zeros for a missing gradient and let the optimizer "
+                "skip it as one process does") from None
 
     def finish(self):
         pass     # DDP's backward already waited for every bucket

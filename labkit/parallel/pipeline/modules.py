@@ -89,6 +89,63 @@ def pipeline_units(model: nn.Module) -> list[Unit]:
     return units
 
 
+def check_chain(model: nn.Module, x) -> None:
+    """Strategy.pp > 1: the chain of units (what the stages call, in order) gives what
+    ``model.forward`` gives on the inputs ``x`` (a few rows of the first batch), before any
+    engine trains: arithmetic a user's forward does between its modules (an embedding scaled
+    by √d, logits soft-capped, a mean-pool before a classifier's head) would otherwise be
+    skipped by every stage without a word. One process, the model in eval mode (no dropout),
+    no gradients; ValueError naming the fix when they differ."""
+    if not isinstance(x, torch.Tensor) or (isinstance(model, nn.Sequential)
+                                           and type(model).forward is nn.Sequential.forward):
+        return
+    units = pipeline_units(model)
+    chain = PipelineStage(model, units)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = _output(model(x))
+            try:
+                got = _output(chain(x))
+            except Exception as error:       # a unit given what it does not take: the forward differs
+                got = error
+    finally:
+        model.train(was_training)
+    path = " → ".join(u.path for u in units[:2]) + (" → … → " if len(units) > 3 else " → ") + units[-1].path
+    name = type(model).__name__
+    fix = ("move that arithmetic into a module the chain calls (e.g. a scaled embedding module, a pooling "
+           "module before the head), or give the model a pp_plan naming the modules its forward calls in "
+           "order, or use pp=1")
+    if isinstance(got, Exception):
+        raise ValueError(f"Strategy.pp > 1 calls {name}'s modules as a chain ({path}), each on the previous "
+                         f"one's output, and that chain fails on the first batch ({type(got).__name__}: "
+                         f"{str(got)[:160]}) where {name}.forward does not: the forward does more between its "
+                         f"modules than call them in order; {fix}")
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return
+    if got.shape != want.shape:
+        raise ValueError(f"Strategy.pp > 1 calls {name}'s modules as a chain ({path}), which gives shape "
+                         f"{tuple(got.shape)} on the first batch where {name}.forward gives {tuple(want.shape)} "
+                         f"(e.g. a mean-pool before a classifier's head happens in forward, between modules); {fix}")
+    off = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
+    if not off <= 1e-5 * max(1.0, float(want.float().abs().max())):
+        raise ValueError(f"Strategy.pp > 1 calls {name}'s modules as a chain ({path}), which differs from "
+                         f"{name}.forward by {off:.3g} on the first batch: the forward computes something "
+                         f"between its modules (a scale, a soft-cap, an added tensor) that the stages would "
+                         f"leave out; {fix}")
+
+
+def _output(out):
+    """A forward's tensor: itself, a Hugging Face output's logits, or a tuple's first item."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
 def _planned(model: nn.Module, plan) -> list[Unit]:
     if isinstance(plan, str) or not isinstance(plan, (list, tuple)) or not plan:
         raise ValueError(f"{type(model).__name__}.pp_plan={plan!r} must be a non-empty list of dotted module "

@@ -47,6 +47,7 @@ class FSDP2Sync(GradSync):
     """The stage's blocks under ``fully_shard``; FSDP2 does the reducing inside backward."""
 
     times_forward = True           # per-block forward spans, outside FSDP2's pre-forward gather
+    grads_to_none = True           # FSDP2 owns the gradients: none kept between steps (below)
 
     def __init__(self, group, dp: int, bucket_mb: float, recorder, zero: int, prefetch: int,
                  blocks: str | None = ""):

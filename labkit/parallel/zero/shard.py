@@ -84,6 +84,26 @@ class FlatUnit:
         self.ready = 0                   # members whose gradient exists this micro-batch
         self.sent = False                # its gradients went out at least once this step
 
+    def pieces(self) -> list[tuple[nn.Parameter | None, nn.Parameter]]:
+        """This rank's shard cut where its members meet: (member, piece) per member that
+        overlaps the shard (None for the padding), each piece a parameter sharing the shard's
+        storage, its gradient a view of the shard's. An optimizer over the pieces steps the
+        same elements as one over the shard, while keeping each member's state apart, so a
+        member can be skipped as one process skips a parameter with no gradient."""
+        spans, offset = [], 0
+        for _, p in self.members:
+            spans.append((p, offset, offset + p.numel()))
+            offset += p.numel()
+        spans.append((None, self.numel, self.padded))
+        out, lo, hi = [], self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        for member, start, end in spans:
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                piece = nn.Parameter(self.shard.data[a - lo:b - lo])
+                piece.grad = self.shard.grad[a - lo:b - lo]
+                out.append((member, piece))
+        return out
+
     # -- parameters ------------------------------------------------------------------------
     def free(self) -> None:
         """Drop the full buffer's memory (zero=3 at rest); the parameter views stay, empty."""

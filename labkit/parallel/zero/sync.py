@@ -21,6 +21,7 @@ Every collective goes through :mod:`labkit.comm` (timed, flight-logged, with the
 from __future__ import annotations
 
 import collections
+from contextlib import contextmanager
 
 import torch.distributed as dist
 from torch import nn
@@ -167,11 +168,28 @@ class ShardedOptimizer:
 
     SGD and AdamW are elementwise, so stepping a flat slice is the same arithmetic as stepping
     the whole tensors; the zero padding has zero gradient and stays zero (decay of 0 is 0).
+    The shard is stepped as its members' pieces (:meth:`FlatUnit.pieces`), so that a member no
+    backward reached is skipped with its own state (AdamW's step count) untouched, as torch
+    skips a parameter whose gradient is None (:meth:`skipping`).
     """
 
-    def __init__(self, units: list[FlatUnit], inner):
+    def __init__(self, units: list[FlatUnit], inner, pieces: list | None = None):
         self.units, self.inner = units, inner
+        self.pieces = pieces or []
         self.label = f"{type(inner).__name__} step (shards)"
+
+    @contextmanager
+    def skipping(self, members: list):
+        """Inside, the pieces of ``members`` have no gradient: the step leaves them as they are."""
+        ids = {id(m) for m in members}
+        hidden = [(piece, piece.grad) for member, piece in self.pieces if id(member) in ids]
+        for piece, _ in hidden:
+            piece.grad = None
+        try:
+            yield
+        finally:
+            for piece, grad in hidden:
+                piece.grad = grad
 
     @property
     def state(self):
@@ -185,6 +203,10 @@ class ShardedOptimizer:
     def step(self) -> None:
         self.inner.step()
 
+    def register_step_post_hook(self, hook):
+        """``hook(self, args, kwargs)`` after each step, as torch's optimizers offer (labkit.drift's snapshots)."""
+        return self.inner.register_step_post_hook(lambda opt, args, kwargs: hook(self, args, kwargs))
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.inner.zero_grad(set_to_none=False)      # shard grads are accumulated into in place
 
@@ -196,5 +218,6 @@ def build_sharded_optimizer(syncs: list, spec, params: list):
     if spec.strategy.zero_mode == "fsdp2":
         return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)
     units = [u for sync in syncs for u in getattr(sync, "units", ())]
-    inner = build_optimizer([u.shard for u in units], spec.lr, spec.momentum, spec.optimizer)
-    return ShardedOptimizer(units, inner)
+    pieces = [pair for u in units for pair in u.pieces()]
+    inner = build_optimizer([piece for _, piece in pieces], spec.lr, spec.momentum, spec.optimizer)
+    return ShardedOptimizer(units, inner, pieces)
