@@ -77,6 +77,12 @@ class Comparison:
         m = self.median(name)
         return median(abs(t - m) for t in self.times[name])
 
+    def typical(self, name: str):
+        """The run of side ``name`` whose value is nearest the side's median: the one to show."""
+        values, m = self.times[name], self.median(name)
+        i = min(range(len(values)), key=lambda j: abs(values[j] - m))
+        return (self.runs or self.times)[name][i]
+
     @property
     def votes(self) -> dict[str, int]:
         """For each side, the number of pairs in which it was strictly lower (ties count for neither)."""

@@ -113,3 +113,15 @@ def test_a_real_comparison_on_two_engines(lab2):
     assert res.verdict.startswith(f"{res.faster} ") if res.significant else "within noise" in res.verdict
     ref = labkit.reference(model, batch=32, steps=3)
     assert max(r.max_diff(ref) for rs in res.runs.values() for r in rs) < 1e-5
+
+
+def test_the_typical_run_is_the_one_nearest_the_median():
+    runs = iter(["slow", "fast", "middle", "x", "y", "z"])
+    values = iter([3.0, 9.0, 1.0, 9.0, 2.0, 5.0])
+
+    class R:
+        def __init__(self):
+            self.name, self.metrics = next(runs), {"step_time_s": next(values)}
+    res = labkit.compare(None, {"a": R, "b": R}, repeats=3)
+    assert [r.name for r in res.runs["a"]] == ["slow", "x", "y"]        # a b, b a, a b
+    assert res.typical("a").name == "slow" and res.typical("b").name == "z" and Comparison.of({"a": [3, 1, 2], "b": [1, 1, 1]}).typical("a") == 2.0

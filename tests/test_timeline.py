@@ -339,3 +339,13 @@ def test_dashboard_redraw_keeps_its_layout_until_the_lanes_change():
     redraw_timeline(view, Timeline(two_rank_run(), grid=ParallelDims(pp=2)), 1, "run 3")
     assert lanes(ax)[0] == "rank 0 pp0 compute"
     assert ax.get_position().x0 > first[0]                            # wider lane names: laid out again
+
+
+def test_the_key_lists_only_the_label_families_drawn():
+    """A data-parallel run's "F0"/"B0" get the forward/backward line, not the pipeline's arrows."""
+    from labkit.view.timeline import key_for
+
+    assert key_for({"F0", "B0"}) == "F3 · B3  forward · backward of micro-batch 3"
+    assert key_for(set()) is None
+    both = key_for({"F1", "→F1", "←B12", "W3"}).splitlines()
+    assert [line.split()[0] for line in both] == ["F3", "I3", "→F3", "→B3"]
