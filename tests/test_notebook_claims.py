@@ -79,6 +79,21 @@ def test_02_bubble_falls_with_m_and_follows_the_formula():
             f"{name} not falling with m: {series}"
 
 
+def test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here():
+    """02's text: with p = 2, v = 2 a micro-batch crosses ranks vp − 1 = 3 times each way, so
+    interleaved sends three times the messages and the bytes of GPipe and 1F1B (counted from the
+    schedule and from each run's bytes, which no load moves) and runs twice the compute actions;
+    on this machine it comes out slower than GPipe (median of five pairs), and the verdict
+    never calls it faster."""
+    _, v = notebook("02_pipeline")
+    assert v["sends"] == {"gpipe": 4, "1f1b": 4, "interleaved": 12}, v["sends"]
+    assert v["computes"] == {"gpipe": 8, "1f1b": 8, "interleaved": 16}, v["computes"]
+    kib = v["kib_sent"]
+    assert kib["interleaved"] == pytest.approx(3 * kib["gpipe"]) and kib["1f1b"] == pytest.approx(kib["gpipe"]), kib
+    res = labkit.Comparison.of(v["step_times"])
+    assert res.median("interleaved") > res.median("gpipe") and res.faster in (None, "gpipe"), res.verdict
+
+
 def test_01_overlap_hides_comm_that_bucketed_exposes():
     """01's text, on the emulated link (comm as long as backward, off the CPU): bucketed reduces
     after backward (no overlap); overlap and ddp launch buckets while backward runs, so their
