@@ -88,7 +88,8 @@ def ring_trial(lab) -> dict:
             took[algorithm] = median(max(r["seconds"][i] for r in res) for i in range(3))
         held[name], emulated_times = took["ring"] < took["ps"], took
     lab.link = RING_LINK
-    fit = bench.comm_sweep(lab, collectives=["sendrecv"], algorithms=(), max_bytes=4 * 2**20).fits[("sendrecv", "torch")]
+    fit = bench.comm_sweep(lab, sizes=[2**k for k in range(18, 23)], collectives=["sendrecv"], algorithms=(),
+                           max_bytes=4 * 2**20).fits[("sendrecv", "torch")]
     lab.link = None
     seen("sendrecv fit β (MB/s)", round(fit[1] / 1e6, 1))
     upper = {"ps": 1.10, "ring": 1.25}       # α-β leaves out the adds and the lab's work per message
