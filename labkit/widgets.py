@@ -84,16 +84,27 @@ class Dashboard:
         return outcome
 
     def stop(self, *_) -> None:
-        """End the run in flight at the next step boundary; drop queued changes."""
+        """End the run in flight at the next step boundary; drop queued changes, and say so:
+        the controls then show settings that have not run."""
+        dropped = self.runner.pending
         self.runner.stop()
+        self._dropped = dropped is not None
+        if dropped is not None:
+            self._show(("busy", f"stopping · your queued change ({_describe(dropped.strategy)}) is dropped: "
+                                "press Run to run it"))
 
-    def pin(self, *_) -> None:
-        """Keep the latest finished run to compare the next ones against (Compare tab)."""
+    def pin(self, *_) -> str | None:
+        """Keep the latest finished run to compare the next ones against (Compare tab); the
+        status line confirms, or says why there is nothing to pin yet."""
         live = self.runner.last
         if live is None or not live.run.losses:
-            return
+            self._show(("busy", "nothing to pin yet: pin keeps a finished run"))
+            return None
         self.pinned = live
+        self._show(("ok", f"pinned run {live.number} ({_describe(live.spec.strategy)}): "
+                          "the Compare tab shows it above the next runs"))
         self._painter.request("compare", self._draw_compare)
+        return f"run {live.number}"
 
     def set(self, **values) -> str | None:
         """Set several controls at once (one check, one run when "run on change" is ticked)."""
@@ -278,8 +289,10 @@ class Dashboard:
             return
         m, groups = live.run.metrics, "kept" if not any(live.groups_rebuilt or [True]) else "rebuilt"
         ended = "done" if live.state == "done" else f"stopped after step {live.step + 1}/{live.steps}"
-        self._show(("ok", f"run {live.number} {ended} · {1e3 * m.get('step_time_s', 0):.1f} ms/step · "
-                          f"process groups {groups}"))
+        unrun = " · the controls' queued change was dropped: press Run" if getattr(self, "_dropped", False) else ""
+        self._dropped = False
+        self._show(("ok", f"run {live.number} {ended} · {1e3 * m.get('step_time_s', 0):.1f} ms/step "
+                          f"(median over its steps) · process groups {groups}{unrun}"))
         if self.pinned is not None and self.pinned is not live:
             self._painter.request("compare", self._draw_compare)
 
