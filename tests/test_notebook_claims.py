@@ -363,14 +363,14 @@ def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
     assert 'course.check("cp_tokens"' in last and 'course.check("zero3_forward"' in last
 
 
-def test_09_the_new_axes_are_predicted_and_the_moe_step_short():
-    """09's text: each cp mode and ep is predicted beside its run, and the MoE model's ep step is
-    predicted short of the measured one (its forward's compute, priced short)."""
+def test_09_the_new_axes_are_predicted_beside_their_runs():
+    """09's text: each cp mode and ep is predicted beside its run. Which side of its run the MoE
+    model's prediction lands is not claimed: it was short on a quiet machine and above on a
+    loaded one (the planner's machine numbers are measured on the same busy cores)."""
     _, v = notebook("09_plan_at_scale")
     axes = v["new_axes"]
     assert set(axes) == {"cp=2 ring", "cp=2 allgather", "cp=2 ulysses", "dp=2 ep=2"}
     assert all(a["predicted_ms"] > 0 and a["measured_ms"] > 0 for a in axes.values()), axes
-    assert axes["dp=2 ep=2"]["predicted_ms"] < axes["dp=2 ep=2"]["measured_ms"], axes
 
 
 EXERCISED = ["00_start_here", "01_data_parallel", "02_pipeline", "03_hybrid", "04_communication",
@@ -484,7 +484,7 @@ CLAIMS = {
         ('Large runs combine them: TP within a node, FSDP', 'method'),
     ],
     "09_plan_at_scale": [
-        ('Its exchanges are priced as the link imposes the', test_09_the_new_axes_are_predicted_and_the_moe_step_short),
+        ('Its exchanges are priced as the link imposes the', 'method'),
         ('Pick tp, pp, micro-batch size, recomputation and', 'method'),
         ('Activations grow with the sequence.', test_09_cp_divides_activations_and_the_long_context_row_is_predicted),
         ("More pipeline stages do not shrink a layer's act", 'formula'),
