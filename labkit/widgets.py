@@ -69,10 +69,16 @@ class Dashboard:
 
     # -- what a notebook or test calls --------------------------------------------------------
     def run(self, *_) -> str | None:
-        """Submit the current settings ("started", "queued", or None when they are invalid)."""
+        """Submit the current settings ("started", "queued", "running" when the run in flight
+        already has them, or None when they are invalid)."""
         spec = self._check()
         if spec is None:
             return None
+        current = self.runner.current
+        if current is not None and self.runner.pending is None and _same(spec, current.spec):
+            # a control that re-sent its own value (a front end syncing a slider) is no change
+            self._show(("busy", f"run {current.number} in flight with these settings"))
+            return "running"
         try:
             outcome = self.runner.submit(spec, checked=True)
         except Exception as exc:                 # validation raced a change: show, do not raise
@@ -225,7 +231,7 @@ class Dashboard:
 
     # -- checking and submitting (notebook thread) ------------------------------------------------
     def _changed(self, change) -> None:
-        if self._holding:
+        if self._holding or change.get("old") == change.get("new"):
             return
         if self._check() is not None and self.controls["auto"].value and change["owner"] is not self.controls["auto"]:
             self.run()
@@ -349,6 +355,14 @@ def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str) -> None
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def _same(a: RunSpec, b: RunSpec) -> bool:
+    """Whether two specs would train the same run (a model factory compares by identity)."""
+    try:
+        return bool(a == b)
+    except Exception:           # a field whose == is not a bool (a tensor in extra): not the same
+        return False
 
 
 def _describe(s: Strategy) -> str:

@@ -218,7 +218,8 @@ def test_after_lab_close_the_dashboard_says_so_and_disables_run():
 
 
 def test_stop_says_a_queued_change_is_dropped_and_pin_confirms(lab2):
-    """Stop drops a queued change and says so (the controls then show settings that never ran);
+    """Run with the settings already in flight queues nothing; Stop drops a queued change and
+    says so (the controls then show settings that never ran);
     Pin before any run says there is nothing to pin, after one names the run it kept; the
     metrics row of a run without a pipeline shows no bubble."""
     dash = Dashboard(lab2, model=MODEL, data=slow_data, batch=16, steps=4, plot="image",
@@ -226,6 +227,8 @@ def test_stop_says_a_queued_change_is_dropped_and_pin_confirms(lab2):
     try:
         assert dash.pin() is None and "nothing to pin" in dash.status_text
         dash.run()
+        assert dash.run() == "running" and dash.runner.pending is None     # no change: nothing queued
+        assert "in flight with these settings" in dash.status_text
         dash.controls["microbatches"].value = 2          # queued behind the run in flight
         assert dash.runner.pending is not None
         dash.stop()
