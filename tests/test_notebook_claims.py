@@ -460,7 +460,6 @@ CLAIMS = {
     ],
     "05_playground": [
         ("So it holds more than the schedule's idle time:", 'method'),
-        ('On two CPU engines the numbers are noisy: the en', 'hedged'),
         ('The sweep says "same" whenever the difference is', 'verdict'),
     ],
     "06_troubleshooting": [
