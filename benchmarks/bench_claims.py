@@ -20,7 +20,7 @@ not claimed there).
   link only; and how often the verdict names overlap, on both. Emulated: a link on which the gradients all-reduce in the time backward takes
   (``Link.balanced``, measured on the trial's own raw bucketed run).
 * interleaved (notebook 02): pp=2, 8×Linear(256), batch 64, m=4, GPipe against interleaved
-  (v=2) five times each in turn: interleaved's median step is the longer, and the verdict never
+  (v=2) three times each in turn: interleaved's median step is the longer, and the verdict never
   names interleaved faster (raw gloo only).
 * ring (notebook 04): 8 MiB summed over 4 ranks: the hand-written ring takes less time than
   the parameter server (slowest rank, median of 3). Emulated: 50 MB/s, 100 µs.
@@ -87,12 +87,12 @@ def overlap_trial(lab, steps: int) -> dict:
 
 
 def interleaved_trial(lab) -> dict:
-    """02's verdict: GPipe against interleaved on the small model, five runs each in turn."""
+    """02's verdict: GPipe against interleaved on the small model, three runs each in turn."""
     def model():
         return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)])
     sides = {"gpipe": labkit.Strategy(pp=2, schedule="gpipe", microbatches=4),
              "interleaved": labkit.Strategy(pp=2, schedule="interleaved", chunks=2, microbatches=4)}
-    res = labkit.compare(lab, sides, repeats=5, model=model, batch=64, steps=5, seed=0)
+    res = labkit.compare(lab, sides, repeats=3, model=model, batch=64, steps=5, seed=0)
     seen("02 gpipe/interleaved verdict", res.verdict)
     held = res.median("interleaved") > res.median("gpipe") and res.faster != "interleaved"
     return {"interleaved's median step longer, never called faster (02)": (held, None)}

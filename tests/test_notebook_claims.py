@@ -83,7 +83,7 @@ def test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here()
     """02's text: with p = 2, v = 2 a micro-batch crosses ranks vp − 1 = 3 times each way, so
     interleaved sends three times the messages and the bytes of GPipe and 1F1B (counted from the
     schedule and from each run's bytes, which no load moves) and runs twice the compute actions;
-    on this machine it comes out slower than GPipe (median of five pairs), and the verdict
+    on this machine it comes out slower than GPipe (median of three pairs), and the verdict
     never calls it faster."""
     _, v = notebook("02_pipeline")
     assert v["sends"] == {"gpipe": 4, "1f1b": 4, "interleaved": 12}, v["sends"]
