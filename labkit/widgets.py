@@ -25,6 +25,7 @@ axis, with the metric differences. From code (tests, a guided tour)::
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -347,7 +348,8 @@ def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str) -> None
     timeline.plot(ax=ax, step=step)
     # y given: the title sits at the top edge, not above the measured boxes of every tick
     # label (there are none on top, and measuring them each redraw is slow)
-    ax.set_title(f"{title} · {ax.get_title()}", fontsize="medium", y=1.0)
+    # "this step": the metrics table gives the median over the run's steps, which can differ
+    ax.set_title(f"{title} · {ax.get_title()} (this step)", fontsize="medium", y=1.0)
     view.show()
 
 
@@ -366,5 +368,6 @@ def _same(a: RunSpec, b: RunSpec) -> bool:
 
 
 def _describe(s: Strategy) -> str:
-    """The settings that matter for these degrees, short (Strategy.label)."""
-    return s.label()
+    """The settings that matter for these degrees, short (Strategy.label), numbers to the
+    slider's precision ("0.0156 MiB", not "0.015625 MiB")."""
+    return re.sub(r"\d+\.\d{4,}", lambda m: f"{float(m[0]):.3g}", s.label())

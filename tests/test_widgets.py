@@ -238,3 +238,10 @@ def test_stop_says_a_queued_change_is_dropped_and_pin_confirms(lab2):
         assert "— (pp = 1)" in dash.metrics.value
     finally:
         dash.close()
+
+
+def test_the_dashboard_describes_a_strategy_to_the_sliders_precision():
+    from labkit.widgets import _describe
+
+    assert "0.0156 MiB" in _describe(labkit.Strategy(dp=2, bucket_mb=0.015625))
+    assert "0.25 MiB" in _describe(labkit.Strategy(dp=2, bucket_mb=0.25))
