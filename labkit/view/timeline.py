@@ -37,6 +37,10 @@ from ..analysis.traces import TRACE_COLORS
 
 # Colours come from the kind table (labkit.analysis.events), in its order for the legend.
 PALETTE = {name: kind.color for name, kind in KINDS.items()}
+# Spans of one kind that a timeline must tell apart: tensor parallelism's all-reduces (f and g,
+# named "tp …") beside data parallelism's buckets on a tp × dp grid (notebook 07) get a darker
+# shade of the kind's colour and their own legend entry. (kind, name prefix) → (label, colour).
+VARIANTS = {("allreduce", "tp "): ("allreduce (tp)", "#8F3E00")}
 # Characters of x-small text that fit across a default-width figure: a span that is 10% of
 # the x range holds about 11; spans with room for fewer than 2 get no label.
 LABEL_CHARS_PER_AXIS = 110
@@ -99,7 +103,7 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
         ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, extent or 1.0)
     ax.set_title(_plot_title(tl, step) + (f" — {len(shown)} ranks, 3 per stage shown" if aggregate else ""))
-    _legend(ax, set(np.unique(table["kind"]).tolist()), key)
+    _legend(ax, set(np.unique(shown_kinds(table["kind"], table["name"])).tolist()), key)
     if heat_ax is not None:
         draw_heatmap(heat_ax, table, shift, shown, extent, tl)
         ax = heat_ax
@@ -261,7 +265,7 @@ def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: flo
     row, rows = _rows(lane, x0, x0 + width, TOUCH_S * 1e3)
     height = 0.8 / rows
     y = lane - 0.4 + height * (row + 0.5)
-    kinds = t["kind"]
+    kinds = shown_kinds(t["kind"], t["name"])
     for kind in np.unique(kinds).tolist():
         m = kinds == kind
         bars = _bars(x0[m], width[m], y[m], height[m], kind)
@@ -490,9 +494,25 @@ class _FittedLabel(matplotlib.text.Text):
         super().draw(renderer)
 
 
+def shown_kinds(kinds, names):
+    """Each span's kind as drawn: its kind, or the VARIANTS label its name selects."""
+    out = np.asarray(kinds).astype(object)
+    for (kind, prefix), (label, _) in VARIANTS.items():
+        mask = out == kind
+        if mask.any():
+            picked = np.fromiter((str(n).startswith(prefix) for n in np.asarray(names)[mask]), bool, mask.sum())
+            where = np.flatnonzero(mask)[picked]
+            out[where] = label
+    return out
+
+
+_VARIANT_COLORS = {label: color for label, color in VARIANTS.values()}
+
+
 def _color(kind: str) -> str:
-    """The kind table's colour, a profiler trace's kinds next (labkit.analysis.traces), else grey."""
-    return PALETTE.get(kind) or TRACE_COLORS.get(kind, OTHER_COLOR)
+    """The kind table's colour (or its VARIANTS shade), a profiler trace's kinds next
+    (labkit.analysis.traces), else grey."""
+    return PALETTE.get(kind) or _VARIANT_COLORS.get(kind) or TRACE_COLORS.get(kind, OTHER_COLOR)
 
 
 def _text_color(hex_color: str) -> str:
@@ -503,6 +523,8 @@ def _text_color(hex_color: str) -> str:
 
 def _legend_handles(kinds) -> list[Patch]:
     """One patch per kind present, in the palette's fixed order, unknown kinds last."""
-    ordered = [k for k in PALETTE if k in kinds] + sorted(kinds - PALETTE.keys())
+    variants = {base: label for (base, _), (label, _) in VARIANTS.items()}
+    ordered = [v for k in PALETTE for v in (k, variants.get(k)) if v in kinds]
+    ordered += sorted(kinds - set(ordered))
     return [Patch(facecolor=_color(k), hatch="//" if k == "wait" else None,
                   edgecolor="#777777", label=k) for k in ordered]
