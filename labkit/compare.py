@@ -117,15 +117,23 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        """One printable line: who is faster, by how much and in how many runs, or "within noise"."""
+        """One printable line: who is faster (or lower in the metric), by how much and in how
+        many runs, or "within noise"."""
         lead = self.leader
         other = next(n for n in self.names if n != lead)
         votes = f"{self.votes[lead]}/{self.repeats}"
         scale, unit = (1e3, " ms") if self.metric.endswith("_s") else (1.0, "")
         numbers = f"({self._shown(lead, scale)} vs {self._shown(other, scale)}{unit})"
         if self.significant:
-            return f"{lead} {100 * self.saving:.0f} % faster than {other}, {votes} runs {numbers}"
+            return f"{lead} {100 * self.saving:.0f} % {self._better} than {other}, {votes} runs {numbers}"
         return f"within noise on this machine: {lead} ahead in {votes} runs {numbers}"
+
+    @property
+    def _better(self) -> str:
+        """ "faster" for the step time; "less exposed comm" for a metric "exposed_comm_s"."""
+        if self.metric == "step_time_s":
+            return "faster"
+        return "less " + self.metric.removesuffix("_s").replace("_", " ")
 
     def _shown(self, name: str, scale: float) -> str:
         return f"{scale * self.median(name):.1f} ± {scale * self.spread(name):.1f}"

@@ -72,6 +72,7 @@ def test_a_side_may_return_a_run_a_reference_or_a_number():
     res = labkit.compare(None, {"x": lambda: FakeRun(0.2), "y": lambda: FakeRun(0.3)}, repeats=3,
                          metric="bubble_fraction")
     assert res.times["x"] == [pytest.approx(0.02)] * 3 and "ms" not in res.verdict
+    assert res.verdict.startswith("x 33 % less bubble fraction than y, 3/3 runs")
 
 
 def test_bad_sides_are_named_with_the_fix():
