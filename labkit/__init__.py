@@ -17,7 +17,8 @@ from .config import Strategy
 from .link import Link
 from .errors import (CollectiveTimeoutError, ControllerDiedError, EngineDiedError,
                      EngineNotAnsweringError, LabError)
-from .analysis.metrics import speedup, step_metrics
+from .analysis.metrics import step_metrics
+from .compare import Comparison, compare, speedup
 from .parallel.pipeline import schedules
 from .run.reference import reference
 from .run.result import Run, max_abs_diff
@@ -25,9 +26,10 @@ from .session.lab import Lab
 from .view import report
 from .analysis.timeline import Timeline
 
-__all__ = ["Lab", "Link", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
+__all__ = ["Lab", "Link", "Strategy", "Run", "Comparison", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
            "ControllerDiedError", "EngineNotAnsweringError",
-           "bench", "checkpoint", "collectives", "comm", "compression", "data", "diagnose", "drift", "losses", "models", "reference", "report",
+           "bench", "checkpoint", "collectives", "comm", "compare", "compression", "data", "diagnose", "drift", "losses",
+           "models", "reference", "report",
            "schedules",
            "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"

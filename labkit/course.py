@@ -27,6 +27,7 @@ class Exercise:
     why: str                     # the answer's reasoning, shown by ``answer``
     hint: str                    # shown with a wrong answer: where to look, not the value
     rel: float = 0.02            # relative tolerance of a numeric answer
+    also: Callable[[], object] | None = None     # another reading of the question, accepted too
 
 
 def _ideal(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -112,11 +113,13 @@ EXERCISES = {
         "the interleaved formula multiplies m by the chunks per rank.", rel=0.03),
     "megatron_dp": Exercise(
         "8 ranks, tp = 2, dp = 2, pp = 2, in Megatron's default order (tp fastest, then dp, then pp): "
-        "which ranks average gradients with rank 0? (a list)",
+        "which ranks are in rank 0's data-parallel group, the ranks that average their gradients "
+        "together? (a list; with or without rank 0 itself)",
         lambda: _megatron_dp_group(0, tp=2, dp=2, pp=2),
-        "rank = tp_index + 2·dp_index + 4·pp_index, so rank 0's dp group is [0, 2]; in labkit's "
-        "layout (tp, then pp, then dp) it would be [0, 4].",
-        "write the rank as tp_index + tp·dp_index + tp·dp·pp_index and vary dp_index alone."),
+        "rank = tp_index + 2·dp_index + 4·pp_index, so rank 0's dp group is [0, 2]: rank 0 averages "
+        "with rank 2. In labkit's layout (tp, then pp, then dp) it would be [0, 4].",
+        "write the rank as tp_index + tp·dp_index + tp·dp·pp_index and vary dp_index alone.",
+        also=lambda: [r for r in _megatron_dp_group(0, tp=2, dp=2, pp=2) if r != 0]),
     "straggler_wait": Exercise(
         "8 dp ranks: rank 5 computes 30 ms a step, the other seven 20 ms, and the gradient all-reduce "
         "takes 5 ms once every rank has joined. How many ms per step do the other seven spend, "
@@ -160,8 +163,9 @@ EXERCISES = {
         "cp = 4 with causal load balancing: the sequence is cut into 8 chunks. Which two does rank 1 "
         "hold? (a list)",
         lambda: [1, 2 * 4 - 1 - 1],
-        "rank i holds chunks i and 2·cp − 1 − i: 1 and 6. Under the causal mask chunk i sees i + 1 chunks "
-        "and chunk 7 − i sees 8 − i, so every rank computes 9 (query, key) chunk pairs.",
+        "rank i holds chunks i and 2·cp − 1 − i: 1 and 6. Under the causal mask chunk i attends to the i "
+        "chunks before it in full and to itself under the mask (half a pair), chunk 7 − i to 7 − i chunks and "
+        "half of itself: i + ½ + 7 − i + ½ = 8 (query, key) chunk pairs on every rank, as notebook 13 counts.",
         "the first chunk of rank i is chunk i; its second mirrors it from the end (notebook 13)."),
     "ep_dispatch_bytes": Exercise(
         "4096 tokens per rank, top_k = 8, hidden 7168, bf16 (2 bytes), ep = 8, routing spread evenly: "
@@ -270,7 +274,8 @@ def _check_exercise(ex: Exercise, given, name: str) -> str:
     if isinstance(want, str):
         right = str(given).strip().lower() == want
     elif isinstance(want, list):
-        right = isinstance(given, (list, tuple)) and sorted(given) == sorted(want)
+        readings = [want] + ([ex.also()] if ex.also else [])
+        right = isinstance(given, (list, tuple)) and any(sorted(given) == sorted(w) for w in readings)
     else:
         try:
             right = abs(float(given) - want) <= ex.rel * abs(want) + 1e-12

@@ -25,6 +25,7 @@ axis, with the metric differences. From code (tests, a guided tour)::
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -69,10 +70,16 @@ class Dashboard:
 
     # -- what a notebook or test calls --------------------------------------------------------
     def run(self, *_) -> str | None:
-        """Submit the current settings ("started", "queued", or None when they are invalid)."""
+        """Submit the current settings ("started", "queued", "running" when the run in flight
+        already has them, or None when they are invalid)."""
         spec = self._check()
         if spec is None:
             return None
+        current = self.runner.current
+        if current is not None and self.runner.pending is None and _same(spec, current.spec):
+            # a control that re-sent its own value (a front end syncing a slider) is no change
+            self._show(("busy", f"run {current.number} in flight with these settings"))
+            return "running"
         try:
             outcome = self.runner.submit(spec, checked=True)
         except Exception as exc:                 # validation raced a change: show, do not raise
@@ -84,16 +91,27 @@ class Dashboard:
         return outcome
 
     def stop(self, *_) -> None:
-        """End the run in flight at the next step boundary; drop queued changes."""
+        """End the run in flight at the next step boundary; drop queued changes, and say so:
+        the controls then show settings that have not run."""
+        dropped = self.runner.pending
         self.runner.stop()
+        self._dropped = dropped is not None
+        if dropped is not None:
+            self._show(("busy", f"stopping · your queued change ({_describe(dropped.strategy)}) is dropped: "
+                                "press Run to run it"))
 
-    def pin(self, *_) -> None:
-        """Keep the latest finished run to compare the next ones against (Compare tab)."""
+    def pin(self, *_) -> str | None:
+        """Keep the latest finished run to compare the next ones against (Compare tab); the
+        status line confirms, or says why there is nothing to pin yet."""
         live = self.runner.last
         if live is None or not live.run.losses:
-            return
+            self._show(("busy", "nothing to pin yet: pin keeps a finished run"))
+            return None
         self.pinned = live
+        self._show(("ok", f"pinned run {live.number} ({_describe(live.spec.strategy)}): "
+                          "the Compare tab shows it above the next runs"))
         self._painter.request("compare", self._draw_compare)
+        return f"run {live.number}"
 
     def set(self, **values) -> str | None:
         """Set several controls at once (one check, one run when "run on change" is ticked)."""
@@ -214,7 +232,7 @@ class Dashboard:
 
     # -- checking and submitting (notebook thread) ------------------------------------------------
     def _changed(self, change) -> None:
-        if self._holding:
+        if self._holding or change.get("old") == change.get("new"):
             return
         if self._check() is not None and self.controls["auto"].value and change["owner"] is not self.controls["auto"]:
             self.run()
@@ -278,8 +296,10 @@ class Dashboard:
             return
         m, groups = live.run.metrics, "kept" if not any(live.groups_rebuilt or [True]) else "rebuilt"
         ended = "done" if live.state == "done" else f"stopped after step {live.step + 1}/{live.steps}"
-        self._show(("ok", f"run {live.number} {ended} · {1e3 * m.get('step_time_s', 0):.1f} ms/step · "
-                          f"process groups {groups}"))
+        unrun = " · the controls' queued change was dropped: press Run" if getattr(self, "_dropped", False) else ""
+        self._dropped = False
+        self._show(("ok", f"run {live.number} {ended} · {1e3 * m.get('step_time_s', 0):.1f} ms/step "
+                          f"(median over its steps) · process groups {groups}{unrun}"))
         if self.pinned is not None and self.pinned is not live:
             self._painter.request("compare", self._draw_compare)
 
@@ -328,7 +348,8 @@ def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str) -> None
     timeline.plot(ax=ax, step=step)
     # y given: the title sits at the top edge, not above the measured boxes of every tick
     # label (there are none on top, and measuring them each redraw is slow)
-    ax.set_title(f"{title} · {ax.get_title()}", fontsize="medium", y=1.0)
+    # "this step": the metrics table gives the median over the run's steps, which can differ
+    ax.set_title(f"{title} · {ax.get_title()} (this step)", fontsize="medium", y=1.0)
     view.show()
 
 
@@ -338,6 +359,15 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _same(a: RunSpec, b: RunSpec) -> bool:
+    """Whether two specs would train the same run (a model factory compares by identity)."""
+    try:
+        return bool(a == b)
+    except Exception:           # a field whose == is not a bool (a tensor in extra): not the same
+        return False
+
+
 def _describe(s: Strategy) -> str:
-    """The settings that matter for these degrees, short (Strategy.label)."""
-    return s.label()
+    """The settings that matter for these degrees, short (Strategy.label), numbers to the
+    slider's precision ("0.0156 MiB", not "0.015625 MiB")."""
+    return re.sub(r"\d+\.\d{4,}", lambda m: f"{float(m[0]):.3g}", s.label())

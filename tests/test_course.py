@@ -101,3 +101,15 @@ def test_dashboard_shows_a_closed_lab_without_a_click():
         assert dash.run_button.disabled and dash.status_text == "the lab is closed: start a new one"
     finally:
         dash.close()
+
+
+def test_megatron_dp_accepts_the_group_with_or_without_rank_0():
+    """"Which ranks average with rank 0" reads two ways: [0, 2] (the group) and [2] (the others)."""
+    assert course.check("megatron_dp", answer=[2]).startswith("Right")
+    assert course.check("megatron_dp", answer=[0, 2]).startswith("Right")
+    assert course.check("megatron_dp", answer=[4]).startswith("Not yet")
+
+
+def test_cp_chunks_answer_counts_the_pairs_as_notebook_13_does():
+    """A diagonal (query, key) chunk pair counts half: 8 pairs a rank at cp = 4, not 9."""
+    assert "8 (query, key) chunk pairs" in course.answer("cp_chunks")

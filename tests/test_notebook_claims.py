@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+import labkit
 from conftest import executed_notebook
 
 pytestmark = pytest.mark.slow        # it executes the notebooks: engines started
@@ -78,20 +79,39 @@ def test_02_bubble_falls_with_m_and_follows_the_formula():
             f"{name} not falling with m: {series}"
 
 
+def test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here():
+    """02's text: with p = 2, v = 2 a micro-batch crosses ranks vp − 1 = 3 times each way, so
+    interleaved sends three times the messages and the bytes of GPipe and 1F1B (counted from the
+    schedule and from each run's bytes, which no load moves) and runs twice the compute actions;
+    on this machine it comes out slower than GPipe (median of three pairs), and the verdict
+    never calls it faster."""
+    _, v = notebook("02_pipeline")
+    assert v["sends"] == {"gpipe": 4, "1f1b": 4, "interleaved": 12}, v["sends"]
+    assert v["computes"] == {"gpipe": 8, "1f1b": 8, "interleaved": 16}, v["computes"]
+    kib = v["kib_sent"]
+    assert kib["interleaved"] == pytest.approx(3 * kib["gpipe"]) and kib["1f1b"] == pytest.approx(kib["gpipe"]), kib
+    res = labkit.Comparison.of(v["step_times"])
+    assert res.median("interleaved") > res.median("gpipe") and res.faster in (None, "gpipe"), res.verdict
+
+
 def test_01_overlap_hides_comm_that_bucketed_exposes():
     """01's text, on the emulated link (comm as long as backward, off the CPU): bucketed reduces
     after backward (no overlap); overlap and ddp launch buckets while backward runs, so their
-    comm overlaps compute, and it leaves under three quarters of bucketed's comm time exposed.
-    The step-time order is counted by benchmarks/bench_claims.py, not asserted: on a machine
-    shared with other work the compute's own swings can exceed the comm overlap saves.
-    (The raw-gloo runs beside them are shown, not claimed.)"""
+    comm overlaps compute; in every one of the five bucketed/overlap pairs overlap leaves under
+    three quarters of bucketed's comm time exposed (so the exposed-comm verdict is 5/5); one
+    8 MiB bucket overlaps nothing. The step-time verdict is printed by labkit.compare, which
+    says "within noise" when the load swings more than overlap saves; bench_claims counts it."""
     _, v = notebook("01_data_parallel")
     m = v["runs.metrics"]
     assert m["bucketed"]["overlap_fraction"] < 0.05
     for mode in ("overlap", "ddp"):
         assert m[mode]["overlap_fraction"] > 0.2, (mode, m[mode]["overlap_fraction"])
-    exposed = {k: m[k]["exposed_comm_fraction"] * m[k]["step_time_s"] for k in ("bucketed", "overlap")}
-    assert exposed["overlap"] < 0.75 * exposed["bucketed"], exposed
+    exposed = v["exposed_s"]
+    assert len(exposed["bucketed"]) == len(exposed["overlap"]) == 5
+    assert all(o < 0.75 * b for b, o in zip(exposed["bucketed"], exposed["overlap"])), exposed
+    assert labkit.Comparison.of(exposed).faster == "overlap", exposed
+    shares = v["under_compute"]
+    assert shares["one 8 MiB bucket"] < 0.05 < 0.2 < shares["0.5 MiB buckets"], shares
 
 
 def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
@@ -109,8 +129,9 @@ def test_04_bytes_of_ring_and_parameter_server_as_the_text_says():
 
 def test_04_on_the_emulated_link_times_follow_the_bytes():
     """04's text: on the emulated link the server takes 2(n−1)·S/β and the ring 2(n−1)/n·S/β, n
-    times less, both on their α-β lines (the ring up to a fifth above), and the sendrecv fit
-    finds the link's bandwidth to within a fifth. Raw gloo's rows are shown, not claimed."""
+    times less, both on their α-β lines (the ring up to a fifth above), and the sendrecv fit over
+    large messages finds the link's bandwidth to within a fifth. Raw gloo's rows and the busbw of
+    the hand-written all-reduces against torch's are shown, not claimed."""
     _, v = notebook("04_communication")
     rows = [r for r in v["rows"] if r["link"] == "emulated"]
     assert rows, "no emulated rows"
@@ -124,7 +145,7 @@ def test_04_on_the_emulated_link_times_follow_the_bytes():
     for n in sorted({r["n"] for r in rows}):
         assert by[n, "ring"] < by[n, "ps"], (n, by)
         assert by[n, "ps"] / by[n, "ring"] >= 0.8 * n, (n, by)
-    # the link's β to within a fifth: the fit weighs the small messages' noisy times as much as the large
+    # the link's β to within a fifth, fitted on 256 KiB – 4 MiB messages (5–84 ms each on the link: a millisecond's stall moves them a few %)
     assert v["fit_beta_emulated"] == pytest.approx(50e6, rel=0.2)
 
 
@@ -342,14 +363,14 @@ def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
     assert 'course.check("cp_tokens"' in last and 'course.check("zero3_forward"' in last
 
 
-def test_09_the_new_axes_are_predicted_and_the_moe_step_short():
-    """09's text: each cp mode and ep is predicted beside its run, and the MoE model's ep step is
-    predicted short of the measured one (its forward's compute, priced short)."""
+def test_09_the_new_axes_are_predicted_beside_their_runs():
+    """09's text: each cp mode and ep is predicted beside its run. Which side of its run the MoE
+    model's prediction lands is not claimed: it was short on a quiet machine and above on a
+    loaded one (the planner's machine numbers are measured on the same busy cores)."""
     _, v = notebook("09_plan_at_scale")
     axes = v["new_axes"]
     assert set(axes) == {"cp=2 ring", "cp=2 allgather", "cp=2 ulysses", "dp=2 ep=2"}
     assert all(a["predicted_ms"] > 0 and a["measured_ms"] > 0 for a in axes.values()), axes
-    assert axes["dp=2 ep=2"]["predicted_ms"] < axes["dp=2 ep=2"]["measured_ms"], axes
 
 
 EXERCISED = ["00_start_here", "01_data_parallel", "02_pipeline", "03_hybrid", "04_communication",
@@ -382,3 +403,181 @@ def test_16_resumed_runs_are_exact_and_the_weight_is_cut_as_the_text_says():
         assert (p["count"], p["rows"], p["cols"]) == (19 * 13, [0, 18], halves[p["rank"] % 2]), p
     counts = sorted(p["count"] for p in g["pp_pieces"])
     assert counts == [0, 0, 19 * 26, 19 * 26], g["pp_pieces"]
+
+
+# -- every sentence that states a measured outcome is a known claim --------------------------------
+# A sentence "states an outcome" when it compares or moves something (faster, falls, within, twice,
+# the most, on every run, …). Each such sentence of each notebook is listed below by its opening
+# words, with what backs it: the test in this module that checks it on the notebook's own run, or
+# one of these kinds, none of which asserts a number of this machine:
+KINDS = {
+    "verdict": "printed by labkit.compare, which names a winner only when every repeated pair agrees "
+               "by more than the spread, and otherwise says 'within noise'",
+    "hedged": "says the outcome is not claimed here, or can go either way, and why",
+    "method": "what a cell does, or what a setting is; not an outcome",
+    "formula": "follows from a formula or the schedule's action lists, not from a measurement",
+    "cluster": "what a GPU cluster shows, stated as such (not measured here)",
+    "question": "an exercise or try-it question",
+    "quoted": "a figure measured outside the notebook, quoted as such with its range",
+}
+OUTCOME = re.compile(r"\b(under three quarters|in every pair|faster|slower|shorter|longer than|beats?|wins?|loses|"
+                     r"falls?|grows?|shrinks?|rises?|halves|doubles|more than|less than|within|run after run|"
+                     r"every run|on every run|times (?:more|less|fewer|the|as)|twice|the most|the least|"
+                     r"the largest|the smallest|reverses?|flips?)\b", re.I)
+
+
+def outcome_sentences(nb) -> list[str]:
+    """The markdown sentences that state an outcome (tables and headings left out)."""
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        for block in re.split(r"\n\s*\n", cell.source):
+            if block.lstrip().startswith(("|", "#")):
+                continue
+            text = re.sub(r"\s+", " ", block).strip()
+            found += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z*`(])", text) if OUTCOME.search(s)]
+    return found
+
+
+CLAIMS = {
+    "01_data_parallel": [
+        ('`labkit.compare` ran the two modes five times ea', 'verdict'),
+        ('On the link overlap leaves well under three quar', test_01_overlap_hides_comm_that_bucketed_exposes),
+        ('The step time usually follows, by about what was', 'verdict'),
+        ('On a GPU cluster, where a NIC moves the bytes be', 'cluster'),
+        ('(One bucket holding everything cannot leave befo', test_01_overlap_hides_comm_that_bucketed_exposes),
+        ('A ring all-reduce of the gradients: going from d', 'question'),
+    ],
+    "02_pipeline": [
+        ('1. how the model is split into stages; 2. the th', test_02_bubble_falls_with_m_and_follows_the_formula),
+        ('`schedules.simulate` runs those lists with unit', 'method'),
+        ('Read the figure: GPipe runs all forwards, then a', test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here),
+        ('With p = 2 and v = 2 chunks a micro-batch crosse', test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here),
+        ('The step-time line compares GPipe and interleave', 'verdict'),
+        ("On this machine interleaved's median step is the", test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here),
+        ("Stage 0's input is the data, whose gradient nobo", 'quoted'),
+        ("On the left the schedule's lesson holds with num", test_02_bubble_falls_with_m_and_follows_the_formula),
+        ('The measured `bubble_fraction` falls from m = 1', test_02_bubble_falls_with_m_and_follows_the_formula),
+        ('That **per-action overhead** is paid 2m times a', 'hedged'),
+    ],
+    "03_hybrid": [
+        ('* `Strategy(dp=1, pp=4)` or `Strategy(dp=4, pp=1', 'question'),
+    ],
+    "04_communication": [
+        ('On the emulated link time follows those bytes: t', test_04_on_the_emulated_link_times_follow_the_bytes),
+        ('On raw gloo the same runs need not follow the by', 'hedged'),
+        ('`Strategy(compression=...)` shrinks each gradien', 'method'),
+        ('Same model, data and seed for every run below; o', 'method'),
+        ('On a GPU that is cheap next to a slow network; o', 'hedged'),
+        ('* `collectives.demo("ring", numel, repeats=5)` f', 'question'),
+    ],
+    "05_playground": [
+        ("So it holds more than the schedule's idle time:", 'method'),
+        ('The sweep says "same" whenever the difference is', 'verdict'),
+    ],
+    "06_troubleshooting": [
+        ('The same report inside `lab.run`: here rank 1 is', 'method'),
+        ('Some settings make every run look slow or hide e', 'method'),
+    ],
+    "07_tensor_parallel": [
+        ('Four local CPU engines; every run is checked aga', 'method'),
+        ('On 4 engines, `dp=2 × tp=2`: two replicas, each', 'method'),
+        ('A blocking all-reduce also ends only when both t', 'hedged'),
+        ('Each rank holds less than the whole model (the a', 'method'),
+        ('TP sends `4·b·s·h` per layer on the critical pat', 'formula'),
+        ('Two things hold on every run: at both widths TP', test_07_tp_pays_in_exposed_comm_and_less_of_it_as_width_grows),
+        ('Which of the two is *faster* at this size is not', 'hedged'),
+    ],
+    "08_sharding": [
+        ('So this comparison runs a batch of 1024 (32 time', 'method'),
+        ('Compare the comm lanes of the two timelines and', test_08_prefetch_overlaps_more_of_the_gathers),
+        ('On raw gloo, printed below, it rises too, but th', test_08_prefetch_overlaps_more_of_the_gathers),
+        ('ZeRO-3 gathers the parameters twice (forward and', 'formula'),
+        ('Large runs combine them: TP within a node, FSDP', 'method'),
+    ],
+    "09_plan_at_scale": [
+        ('Its exchanges are priced as the link imposes the', 'method'),
+        ('Pick tp, pp, micro-batch size, recomputation and', 'method'),
+        ('Activations grow with the sequence.', test_09_cp_divides_activations_and_the_long_context_row_is_predicted),
+        ("More pipeline stages do not shrink a layer's act", 'formula'),
+        ('Llama 3 405B at 131,072 tokens, 128 sequences a', test_09_cp_divides_activations_and_the_long_context_row_is_predicted),
+        ('Here the "cluster" is this lab\'s two CPU engines', 'method'),
+    ],
+    "10_precision": [
+        ('`Strategy(compression=...)` shrinks every bucket', 'formula'),
+        ('The model is small enough to learn the synthetic', test_10_the_curves_learn_and_precision_orders_the_departures),
+        ("The model learns: the reference's loss falls fro", test_10_the_curves_learn_and_precision_orders_the_departures),
+        ('PowerSGD is the exception: its rank-1 factors of', test_10_the_curves_learn_and_precision_orders_the_departures),
+        ('(These runs are deterministic on CPU: the same d', 'method'),
+        ("(On GPUs, atomics in some kernels and NCCL's cho", test_10_the_curves_learn_and_precision_orders_the_departures),
+        ('Each setting runs twice and the faster run is ke', 'method'),
+        ('At 3 MB/s the uncompressed all-reduces take most', test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path),
+        ('Away from β* the measurement follows the α-β lin', test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path),
+        ('Slide β down and watch exposed comm take over th', 'question'),
+    ],
+    "11_bubbles_and_memory": [
+        ("`full` keeps only each block's input; `selective", 'method'),
+        ('Same work on every row, so the rows end where th', 'formula'),
+        ('Every run is checked against one process.', 'method'),
+        ("* **unequal costs**: on CPU `W` is not `I`'s twi", 'hedged'),
+        ("The schedule's claim is the simulated column, wi", test_11_zero_bubble_schedules_idle_less_and_zbv_sends_twice_the_bytes),
+        ('**And the step time?** Not reliably shorter here', 'hedged'),
+        ('At p = 2 the ideal gain is small (0.111 → 0.040', 'hedged'),
+        ('And the split is only free if `I + W = B`: the p', 'quoted'),
+        ("The paper's gain assumes GPU matrix multiplies s", 'cluster'),
+    ],
+    "12_bring_your_model": [
+        ('This notebook brings three such models to the la', 'method'),
+        ('Data parallelism (gradients averaged while backw', 'method'),
+        ('The planner counts what these layers cost at ful', 'formula'),
+        ('To bring your own model: `lab.run(strategy, mode', 'method'),
+    ],
+    "13_long_sequences": [
+        ("A transformer's activations grow with the sequen", test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('Straight lines: **doubling the sequence doubles', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('What is left grows with T, and at 128k tokens an', 'formula'),
+        ('Every run of the course is checked; here `cp=4`', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('Below them, on the comm lane, the hop `cp kv j`', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('With the sequence cut into contiguous slices, ra', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('Contiguous, the last rank computes attention mor', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('The measured bars are the illustration, and they', 'hedged'),
+        ('On a cluster, where each rank has a GPU of its o', 'cluster'),
+        ('The ring sends the most (its blocks travel again', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('With 4 key/value heads as many as query heads, U', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('The ring and Ulysses hold about the same (within', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+    ],
+    "14_experts": [
+        ('The MoE model has 4 experts of width 128 and sen', test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says),
+        ('Every run equals one process.', 'method'),
+        ('The measured column stays within 10% of the form', test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says),
+        ('`KiB sent / rank` counts every byte, all-to-alls', test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says),
+        ('One step of `ep=4`: per layer, a small exchange', 'method'),
+        ('Without the loss the router keeps its skew (and', test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says),
+        ('`ep_overlap="microbatch"` cuts each layer\'s toke', 'method'),
+        ('With the overlap the comm lanes carry two exchan', test_14_experts_bytes_straggler_balance_and_overlap_as_the_text_says),
+        ('And every exchange also costs the machine a litt', 'hedged'),
+    ],
+    "15_reading_a_big_run": [
+        ('16 engines on a laptop share its cores (labkit w', 'method'),
+        ('**These traces are synthetic**: built by `tests/', test_15_the_big_run_is_exact_and_the_planted_straggler_is_named_by_both_lenses),
+    ],
+}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_outcome_the_markdown_states_is_a_known_claim(path):
+    """A sentence that states an outcome and is not listed in CLAIMS fails here: check it in a
+    test of this module (or say what backs it, from KINDS) and list it. A listed sentence that
+    is gone fails too, so the list never claims more than the notebook says. Reads the
+    notebook's source; nothing is executed."""
+    import nbformat
+
+    said = outcome_sentences(nbformat.read(path, as_version=4))
+    known = CLAIMS.get(path.stem, [])
+    unknown = [s for s in said if not any(s.startswith(opening) for opening, _ in known)]
+    assert not unknown, f"{path.stem} states outcomes no test knows; check them and list them in CLAIMS: {unknown}"
+    gone = [opening for opening, _ in known if not any(s.startswith(opening) for s in said)]
+    assert not gone, f"{path.stem}: CLAIMS lists sentences the notebook no longer says: {gone}"
+    for opening, backing in known:
+        assert callable(backing) and backing.__name__.startswith("test_") or backing in KINDS, (opening, backing)

@@ -339,3 +339,30 @@ def test_dashboard_redraw_keeps_its_layout_until_the_lanes_change():
     redraw_timeline(view, Timeline(two_rank_run(), grid=ParallelDims(pp=2)), 1, "run 3")
     assert lanes(ax)[0] == "rank 0 pp0 compute"
     assert ax.get_position().x0 > first[0]                            # wider lane names: laid out again
+
+
+def test_the_key_lists_only_the_label_families_drawn():
+    """A data-parallel run's "F0"/"B0" get the forward/backward line, not the pipeline's arrows."""
+    from labkit.view.timeline import key_for
+
+    assert key_for({"F0", "B0"}) == "F3 · B3  forward · backward of micro-batch 3"
+    assert key_for(set()) is None
+    both = key_for({"F1", "→F1", "←B12", "W3"}).splitlines()
+    assert [line.split()[0] for line in both] == ["F3", "I3", "→F3", "→B3"]
+
+
+def test_tp_all_reduces_and_dp_buckets_are_told_apart():
+    """On a tp × dp timeline tensor parallelism's all-reduces ("tp g …") get their own shade and
+    legend entry beside data parallelism's buckets, though both are of kind allreduce."""
+    import matplotlib.colors as mcolors
+
+    from labkit.view.timeline import PALETTE
+
+    def span(name, start):
+        return {"rank": 0, "stream": "comm", "kind": "allreduce", "name": name, "step": 0, "microbatch": -1,
+                "start": start, "end": start + 1e-3, "bytes": 64, "peer": -1}
+    ax = Timeline([span("tp g blocks.0.attn", 0.0), span("bucket 0", 2e-3)], 1).plot().axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["allreduce", "allreduce (tp)"]
+    colors = {mcolors.to_hex(c.get_facecolor()[0]) for c in ax.collections if isinstance(c, PolyCollection)}
+    assert len(colors) == 2 and PALETTE["allreduce"].lower() in colors

@@ -215,3 +215,33 @@ def test_after_lab_close_the_dashboard_says_so_and_disables_run():
     dash.controls["microbatches"].value = 2              # a change after close: no AttributeError
     assert dash.run() is None and dash.run_button.disabled
     dash.close()
+
+
+def test_stop_says_a_queued_change_is_dropped_and_pin_confirms(lab2):
+    """Run with the settings already in flight queues nothing; Stop drops a queued change and
+    says so (the controls then show settings that never ran);
+    Pin before any run says there is nothing to pin, after one names the run it kept; the
+    metrics row of a run without a pipeline shows no bubble."""
+    dash = Dashboard(lab2, model=MODEL, data=slow_data, batch=16, steps=4, plot="image",
+                     strategy=labkit.Strategy(dp=2, dp_mode="naive"))
+    try:
+        assert dash.pin() is None and "nothing to pin" in dash.status_text
+        dash.run()
+        assert dash.run() == "running" and dash.runner.pending is None     # no change: nothing queued
+        assert "in flight with these settings" in dash.status_text
+        dash.controls["microbatches"].value = 2          # queued behind the run in flight
+        assert dash.runner.pending is not None
+        dash.stop()
+        live = dash.wait(DEADLINE)
+        assert dash.runner.pending is None and "queued change was dropped: press Run" in dash.status_text
+        assert dash.pin() == f"run {live.number}" and f"pinned run {live.number}" in dash.status_text
+        assert "— (pp = 1)" in dash.metrics.value
+    finally:
+        dash.close()
+
+
+def test_the_dashboard_describes_a_strategy_to_the_sliders_precision():
+    from labkit.widgets import _describe
+
+    assert "0.0156 MiB" in _describe(labkit.Strategy(dp=2, bucket_mb=0.015625))
+    assert "0.25 MiB" in _describe(labkit.Strategy(dp=2, bucket_mb=0.25))

@@ -84,7 +84,9 @@ ROWS = (  # (label, how to read it from a Run, format)
     ("comm", lambda r: 100 * r.metrics["comm_fraction"], "{:.1f}%"),
     ("exposed comm", lambda r: 100 * r.metrics["exposed_comm_fraction"], "{:.1f}%"),
     ("overlap", lambda r: 100 * r.metrics["overlap_fraction"], "{:.1f}%"),
-    ("bubble", lambda r: 100 * r.metrics["bubble_fraction"], "{:.1f}%"),
+    # idle time that is neither compute nor comm: a pipeline's bubble (plus the lab's own gaps);
+    # without a pipeline there is no bubble to read, so the row says so instead of a number
+    ("pipeline bubble", lambda r: 100 * r.metrics["bubble_fraction"] if r.strategy.pp > 1 else None, "{:.1f}%"),
     ("sent / step", lambda r: r.metrics["bytes_sent_total"] / 2**10, "{:.0f} KiB"),
     ("peak activations", lambda r: max(r.metrics["peak_activation_bytes"] or [0]) / 2**10, "{:.0f} KiB"),
     ("loss", lambda r: r.losses[-1], "{:.4g}"),
@@ -103,22 +105,30 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def metrics_table(live) -> str:
     if live is None or not live.run.losses:
         return "<i>No run yet: press Run or change a setting.</i>"
-    values = [fmt.format(get(live.run)) for _, get, fmt in ROWS]
+    values = [_shown(get(live.run), fmt) for _, get, fmt in ROWS]
     link = getattr(live.run, "link", None)
-    name = f"run {live.number}, step {live.step + 1}" + (f" (link {link})" if link is not None else "")
+    done = live.step + 1
+    name = f"run {live.number}, " + (f"median of steps 2–{done}" if done > 2 else f"step {done}") \
+        + (f" (link {link})" if link is not None else "")
     return _table([""] + [label for label, _, _ in ROWS], [[name] + values])
 
 
-def _change(a: float, b: float, points: bool) -> str:
+def _shown(value, fmt: str) -> str:
+    return "— (pp = 1)" if value is None else fmt.format(value)
+
+
+def _change(a: float | None, b: float | None, points: bool) -> str:
     """Fractions differ in percentage points, everything else relatively."""
+    if a is None or b is None:
+        return "—"
     if points:
         return f"{b - a:+.1f} pts"
     return f"{(b - a) / abs(a):+.0%}" if a else f"{b - a:+.3g}"
 
 
 def diff_table(a, b, labels) -> str:
-    rows = [[labels[0]] + [fmt.format(get(a.run)) for _, get, fmt in ROWS]]
+    rows = [[labels[0]] + [_shown(get(a.run), fmt) for _, get, fmt in ROWS]]
     if b is not None:
-        rows.append([labels[1]] + [fmt.format(get(b.run)) for _, get, fmt in ROWS])
+        rows.append([labels[1]] + [_shown(get(b.run), fmt) for _, get, fmt in ROWS])
         rows.append(["change"] + [_change(get(a.run), get(b.run), fmt.endswith("%")) for _, get, fmt in ROWS])
     return _table([""] + [label for label, _, _ in ROWS], rows)

@@ -37,6 +37,10 @@ from ..analysis.traces import TRACE_COLORS
 
 # Colours come from the kind table (labkit.analysis.events), in its order for the legend.
 PALETTE = {name: kind.color for name, kind in KINDS.items()}
+# Spans of one kind that a timeline must tell apart: tensor parallelism's all-reduces (f and g,
+# named "tp …") beside data parallelism's buckets on a tp × dp grid (notebook 07) get a darker
+# shade of the kind's colour and their own legend entry. (kind, name prefix) → (label, colour).
+VARIANTS = {("allreduce", "tp "): ("allreduce (tp)", "#8F3E00")}
 # Characters of x-small text that fit across a default-width figure: a span that is 10% of
 # the x range holds about 11; spans with room for fewer than 2 get no label.
 LABEL_CHARS_PER_AXIS = 110
@@ -58,10 +62,19 @@ _ACTION = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _ACTION_LABEL = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": "→F", "RECV_F": "←F",
                  "SEND_B": "→B", "RECV_B": "←B"}
 _KIND_LETTER = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
-KEY = ("F3 · B3  forward · backward of micro-batch 3\n"
-       "I3 · W3  its input · weight gradient\n"
-       "→F3 · ←F3  send · receive its activations\n"
-       "→B3 · ←B3  send · receive its gradient")
+# The key to the span labels, one line per family, each shown only when a label of it was
+# written (a data-parallel run's "F0"/"B0" need the first line, not the pipeline's arrows).
+KEY = (("F3 · B3  forward · backward of micro-batch 3", ("F", "B")),
+       ("I3 · W3  its input · weight gradient", ("I", "W")),
+       ("→F3 · ←F3  send · receive its activations", ("→F", "←F")),
+       ("→B3 · ←B3  send · receive its gradient", ("→B", "←B")))
+
+
+def key_for(labels) -> str | None:
+    """The lines of KEY that explain ``labels`` (the pipeline labels drawn), or None."""
+    prefixes = {label.rstrip("0123456789") for label in labels}
+    lines = [line for line, family in KEY if prefixes & set(family)]
+    return "\n".join(lines) or None
 
 
 def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool = True,
@@ -85,12 +98,12 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     if ax is None:      # into a given Axes the aggregated view draws its lanes only
         ax, heat_ax = _axes(len(lanes), aggregate, figsize)
     _draw_lanes(ax, [name for _, name in lanes])
-    has_key = _draw_spans(ax, table, shift, [r for r, _ in lanes], extent if labels else None)
+    key = key_for(_draw_spans(ax, table, shift, [r for r, _ in lanes], extent if labels else None))
     for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
         ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, extent or 1.0)
     ax.set_title(_plot_title(tl, step) + (f" — {len(shown)} ranks, 3 per stage shown" if aggregate else ""))
-    _legend(ax, set(np.unique(table["kind"]).tolist()), has_key)
+    _legend(ax, set(np.unique(shown_kinds(table["kind"], table["name"])).tolist()), key)
     if heat_ax is not None:
         draw_heatmap(heat_ax, table, shift, shown, extent, tl)
         ax = heat_ax
@@ -131,12 +144,12 @@ def _axes(lanes: int, heat: bool, figsize):
     return ax, heat_ax
 
 
-def _legend(ax, kinds: set, has_key: bool) -> None:
-    """The kinds drawn, in the palette's order; above them the key to "F3", "←B0" labels."""
+def _legend(ax, kinds: set, key: str | None) -> None:
+    """The kinds drawn, in the palette's order; above them the key to the "F3", "←B0" labels drawn."""
     legend = ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
-                       fontsize="small", frameon=False, title=KEY if has_key else None,
+                       fontsize="small", frameon=False, title=key,
                        title_fontsize="x-small", alignment="left")
-    if has_key:
+    if key:
         legend.get_title().set_family("monospace")
 
 
@@ -237,9 +250,9 @@ def _draw_lanes(ax, names: list[str]) -> None:
                   color="#DDDDDD", linewidth=0.8)
 
 
-def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: float | None) -> bool:
+def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: float | None) -> set[str]:
     """Every span of the lanes' ranks, one PolyCollection per kind; labels where they fit.
-    Returns whether a pipeline label ("F3", "←B0") was written, so the caller adds the key."""
+    Returns the pipeline labels ("F3", "←B0") written, so the caller keys what it drew."""
     index = np.full(int(max(lane_ranks, default=0)) + 1, -1)
     index[lane_ranks] = np.arange(len(lane_ranks))
     rank = table["rank"]
@@ -252,7 +265,7 @@ def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: flo
     row, rows = _rows(lane, x0, x0 + width, TOUCH_S * 1e3)
     height = 0.8 / rows
     y = lane - 0.4 + height * (row + 0.5)
-    kinds = t["kind"]
+    kinds = shown_kinds(t["kind"], t["name"])
     for kind in np.unique(kinds).tolist():
         m = kinds == kind
         bars = _bars(x0[m], width[m], y[m], height[m], kind)
@@ -261,7 +274,7 @@ def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: flo
             ax.add_artist(_hatching(bars))
     if extent:
         return _draw_labels(ax, t, x0, width, y, rows, extent)
-    return False
+    return set()
 
 
 def _bars(x0, width, y, height, kind: str) -> PolyCollection:
@@ -311,18 +324,20 @@ def _rows(lane, x0, x1, touch: float):
     return row, rows
 
 
-def _draw_labels(ax, t: EventTable, x0, width, y, rows, extent: float) -> bool:
-    """A label inside each span with room for it, the widest MAX_LABELS at most."""
+def _draw_labels(ax, t: EventTable, x0, width, y, rows, extent: float) -> set[str]:
+    """A label inside each span with room for it, the widest MAX_LABELS at most; returns the
+    pipeline labels among them."""
     room = (LABEL_CHARS_PER_AXIS * width / extent).astype(int)
     candidates = np.flatnonzero((room >= 2) & (rows <= 3))
     candidates = candidates[np.argsort(-width[candidates], kind="stable")[:MAX_LABELS]]
-    keyed = False
+    keyed: set[str] = set()
     names, kinds, mbs = t["name"], t["kind"], t["microbatch"]
     for i in sorted(candidates.tolist()):
         label, is_action = _span_label(str(kinds[i]), names[i], int(mbs[i]))
         if len(label) > room[i]:   # a cut label, "0.…", reads as a different name
             continue
-        keyed |= is_action
+        if is_action:
+            keyed.add(label)
         color = _color(str(kinds[i]))
         ax.add_artist(_FittedLabel(x0[i], width[i], y[i], label, color=_text_color(color)))
     return keyed
@@ -479,9 +494,25 @@ class _FittedLabel(matplotlib.text.Text):
         super().draw(renderer)
 
 
+def shown_kinds(kinds, names):
+    """Each span's kind as drawn: its kind, or the VARIANTS label its name selects."""
+    out = np.asarray(kinds).astype(object)
+    for (kind, prefix), (label, _) in VARIANTS.items():
+        mask = out == kind
+        if mask.any():
+            picked = np.fromiter((str(n).startswith(prefix) for n in np.asarray(names)[mask]), bool, mask.sum())
+            where = np.flatnonzero(mask)[picked]
+            out[where] = label
+    return out
+
+
+_VARIANT_COLORS = {label: color for label, color in VARIANTS.values()}
+
+
 def _color(kind: str) -> str:
-    """The kind table's colour, a profiler trace's kinds next (labkit.analysis.traces), else grey."""
-    return PALETTE.get(kind) or TRACE_COLORS.get(kind, OTHER_COLOR)
+    """The kind table's colour (or its VARIANTS shade), a profiler trace's kinds next
+    (labkit.analysis.traces), else grey."""
+    return PALETTE.get(kind) or _VARIANT_COLORS.get(kind) or TRACE_COLORS.get(kind, OTHER_COLOR)
 
 
 def _text_color(hex_color: str) -> str:
@@ -492,6 +523,8 @@ def _text_color(hex_color: str) -> str:
 
 def _legend_handles(kinds) -> list[Patch]:
     """One patch per kind present, in the palette's fixed order, unknown kinds last."""
-    ordered = [k for k in PALETTE if k in kinds] + sorted(kinds - PALETTE.keys())
+    variants = {base: label for (base, _), (label, _) in VARIANTS.items()}
+    ordered = [v for k in PALETTE for v in (k, variants.get(k)) if v in kinds]
+    ordered += sorted(kinds - set(ordered))
     return [Patch(facecolor=_color(k), hatch="//" if k == "wait" else None,
                   edgecolor="#777777", label=k) for k in ordered]
