@@ -179,6 +179,8 @@ class Handle:
         during backward, a ring attention's K/V hop inside a block's forward) cuts that span, as
         a blocking call does: the rank computed nothing while it waited."""
         rec = self._ctx.recorder
+        if rec.enabled and not rec.cuda and "waited" not in self.entry:
+            self.entry["waited"] = rec.mark()          # where this rank consumed the result
         began = rec.mark() if self._thread and rec.enabled and not rec.cuda else None
         self._wait()
         if began is not None and (ended := rec.mark()) - began > BLOCKED_S:
@@ -272,8 +274,12 @@ def _record(ctx, entry, start, end):
     if entry.get("_recorded") or entry["op"] == "barrier":     # a barrier only aligns ranks
         return
     entry["_recorded"] = True
-    ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm", microbatch=entry["microbatch"],
-                     nbytes=entry["bytes"], peer=entry["peer"])
+    group = entry["group"] if entry["peer"] is None else None       # a collective's members
+    event = ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm",
+                             microbatch=entry["microbatch"], nbytes=entry["bytes"], peer=entry["peer"],
+                             group=group)
+    if event is not None and isinstance(entry.get("waited"), float):
+        event["waited"] = entry["waited"]
 
 
 def _guard(ctx: CommContext, entry: dict, call):

@@ -65,7 +65,8 @@ KEY = ("F3 · B3  forward · backward of micro-batch 3\n"
 
 
 def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool = True,
-                  ranks=None, stage: int | None = None, aggregate: bool | None = None):
+                  ranks=None, stage: int | None = None, aggregate: bool | None = None,
+                  critical_path: bool = False):
     """Draw `tl`; return the Figure.
 
     step: a step number, "all" (back to back, as in the trace) or None for the last step.
@@ -73,7 +74,9 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     only, no heatmap). labels: write "F3"/"B3" or the event name inside spans wide enough.
     ranks / stage: draw only these ranks / the replicas of this pipeline stage (needs the
     Timeline's grid). aggregate: force the aggregated view on or off (default: on past
-    AGGREGATE_ABOVE ranks when neither ranks nor stage is given).
+    AGGREGATE_ABOVE ranks when neither ranks nor stage is given). critical_path: outline the
+    spans on the step's critical path (labkit.analysis.graph) in black, and say in the title
+    what holds it.
     """
     table, shift, offsets = _window(tl, step)
     shown = _shown_ranks(tl, ranks, stage)
@@ -90,6 +93,8 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
         ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, extent or 1.0)
     ax.set_title(_plot_title(tl, step) + (f" — {len(shown)} ranks, 3 per stage shown" if aggregate else ""))
+    if critical_path:
+        _outline_path(ax, tl, step, [r for r, _ in lanes])
     _legend(ax, set(np.unique(table["kind"]).tolist()), has_key)
     if heat_ax is not None:
         draw_heatmap(heat_ax, table, shift, shown, extent, tl)
@@ -98,6 +103,22 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
         ax.set_xlabel("time (ms)")
     return ax.figure
+
+
+def _outline_path(ax, tl: Timeline, step, lane_ranks: list[int]) -> None:
+    """The critical path's spans outlined on their lanes; what holds it under the title."""
+    shown = None if step == "all" else (tl.steps[-1] if step is None and tl.steps else step)
+    path = tl.critical_path(shown)
+    table, shift, _ = _window(path, step)
+    for rank, stream, start, end, sh in zip(table["rank"].tolist(), table["stream"].tolist(),
+                                             table["start"].tolist(), table["end"].tolist(), shift.tolist()):
+        if rank not in lane_ranks:
+            continue
+        y = _lane(lane_ranks, rank, "compute" if stream != "comm" else "comm")
+        ax.broken_barh([((sh + start) * 1e3, (end - start) * 1e3)], (y - 0.45, 0.9), facecolors="none",
+                       edgecolors="black", linewidth=1.8, zorder=5)
+    verdict = tl.bound_by(shown)
+    ax.set_title(f"{ax.get_title()}\ncritical path (outlined): {verdict}", fontsize="medium")
 
 
 def plot_stragglers(found, ax=None):
