@@ -74,7 +74,8 @@ class Issue:
     longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
     tail: float = 0.0
     """Wall time after its link time before the call completes on its ranks (a thread's wake-up),
-    the link already free for the next call: a replayed call's measured excess (labkit.plan.whatif)."""
+    its stream and link already free for the next call: a replayed call's measured excess
+    (labkit.plan.whatif)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class _Job:
     remaining: float              # work on the shared cores
     ask: float                    # the cores it asks for while that work remains
     start: float
-    what: object                  # ("compute", rank, item) or ("call", key)
+    what: object                  # ("compute", rank, item), ("call", key) or ("tail", key)
     until: float = 0.0            # a call's end on its emulated link: wall time, off the cores
 
 
@@ -163,7 +164,7 @@ class Sim:
                 cross = self._crossing(call.group)
                 if cross:
                     self.crossed.add(key)
-                until = self.t + self._queue(key, call.link, call.group, False) + call.link + call.tail
+                until = self.t + self._queue(key, call.link, call.group, False) + call.link
                 self.running.append(_Job(call.seconds + cross + self._wait_for_core(call.group),
                                          self.load * len(posted), self.t, ("call", key), until))
         started = True
@@ -178,7 +179,7 @@ class Sim:
                 if all(self.streams[m] and self.streams[m][0] == key for m in group):
                     for m in group:
                         self.streams[m][0] = None          # in flight: the stream is busy
-                    until = self.t + self._queue(key, call.link, group, True) + call.link + call.tail
+                    until = self.t + self._queue(key, call.link, group, True) + call.link
                     job = _Job(call.seconds + call.steps * self._wait_for_core(group), self.load * len(group),
                                self.t, ("call", key), until)
                     self.running.append(job)
@@ -256,9 +257,14 @@ class Sim:
                 self.events.append(_event(r, "compute", item.kind, item.name, item.microbatch, job.start, self.t))
             return
         key = job.what[1]
+        if job.what[0] == "call":
+            for m in self.calls[key].group:
+                if self.calls[key].ordered:
+                    self.streams[m].pop(0)               # the stream (and link) free for the next call
+            if self.calls[key].tail > 0:                  # the ranks see it complete a tail later
+                self.running.append(_Job(0.0, 0.0, job.start, ("tail", key), self.t + self.calls[key].tail))
+                return
         for m in self.calls[key].group:
-            if self.calls[key].ordered:
-                self.streams[m].pop(0)
             self.done.add((key, m))
             posted, item = self.posts[(key, m)]
             if item.kind == "recv" and job.start > posted + EPS:      # a receive before its sender posted

@@ -132,31 +132,49 @@ class _Call:
 
 def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
     """Each comm span's call: its key (one per collective or message), members and price."""
-    out = {}
-    for i, e in enumerate(graph.events):
+    out, freed = {}, {}                  # freed: a collective's key → when it left its link
+    for i in sorted(range(len(graph.events)), key=lambda i: graph.start[i]):
+        e = graph.events[i]
         kind = e["kind"]
         if e["stream"] != "comm" or kind == "wait":
             continue
         if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
             members = graph.members[i]
-            key, group, ordered = ("c", min(members)), tuple(sorted(int(graph.rank[m]) for m in members)), True
-            rows = members
+            key, group, ordered, rows = ("c", min(members)), tuple(sorted(int(graph.rank[m]) for m in members)), \
+                True, members
         elif kind in ("send", "recv") and i in graph.partner:
             s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
             key, group, ordered, rows = ("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r]
         else:                                   # a call alone on its rank (its peers unrecorded)
             key, group, ordered, rows = ("a", i), (int(graph.rank[i]),), True, [i]
-        own = max(graph.end[m] - min(graph.ready(m)[0], graph.end[m]) for m in rows)
         nbytes = max(graph.events[m]["bytes"] for m in rows)
         ranks = group if kind not in COLLECTIVES else (group_ranks(e.get("group", "")) or group)
         old = _link_seconds(old_link, kind, nbytes, ranks)
-        new = _link_seconds(new_link, kind, nbytes, ranks)
+        begin = _began(graph, i, rows, freed, old_link is not None)
+        freed[key] = begin + old
+        own = max(graph.end[m] for m in rows) - begin
         if old_link is not None:
-            seconds, link, tail = 0.0, new, max(0.0, own - old)
+            seconds, link, tail = 0.0, _link_seconds(new_link, kind, nbytes, ranks), max(0.0, own - old)
         else:
-            seconds, link, tail = own, new, 0.0
-        out[i] = _Call(key, group, seconds, link, tail, ordered)
+            seconds, link, tail = own, _link_seconds(new_link, kind, nbytes, ranks), 0.0
+        for m in rows:
+            out[m] = _Call(key, group, seconds, link, tail, ordered)
     return out
+
+
+def _began(graph: StepGraph, i: int, rows, freed: dict, on_link: bool) -> float:
+    """When call i began moving bytes: its last member's entry, and, for a collective, its
+    group's previous call out of the way — on an emulated link once that call left the link
+    (its recorded end can come later: the thread that notes it wakes late), else at its end."""
+    begin = max(graph.start[m] for m in rows)        # a message's spans start once both ends are there
+    if graph.kind[i] not in COLLECTIVES or i not in graph.members:
+        return float(begin)
+    previous = graph.previous.get(i)
+    if previous:
+        key = ("c", min(previous))
+        before = freed.get(key) if on_link and key in freed else max(graph.end[p] for p in previous)
+        begin = max(begin, before)
+    return float(begin)
 
 
 def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
