@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .events import group_ranks
+from .table import EventTable
 
 COLLECTIVES = frozenset(("allreduce", "reduce_scatter", "allgather", "broadcast", "all_to_all"))
 UNTRACED = "untraced"
@@ -48,78 +49,95 @@ is far finer; spans recorded back to back differ by more than this only when tim
 class StepGraph:
     """The spans of one step with their cross-rank edges (see the module docstring).
 
-    events: one step's event dicts. groups: "require" (default) refuses collectives whose
-    members are unknown when more than one rank runs collectives; "world" takes every rank
-    that runs collectives as one group, in order; "none" joins nothing (one rank's own path).
+    events: one step's events (an EventTable or event dicts). groups: "require" (default)
+    refuses collectives whose members are unknown when more than one rank runs collectives;
+    "world" takes every rank that runs collectives as one group, in order; "none" joins nothing
+    (one rank's own path).
     """
 
-    def __init__(self, events: list[dict], groups: str = "require"):
-        self.events = events
-        n = len(events)
-        self.rank = np.array([e["rank"] for e in events], dtype=np.int64)
-        self.start = np.array([e["start"] for e in events], dtype=np.float64)
-        self.end = np.array([e["end"] for e in events], dtype=np.float64)
-        self.compute = np.array([e["stream"] != "comm" for e in events], dtype=bool)
-        self.kind = [e["kind"] for e in events]
-        self.by_rank: dict[int, np.ndarray] = {}
-        order = np.lexsort((self.start, self.rank)) if n else np.zeros(0, dtype=np.int64)
-        for r in np.unique(self.rank):
-            self.by_rank[int(r)] = order[self.rank[order] == r]
-        self.members: dict[int, list[int]] = {}       # a collective's row → every member's row
-        self.previous: dict[int, int] = {}           # a collective's row → its group's previous call there
+    def __init__(self, events, groups: str = "require"):
+        t = events if isinstance(events, EventTable) else EventTable.from_dicts(list(events))
+        self.table, self._events = t, None
+        self.rank = t["rank"].astype(np.int64)
+        self.start, self.end = t["start"], t["end"]
+        self.compute = t["stream"] != "comm"
+        self.kind = t["kind"]
+        self.peer, self.group = t["peer"], t["group"]
+        self.is_wait = self.kind == "wait"
+        order = np.lexsort((self.start, self.rank)) if len(t) else np.zeros(0, dtype=np.int64)
+        cuts = np.flatnonzero(np.diff(self.rank[order])) + 1
+        self.by_rank = {int(self.rank[rows[0]]): rows for rows in np.split(order, cuts) if len(rows)}
+        self.members: dict[int, np.ndarray] = {}      # a collective's row → every member's row
+        self.previous: dict[int, np.ndarray] = {}     # a collective's row → its group's previous call's rows
         self.partner: dict[int, int] = {}            # a send's row ↔ its receive's row
         self.wait_of: dict[int, int] = {}            # a receive's row → its wait span's row
         self._join_collectives(groups)
         self._match_messages()
 
+    @property
+    def events(self) -> list[dict]:
+        """The step's events as dicts (made once, when asked)."""
+        if self._events is None:
+            self._events = self.table.to_dicts()
+        return self._events
+
+    def __len__(self) -> int:
+        return len(self.table)
+
     def _join_collectives(self, groups: str) -> None:
-        rows = [i for i, k in enumerate(self.kind) if k in COLLECTIVES]
-        unnamed = [i for i in rows if not self.events[i].get("group")]
-        ranks_with = {int(self.rank[i]) for i in rows}
-        if groups == "none":                         # one rank's own path: no cross-rank edges
-            rows = []
-        if unnamed and len(ranks_with) > 1 and groups == "require":
-            e = self.events[unnamed[0]]
+        rows = np.flatnonzero(np.isin(self.kind, list(COLLECTIVES)))
+        if groups == "none" or not len(rows):          # one rank's own path: no cross-rank edges
+            return
+        named = self.group[rows] != ""
+        ranks_with = np.unique(self.rank[rows])
+        if not named.all() and len(ranks_with) > 1 and groups == "require":
+            i = int(rows[~named][0])
             raise ValueError(
-                f"critical_path: rank {e['rank']}'s {e['kind']} '{e['name']}' (step {e['step']}) does not say which "
-                f"ranks took part, so its members cannot be joined across ranks. labkit's own runs record it; a "
-                f"profiler trace has it as the NCCL kernel's 'Process Group Ranks' (torch ≥ 2.4) or in "
-                f"distributedInfo.pg_config. Pass groups='world' if every collective spans all ranks that "
-                f"run collectives, or read one rank's own path with rank=R")
-        everyone = ",".join(map(str, sorted(ranks_with)))
-        calls = defaultdict(list)                    # (group, k) → rows
-        count = defaultdict(int)
-        for i in sorted(rows, key=lambda i: (self.start[i], i)):
-            g = self.events[i].get("group") or everyone
-            k = count[(int(self.rank[i]), g)]
-            count[(int(self.rank[i]), g)] += 1
-            calls[(g, k)].append(i)
-            if k:
-                self.previous[i] = (g, k - 1)
-        for (g, k), members in calls.items():
+                f"critical_path: rank {self.rank[i]}'s {self.kind[i]} '{self.table['name'][i]}' (step "
+                f"{self.table['step'][i]}) does not say which ranks took part, so its members cannot be joined "
+                f"across ranks. labkit's own runs record it; a profiler trace has it as the NCCL kernel's "
+                f"'Process Group Ranks' (torch ≥ 2.4) or in distributedInfo.pg_config. Pass groups='world' if "
+                f"every collective spans all ranks that run collectives, or read one rank's own path with rank=R")
+        everyone = ",".join(map(str, ranks_with.tolist()))
+        ids: dict[str, int] = {}            # a dict, not np.unique: a world's group is a long string
+        gid = np.array([ids.setdefault(g or everyone, len(ids)) for g in self.group[rows].tolist()], dtype=np.int64)
+        # k: the call's index among its rank's calls of that group, in time order (the collective contract)
+        order = np.lexsort((self.start[rows], self.rank[rows], gid))
+        key = gid[order] * (int(self.rank.max()) + 1) + self.rank[rows][order]
+        first = np.r_[0, np.flatnonzero(np.diff(key)) + 1]
+        k = np.arange(len(order)) - np.repeat(first, np.diff(np.r_[first, len(order)]))
+        call = np.empty(len(rows), dtype=np.int64)
+        call[order] = gid[order] * len(rows) + k
+        by_call = np.argsort(call, kind="stable")
+        cuts = np.flatnonzero(np.diff(call[by_call])) + 1
+        groups_of = {int(call[m[0]]): rows[m] for m in np.split(by_call, cuts)}
+        for c, members in groups_of.items():
+            before = groups_of.get(c - 1) if c % len(rows) else None
             for i in members:
-                self.members[i] = members
-        for i, key in list(self.previous.items()):
-            self.previous[i] = calls[key]
+                self.members[int(i)] = members
+                if before is not None:
+                    self.previous[int(i)] = before
 
     def _match_messages(self) -> None:
+        p2p = np.flatnonzero(self.peer >= 0)
+        if not len(p2p):
+            return
         sends, recvs, waits = defaultdict(list), defaultdict(list), {}
-        for i, e in enumerate(self.events):
-            if e.get("peer") is None:
-                continue
-            if e["kind"] == "send":
-                sends[(e["rank"], e["peer"])].append(i)
-            elif e["kind"] == "recv":
-                recvs[(e["peer"], e["rank"])].append(i)
-            elif e["kind"] == "wait":
-                waits[(e["rank"], e["peer"], round(e["end"], 9))] = i
+        for i in p2p.tolist():
+            kind, r, peer = self.kind[i], int(self.rank[i]), int(self.peer[i])
+            if kind == "send":
+                sends[(r, peer)].append(i)
+            elif kind == "recv":
+                recvs[(peer, r)].append(i)
+            elif kind == "wait":
+                waits[(r, peer, round(float(self.end[i]), 9))] = i
         for pair, sent in sends.items():
             got = sorted(recvs.get(pair, []), key=lambda i: self.start[i])
             for s, r in zip(sorted(sent, key=lambda i: self.start[i]), got):
                 self.partner[s], self.partner[r] = r, s
-        for pair, got in recvs.items():
+        for (src, dst), got in recvs.items():
             for r in got:
-                w = waits.get((self.events[r]["rank"], self.events[r]["peer"], round(self.start[r], 9)))
+                w = waits.get((dst, src, round(float(self.start[r]), 9)))
                 if w is not None:
                     self.wait_of[r] = w
 
@@ -128,24 +146,28 @@ class StepGraph:
         """(when span i could start, the rank to look back on from then, or a span that was
         itself the last thing i waited for)."""
         r, kind = int(self.rank[i]), self.kind[i]
-        if kind in COLLECTIVES:
-            entries = [(self.start[m], int(self.rank[m]), None) for m in self.members[i]]
-            entries += [(self.end[p], int(self.rank[p]), p) for p in self.previous.get(i, ())]
-            t, rank, span = max(entries, key=lambda x: (x[0], x[2] is not None))
-            return max(t, self.start[i]) if span is None else t, rank, span
+        if i in self.members:
+            members = self.members[i]
+            m = int(members[np.argmax(self.start[members])])
+            entry = (float(self.start[m]), int(self.rank[m]), None)
+            previous = self.previous.get(i)
+            if previous is not None:
+                p = int(previous[np.argmax(self.end[previous])])
+                if self.end[p] >= entry[0]:                 # the group's previous call held it up
+                    return float(self.end[p]), int(self.rank[p]), p
+            return max(entry[0], float(self.start[i])), entry[1], None
         if kind in ("recv", "wait"):
             sender = self.partner.get(i) if kind == "recv" else None
-            peer = self.events[i].get("peer")
             if kind == "wait" or i in self.wait_of:      # the receiver was there first: the sender bounds it
                 t = self.end[i] if kind == "wait" else self.start[i]
-                return t, int(peer if sender is None else self.rank[sender]), None
-            return self.start[i], r, None
+                return float(t), int(self.peer[i] if sender is None else self.rank[sender]), None
+            return float(self.start[i]), r, None
         if kind == "send" and i in self.partner:
             recv = self.partner[i]
             posted = self.start[self.wait_of[recv]] if recv in self.wait_of else self.start[recv]
             if recv not in self.wait_of and posted >= self.start[i] - EPS:   # the receiver came last
-                return self.start[i], int(self.rank[recv]), None
-        return self.start[i], r, None
+                return float(self.start[i]), int(self.rank[recv]), None
+        return float(self.start[i]), r, None
 
     def before(self, rank: int, t: float, exclude: int) -> int | None:
         """The span on ``rank`` that was last done before ``t``: a compute span that began before
@@ -154,46 +176,52 @@ class StepGraph:
         rows = self.by_rank.get(rank)
         if rows is None or not len(rows):
             return None
-        starts, ends, compute = self.start[rows], self.end[rows], self.compute[rows]
-        kinds = np.array([self.kind[j] != "wait" for j in rows])
-        ok = (starts < t - EPS) & kinds & (rows != exclude) & (compute | (ends <= t + EPS))
+        rows = rows[: np.searchsorted(self.start[rows], t - EPS)]        # began before t
+        if not len(rows):
+            return None
+        ends, compute = self.end[rows], self.compute[rows]
+        ok = ~self.is_wait[rows] & (rows != exclude) & (compute | (ends <= t + EPS))
         if not ok.any():
             return None
         reach = np.where(ok, np.minimum(ends, t), -np.inf)
-        best = reach.max()
-        tied = ok & (reach >= best - EPS)
-        pick = np.lexsort((starts, compute.astype(int), tied.astype(int)))[-1]
+        tied = ok & (reach >= reach.max() - EPS)
+        pick = np.lexsort((self.start[rows], compute.astype(int), tied.astype(int)))[-1]
         return int(rows[pick])
 
     # -- the walk -------------------------------------------------------------------------------
     def critical_path(self, rank: int | None = None) -> list[dict]:
         """The spans on the path, in time order, each cut to the part on the path; gaps as
         ``untraced`` spans. rank: that rank's own path only (no cross-rank edges)."""
-        if not self.events:
+        if not len(self):
             return []
-        candidates = np.arange(len(self.events)) if rank is None else self.by_rank.get(rank, np.zeros(0, int))
+        candidates = np.arange(len(self)) if rank is None else self.by_rank.get(rank, np.zeros(0, dtype=np.int64))
         if not len(candidates):
             return []
         i = int(candidates[np.argmax(self.end[candidates])])
-        t, path = float(self.end[i]), []
-        for _ in range(2 * len(self.events) + 2):
-            ready, on, span = self.ready(i) if rank is None else (self.start[i], int(self.rank[i]), None)
+        t, path, step = float(self.end[i]), [], int(self.table["step"][i])
+        for _ in range(2 * len(self) + 2):
+            ready, on, span = self.ready(i) if rank is None else (float(self.start[i]), int(self.rank[i]), None)
             ready = min(ready, t)
-            path.append(self._cut(i, ready, t))
+            path.append((i, ready, t))
             if span is not None:                              # the group's previous call
                 i, t = span, ready
                 continue
             j = self.before(on, ready, exclude=i)
-            reached = min(self.end[j], ready) if j is not None else 0.0
+            reached = min(float(self.end[j]), ready) if j is not None else 0.0
             if ready - reached > EPS:
-                path.append(_untraced(on, self.events[i]["step"], reached, ready))
+                path.append((None, on, reached, ready))
             if j is None:
                 break
             i, t = j, reached
-        return path[::-1]
+        return [self._piece(p, step) for p in path[::-1]]
 
-    def _cut(self, i: int, start: float, end: float) -> dict:
-        e = dict(self.events[i])
+    def _piece(self, p: tuple, step: int) -> dict:
+        """A path entry as an event: span i cut to [start, end], or an untraced gap."""
+        if p[0] is None:
+            _, rank, start, end = p
+            return _untraced(rank, step, start, end)
+        i, start, end = p
+        e = self.table.select(np.array([i])).to_dicts()[0]
         e["start"], e["end"] = float(max(min(start, end), self.start[i])), float(end)
         return e
 
@@ -211,8 +239,7 @@ def critical_path(timeline, step: int | None = None, groups: str = "require", ra
     steps = _steps(timeline, step)
     path = []
     for s in steps:
-        events = [e for e in timeline.step(s).events]
-        path += StepGraph(events, groups if rank is None else "none").critical_path(rank)
+        path += StepGraph(timeline.step(s).table, groups if rank is None else "none").critical_path(rank)
     title = f"critical path of {timeline.title}" if timeline.title else "critical path"
     return Timeline(path, timeline.world_size, title, timeline.grid)
 
@@ -320,17 +347,16 @@ def straggler_scores(timeline, groups: str = "require") -> StragglerScores:
     on_path, bounds = np.zeros(len(ranks)), np.zeros(len(ranks))
     busy = np.zeros((len(steps), len(ranks)))
     for k, s in enumerate(steps):
-        events = timeline.step(s).events
+        table = timeline.step(s).table
         path_compute = np.zeros(len(ranks))
-        for e in StepGraph(events, groups).critical_path():
+        for e in StepGraph(table, groups).critical_path():
             if e["stream"] != "comm" and e["kind"] != UNTRACED:
                 path_compute[e["rank"]] += e["end"] - e["start"]
         on_path += path_compute > 0
         if path_compute.max() > 0:
             bounds[int(np.argmax(path_compute))] += 1
-        for e in events:
-            if e["stream"] != "comm":
-                busy[k, e["rank"]] += e["end"] - e["start"]
+        comp = table["stream"] != "comm"
+        np.add.at(busy[k], table["rank"][comp], (table["end"] - table["start"])[comp])
     per_step = np.median(busy, axis=0)
     scores = StragglerScores()
     for r in ranks:

@@ -133,15 +133,15 @@ class _Call:
 def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
     """Each comm span's call: its key (one per collective or message), members and price."""
     out, freed = {}, {}                  # freed: a collective's key → when it left its link
-    for i in sorted(range(len(graph.events)), key=lambda i: graph.start[i]):
+    for i in np.argsort(graph.start, kind="stable").tolist():
         e = graph.events[i]
         kind = e["kind"]
         if e["stream"] != "comm" or kind == "wait":
             continue
         if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
             members = graph.members[i]
-            key, group, ordered, rows = ("c", min(members)), tuple(sorted(int(graph.rank[m]) for m in members)), \
-                True, members
+            key, group, ordered, rows = ("c", int(min(members))), tuple(sorted(int(graph.rank[m]) for m in members)), \
+                True, members.tolist()
         elif kind in ("send", "recv") and i in graph.partner:
             s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
             key, group, ordered, rows = ("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r]
@@ -170,8 +170,8 @@ def _began(graph: StepGraph, i: int, rows, freed: dict, on_link: bool) -> float:
     if graph.kind[i] not in COLLECTIVES or i not in graph.members:
         return float(begin)
     previous = graph.previous.get(i)
-    if previous:
-        key = ("c", min(previous))
+    if previous is not None:
+        key = ("c", int(min(previous)))
         before = freed.get(key) if on_link and key in freed else max(graph.end[p] for p in previous)
         begin = max(begin, before)
     return float(begin)
