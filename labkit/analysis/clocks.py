@@ -40,9 +40,9 @@ def aligned(results: list[dict]) -> list[dict]:
 
 
 def _shifted(event: dict, d: float) -> dict:
-    """``event`` moved ``d`` seconds later (its ``waited`` and ``posted`` instants too)."""
+    """``event`` moved ``d`` seconds later (its ``waited``, ``posted`` and ``moved`` instants too)."""
     out = dict(event, start=event["start"] + d, end=event["end"] + d)
-    for instant in ("waited", "posted"):
+    for instant in ("waited", "posted", "moved"):
         if instant in out:
             out[instant] = out[instant] + d
     return out

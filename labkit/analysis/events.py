@@ -45,6 +45,9 @@ class Event(TypedDict):
     waited: NotRequired[float]
     """When the caller waited on an asynchronous call (seconds on the step's clock): where the
     rank consumed its result, the edge a replay keeps (labkit.plan.whatif)."""
+    moved: NotRequired[float]
+    """On an emulated link: when gloo itself had moved a collective's bytes, before the link's
+    wait (a replay on a faster link needs gloo's own time)."""
     posted: NotRequired[float]
     """When a send was posted, where its span starts later (its receiver came later:
     labkit.analysis.waits trims the span to the time both ends were there)."""

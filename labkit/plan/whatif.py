@@ -20,11 +20,14 @@ that :func:`labkit.plan.simulate` runs too) and runs them again:
   an all-reduce, n − 1 for all-gather, reduce-scatter, broadcast and all-to-all, one for a
   message; the wire bytes are what the rank put on the wire, ``bytes``: :meth:`labkit.Link.seconds`
   written per rank). A call measured on an emulated link keeps the part of its own time
-  beyond the old link's (the link's wake-up, the members' join), so
-  ``new = α-β(new link) + max(0, measured − α-β(old link))``; one measured on raw gloo takes
+  beyond the old link's and gloo's (the link's wake-up, the members' join), so
+  ``new = max(gloo, α-β(new link)) + max(0, measured − max(gloo, α-β(old link)))``; one measured on raw gloo takes
   the longer of its measured time and the new link's (gloo's work and the link's wait run at
-  once, as :mod:`labkit.comm.emulate` imposes them). The kept excess runs after the link's
-  part without holding the link (``Issue.tail``: the next call may take the link meanwhile). A run on an emulated link cannot be
+  once, as :mod:`labkit.comm.emulate` imposes them). On a link, a collective's gloo time is
+  known from ``moved`` (when gloo had moved the bytes, recorded before the link's wait), so a
+  faster link cannot make a call shorter than gloo made it; the call's excess beyond
+  max(gloo, old link) — the members' join, a thread's wake-up — runs after the link's part
+  without holding the link (``Issue.tail``: the next call may take the link meanwhile). A run on an emulated link cannot be
   replayed on raw gloo (``link=None``): the link hid gloo's own time.
 
 These knobs are exact replays of the measured graph. Knobs that change the graph's shape —
@@ -152,11 +155,15 @@ def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
         old = _link_seconds(old_link, kind, nbytes, ranks)
         begin = _began(graph, i, rows, freed, old_link is not None)
         freed[key] = begin + old
-        own = max(graph.end[m] for m in rows) - begin
-        if old_link is not None:
-            seconds, link, tail = 0.0, _link_seconds(new_link, kind, nbytes, ranks), max(0.0, own - old)
-        else:
-            seconds, link, tail = own, _link_seconds(new_link, kind, nbytes, ranks), 0.0
+        end = max(graph.end[m] for m in rows)
+        new = _link_seconds(new_link, kind, nbytes, ranks)
+        if old_link is None:                     # raw gloo: its time and the new link's run at once
+            seconds, link, tail = end - begin, new, 0.0
+        else:                                    # gloo's own time, if recorded; the rest is the tail
+            moved = [graph.events[m].get("moved") for m in rows]
+            gloo = max(moved) - begin if None not in moved else 0.0
+            seconds, link = max(0.0, gloo), new
+            tail = max(0.0, end - begin - max(seconds, old))
         for m in rows:
             out[m] = _Call(key, group, seconds, link, tail, ordered)
     return out
