@@ -25,7 +25,7 @@ This is the longest path of the measured graph, read off the times (the walk of 
 
     >>> path = run.timeline.critical_path()        # a Timeline of the spans on the path
     >>> run.timeline.bound_by()                    # one line: what holds the path
-    rank 2's compute (61 % of the path), then allreduce 'bucket 3' of ranks 0–3 (22 %)
+    rank 2's compute (61% of the path), then the allreduces of ranks 0–3 (22% of the path)
     >>> run.timeline.straggler_scores()            # per rank: share of steps on the path, slowdown
 """
 from __future__ import annotations
@@ -263,6 +263,8 @@ class BoundBy:
     parts: list
     path_s: float
     steps: int
+    rank: int | None = None
+    """The rank whose compute holds the most of the path (None when no compute lies on it)."""
 
     def __str__(self) -> str:
         if not self.parts:
@@ -274,16 +276,20 @@ class BoundBy:
 
 
 def bound_by(timeline, step: int | None = None, groups: str = "require") -> BoundBy:
-    """Sum the critical path's time by what it is: each rank's compute, each collective (kind,
-    name, group), each message, each rank's untraced time."""
+    """Sum the critical path's time by what it is: each rank's compute, each kind of collective
+    in each group (a dp group's bucket all-reduces together), the messages between each pair,
+    each rank's untraced time."""
     path = critical_path(timeline, step, groups)
     totals: dict[str, float] = defaultdict(float)
+    compute: dict[int, float] = defaultdict(float)
     for e in path.events:
         totals[_label(e)] += e["end"] - e["start"]
+        if e["stream"] != "comm" and e["kind"] != UNTRACED:
+            compute[e["rank"]] += e["end"] - e["start"]
     total = sum(totals.values())
     parts = sorted(((what, s, s / total if total > 0 else 0.0) for what, s in totals.items()),
                    key=lambda p: -p[1])
-    return BoundBy(parts, total, len(path.steps))
+    return BoundBy(parts, total, len(path.steps), max(compute, key=compute.get) if compute else None)
 
 
 def _label(e: dict) -> str:
@@ -292,14 +298,13 @@ def _label(e: dict) -> str:
         return f"rank {rank}'s untraced host time"
     if e["stream"] != "comm":
         return f"rank {rank}'s compute"
-    name = f" '{e['name']}'" if e["name"] and e["name"] != kind else ""
-    if kind in COLLECTIVES:
+    if kind in COLLECTIVES:                  # every call of one kind in one group together
         members = group_ranks(e.get("group", ""))
-        return f"{kind}{name} of ranks {_ranges(members)}" if members else f"{kind}{name}"
+        return f"the {kind}s of ranks {_ranges(members)}" if members else f"the {kind}s"
     if e.get("peer") is not None:
         a, b = (rank, e["peer"]) if kind == "send" else (e["peer"], rank)
-        return f"message{name} {a}→{b}"
-    return f"rank {rank}'s {kind}{name}"
+        return f"messages {a}→{b}"
+    return f"rank {rank}'s {kind}"
 
 
 def _ranges(ranks) -> str:

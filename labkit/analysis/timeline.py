@@ -218,7 +218,7 @@ class Timeline:
 
     def bound_by(self, step: int | None = None, groups: str = "require"):
         """What holds the critical path, largest first; ``str()`` of it is one line, e.g.
-        "rank 2's compute (61 % of the path), then allreduce 'bucket 3' of ranks 0–3 (22 %)"."""
+        "rank 2's compute (61% of the path), then the allreduces of ranks 0–3 (22% of the path)"."""
         from .graph import bound_by
 
         return bound_by(self, step, groups)
