@@ -31,7 +31,7 @@ def torch_pipelining(schedule: str, model, batch: int, microbatches: int, steps:
 
     from labkit.engine import session
     from labkit.parallel.pipeline.stages import stage_blocks
-    from labkit.models.training import build_model, resolve_data
+    from labkit.training import build_model, resolve_data
 
     s = session()
     pp, stage_index = s.groups.dims.pp, s.groups.coords[1]

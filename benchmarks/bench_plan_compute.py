@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import labkit  # noqa: E402
-from labkit.models.training import build_model, build_optimizer, resolve_data, resolve_loss  # noqa: E402
+from labkit.training import build_model, build_optimizer, resolve_data, resolve_loss  # noqa: E402
 from labkit.plan import Machine  # noqa: E402
 from labkit.plan.work import count, warm  # noqa: E402
 

@@ -3,10 +3,10 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_precision_gpt.py     # ~30 s on 2 engines
 
 Every setting trains the same seeded GPT for 30 steps at dp=2 (overlap mode; PowerSGD in ddp)
-and is compared with the fp32 single-process reference (labkit.analysis.curves.loss_curves).
+and is compared with the fp32 single-process reference (labkit.bench.curves.loss_curves).
 """
 import labkit
-from labkit.analysis.curves import loss_curves
+from labkit.bench.curves import loss_curves
 data = labkit.data.text(batch=16, block_size=32, seed=0)
 model = labkit.models.gpt(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=data.vocab_size)
 with labkit.Lab.start(engines=2, progress=False) as lab:

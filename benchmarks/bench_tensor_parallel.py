@@ -38,7 +38,7 @@ TP_MODES = {"megatron": ("megatron", False), "megatron SP": ("megatron", True), 
 def build(args, tp_mode: str | None, rank: int, world: int):
     import labkit
     from labkit.parallel.tensor import build_tensor_parallel
-    from labkit.models.training import build_model
+    from labkit.training import build_model
 
     data = labkit.data.text(batch=args.batch, block_size=args.block)
     make = labkit.models.gpt(n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.block,
@@ -51,7 +51,7 @@ def build(args, tp_mode: str | None, rank: int, world: int):
 
 
 def time_steps(model, data, steps: int, barrier: bool) -> list[float]:
-    from labkit.models.training import resolve_loss
+    from labkit.training import resolve_loss
 
     loss_fn = resolve_loss("cross_entropy")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -86,7 +86,7 @@ def tp_bytes(args, rank: int, world: int) -> dict:
     ctx.recorder.enabled = False
     model, data, _ = build(args, "dtensor", rank, world)
     x, y = data(0)
-    from labkit.models.training import resolve_loss
+    from labkit.training import resolve_loss
     with CommDebugMode() as counter:
         resolve_loss("cross_entropy")(model(x), y).backward()
     params = sum(p.numel() * p.element_size() for p in build(args, "megatron", rank, world)[0].parameters())

@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 import labkit
 from labkit.parallel.pipeline.stages import stage_blocks
-from labkit.models.training import build_model, resolve_data
+from labkit.training import build_model, resolve_data
 
 MiB = 1024 * 1024
 
@@ -108,7 +108,8 @@ def labkit_job(rank: int, world: int, a: dict) -> list[float]:
     """labkit's own job (the code an engine runs per step) in a plain process, no ipyparallel:
     splits what labkit's strategy code costs from what running it on an engine costs."""
     from labkit import comm
-    from labkit.engine.grid import ParallelDims, build_groups
+    from labkit.engine.grid import build_groups
+    from labkit.grid import ParallelDims
     from labkit.parallel.build import RunSpec, build_job
     from labkit.record.recorder import Recorder
 

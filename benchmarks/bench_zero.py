@@ -42,7 +42,8 @@ VARIANTS = ("overlap dp", "zero=1", "zero=2", "zero=3", "zero=3 prefetch", "fsdp
 def labkit_steps(rank: int, variant: str, args) -> list[float]:
     import labkit
     from labkit import comm
-    from labkit.engine.grid import ParallelDims, build_groups
+    from labkit.engine.grid import build_groups
+    from labkit.grid import ParallelDims
     from labkit.parallel.build import RunSpec, build_job
     from labkit.record.recorder import Recorder
 
@@ -70,7 +71,7 @@ def fsdp2_steps(rank: int, args) -> list[float]:
     import labkit
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
-    from labkit.models.training import SyntheticRegression
+    from labkit.training import SyntheticRegression
 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)

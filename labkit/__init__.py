@@ -9,7 +9,7 @@
 The subpackages follow the data flow (docs/design.md): session → engine → parallel → comm →
 record → run → analysis → view; models and bench sit beside them.
 """
-from . import bench, comm, data, engine, losses, models
+from . import bench, checkpoint, comm, data, engine, losses, models
 from .comm import collectives, compression
 from .analysis import diagnose
 from .analysis.drift import drift
@@ -27,7 +27,7 @@ from .analysis.timeline import Timeline
 
 __all__ = ["Lab", "Link", "Strategy", "Run", "Timeline", "LabError", "CollectiveTimeoutError", "EngineDiedError",
            "ControllerDiedError", "EngineNotAnsweringError",
-           "bench", "collectives", "comm", "compression", "data", "diagnose", "drift", "losses", "models", "reference", "report",
+           "bench", "checkpoint", "collectives", "comm", "compression", "data", "diagnose", "drift", "losses", "models", "reference", "report",
            "schedules",
            "speedup", "step_metrics", "max_abs_diff"]
 __version__ = "0.1.0"

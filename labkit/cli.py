@@ -57,6 +57,9 @@ def _add_run(sub) -> None:
     p.add_argument("--json", help="write strategy, losses, metrics and events here")
     p.add_argument("--trace", help="write a Chrome trace (Perfetto) here")
     p.add_argument("--plot", help="write the last step's timeline as an image here")
+    p.add_argument("--checkpoint", metavar="DIR", help="save the state (torch's DCP) into DIR/step_N")
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="save every K steps too (default: at the end)")
+    p.add_argument("--resume", metavar="DIR", help="start from DIR's last complete checkpoint (any strategy)")
     p.set_defaults(func=cmd_run)
 
 
@@ -71,14 +74,15 @@ def cmd_run(args) -> int:
         _check_options(args, engines)
         model, data, loss = build_cli_model(args)
         tp_plan = cli_tp_plan(args, model, strategy)
+        saving = {"checkpoint": args.checkpoint, "checkpoint_every": args.checkpoint_every, "resume": args.resume}
         validate(RunSpec(strategy, model, data, loss, batch=args.batch, steps=args.steps, lr=args.lr,
-                         seed=args.seed, optimizer=args.optimizer, tp_plan=tp_plan), engines)
-    except ValueError as exc:
+                         seed=args.seed, optimizer=args.optimizer, tp_plan=tp_plan, extra=saving), engines)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"labkit run: {exc}", file=sys.stderr)
         return 2
     with labkit.Lab.start(engines=engines, timeout=args.timeout) as lab:
         run = lab.run(strategy, model=model, data=data, loss=loss, batch=args.batch, steps=args.steps,
-                      lr=args.lr, seed=args.seed, optimizer=args.optimizer, tp_plan=tp_plan,
+                      lr=args.lr, seed=args.seed, optimizer=args.optimizer, tp_plan=tp_plan, **saving,
                       on_step=lambda r, s: print(f"step {s}: loss {r.losses[-1]:.5f}", file=sys.stderr))
     _report(run)
     if args.json:

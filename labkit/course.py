@@ -34,6 +34,15 @@ def _ideal(schedule: str, p: int, m: int, v: int = 1) -> float:
     return ideal_bubble(schedule, p, m, v)
 
 
+def _shard_overlap(sizes: list[int], dp: int, rank: int, member: int) -> int:
+    """Elements of tensor ``member`` in ``rank``'s shard of a flat unit (labkit.parallel.zero.shard:
+    the tensors end to end, padded to a multiple of dp, cut in dp equal shards)."""
+    shard = -(-sum(sizes) // dp)
+    start = sum(sizes[:member])
+    lo, hi = rank * shard, (rank + 1) * shard
+    return max(0, min(hi, start + sizes[member]) - max(lo, start))
+
+
 def _megatron_dp_group(rank: int, tp: int, dp: int, pp: int) -> list[int]:
     """Megatron's default order tp-cp-ep-dp-pp (cp = ep = 1): tp fastest, then dp, then pp."""
     tp_i, pp_i = rank % tp, rank // (tp * dp)
@@ -185,6 +194,17 @@ EXERCISES = {
         "other two passes run under backward. Hiding only behind backward leaves a third of the "
         "traffic exposed wherever backward is too short to hold all of it.",
         "count the three passes and ask which of them the forward needs.", rel=0.03),
+    "ckpt_shard": Exercise(
+        "Under dp = 4 ZeRO-3 each block is one flat unit: up.weight (26×19), up.bias (26), down.weight "
+        "(19×26), down.bias (19), norm.weight and norm.bias (19 each), end to end, padded to a multiple "
+        "of 4 and cut into 4 equal shards. How many elements of up.weight does rank 1's shard hold?",
+        lambda: _shard_overlap([26 * 19, 26, 19 * 26, 19, 19, 19], dp=4, rank=1, member=0),
+        "1071 elements pad to 1072, shards of 268: rank 1 holds elements 268–535 of the unit, and "
+        "up.weight is 0–493 of it, so 494 − 268 = 226 (rows 14–25, the first of them partly). A "
+        "save gathers these ranges into whole tensors; a resume under tp cuts the same weight by "
+        "rows or columns instead, and under pp hands it whole to one stage.",
+        "lay the six tensors end to end, find rank 1's range of the padded unit, intersect it with "
+        "up.weight's range (notebook 16's pieces of down.weight do the same)."),
     "drift_kind": Exercise(
         "labkit.drift reports that the dp replicas agree with each other but not with the reference. "
         "Is it a 'sync' bug or 'math or precision'? (a string)",

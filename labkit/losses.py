@@ -6,6 +6,6 @@ micro-batches, which equals one process's loss only for a mean (a sum would be d
 dp × microbatches; checked on the first batch). A loss over tokens where some do not count
 (padding) is a :func:`token_loss`: its sums are divided once by the global count.
 """
-from .models.training import TokenLoss, cross_entropy, mse_loss, token_loss
+from .training import TokenLoss, cross_entropy, mse_loss, token_loss
 
 __all__ = ["TokenLoss", "cross_entropy", "mse_loss", "token_loss"]

@@ -58,3 +58,27 @@ def test_bad_tensors_are_refused_before_any_message(algorithm):
 def test_unknown_algorithm():
     with pytest.raises(ValueError, match="'ring', 'ps', 'torch'"):
         collectives.all_reduce(torch.zeros(3), "tree")
+
+
+def test_gather_and_scatter_use_torchs_current_names(lab2):
+    """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor with a FutureWarning
+    per call: a learner sees none from labkit's own calls."""
+    def gather_and_scatter():
+        import warnings
+
+        import torch
+        import labkit
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rank = labkit.engine.session().rank
+            gathered = torch.zeros(4)
+            labkit.comm.all_gather(gathered, torch.full((2,), float(rank)))
+            scattered = torch.zeros(2)
+            labkit.comm.reduce_scatter(scattered, torch.arange(4.0))
+        return gathered.tolist(), scattered.tolist(), [str(w.message) for w in caught
+                                                        if issubclass(w.category, FutureWarning)]
+
+    for rank, (gathered, scattered, warned) in enumerate(lab2.apply(gather_and_scatter)):
+        assert gathered == [0.0, 0.0, 1.0, 1.0]
+        assert scattered == [2.0 * (2 * rank), 2.0 * (2 * rank + 1)]
+        assert warned == []

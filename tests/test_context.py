@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.engine.grid import ParallelDims
+from labkit.grid import ParallelDims
 from labkit.parallel.build import RunSpec
 from labkit.parallel.context.layout import token_index
 from labkit.run.runner import validate
@@ -136,7 +136,7 @@ def test_context_parallel_equals_one_process(lab4, strategy, model):
         "pp2cp2-zbv-ulysses", "dp2cp2-zero1", "gpt-pp2cp2-1f1b", "dp2cp2-zero3-allgather"])
 def test_context_parallel_with_pipelines_and_zero_equals_one_process(lab4, strategy, model):
     """Every pipeline schedule: cp ranks of one stage run the same actions, so their rings meet;
-    the stages pass each rank's slice of the sequence (the Link's header carries its shape).
+    the stages pass each rank's slice of the sequence (the PipeChannel's header carries its shape).
     ZeRO shards over dp × cp, the ranks that average gradients."""
     run, ref = lab4.run(strategy, model=model, **KW), labkit.reference(model, **KW)
     assert run.losses == pytest.approx(ref.losses, abs=TOL)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.engine.grid import ParallelDims
+from labkit.grid import ParallelDims
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import validate
 
@@ -78,7 +78,7 @@ def test_grid_layout_is_dp_major_tp_innermost():
 
 def test_mlp_factory_builds_the_same_weights_under_a_seed():
     make = labkit.models.mlp(width=16, depth=3, in_features=5, out_features=2)
-    from labkit.models.training import build_model
+    from labkit.training import build_model
     a, b = build_model(make, 1), build_model(make, 1)
     assert isinstance(a, nn.Sequential) and len(a) == 5
     assert a[0].in_features == 5 and a[-1].out_features == 2

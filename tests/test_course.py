@@ -63,7 +63,7 @@ def test_a_non_number_is_refused_by_name():
 
 def test_the_megatron_exercise_follows_megatrons_order_not_labkits():
     """Megatron: tp fastest, then dp, then pp; labkit's grid puts pp before dp."""
-    from labkit.engine.grid import ParallelDims
+    from labkit.grid import ParallelDims
     assert course._megatron_dp_group(0, tp=2, dp=2, pp=2) == [0, 2]
     assert course._megatron_dp_group(5, tp=2, dp=2, pp=2) == [5, 7]
     assert [0, 4] in ParallelDims(dp=2, pp=2, tp=2).dp_groups()

@@ -171,7 +171,7 @@ def test_bf16_compression_is_precision_from_the_first_step(lab2, reference):
 # -- loss curves --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_loss_curves_put_each_setting_beside_the_reference(lab2):
-    from labkit.analysis.curves import loss_curves
+    from labkit.bench.curves import loss_curves
 
     curves = loss_curves(lab2, MODEL, settings=("fp32", "int8", "fp8_e4m3"), batch=16, steps=3, bucket_mb=BUCKET_MB)
     fp32, int8, fp8 = curves.curves

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.engine.grid import ParallelDims
-from labkit.models.training import build_model
+from labkit.grid import ParallelDims
+from labkit.training import build_model
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import validate
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.models.training import build_model, resolve_loss
+from labkit.training import build_model, resolve_loss
 
 SMALL = labkit.models.gpt(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40)
 

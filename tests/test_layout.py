@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -34,14 +35,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, package: str | None = None) -> set[str]:
-    """Every module ``path`` imports, anywhere in the file (also inside functions), resolved
-    (relative imports against ``package``, by default the file's own)."""
+def run_at_import(node):
+    """The statements of ``node`` that run when its module is imported: not function bodies,
+    not ``if TYPE_CHECKING:`` blocks."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            continue
+        yield child
+        yield from run_at_import(child)
+
+
+def imports_of(path: Path, package: str | None = None, at_import: bool = False) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (also inside functions; with
+    ``at_import``, only where importing the module runs it), resolved (relative imports against
+    ``package``, by default the file's own)."""
     if package is None:
         name = module_name(path)
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (run_at_import(tree) if at_import else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -130,8 +145,122 @@ def test_the_scans_fire_on_a_bad_import(tmp_path):
     assert matplotlib_imports(found) == ["matplotlib.pyplot"]
 
 
+# -- one rank grid -----------------------------------------------------------------------------------
+AXES = {"dp", "pp", "cp", "tp"}
+
+
+def _is_axis(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in AXES or isinstance(node, ast.Name) and node.id in AXES
+
+
+def _times_axis(node) -> bool:
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and (_is_axis(node.left) or _is_axis(node.right))
+
+
+def grid_arithmetic(path: Path) -> list[int]:
+    """Lines of ``path`` that turn a rank into grid coordinates or back: a divmod by an axis's
+    degree, or Horner's nesting ``(d·pp + p)·cp`` of a rank's index."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "divmod" \
+                and any(_is_axis(n) for a in node.args[1:] for n in ast.walk(a)):
+            lines.append(node.lineno)
+        elif _times_axis(node) and any(isinstance(side, ast.BinOp) and isinstance(side.op, ast.Add)
+                                       and (_times_axis(side.left) or _times_axis(side.right))
+                                       for side in (node.left, node.right)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_one_module_holds_the_rank_grid_and_it_imports_nothing_heavy():
+    """labkit.grid lays ranks out for the engine, the timeline and the planner; importing it
+    runs no torch (engine/__init__ would pull torch.distributed in)."""
+    held = {name: grid_arithmetic(path) for name, path in MODULES.items()}
+    assert held["labkit.grid"], "the scan no longer finds labkit.grid's own arithmetic"
+    elsewhere = {name: lines for name, lines in held.items() if lines and name != "labkit.grid"}
+    assert not elsewhere, f"rank-grid arithmetic outside labkit.grid: {elsewhere}; use ParallelDims"
+    assert {m.split(".")[0] for m in imports_of(MODULES["labkit.grid"])} <= {"__future__", "dataclasses", "itertools"}
+
+
+def test_the_grid_scan_fires_on_a_rank_formula(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def rank(d, p, c, t, g):\n    return ((d * g.pp + p) * g.cp + c) * g.tp + t\n\n\n"
+                   "def coords(rank, g):\n    return divmod(rank, g.cp * g.tp)\n")
+    assert sorted(set(grid_arithmetic(bad))) == [2, 6]
+    fine = tmp_path / "fine.py"
+    fine.write_text("rows = dims.dp * dims.tp\ny = 1.3 * (dp_i * dims.tp + tp_i)\n")     # a drawing's rows
+    assert grid_arithmetic(fine) == []
+
+
+# -- no package import cycle -------------------------------------------------------------------------
+# models/ <-> parallel/: gpt and llama call parallel.context.attention (the cp contract), and the ep
+# axis's layer subclasses models.moe.MoE. Left until the axis protocol moves the contract down.
+KNOWN_CYCLES = [{"labkit.models", "labkit.parallel"}]
+
+
+def package_of(name: str) -> str:
+    """labkit.parallel.pipeline.stages -> labkit.parallel; labkit.config -> labkit.config."""
+    return ".".join(name.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    """labkit's packages (and top-level modules), each to those it imports at module level."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name == "labkit":            # the facade imports everything, and nothing imports it back
+            continue
+        edges = graph.setdefault(package_of(name), set())
+        edges.update(package_of(m) for m in imports_of(path, at_import=True)
+                     if m.startswith("labkit.") and (m in MODULES or m.rsplit(".", 1)[0] in MODULES))
+    return {a: b - {a} for a, b in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected groups of more than one node (each package reaches every other)."""
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reached = {a: reach(a) for a in graph}
+    groups = {frozenset({a} | {b for b in reached[a] if a in reached.get(b, ())}) for a in graph}
+    return sorted((set(g) for g in groups if len(g) > 1), key=sorted)
+
+
+def test_no_package_import_cycle_at_module_level():
+    """Imports that run at import time go one way between packages (the event schema and the
+    rank grid at the bottom); the one cycle left is named above, and none may join it."""
+    found = cycles(package_graph())
+    assert found == KNOWN_CYCLES, f"package import cycles {found}; break them with a lower module"
+
+
+def test_the_event_schema_is_at_the_bottom():
+    """analysis/events.py imports nothing of labkit, and it is all the engine side's recorders
+    (comm/, record/) take from analysis/: analysis/ reads events, it does not feed them."""
+    assert not [m for m in imports_of(MODULES["labkit.analysis.events"]) if m.startswith("labkit")]
+    for name, path in MODULES.items():
+        if _layer(name) in ("comm", "record"):
+            taken = sorted(m for m in imports_of(path) if _layer(m) == "analysis"
+                           and m.split(".")[:3] != ["labkit", "analysis", "events"])
+            assert not taken, f"{name} imports {taken} from analysis/; only the event schema is below comm/ and record/"
+
+
+def test_the_cycle_scan_fires_and_skips_what_import_does_not_run(tmp_path):
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    mod = tmp_path / "m.py"
+    mod.write_text("from typing import TYPE_CHECKING\nimport json\nif TYPE_CHECKING:\n    import labkit.config\n"
+                   "def f():\n    import labkit.run\n")
+    assert imports_of(mod, package="labkit", at_import=True) == {"typing", "typing.TYPE_CHECKING", "json"}
+    assert "labkit.run" in imports_of(mod, package="labkit")
+
+
 def test_the_old_flat_names_are_gone_and_the_public_ones_stay():
-    old = ("labkit._moved", "labkit.strategies", "labkit.grid", "labkit.job", "labkit.runner",
+    old = ("labkit._moved", "labkit.strategies", "labkit.job", "labkit.runner", "labkit.models.training",
            "labkit.metrics", "labkit.timeline")
     assert not set(old) & set(MODULES)
     users = [*MODULES.values(), *(p for d in ("tests", "benchmarks", "scripts") for p in (ROOT.parent / d).glob("*.py"))]
@@ -140,6 +269,111 @@ def test_the_old_flat_names_are_gone_and_the_public_ones_stay():
     assert labkit.schedules is importlib.import_module("labkit.parallel.pipeline.schedules")
     assert labkit.diagnose is importlib.import_module("labkit.analysis.diagnose")
     assert labkit.widgets is importlib.import_module("labkit.widgets")
+
+
+# -- one name, one thing --------------------------------------------------------------------------
+def class_definitions(paths, name=module_name) -> dict[str, list[str]]:
+    """Every class name defined in ``paths`` (nested ones too) → the modules that define it."""
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(name(path))
+    return found
+
+
+def test_no_class_name_is_defined_twice_outside_models():
+    """A name says one thing (a Link is the emulated interconnect; the planner's α-β pair and the
+    pipeline's channel have names of their own). models/ may repeat a part's name per model."""
+    defined = class_definitions(MODULES.values())
+    twice = {name: where for name, where in defined.items()
+             if len(where) > 1 and any(not m.startswith("labkit.models") for m in where)}
+    assert not twice, f"class names defined more than once: {twice}; give each thing its own name"
+
+
+def test_the_class_scan_fires_on_a_repeated_name(tmp_path):
+    (tmp_path / "a.py").write_text("class Link:\n    pass\n")
+    (tmp_path / "b.py").write_text("def f():\n    class Link:\n        pass\n")
+    found = class_definitions([tmp_path / "a.py", tmp_path / "b.py"], name=lambda path: path.stem)
+    assert found == {"Link": ["a", "b"]}
+
+
+# -- file size -------------------------------------------------------------------------------------------
+MAX_LINES = 500
+OVER_MAX_LINES = {"labkit.session.lab"}       # the Lab class: to split along its roles (start, run, link)
+
+
+def test_no_module_is_over_500_lines():
+    """A file reads top to bottom (picotron's ~160-line median); past 500 lines it holds two things."""
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= OVER_MAX_LINES, f"modules over {MAX_LINES} lines: {long}; split them by role"
+
+
+# -- the README's layout block ---------------------------------------------------------------------
+FOLDER = re.compile(r"(?<![\w/.])(\w+)/(?!\w)")          # "engine/", not "docs/design.md"
+FILE = re.compile(r"(?<![\w/.])(\w+\.(?:py|md|sh))\b")
+
+
+def layout_entries(block: str) -> dict[str, str]:
+    """A layout block's top folders, each with its text (continuation lines joined)."""
+    entries: dict[str, str] = {}
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            top, _, text = line.partition("/")
+            entries[top] = text
+        elif line.strip():
+            entries[top] += " " + line.strip()
+    return entries
+
+
+def layout_problems(block: str, repo: Path) -> list[str]:
+    """Where a layout block and the tree at ``repo`` disagree: a folder or file it names that is
+    not there, a package of labkit or a model module it leaves out, a notebook range that is not
+    the notebooks'."""
+    problems, entries = [], layout_entries(block)
+    for top, text in entries.items():
+        under = list((repo / top).rglob("*"))
+        dirs = {p.name for p in under if p.is_dir()}
+        files = {p.name for p in under if p.is_file()}
+        problems += [f"{top}/ has no folder {d}/" for d in sorted(set(FOLDER.findall(text)) - dirs)]
+        problems += [f"{top}/ has no file {f}" for f in sorted(set(FILE.findall(text)) - files)]
+    package = repo / "labkit"
+    named = set(FOLDER.findall(entries.get("labkit", "")))
+    problems += [f"labkit/ leaves out {p}/" for p in sorted({i.parent.name for i in package.rglob("__init__.py")}
+                                                            - {"labkit"} - named)]
+    listed = re.search(r"models/ \(([^)]*)\)", entries.get("labkit", ""))
+    listed = {n.strip() for n in listed.group(1).split(",")} if listed else set()
+    with_classes = {p.stem for p in (package / "models").glob("*.py") if p.stem != "__init__"
+                    and any(isinstance(n, ast.ClassDef) for n in ast.parse(p.read_text()).body)}
+    problems += [f"models/ leaves out {m}" for m in sorted(with_classes - listed)]
+    numbers = sorted(int(p.name.split("_")[0]) for p in (repo / "notebooks").glob("[0-9]*.ipynb"))
+    span = re.search(r"(\d+)_… to (\d+)_…", entries.get("notebooks", ""))
+    if not span or (int(span[1]), int(span[2])) != (numbers[0], numbers[-1]):
+        problems.append(f"notebooks/ are {numbers[0]:02d}_… to {numbers[-1]:02d}_…")
+    return problems
+
+
+def readme_layout_block() -> str:
+    text = (ROOT.parent / "README.md").read_text()
+    return text.split("## Layout\n\n```\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_layout_block_holds_against_the_tree():
+    assert layout_problems(readme_layout_block(), ROOT.parent) == []
+    listed = re.search(r"models/ \(([^)]*)\)", layout_entries(readme_layout_block())["labkit"]).group(1)
+    assert all((ROOT / "models" / f"{n.strip()}.py").exists() or hasattr(labkit.models, n.strip())
+               for n in listed.split(","))
+
+
+def test_the_layout_check_fires_on_a_stale_block():
+    stale = ("labkit/        engine/ (rank grid) → parallel/ (data/, pipeline/); models/ (mlp,\n"
+             "               gpt), widgets.py, gone.py\n"
+             "notebooks/     the course, 00_… to 11_…\n"
+             "docs/          design.md, security.md\n")
+    problems = layout_problems(stale, ROOT.parent)
+    assert "labkit/ has no file gone.py" in problems and "docs/ has no file security.md" in problems
+    assert "labkit/ leaves out expert/" in problems and "models/ leaves out llama" in problems
+    assert any(p.startswith("notebooks/ are 00_… to") for p in problems)
 
 
 # -- the kind table -------------------------------------------------------------------------------

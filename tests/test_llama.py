@@ -11,7 +11,7 @@ import labkit
 from labkit.models.llama import Attention
 from labkit.models.moe import MoE
 from labkit.models.sample import generate, validation_loss
-from labkit.models.training import cross_entropy
+from labkit.training import cross_entropy
 
 SIZES = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=94)      # labkit.data.text().vocab_size
 CONFIGS = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import labkit
-from labkit.models.training import build_model
+from labkit.training import build_model
 from labkit.parallel import materialize
 from labkit.parallel.build import RunSpec
 

@@ -16,7 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import labkit
-from labkit.models.training import LOSSES
+from labkit.training import LOSSES
 from labkit.parallel.blocks import find_blocks
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import validate

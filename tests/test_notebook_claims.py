@@ -255,7 +255,7 @@ def test_06_the_straggler_text_names_what_the_report_names():
 STRAY_REPR = re.compile(r"^(<[\w.]+ (object )?at 0x|<matplotlib|Text\(|\(-?\d+\.\d+, -?\d+\.\d+\)$|\[<matplotlib)")
 COURSE = ["00_start_here", "02_pipeline", "03_hybrid", "05_playground", "06_troubleshooting",
           "07_tensor_parallel", "08_sharding", "10_precision", "11_bubbles_and_memory", "13_long_sequences",
-          "14_experts", "15_reading_a_big_run"]
+          "14_experts", "15_reading_a_big_run", "16_checkpoints"]
 
 
 @pytest.mark.parametrize("stem", COURSE)
@@ -355,7 +355,7 @@ def test_09_the_new_axes_are_predicted_and_the_moe_step_short():
 EXERCISED = ["00_start_here", "01_data_parallel", "02_pipeline", "03_hybrid", "04_communication",
              "06_troubleshooting", "07_tensor_parallel", "08_sharding", "09_plan_at_scale", "10_precision",
              "11_bubbles_and_memory", "12_bring_your_model", "13_long_sequences", "14_experts",
-             "15_reading_a_big_run"]
+             "15_reading_a_big_run", "16_checkpoints"]
 
 
 @pytest.mark.parametrize("stem", EXERCISED)
@@ -368,3 +368,17 @@ def test_the_closing_exercise_asks_and_holds_its_answer_back(stem):
     shown = "".join(o.get("text", "") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
     assert shown.count("Put your answer in") == sum(c.source.count("course.check(") for c in cells), shown
     assert "Right" not in shown and "Not yet" not in shown, shown
+
+
+def test_16_resumed_runs_are_exact_and_the_weight_is_cut_as_the_text_says():
+    """16's text: both resumes equal 5 straight steps; under dp2×tp2 (row-parallel ``down``) each
+    rank holds every row and half of the columns, the dp replicas the same half; under dp2×pp2
+    the stage of block 0 holds it whole and the other stage none; the plain file loads exactly."""
+    _, g = notebook("16_checkpoints")
+    assert g["exact"] < 1e-5
+    assert g["same"] == 0
+    halves = {0: [0, 12], 1: [13, 25]}
+    for p in g["tp_pieces"]:
+        assert (p["count"], p["rows"], p["cols"]) == (19 * 13, [0, 18], halves[p["rank"] % 2]), p
+    counts = sorted(p["count"] for p in g["pp_pieces"])
+    assert counts == [0, 0, 19 * 26, 19 * 26], g["pp_pieces"]

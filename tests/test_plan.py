@@ -8,14 +8,14 @@ import json
 import pytest
 
 from labkit import plan
-from labkit.plan import GPT, Cluster, ClusterStrategy, predict, search
+from labkit.plan import Cluster, ClusterStrategy, ModelShape, predict, search
 from labkit.plan.des import Compute, Issue, Sim, Wait
 from labkit.plan.machine import FAMILIES, Machine
 from labkit.plan.memory import held, layer_activation_bytes, memory_breakdown
 from labkit.plan.step import pipeline_time, stage_costs
 from labkit.parallel.pipeline.schedules import build_schedule, ideal_bubble
 
-GPT3 = GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
 
 
 # -- the model, memory, placement ---------------------------------------------------------------
@@ -37,7 +37,7 @@ def test_model_states_follow_the_zero_stages():
 
 
 def test_activations_per_layer_are_korthikantis_table_2():
-    m = GPT(layers=4, hidden=1024, heads=16, seq=512)
+    m = ModelShape(layers=4, hidden=1024, heads=16, seq=512)
     sbh, attn = 512 * 2 * 1024, 5 * 16 * 512 / 1024
     base = dict(microbatch_size=2, tp=4)
     assert layer_activation_bytes(m, ClusterStrategy(**base)) == pytest.approx(sbh * (10 + 24 / 4 + attn / 4))
@@ -105,11 +105,11 @@ def test_impossible_placements_name_the_fix(strategy, message):
 
 
 def test_search_ranks_what_fits_and_says_when_nothing_does():
-    result = search(GPT(layers=24, hidden=2048, heads=16), Cluster(nodes=2), global_batch=64)
+    result = search(ModelShape(layers=24, hidden=2048, heads=16), Cluster(nodes=2), global_batch=64)
     times = [p.step_time_s for p in result.ranked]
     assert times == sorted(times) and all(p.fits for p in result.ranked) and result.skipped > 0
     assert f"{len(result.ranked)} strategies fit" in result.table()
-    top = search(GPT(layers=24, hidden=2048, heads=16), Cluster(nodes=2), global_batch=64, top=2)
+    top = search(ModelShape(layers=24, hidden=2048, heads=16), Cluster(nodes=2), global_batch=64, top=2)
     assert len(top.ranked) == 2 and f"{len(result.ranked)} strategies fit" in top.table()   # not 2
     nothing = search(GPT3, Cluster(nodes=1), global_batch=16)
     assert not nothing.fits and nothing.table().startswith("does not fit")
@@ -130,7 +130,7 @@ def test_published_table_within_the_bound_we_reach():
 
 
 def test_closed_form_step_time_matches_the_replay_at_scale():
-    cluster, model = Cluster(nodes=16), GPT(layers=32, hidden=4096, heads=32)
+    cluster, model = Cluster(nodes=16), ModelShape(layers=32, hidden=4096, heads=32)
     steps = {}
     for schedule, chunks in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         s = ClusterStrategy(dp=4, pp=4, tp=8, schedule=schedule, chunks=chunks, recompute="full")
@@ -203,7 +203,7 @@ def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():
 
 
 def test_search_verify_runs_the_top_strategies_on_the_lab(lab2):
-    tiny = GPT(layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    tiny = ModelShape(layers=2, hidden=32, heads=2, vocab=64, seq=16)
     result = search(tiny, Cluster(nodes=1, gpus_per_node=2), global_batch=8, verify=lab2, top=2, steps=2)
     assert [v["strategy"] for v in result.verified] == [p.strategy for p in result.ranked[:2]]
     assert all(v["measured_s"] > 0 for v in result.verified), result.verified
@@ -444,13 +444,13 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
     cluster = Cluster(nodes=1)
     eps = {p.strategy.ep for p in search(moe, cluster, 64, pp=1, tp=1, zero=(0,), recompute=("none",)).ranked}
     assert eps == {1, 2, 4, 8}
-    assert {p.strategy.ep for p in search(GPT(layers=24, hidden=2048, heads=16), Cluster(nodes=2), 64).ranked} == {1}
+    assert {p.strategy.ep for p in search(ModelShape(layers=24, hidden=2048, heads=16), Cluster(nodes=2), 64).ranked} == {1}
     with pytest.raises(ValueError, match="ep=3 must divide dp=8"):
         ClusterStrategy(dp=8, ep=3)
     with pytest.raises(ValueError, match="ep=1 has none"):
         ClusterStrategy(dp=8, ep_overlap=True)
     with pytest.raises(ValueError, match="experts=0"):
-        predict(GPT(layers=24, hidden=2048, heads=16), cluster, 64, ClusterStrategy(dp=8, ep=8))
+        predict(ModelShape(layers=24, hidden=2048, heads=16), cluster, 64, ClusterStrategy(dp=8, ep=8))
     with pytest.raises(ValueError, match="experts=8"):
         predict(moe, Cluster(nodes=2), 64, ClusterStrategy(dp=16, ep=16))
 
@@ -460,7 +460,7 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
 
 def _machine(**kw) -> Machine:
     base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
-                step_s=1e-3, comm={f: plan.Link(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES},
+                step_s=1e-3, comm={f: plan.AlphaBeta(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES},
                 comm_load=0.25, engines=2)
     return Machine(**(base | kw))
 
@@ -495,13 +495,13 @@ def test_a_ring_all_reduce_takes_alpha_beta_and_the_vocabulary_is_the_links():
     machine, n, nbytes = _machine(), 4, 8 << 20
     link = machine.comm["all_reduce"]
     alpha, beta = link.alpha, link.beta
-    assert isinstance(link, plan.Link) and link.per_step        # the cluster planner's type, α per ring step
+    assert isinstance(link, plan.AlphaBeta) and link.per_step        # the cluster planner's type, α per ring step
     expected = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
     assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(expected)
     assert machine.comm_s("all_reduce", nbytes, n) == pytest.approx(
         labkit.Link(bandwidth=beta, latency=alpha).seconds("all_reduce", nbytes, n))
     # at scale the same Link pays α once per call (NCCL), with the same bus factors
-    per_call = plan.Link(alpha=alpha, beta=beta)
+    per_call = plan.AlphaBeta(alpha=alpha, beta=beta)
     for family, bus in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n),
                         ("reduce_scatter", (n - 1) / n), ("all_to_all", (n - 1) / n)):
         assert per_call.seconds(family, nbytes, n) == pytest.approx(alpha + bus * nbytes / beta)

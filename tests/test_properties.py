@@ -20,7 +20,7 @@ import labkit
 from labkit.config import COMPRESSIONS, DP_MODES, SCHEDULES
 from labkit.parallel.build import RunSpec
 from labkit.run.runner import execute
-from labkit.models.training import build_optimizer
+from labkit.training import build_optimizer
 
 TOUCHED = []      # examples that got past validation (the test checks there are some)
 

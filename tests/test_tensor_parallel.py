@@ -12,7 +12,7 @@ from torch import nn
 
 import labkit
 from labkit.parallel.tensor import check_tensor_parallel
-from labkit.models.training import build_model, resolve_loss
+from labkit.training import build_model, resolve_loss
 
 DATA = labkit.data.text(batch=4, block_size=16, seed=1)
 GPT = labkit.models.gpt(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size)

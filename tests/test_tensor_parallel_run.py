@@ -9,7 +9,7 @@ from torch import nn
 
 import labkit
 from labkit.analysis.tensor_bytes import megatron_tp_bytes
-from labkit.engine.grid import ParallelDims
+from labkit.grid import ParallelDims
 from labkit.parallel.build import RunSpec
 from labkit.parallel.pipeline.tied import tied_across_stages
 from labkit.record.recorder import Recorder

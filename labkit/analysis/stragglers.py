@@ -135,9 +135,10 @@ def _roots_first(found: list[Straggler]) -> list[Straggler]:
 
 
 def _groups(tl) -> list[list[int]]:
-    """Ranks that run collectives together: the grid's dp groups, else everyone."""
+    """Ranks that run collectives together: the grid's gradient-averaging groups (dp × cp),
+    else everyone."""
     if tl.grid is not None and getattr(tl.grid, "dp", 1) > 1:
-        return tl.grid.dp_groups()
+        return tl.grid.dp_cp_groups()
     return [tl.ranks]
 
 

@@ -22,11 +22,11 @@ end being the latest end over all ranks.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from statistics import median
 
 import numpy as np
 
+from ..grid import Grid
 from . import metrics as _metrics
 from .table import EventTable
 
@@ -34,59 +34,6 @@ from .table import EventTable
 # Perfetto reads string tids only through a "quick-and-dirty" hack, and tid 0 is Linux's
 # idle thread, which it treats specially (perfetto json_trace_parser_impl.cc; issue #394).
 STREAM_TIDS = {"compute": 1, "comm": 2}
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The rank grid as the views and the straggler report need it: ranks laid out as
-    ``arange(world).view(dp, pp, cp, tp)``, the layout of labkit.engine.grid.ParallelDims
-    (which this module cannot import: it pulls torch.distributed in). ep only names a rank's
-    place: expert groups are runs of ep consecutive dp indexes."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-
-    @classmethod
-    def of(cls, grid) -> "Grid | None":
-        """The grid of anything with dp, pp and tp (and maybe cp, ep): a Strategy, a ParallelDims."""
-        if grid is None:
-            return None
-        return cls(grid.dp, grid.pp, grid.tp, getattr(grid, "cp", 1), getattr(grid, "ep", 1))
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp index, pp stage, tp index) of ``rank``; its cp index is :meth:`cp_index`."""
-        dp_i, rest = divmod(rank, self.pp * self.cp * self.tp)
-        pp_i, rest = divmod(rest, self.cp * self.tp)
-        return dp_i, pp_i, rest % self.tp
-
-    def cp_index(self, rank: int) -> int:
-        """Which slice of every sequence ``rank`` holds."""
-        return rank // self.tp % self.cp
-
-    def place(self, rank: int) -> dict[str, int]:
-        """Every axis's index of ``rank``: {"dp", "pp", "tp"} and, where the grid has them, "cp"
-        and "ep" (its expert group's index, dp index mod ep)."""
-        dp_i, pp_i, tp_i = self.coords(rank)
-        place = {"dp": dp_i, "pp": pp_i}
-        if self.cp > 1:
-            place["cp"] = self.cp_index(rank)
-        place["tp"] = tp_i
-        if self.ep > 1:
-            place["ep"] = dp_i % self.ep
-        return place
-
-    def dp_groups(self) -> list[list[int]]:
-        """Ranks that hold the same model part (same stage and tp index): the dp replicas and,
-        under cp, every slice of their sequences (they average gradients together)."""
-        return [[((d * self.pp + p) * self.cp + c) * self.tp + t for d in range(self.dp) for c in range(self.cp)]
-                for p in range(self.pp) for t in range(self.tp)]
 
 
 class Timeline:

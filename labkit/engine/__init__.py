@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .grid import ParallelDims, build_groups
+from ..grid import ParallelDims
+from .grid import build_groups
 from .placement import choose_device, rank_from_env
 from ..errors import NonFiniteLoss
 from ..record.recorder import Recorder

@@ -1,141 +1,17 @@
-"""The rank grid: which ranks form the data-, pipeline-, context- and tensor-parallel groups.
+"""The rank grid's torch process groups, built on the engines from a
+:class:`~labkit.grid.ParallelDims` (the layout itself, pure, lives in :mod:`labkit.grid`).
 
-Ranks are laid out as ``arange(world).view(dp, pp, cp, tp)`` (tp innermost, then cp, as
-Megatron does, so tensor-parallel peers are neighbours on one node and a ring of context-
-parallel ranks stays close; with cp = 1 it is the ``view(dp, pp, tp)`` of before).
-:class:`ParallelDims` is pure and validated once; :func:`build_groups` turns it into torch process groups on the engines, each
-with an explicit timeout, because sub-groups do not inherit the world group's. The drawing
-is notebook-side: :func:`labkit.view.grid.draw_grid`.
-
-Expert parallelism draws its groups from the dp ranks (DeepSeek-V3, Megatron-Core): each dp
-group is cut into runs of ``ep`` consecutive ranks (the ep groups, which exchange tokens), and
-the ranks at the same place in every run hold the same experts (the expert-dp groups, which
-average those experts' gradients). They are built on first use, by :meth:`ProcessGroups.expert`.
-
->>> dims = ParallelDims(dp=2, pp=2, tp=1)
->>> dims.dp_groups(), dims.pp_groups()
-([[0, 2], [1, 3]], [[0, 1], [2, 3]])
->>> ParallelDims(dp=4).ep_groups(2), ParallelDims(dp=4).expert_dp_groups(2)
-([[0, 1], [2, 3]], [[0, 2], [1, 3]])
->>> dims = ParallelDims(dp=2, cp=2)
->>> dims.cp_groups(), dims.dp_groups(), dims.dp_cp_groups()
-([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1, 2, 3]])
+Every group is created with an explicit timeout, because sub-groups do not inherit the world
+group's. The drawing is notebook-side: :func:`labkit.view.grid.draw_grid`. Expert groups (ep
+and expert-dp, :meth:`ParallelDims.ep_groups`) are built on first use, by
+:meth:`ProcessGroups.expert`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-
-    def __post_init__(self):
-        if min(self.dp, self.pp, self.tp, self.cp) < 1:
-            raise ValueError(f"degrees must be ≥ 1, got dp={self.dp} pp={self.pp} tp={self.tp} cp={self.cp}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp index, pp stage, tp index) of ``rank``; its cp index is :meth:`cp_index`."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a grid of {self.world_size}")
-        dp_i, rest = divmod(rank, self.pp * self.cp * self.tp)
-        pp_i, rest = divmod(rest, self.cp * self.tp)
-        return dp_i, pp_i, rest % self.tp
-
-    def cp_index(self, rank: int) -> int:
-        """Which slice of every sequence ``rank`` holds (its place in its cp ring)."""
-        self.coords(rank)
-        return rank // self.tp % self.cp
-
-    def rank_of(self, dp: int, pp: int, tp: int = 0, cp: int = 0) -> int:
-        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
-
-    def expert_replica_groups(self, ep: int) -> list[list[int]]:
-        """Every rank holding the same experts: their dp replicas (:meth:`expert_dp_groups`)
-        across cp and tp too, whose ranks route other tokens through the same copies (ZeRO
-        shards the experts over them, as Megatron-Core's expert-data-parallel group spans cp)."""
-        self._check_ep(ep)
-        groups: dict = {}
-        for d, p, c, t in self._cells():
-            groups.setdefault((p, d % ep), []).append(self.rank_of(d, p, t, c))
-        return list(groups.values())
-
-    def _cells(self):
-        return [(d, p, c, t) for d in range(self.dp) for p in range(self.pp) for c in range(self.cp)
-                for t in range(self.tp)]
-
-    def _groups(self, varying: str) -> list[list[int]]:
-        """Ranks that differ only along the axes in ``varying`` ("d", "p", "c", "t"), one group per
-        setting of the other axes, each group in rank order."""
-        groups: dict = {}
-        for d, p, c, t in self._cells():
-            key = tuple(v for v, axis in zip((d, p, c, t), "dpct") if axis not in varying)
-            groups.setdefault(key, []).append(self.rank_of(d, p, t, c))
-        return list(groups.values())
-
-    def dp_groups(self) -> list[list[int]]:
-        """Ranks holding the same model part and the same slice of the sequence."""
-        return self._groups("d")
-
-    def pp_groups(self) -> list[list[int]]:
-        """Ranks forming one pipeline, stage 0 first."""
-        return self._groups("p")
-
-    def tp_groups(self) -> list[list[int]]:
-        return self._groups("t")
-
-    def cp_groups(self) -> list[list[int]]:
-        """Ranks holding the slices of the same sequences: the ring of context parallelism."""
-        return self._groups("c")
-
-    def dp_cp_groups(self) -> list[list[int]]:
-        """Ranks holding the same model part: they average gradients together (dp × cp; with
-        cp = 1, the dp groups)."""
-        return self._groups("dc")
-
-    def ep_groups(self, ep: int) -> list[list[int]]:
-        """Runs of ``ep`` consecutive ranks of each dp group: one MoE layer's experts are spread
-        over a run, and its all-to-alls stay inside it."""
-        self._check_ep(ep)
-        return [ranks[i:i + ep] for ranks in self.dp_groups() for i in range(0, self.dp, ep)]
-
-    def expert_dp_groups(self, ep: int) -> list[list[int]]:
-        """The dp ranks holding the same experts (the same place in each ep run): dp/ep replicas
-        that average those experts' gradients."""
-        self._check_ep(ep)
-        return [ranks[i::ep] for ranks in self.dp_groups() for i in range(ep)]
-
-    def _check_ep(self, ep: int) -> None:
-        if ep < 1 or self.dp % ep:
-            raise ValueError(f"ep={ep} must divide dp={self.dp}")
-
-    def embedding_groups(self) -> list[list[int]]:
-        """First and last rank of each pipeline (Megatron's embedding group): with a tied
-        embedding and head they hold the two copies, whose gradients are summed."""
-        if self.pp == 1:
-            return []
-        return [[self.rank_of(d, 0, t, c), self.rank_of(d, self.pp - 1, t, c)] for d in range(self.dp)
-                for c in range(self.cp) for t in range(self.tp)]
+from ..grid import ParallelDims
 
 
 @dataclass

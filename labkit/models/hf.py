@@ -14,6 +14,12 @@ fraction of all tokens sent to each expert times the mean probability), a produc
 batch means that data-parallel shards do not reproduce, so runs could not equal one process.
 ``use_cache`` is off too: training needs no key/value cache.
 
+A model built any other way (``transformers.Qwen2ForCausalLM(config)`` in the user's own
+factory) is trained as it is: tensor parallelism reads its own ``model.tp_plan``
+(:func:`model_tp_plan`), context parallelism reaches its attention through transformers'
+attention registry (:mod:`labkit.parallel.context.hf`) and expert parallelism its sparse
+blocks' fused experts (:func:`labkit.parallel.expert.fused_experts`).
+
 Tensor parallelism uses the config's own ``base_model_tp_plan``, prefixed with the base
 model's attribute (``model.layers.*.self_attn.q_proj``), in labkit's two styles:
 
@@ -44,6 +50,7 @@ from torch import nn
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 KEPT_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "local_colwise": "colwise", "local_rowwise": "rowwise"}
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+VOCAB_STYLES = {"colwise_gather_output": "colwise_gather_output", "embedding_rowwise": "rowwise"}
 
 
 def _transformers():
@@ -167,6 +174,26 @@ def translate_tp_plan(base_plan: dict, prefix: str, model: nn.Module) -> tuple[d
             else:
                 plan[full] = KEPT_STYLES[style]
     return plan, dropped
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """A transformers model's own plan (``model.tp_plan``: its config's ``base_model_tp_plan``
+    under the base model, with the head's and the embedding's) in labkit's styles, by
+    :func:`translate_tp_plan`'s rules; the head ``colwise_gather_output`` and the embedding
+    ``embedding_rowwise`` are split by vocabulary (tied: one shard serves both)."""
+    own = dict(getattr(model, "tp_plan", None) or {})
+    plan = translate_tp_plan(own, "", model)[0]
+    for key, style in own.items():
+        if style in VOCAB_STYLES and match_plan_modules(model, key, (nn.Linear, nn.Embedding)):
+            plan[key] = VOCAB_STYLES[style]
+    return plan
+
+
+def match_plan_modules(model: nn.Module, key: str, kinds: tuple) -> bool:
+    """Whether ``key`` names modules of ``model``, all of ``kinds``."""
+    from labkit.parallel.tensor.plan import match_plan
+    names = match_plan(model, {key: "colwise"})
+    return bool(names) and all(isinstance(model.get_submodule(n), kinds) for n in names)
 
 
 def from_hf(config, attn_implementation: str = "sdpa") -> HFModel:

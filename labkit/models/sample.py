@@ -50,7 +50,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, temperatur
 def validation_loss(model: nn.Module, data, batches: int = 4) -> float:
     """Mean cross-entropy over ``batches`` of the data's held-out split (``data.val(i)``);
     a balance loss the model adds in training is left out."""
-    from .training import cross_entropy
+    from ..training import cross_entropy
 
     losses = [float(cross_entropy(logits_of(model(x)), y)) for x, y in (data.val(i) for i in range(batches))]
     return sum(losses) / len(losses)

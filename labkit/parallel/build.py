@@ -26,24 +26,26 @@ wraps the stage's blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..config import Strategy
-from ..models.training import build_optimizer, resolve_data, resolve_loss
+from ..training import build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward, instrument_forward
+from .context.hf import is_hf, route
 from .context.layout import build_context_parallel
 from .data.sync import build_grad_sync
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
-from .pipeline.stages import Link, stage_blocks, stage_module
+from .pipeline.stages import PipeChannel, stage_blocks, stage_module
 from .blocks import blocks_path as find_path, find_blocks, units
 from .materialize import build_rank_model
 from .precision import build_precision
 from .recompute import apply_recompute
 from .pipeline.tied import build_tied_sync
 
+if TYPE_CHECKING:       # a name in annotations only: config imports each axis's checks from parallel/
+    from ..config import Strategy
 
 
 @dataclass
@@ -76,6 +78,8 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     full = build_batchnorm(build_rank_model(spec, groups, device), s, groups)   # 1. under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
     data = build_context_parallel(s, groups, data)        # cp > 1: this rank's tokens, attention across cp
+    if s.cp > 1 and is_hf(full):                          # a transformers model: its attention registry
+        route(full)
     full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
     if s.ep > 1:                                                          # 2. expert parallel
         from .expert.dispatch import build_expert_parallel
@@ -95,7 +99,7 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
                          "parameters onto it (Strategy.split_at) or use precision='bf16'")
     return Executor(                                                       # 5. one executor
         spec, stages, len(blocks) - 1, build_actions(s, pp_index),
-        Link(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
+        PipeChannel(groups.pp_ranks, groups.pp, device, p2p_tag(run_id)), data, resolve_loss(spec.loss),
         build_step_optimizer(spec, stages, params), ActivationMeter(params),
         recorder, device, dp_index, owns_parameters=dp_index == 0, tied=tied,
         tp_group=groups.tp if s.tp > 1 else None, tp_index=tp_index,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.training import TokenLoss
+from ..training import TokenLoss
 from .buffers import warn_written_buffers, written_buffers
 from .pipeline.modules import merge_stages
 from .pipeline.split_backward import backward_input, backward_weight
@@ -91,11 +91,11 @@ class Executor:
                 "SEND_F": "_send_activation", "RECV_F": "_recv_activation",
                 "SEND_B": "_send_grad", "RECV_B": "_recv_grad"}
 
-    def __init__(self, spec, stages: list[Stage], last_stage: int, actions, link, data, loss_fn,
+    def __init__(self, spec, stages: list[Stage], last_stage: int, actions, channel, data, loss_fn,
                  optimizer, meter, recorder, device, dp_index: int, owns_parameters: bool,
                  precision: Precision | None = None, tied=None, tp_group=None, tp_index: int = 0):
         self.spec, self.stages, self.last_stage, self.actions = spec, stages, last_stage, actions
-        self.link, self.data, self.loss_fn, self.optimizer = link, data, loss_fn, optimizer
+        self.channel, self.data, self.loss_fn, self.optimizer = channel, data, loss_fn, optimizer
         self.meter, self.recorder, self.device, self.dp_index = meter, recorder, device, dp_index
         self.owns_parameters = owns_parameters
         self.precision = precision or Precision("fp32", device)   # autocast and fp16's loss scale
@@ -157,12 +157,12 @@ class Executor:
         self.meter.start_step()
         before = None if getattr(self, "buffers_checked", False) else written_buffers(self.model)
         for action in self.actions:
-            self.link.poll()
+            self.channel.poll()
             getattr(self, self.HANDLERS[action.op])(action)
         if before is not None:              # the first step: did a forward write a buffer?
             self.buffers_checked = True
             warn_written_buffers(written_buffers(self.model, before), s)
-        self.link.drain()
+        self.channel.drain()
         self.recorder.microbatch = None
         for stage in self.stages:
             stage.sync.finish()
@@ -208,7 +208,7 @@ class Executor:
 
     # -- the actions -----------------------------------------------------------------------------
     def _recv_activation(self, a):
-        self.inputs[a.chunk, a.microbatch] = self.link.recv_activation(a)
+        self.inputs[a.chunk, a.microbatch] = self.channel.recv_activation(a)
 
     def _forward(self, a):
         key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
@@ -256,10 +256,10 @@ class Executor:
         return value / s.microbatches
 
     def _send_activation(self, a):
-        self.link.send_activation(a, self.outputs[a.chunk, a.microbatch])
+        self.channel.send_activation(a, self.outputs[a.chunk, a.microbatch])
 
     def _recv_grad(self, a):
-        self.grads[a.chunk, a.microbatch] = self.link.recv_grad(a, self.outputs[a.chunk, a.microbatch])
+        self.grads[a.chunk, a.microbatch] = self.channel.recv_grad(a, self.outputs[a.chunk, a.microbatch])
 
     def _backward(self, a):
         key, rec, stage = (a.chunk, a.microbatch), self.recorder, self.stages[a.chunk]
@@ -316,4 +316,4 @@ class Executor:
             self.input_grads[a.chunk, a.microbatch] = grad
 
     def _send_grad(self, a):
-        self.link.send_grad(a, self.input_grads.pop((a.chunk, a.microbatch)))
+        self.channel.send_grad(a, self.input_grads.pop((a.chunk, a.microbatch)))

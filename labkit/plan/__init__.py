@@ -9,7 +9,7 @@ Here (a few measured numbers of the lab's machine, any model priced from its own
 
 At scale (pure arithmetic, no engines)::
 
-    model = labkit.plan.GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+    model = labkit.plan.ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
     cluster = labkit.plan.Cluster(nodes=128, hardware="a100")
     print(labkit.plan.search(model, cluster, global_batch=1536).table())
     $ labkit plan --layers 96 --hidden 12288 --heads 96 --gpus 1024 --hardware a100 --global-batch 1536
@@ -21,7 +21,7 @@ or a Hugging Face config.json::
     labkit.plan.predict(model, labkit.plan.Cluster(nodes=64, hardware="h100"), 512, strategy)
     $ labkit plan --model-config config.json --seq 8192 --gpus 512 --hardware h100 --global-batch 512
 """
-from .hardware import A100, GPT, H100, H200, PRESETS, Cluster, Hardware, Link, hardware
+from .hardware import A100, H100, H200, PRESETS, AlphaBeta, Cluster, Hardware, ModelShape, hardware
 from .layout import ClusterStrategy
 from .model import Decoder, from_hf_config
 from .local import LabSearch, search_lab
@@ -32,7 +32,7 @@ from .measure import measure
 from .physical import Simulated, overlay, simulate
 from .step import Prediction, predict
 
-__all__ = ["A100", "H100", "H200", "PRESETS", "GPT", "Cluster", "Hardware", "Link", "hardware", "ClusterStrategy",
+__all__ = ["A100", "H100", "H200", "PRESETS", "ModelShape", "Cluster", "Hardware", "AlphaBeta", "hardware", "ClusterStrategy",
            "Decoder", "from_hf_config",
            "Prediction", "predict", "search", "best_at", "SearchResult", "Simulated", "Machine", "measure",
            "simulate", "overlay", "search_lab", "LabSearch"]

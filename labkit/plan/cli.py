@@ -90,7 +90,7 @@ def check_args(args) -> None:
 
 
 def _model_and_cluster(args):
-    from .hardware import GPT, Cluster
+    from .hardware import Cluster, ModelShape
     from .model import from_hf_config
 
     need = ("gpus", "global_batch") if args.model_config else ("layers", "hidden", "heads", "gpus", "global_batch")
@@ -105,7 +105,7 @@ def _model_and_cluster(args):
         except KeyError as exc:
             raise ValueError(f"--model-config {args.model_config} has no {exc} field") from None
     else:
-        model = GPT(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab or 51200,
+        model = ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab or 51200,
                     seq=args.seq or 2048)
     return model, Cluster.of(args.gpus, args.hardware, args.gpus_per_node)
 

@@ -3,8 +3,8 @@
 Pure data (no torch, no processes). Numbers are the vendors' datasheet figures; where a
 figure is what software achieves rather than what the wire carries, the comment says so.
 
-    >>> from labkit.plan import GPT, Cluster
-    >>> GPT(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048).params / 1e9   # GPT-3
+    >>> from labkit.plan import Cluster, ModelShape
+    >>> ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048).params / 1e9   # GPT-3
     174.6...
     >>> Cluster(nodes=128, gpus_per_node=8, hardware="a100").gpus
     1024
@@ -40,7 +40,7 @@ def bus_factor(family: str, n: int) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Link:
+class AlphaBeta:
     """One kind of wire in the α-β model, for both planners: a call of ``family`` moving S bytes
     (nccl-tests' size) on n ranks takes k·α + bus(n)·S/β, bus(n) nccl-tests' bus factor."""
 
@@ -71,9 +71,9 @@ class Hardware:
     peak_flops: float
     """Dense bf16 tensor-core FLOP/s (no sparsity)."""
     hbm_bytes: float
-    nvlink: Link
+    nvlink: AlphaBeta
     """Inside a node (tensor parallelism is placed here)."""
-    ib: Link
+    ib: AlphaBeta
     """Across nodes, per GPU (one NIC per GPU in DGX-style nodes)."""
     hbm_bandwidth: float
     """Bytes per second to and from HBM (the optimizer step is bound by it)."""
@@ -100,19 +100,19 @@ class Hardware:
 # guide; nccl-tests results NVIDIA publishes). Latencies: NCCL small-message all-reduce
 # ~10 µs inside a node, ~20 µs across nodes.
 A100 = Hardware(name="A100 80GB", peak_flops=312e12, hbm_bytes=80 * GB, hbm_bandwidth=2.0e12,
-                nvlink=Link(beta=230 * GB, alpha=10e-6), ib=Link(beta=22 * GB, alpha=20e-6))
+                nvlink=AlphaBeta(beta=230 * GB, alpha=10e-6), ib=AlphaBeta(beta=22 * GB, alpha=20e-6))
 
 # H100 SXM5 in a DGX H100: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity), 80 GB HBM3 at
 # 3.35 TB/s (NVIDIA H100 datasheet); NVLink 4: 900 GB/s both directions = 450 GB/s each way, ~360 GB/s
 # busbw; 8× NDR 400 Gb/s per node = 50 GB/s per GPU, ~45 GB/s achieved (DGX H100 guide).
 H100 = Hardware(name="H100 SXM", peak_flops=989e12, hbm_bytes=80 * GB, hbm_bandwidth=3.35e12,
-                nvlink=Link(beta=360 * GB, alpha=8e-6), ib=Link(beta=45 * GB, alpha=15e-6),
+                nvlink=AlphaBeta(beta=360 * GB, alpha=8e-6), ib=AlphaBeta(beta=45 * GB, alpha=15e-6),
                 gemm_max_efficiency=0.70, gemm_half_dim=256.0)
 
 # H200 SXM: the same GH100 compute as H100 (989 TFLOP/s dense bf16) with 141 GB HBM3e at
 # 4.8 TB/s (NVIDIA H200 product brief); the same NVLink 4 and NDR fabric in a DGX H200.
 H200 = Hardware(name="H200", peak_flops=989e12, hbm_bytes=141 * GB, hbm_bandwidth=4.8e12,
-                nvlink=Link(beta=360 * GB, alpha=8e-6), ib=Link(beta=45 * GB, alpha=15e-6),
+                nvlink=AlphaBeta(beta=360 * GB, alpha=8e-6), ib=AlphaBeta(beta=45 * GB, alpha=15e-6),
                 gemm_max_efficiency=0.72, gemm_half_dim=256.0)
 
 PRESETS = {"a100": A100, "h100": H100, "h200": H200}
@@ -130,7 +130,7 @@ def hardware(name) -> Hardware:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GPT:
+class ModelShape:
     """A GPT decoder described by its shape (the Megatron-LM papers' notation l, h, a, V, s)."""
 
     layers: int
@@ -142,7 +142,7 @@ class GPT:
     def __post_init__(self):
         require_whole(self, ("layers", "hidden", "heads", "vocab", "seq"))
         if self.hidden % self.heads:
-            raise ValueError(f"GPT.hidden={self.hidden} must divide by heads={self.heads}")
+            raise ValueError(f"ModelShape.hidden={self.hidden} must divide by heads={self.heads}")
 
     @property
     def params(self) -> float:
@@ -249,7 +249,7 @@ class Cluster:
                              f"use a multiple of {gpus_per_node}")
         return cls(nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node, hardware=hardware)
 
-    def link(self, group_span: int) -> Link:
+    def link(self, group_span: int) -> AlphaBeta:
         """The link a group uses: NVLink when its ``group_span`` consecutive ranks fit in one
         node, InfiniBand otherwise (a ring across nodes runs at the slowest hop's speed)."""
         return self.hardware.nvlink if group_span <= self.gpus_per_node else self.hardware.ib

@@ -7,13 +7,13 @@ pp, cp, tp)``, tp innermost (Megatron's order), so a tp group is consecutive GPU
 and a cp group the cp·tp GPUs around it.
 
     >>> s = ClusterStrategy(dp=8, pp=16, tp=8, microbatch_size=1, recompute="full")
-    >>> s.check(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
+    >>> s.check(ModelShape(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .hardware import GPT, Cluster, require_whole
+from .hardware import Cluster, ModelShape, require_whole
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_MODES = ("ring", "allgather")
@@ -93,7 +93,7 @@ class ClusterStrategy:
         """Micro-batches per step on each pipeline: global_batch / (dp · microbatch_size)."""
         return global_batch // (self.dp * self.microbatch_size)
 
-    def check(self, model: GPT, cluster: Cluster, global_batch: int) -> None:
+    def check(self, model: ModelShape, cluster: Cluster, global_batch: int) -> None:
         """Raise ValueError naming the field and the fix unless this strategy can be placed."""
         if self.gpus != cluster.gpus:
             axes = ("dp", "pp", "cp", "tp") if self.cp > 1 else ("dp", "pp", "tp")
@@ -108,7 +108,7 @@ class ClusterStrategy:
         if model.heads % self.tp or model.hidden % self.tp:
             raise ValueError(f"tp={self.tp} must divide heads={model.heads} and hidden={model.hidden}")
         if not model.can_split(self.pp * self.chunks):
-            how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, GPT)
+            how = ("equal stages; choose pp (and chunks) dividing the layer count" if isinstance(model, ModelShape)
                    else "stages of a layer, two of none at most; choose pp*chunks ≤ the layer count + 2")
             raise ValueError(f"layers={model.layers} do not split into pp*chunks = {self.pp * self.chunks} {how}")
         if self.ep > 1 and (not getattr(model, "experts", 0) or model.experts % self.ep):

@@ -58,7 +58,7 @@ def search_lab(machine, model, batch: int, engines: int, verify=None, top: int =
     """Simulate every runnable Strategy of ``model`` on ``machine``; with ``verify=lab`` run the ``top`` fastest."""
     from torch.nn import Sequential
 
-    from ..models.training import build_model
+    from ..training import build_model
     from ..parallel.blocks import find_blocks
 
     if model is None:

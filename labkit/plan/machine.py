@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from .hardware import Link, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
+from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
@@ -26,15 +26,15 @@ VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand",
 """aten ops that make a view or take metadata: no arithmetic and no bytes, a host call (``view_s``)."""
 
 
-def _link(value) -> Link:
-    """A family's Link: itself, a saved one's dict, or an (α seconds per ring step, β bytes/s)
+def _link(value) -> AlphaBeta:
+    """A family's AlphaBeta: itself, a saved one's dict, or an (α seconds per ring step, β bytes/s)
     pair as earlier machines saved it."""
-    if isinstance(value, Link):
+    if isinstance(value, AlphaBeta):
         return value
     if isinstance(value, dict):
-        return Link(**value)
+        return AlphaBeta(**value)
     alpha, beta = value
-    return Link(alpha=alpha, beta=beta, per_step=True)
+    return AlphaBeta(alpha=alpha, beta=beta, per_step=True)
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,10 @@ class Machine:
     around posting a 32 KiB isend and irecv."""
     step_s: float = 1e-3
     """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
-    comm: dict = field(default_factory=lambda: {f: Link(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
-    """family → :class:`~labkit.plan.hardware.Link`, the cluster planner's type, with α per ring
+    comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
+    """family → :class:`~labkit.plan.hardware.AlphaBeta`, the cluster planner's type, with α per ring
     step (``per_step``: gloo sends each step as a message) and β bytes/s per rank: a call of S
-    bytes on n ranks takes steps(n)·α + bus(n)·S/β. An (α, β) pair is read as such a Link.
+    bytes on n ranks takes steps(n)·α + bus(n)·S/β. An (α, β) pair is read as such an AlphaBeta.
     Measured: each family at three sizes on every engine (a send as half a ping-pong's round
     trip); on an emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
     comm_load: float = 0.5
@@ -120,7 +120,7 @@ class Machine:
     once, less one message one way (half a ping-pong), gloo as it is."""
     join_s: float = 0.0
     """Seconds of an all-reduce of one number over every engine (gloo as it is): what a
-    collective on an emulated link pays first, to agree on its start (``labkit.comm._join``);
+    collective on an emulated link pays first, to agree on its start (``labkit.comm.calls._join``);
     a group of n pays it in proportion to its ring steps, n − 1. Measured: the median of
     such all-reduces, each after a barrier."""
     sleep_s: float = 0.0
@@ -147,7 +147,7 @@ class Machine:
             raise ValueError("Machine.matmul must be (FLOPs, FLOP/s > 0) rows")
         missing = [f for f in FAMILIES if f not in self.comm]
         if missing:
-            raise ValueError(f"Machine.comm lacks {missing}; give a Link (or α seconds, β bytes/s) for each of "
+            raise ValueError(f"Machine.comm lacks {missing}; give an AlphaBeta (or α seconds, β bytes/s) for each of "
                              f"{FAMILIES}")
         object.__setattr__(self, "comm", {f: _link(v) for f, v in self.comm.items()})
         rows = self.attention_Fps       # one rate, as earlier machines saved it: every length
@@ -195,7 +195,7 @@ class Machine:
         ``gloo`` if given, else its fitted α-β. gloo's part is the cores' work; the link's is a
         wait off them (``labkit.Link``: the call's handle sleeps until then, and wakes
         ``sleep_s`` late). On the link a collective first all-reduces its members' start times
-        (one number, gloo's own speed: :func:`labkit.comm._join`) before gloo moves its bytes; the
+        (one number, gloo's own speed: :func:`labkit.comm.calls._join`) before gloo moves its bytes; the
         link's time counts from those starts, so it runs beside that stamp."""
         own = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
         if not self.link_alpha_beta:
@@ -204,10 +204,10 @@ class Machine:
             own += self.join_s * (n - 1) / max(1, self.engines - 1)
         return own, self._wire().seconds(family, nbytes, n) + self.sleep_s
 
-    def _wire(self) -> Link:
-        """The emulated link as a Link: α per message, β bytes/s per rank (``link_alpha_beta``)."""
+    def _wire(self) -> AlphaBeta:
+        """The emulated link as an AlphaBeta: α per message, β bytes/s per rank (``link_alpha_beta``)."""
         alpha, beta = self.link_alpha_beta
-        return Link(alpha=alpha, beta=beta, per_step=True)
+        return AlphaBeta(alpha=alpha, beta=beta, per_step=True)
 
     # -- files -------------------------------------------------------------------------------
     def save(self, path) -> None:

@@ -308,7 +308,7 @@ def _comm(seconds: float):
     import torch
     import torch.distributed as dist
 
-    from ..bench import _operation
+    from ..bench.sweep import _operation
     from ..engine import session
 
     n, me = dist.get_world_size(), dist.get_rank()

@@ -57,7 +57,7 @@ from dataclasses import replace
 from functools import lru_cache
 from itertools import accumulate
 
-from .hardware import GB, GPT
+from .hardware import GB, ModelShape
 from .layout import ClusterStrategy
 from .model import Decoder
 
@@ -66,7 +66,7 @@ USABLE_FRACTION = 0.92
 take the rest (a few GB on an 80 GB part, as PyTorch's memory snapshots typically show)."""
 
 
-def layer_activation_bytes(model: GPT, s: ClusterStrategy, kind: str = "dense") -> float:
+def layer_activation_bytes(model: ModelShape, s: ClusterStrategy, kind: str = "dense") -> float:
     """Activations one layer keeps for one micro-batch (Korthikanti et al. 2022, Table 2, for a
     GPT; the module docstring's counts for a Decoder)."""
     if isinstance(model, Decoder):
@@ -158,7 +158,7 @@ def stage_kinds(model, stages: int) -> list[dict]:
     return [model.kinds(first, n) for first, n in zip(accumulate([0] + counts), counts)]
 
 
-def memory_breakdown(model: GPT, s: ClusterStrategy, global_batch: int) -> dict:
+def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -> dict:
     """Bytes per GPU on the pipeline rank that needs the most: weights, gradients, optimizer,
     activations, total (module docstring)."""
     m = s.microbatches(global_batch)

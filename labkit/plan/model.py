@@ -6,7 +6,7 @@
     >>> m = from_hf_config("config.json")               # a Hugging Face config.json, read with json
     >>> m.params, m.active_params
 
-Pure arithmetic, like :class:`labkit.plan.GPT` (whose methods of the same names it mirrors, so
+Pure arithmetic, like :class:`labkit.plan.ModelShape` (whose methods of the same names it mirrors, so
 :mod:`labkit.plan.step` and :mod:`labkit.plan.memory` price either). A layer is one of two
 kinds: "dense" (attention + a SwiGLU MLP of ``ffn_hidden``) or "moe" (attention + a router over
 ``experts`` SwiGLU experts of ``expert_ffn``, ``top_k`` of them per token, plus an always-on

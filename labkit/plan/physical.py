@@ -45,7 +45,10 @@ from fnmatch import fnmatch
 
 from ..analysis.metrics import step_metrics
 from ..analysis.timeline import Timeline
+from ..grid import ParallelDims
+from .context_programs import ContextPrograms
 from .des import Compute, Issue, Sim, Wait
+from .expert_programs import ExpertPrograms
 from .machine import Machine, bus_factor, ring_steps
 
 MiB = 1024 * 1024
@@ -93,7 +96,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
     if strategy.cp > 1 or strategy.ep > 1:     # the lab's own model checks, its messages
-        from ..models.training import build_model, resolve_data
+        from ..training import build_model, resolve_data
         from ..parallel import context, expert
         built = build_model(model, 0)
         context.check_model(strategy, built, resolve_data(data, built, batch, 0))
@@ -107,7 +110,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         plan = {}
     routes = None
     if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
-        from .work import routes as route
+        from .expert_work import routes as route
         routes = route(model, batch, data, strategy.dp, strategy.microbatches)
     programs = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
                 for prog in Builder(strategy, machine, work, plan, routes).programs()]   # posting a call is host work
@@ -134,18 +137,7 @@ def _count(model, size, data, loss, optimizer, cp=1, ep=1, cache_bytes=float("in
     return _CACHE[key]
 
 
-def _attention_ops(how: str, *shape) -> tuple:
-    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.work.ring_pair`
-    (how: its pair's relation), ``gathered_attention`` or ``ulysses_attention``."""
-    from .work import gathered_attention, ring_pair, ulysses_attention
-    key = ("attention", how, shape)
-    if key not in _CACHE:
-        _CACHE[key] = {"gathered": gathered_attention, "ulysses": ulysses_attention}.get(
-            how, lambda *a: ring_pair(*a, how))(*shape)
-    return _CACHE[key]
-
-
-class Builder:
+class Builder(ContextPrograms, ExpertPrograms):
     """Each rank's program for one step (see the module docstring)."""
 
     def __init__(self, s, machine: Machine, work, plan: dict, routes=None):
@@ -154,18 +146,20 @@ class Builder:
             from .work import unaccumulated
             self.w = unaccumulated(work)
         self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
+        self.grid = ParallelDims(s.dp, s.pp, s.tp, s.cp)
         self.col = {q for b in work.blocks for q in b.linears if _matches(q, plan, "colwise")}
         self.row = {q for b in work.blocks for q in b.linears if _matches(q, plan, "rowwise")}
 
-    # -- the grid: ranks = arange(world).view(dp, pp, cp, tp) ------------------------------------
+    # -- the grid: labkit.grid's ranks = arange(world).view(dp, pp, cp, tp), as the engines lay them out
     def rank(self, d: int, p: int, t: int, c: int = 0) -> int:
-        return ((d * self.s.pp + p) * self.s.cp + c) * self.s.tp + t
+        return self.grid.rank_of(d, p, t, c)
 
     def dp_group(self, p: int, t: int) -> tuple:
-        return tuple(self.rank(d, p, t, c) for d in range(self.s.dp) for c in range(self.s.cp))
+        """The ranks that average stage ``p``'s gradients at tp index ``t``: dp × cp."""
+        return tuple(self.grid.group("dc", pp=p, tp=t))
 
     def tp_group(self, d: int, p: int) -> tuple:
-        return tuple(self.rank(d, p, t) for t in range(self.s.tp))
+        return tuple(self.grid.group("t", dp=d, pp=p))
 
     # -- prices ---------------------------------------------------------------------------------
     def scale(self, op) -> float:
@@ -268,138 +262,6 @@ class Builder:
                     pending = [x for x in pending if not x[0] <= added]
         close()
         return out + [item for _, items in pending for item in items]
-
-    def cp_attention(self, shape, layer, fwd: bool, kind, name, mb, d, c) -> list:
-        """One attention of cp rank ``c``: ring (parallel/context/ring.py), ulysses, or allgather
-        (blocking, no overlap inside the layer: K/V gathered before, their gradient scattered after)."""
-        s, (b, h, t, hd, hkv) = self.s, shape
-        nbytes = 4 * 2 * b * hkv * t * hd                 # k and v stacked (float32): one hop, one rank's share
-        group = tuple(self.rank(d, 0, 0, i) for i in range(s.cp))
-        if s.cp_mode == "ring":
-            return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
-        if s.cp_mode == "ulysses":
-            return self.ulysses(shape, group, layer, fwd, kind, name, mb, d, c)
-        work = Compute(self.m.seconds(_attention_ops("gathered", *shape, s.cp)[0 if fwd else 1].ops), kind, name, mb)
-        if fwd:
-            return self.blocking(("cp ag", d, mb, layer), group, "all_gather", s.cp * nbytes, "allgather",
-                                 "cp allgather kv", mb) + [work]
-        return [work] + self.blocking(("cp rs", d, mb, layer), group, "reduce_scatter", s.cp * nbytes,
-                                      "reduce_scatter", "cp reduce-scatter dkv", mb)
-
-    def ulysses(self, shape, group, layer, fwd: bool, kind, name, mb, d, c) -> list:
-        """Ulysses: q, k, v turned to a head split by blocking all-to-alls, attention over the whole
-        sequence on 1/cp of the heads, its output turned back; backward the same calls mirrored."""
-        s, (b, h, t, hd, hkv) = self.s, shape
-        ops = _attention_ops("ulysses", *shape, s.cp)
-
-        def turn(what, n):
-            sent = 4 * b * n * t * hd * (s.cp - 1) // s.cp          # all but this rank's own slice
-            call = self.a2a(("cp a2a", d, mb, layer, what, fwd), group, [sent] * s.cp, c,
-                            f"cp a2a {'' if fwd else 'grad '}{what}", mb)
-            return [call, Wait(call.key)]
-
-        def work(items):
-            return Compute(sum(self.m.seconds(x.ops) for x in items), kind, name, mb)
-        if fwd:
-            return ([work([ops[h][0], ops[hkv][0], ops[hkv][0]])] + turn("q", h) + turn("k", hkv) + turn("v", hkv)
-                    + [work([ops["core"][0], ops[h][1]])] + turn("out", h))
-        return ([work([ops[h][0]])] + turn("out", h) + [work([ops["core"][1], ops[h][1], ops[hkv][1], ops[hkv][1]])]
-                + turn("v", hkv) + turn("k", hkv) + turn("q", h))
-
-    def ring(self, pair, nbytes, layer, fwd: bool, mb, d, c) -> list:
-        """Ring attention: per round, the next K/V hop posted before the round's pairs and waited
-        after them; backward also passes each block's dK/dV on, posted once its round made it."""
-        from ..parallel.context.blocks import SKIP, relation
-        from ..parallel.context.layout import rank_chunks
-        s, n = self.s, self.s.cp
-        nxt, prv, me = self.rank(d, 0, 0, (c + 1) % n), self.rank(d, 0, 0, (c - 1) % n), self.rank(d, 0, 0, c)
-        def hop(what, j, label):
-            send = self.call((what, d, mb, layer, j, c), (me, nxt), "send", nbytes, "send", label, mb, nxt)
-            recv = self.call((what, d, mb, layer, j, (c - 1) % n), (prv, me), "send", nbytes, "recv", label, mb, prv)
-            return [send, replace(recv, bytes=0)], [Wait(send.key), Wait(recv.key)]
-
-        def round_s(src):      # its pairs, and its buffers: the next block's (fwd), dK/dV's zeroed and summed (bwd)
-            hows = [relation(qa, kb, True) for qa in rank_chunks(c, n, s.cp_balance)
-                    for kb in rank_chunks(src, n, s.cp_balance)]
-            own = self.m.op_s if fwd else 3 * self.m.op_s + 4 * nbytes / self.m.memory_Bps
-            return own + sum(self.m.seconds(_attention_ops(how, *pair)[0 if fwd else 1].ops)
-                             for how in hows if how != SKIP)
-
-        out, grads = [], []
-        for j in range(n):
-            label = f"cp kv {'' if fwd else 'bwd '}{j + 1}"
-            posts, waits = hop("kv" if fwd else "kv bwd", j, label) if j < n - 1 else ([], [])
-            out += posts + [Compute(round_s((c - j) % n), "attention", f"ring {'fwd' if fwd else 'bwd'} {j}", mb)]
-            if not fwd:                                   # the block's gradient so far in, passed on
-                posts_g, next_grads = hop("dkv", j, f"cp dkv {j + 1}")
-                out += grads + posts_g
-                grads = next_grads
-            out += waits
-        return out + grads
-
-    # -- expert parallelism: a MoE layer's exchanges around this rank's experts -------------------
-    def ep_layer(self, layer, moe, fwd: bool, kind, name, mb, d) -> list:
-        """One MoE layer on dp rank ``d`` as parallel/expert/dispatch.py runs it: the counts, then
-        the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
-        halves of the tokens, each's exchanges in flight under the other's experts. Backward
-        mirrors forward (autograd runs the later half first)."""
-        from .work import exchange, routed_ops
-        ep, n = self.s.ep, moe.n_experts
-        first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
-        group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
-        halves = [None] if self.s.ep_overlap == "none" else [0, 1]
-        ops, call = {}, {}
-        for h in halves:
-            chosen = [self.routes[first + k][mb][layer] for k in range(ep)]
-            chosen = chosen if h is None else [x.tensor_split(2)[h] for x in chosen]
-            rows, counts = exchange(chosen, n, ep)
-            if (layer, d, mb, h) not in self.counted:          # forward and backward alike
-                self.counted[layer, d, mb, h] = routed_ops(moe, chosen[me], counts[me])
-            for part, pair in self.counted[layer, d, mb, h].items():
-                ops[part, h] = Compute(self.m.seconds(pair[0 if fwd else 1].ops), kind, name, mb)
-            out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
-            back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
-            for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
-                label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
-                call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
-                                         me, label, mb)
-        # the int64 sizes, both halves' in one exchange: (E,) per rank, or [destination, half, local expert]
-        per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)
-        sizes = self.a2a(("a2a counts", first, mb, layer), group, [per] * ep, me, f"{layer} counts", mb)
-        order = halves if fwd else halves[::-1]
-        start, a, b, end = ("pre", "dispatch", "combine", "post") if fwd else ("post", "combine", "dispatch", "pre")
-        items = [sizes, Wait(sizes.key)] if fwd else []
-        for h in order:
-            items += [ops[start, h], call[a, h]]
-        for h in order:
-            items += [Wait(call[a, h].key), ops["experts", h], call[b, h]]
-        for h in order:
-            items += [Wait(call[b, h].key), ops[end, h]]
-        return items
-
-    def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
-        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member. gloo's
-        alltoallv posts every member's n − 1 sends and receives at once, then waits for them
-        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes. An emulated
-        link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
-        leaving the busiest member); the call takes the longer."""
-        n = len(group)
-        own, link = self.m.comm_parts("all_to_all", max(sent) * n / (n - 1), n,
-                                  gloo=self.m.comm_parts("send", max(sent), 2)[0])
-        return Issue(key, group, own, "all_to_all", name, int(sent[me]), None, mb, link=link)
-
-    def expert_sync(self, d: int) -> list:
-        """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
-        their dp/ep replicas (blocking), divided and copied back."""
-        s = self.s
-        nbytes = 4 * sum(n for b in self.w.blocks for n, r in zip(b.params, b.routed) if r) // s.ep
-        if s.ep == 1 or not nbytes:
-            return []
-        group = tuple(self.rank(k * s.ep + d % s.ep, 0, 0) for k in range(s.dp // s.ep))
-        out = [self.copy(nbytes)]
-        if len(group) > 1:
-            out += self.blocking(("expert grads", d % s.ep), group, "all_reduce", nbytes, "allreduce", "expert grads")
-        return out + [Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps), self.copy(nbytes)]
 
     # -- gradients -----------------------------------------------------------------------------
     def buckets(self, blocks, first: bool) -> list[tuple[int, int, frozenset]]:

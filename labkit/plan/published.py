@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import sys
 
-from .hardware import GPT, Cluster
+from .hardware import Cluster, ModelShape
 from .model import Decoder
 
 # (billions of parameters, heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU)
@@ -69,7 +69,7 @@ MEGATRON_SC21_TABLE1 = (
 
 def rows() -> list[dict]:
     """The table as dicts: model, cluster, degrees, batch and the published TFLOP/s."""
-    return [{"billions": billions, "model": GPT(layers=layers, hidden=hidden, heads=heads),
+    return [{"billions": billions, "model": ModelShape(layers=layers, hidden=hidden, heads=heads),
              "cluster": Cluster.of(gpus, "a100"), "tp": tp, "pp": pp, "dp": gpus // (tp * pp), "batch": batch,
              "published_tflops": tflops}
             for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_SC21_TABLE1]

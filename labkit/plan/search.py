@@ -1,6 +1,6 @@
 """Enumerate strategies for a model on a cluster and rank them by predicted throughput.
 
-    >>> result = search(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
+    >>> result = search(ModelShape(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
     >>> print(result.table(top=10)); result.plot()
 
 Candidates: every (dp, pp, cp, tp) with dp·pp·cp·tp = GPUs, tp a power of two within a node,
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import product
 
-from .hardware import GPT, Cluster
+from .hardware import Cluster, ModelShape
 from .layout import RECOMPUTE, ClusterStrategy
 from .step import Prediction, predict
 
@@ -38,7 +38,7 @@ def _schedules(pp: int, model, m: int):
         yield from (("interleaved", v) for v in (2, 4) if model.can_split(pp * v) and m % pp == 0)
 
 
-def candidates(model: GPT, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
+def candidates(model: ModelShape, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
                dp_overlap: bool = True, schedules=None, sequence_parallel=(False,), ep=None,
                ep_overlap=(True,), cp=None, cp_modes=("ring", "allgather")):
@@ -96,7 +96,7 @@ def _expert_degrees(model, dp: int, ep, ep_overlap):
 class SearchResult:
     """Ranked predictions (fastest first) and how many candidates did not fit."""
 
-    model: GPT
+    model: ModelShape
     cluster: Cluster
     global_batch: int
     ranked: list[Prediction]
@@ -151,7 +151,7 @@ def _seconds(x: float, width: int) -> str:
     return f"{x:>{width}.3f}" if x >= 0.01 else f"{x:>{width}.1e}"
 
 
-def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = None, verify=None,
+def search(model: ModelShape, cluster: Cluster, global_batch: int, top: int | None = None, verify=None,
            steps: int = 4, **limits) -> SearchResult:
     """Rank every placeable strategy that fits by predicted step time (fastest first).
 
@@ -163,8 +163,8 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
     have one engine per GPU of ``cluster`` (tune on the cluster itself: predict, confirm, pick);
     for the lab's own CPU engines, :func:`labkit.plan.search_lab` predicts from a calibration.
     """
-    if verify is not None and not isinstance(model, GPT):
-        raise ValueError("search(verify=lab) builds labkit.models.gpt, so it takes a labkit.plan.GPT; "
+    if verify is not None and not isinstance(model, ModelShape):
+        raise ValueError("search(verify=lab) builds labkit.models.gpt, so it takes a labkit.plan.ModelShape; "
                          f"got {type(model).__name__}")
     if verify is not None and verify.world_size != cluster.gpus:
         raise ValueError(f"search(verify=lab): the lab has {verify.world_size} engines but the cluster "
@@ -172,7 +172,7 @@ def search(model: GPT, cluster: Cluster, global_batch: int, top: int | None = No
                          f"describe this lab as the cluster (Cluster(nodes=1, gpus_per_node={verify.world_size}, ...))")
     # sequence parallelism (Korthikanti et al. 2022) came after the GPT runs the GPT path
     # reproduces; a Decoder's candidates try it beside plain tp
-    limits.setdefault("sequence_parallel", (False,) if isinstance(model, GPT) else (False, True))
+    limits.setdefault("sequence_parallel", (False,) if isinstance(model, ModelShape) else (False, True))
     ranked, skipped = [], 0
     for s in candidates(model, cluster, global_batch, **limits):
         p = predict(model, cluster, global_batch, s)
@@ -202,7 +202,7 @@ def lab_strategy(s: ClusterStrategy, global_batch: int):
                     ep=s.ep, ep_overlap="microbatch" if s.ep_overlap else "none")
 
 
-def verify_one(lab, model: GPT, global_batch: int, s: ClusterStrategy, steps: int) -> dict:
+def verify_one(lab, model: ModelShape, global_batch: int, s: ClusterStrategy, steps: int) -> dict:
     """Run ``s`` on ``lab`` for ``steps`` steps: {"strategy", "measured_s"} or {"strategy", "error"}
     (a strategy the planner places but labkit does not run, e.g. zero=3 with pp > 1)."""
     from .. import models
@@ -219,7 +219,7 @@ def verify_one(lab, model: GPT, global_batch: int, s: ClusterStrategy, steps: in
     return {"strategy": s, "measured_s": run.metrics["step_time_s"]}
 
 
-def best_at(model: GPT, cluster: Cluster, global_batch: int, zero=(0,), **limits) -> Prediction | None:
+def best_at(model: ModelShape, cluster: Cluster, global_batch: int, zero=(0,), **limits) -> Prediction | None:
     """The fastest strategy that fits among ``limits`` (e.g. the published degrees), or None."""
     try:
         result = search(model, cluster, global_batch, zero=zero, **limits)

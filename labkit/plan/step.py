@@ -6,7 +6,7 @@ selective the attention core again; the logits 2·b·s·h·V on the last stage),
 GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
 memory-bound work at HBM bandwidth.
 
-Communication: every call is ``Link.seconds`` (α once per call, nccl-tests' bus factors) on
+Communication: every call is ``AlphaBeta.seconds`` (α once per call, nccl-tests' bus factors) on
 the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBand):
 
 * tp (Megatron's f and g): 2 all-reduces of b·s·h a layer in forward, 2 in backward.
@@ -31,7 +31,7 @@ logits' half), and fills 1F1B's bubble with W: 2·(p−1)·W less (Qi et al. 202
 2401.10241, §3.1: a bubble of (p−1)(F+I−W) against (p−1)(F+I+W)). Then the exposed dp
 traffic and the optimizer step at HBM bandwidth.
 
-    >>> p = predict(GPT(layers=96, hidden=12288, heads=96), Cluster(nodes=128), 1536,
+    >>> p = predict(ModelShape(layers=96, hidden=12288, heads=96), Cluster(nodes=128), 1536,
     ...             ClusterStrategy(dp=8, pp=16, tp=8, recompute="full"))
     >>> p.step_time_s, p.tflops_per_gpu, p.memory_gb_per_gpu, p.fits
 """
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..parallel.pipeline import SPLIT_BACKWARD
-from .hardware import GPT, Cluster
+from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
 from .memory import fits, gb, kv_width, layer_activation_bytes, memory_breakdown, replica_groups, stage_kinds
 from .simulation import simulate_scale
@@ -50,7 +50,7 @@ ADAM_BYTES_PER_PARAM = 32
 variance and gradient, write the three back and the bf16 copy (4·4 + 3·4 + 2 ≈ 30)."""
 
 
-def gemm_efficiency(model: GPT, cluster: Cluster, s: ClusterStrategy) -> float:
+def gemm_efficiency(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> float:
     """Efficiency of the layer's main GEMMs (hidden/tp wide, b·s rows)."""
     return cluster.hardware.efficiency(min(model.hidden / s.tp, s.tokens(model.seq)))
 
@@ -83,7 +83,7 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
     return fwd, bwd
 
 
-def elementwise_time(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
+def elementwise_time(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (norms, activations, softmax, dropout,
     residuals): each activation Korthikanti et al. count written once and read once at HBM
     bandwidth, 2 × their no-recompute bytes (what each tp rank touches); backward twice that."""
@@ -110,7 +110,7 @@ class StageCosts:
         return [b - w for b, w in zip(self.bwd, self.bwd_weight)]
 
 
-def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_ar: float) -> tuple:
+def layer_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: str, tp_ar: float) -> tuple:
     """Seconds of one layer of ``kind`` for one micro-batch: forward, backward, of backward the
     weight-gradient GEMMs (W), of forward and backward the exposed expert all-to-alls, and the
     exposed context-parallel traffic. Each GEMM group runs at its own efficiency."""
@@ -136,7 +136,7 @@ def layer_times(model: GPT, cluster: Cluster, s: ClusterStrategy, kind: str, tp_
     return f, b, gemm_w, ep_f + ep_b + (ep_f if again else 0.0), cp_f + cp_b + (cp_f if again else 0.0)
 
 
-def stage_costs(model: GPT, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
+def stage_costs(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> StageCosts:
     """The costs the closed form and the simulator share."""
     hw, tokens, stages = cluster.hardware, s.tokens(model.seq), s.pp * s.chunks
     act_bytes = 2 * tokens * model.hidden                      # bf16 b·(s/cp)·h
@@ -187,7 +187,7 @@ def pipeline_time(c: StageCosts, s: ClusterStrategy, m: int) -> float:
 class Prediction:
     """One strategy's predicted step; the JSON of ``labkit plan --json`` is :meth:`summary`."""
 
-    model: GPT
+    model: ModelShape
     cluster: Cluster
     strategy: ClusterStrategy
     global_batch: int
@@ -234,7 +234,7 @@ def exposed_dp_sync(c: StageCosts, s: ClusterStrategy, last: list[float]) -> flo
     return max(0.0, gather_fwd - head_fwd) + max(0.0, c.dp_sync - gather_fwd - tail_bwd)
 
 
-def predict(model: GPT, cluster: Cluster, global_batch: int, strategy: ClusterStrategy) -> Prediction:
+def predict(model: ModelShape, cluster: Cluster, global_batch: int, strategy: ClusterStrategy) -> Prediction:
     """Memory, step time, MFU and TFLOP/s per GPU of ``strategy`` (ValueError if it cannot be placed)."""
     strategy.check(model, cluster, global_batch)
     m = strategy.microbatches(global_batch)

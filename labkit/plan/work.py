@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from ..models.training import build_model, resolve_data, resolve_loss
+from ..training import build_model, resolve_data, resolve_loss
 from .machine import VIEWS
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -217,69 +217,6 @@ def _ops(fn) -> list:
     return counter.sink
 
 
-def ring_pair(b: int, h: int, c: int, hd: int, hkv: int, how: str) -> tuple[Ops, Ops]:
-    """One (query chunk, key chunk) pair of ring attention of ``c`` tokens each, as
-    :mod:`labkit.parallel.context.ring` computes it: forward (``block_forward`` and ``merge``)
-    and backward (``block_backward`` and its three sums), counted."""
-    from ..parallel.context.blocks import block_backward, block_forward, merge
-    q, dout = torch.randn(b, h, c, hd), torch.randn(b, h, c, hd)
-    k, v = torch.randn(b, hkv, c, hd), torch.randn(b, hkv, c, hd)
-    out, lse = torch.zeros(b, h, c, hd), torch.full((b, h, c), float("-inf"))
-    fwd = _ops(lambda: merge(out, lse, *block_forward(q, k, v, how)))
-    dq, dkv = torch.zeros(b, h, c, hd), torch.zeros(2, b, hkv, c, hd)
-
-    def backward():
-        dq_b, dk_b, dv_b = block_backward(q, k, v, out, dout, lse, how)
-        dq.add_(dq_b), dkv[0].add_(dk_b), dkv[1].add_(dv_b)
-    return Ops(fwd), Ops(_ops(backward))
-
-
-def gathered_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> tuple[Ops, Ops]:
-    """All-gather attention (:mod:`labkit.parallel.context.allgather`) of ``t`` queries over the
-    ``cp·t`` gathered keys and values, forward and backward, counted (the calls left out)."""
-    from ..parallel.context.layout import token_index
-    q, k, v = (torch.randn(b, n, t, hd, requires_grad=True) for n in (h, hkv, hkv))
-    sink = {}
-
-    def forward():
-        kv = torch.stack([k, v])
-        gathered = torch.cat([kv] * cp).view(cp, *kv.shape)          # what the all-gather returns
-        k_all, v_all = (torch.cat(list(gathered[:, i].unbind(0)), dim=2) for i in range(2))
-        if h > hkv:
-            k_all, v_all = k_all.repeat_interleave(h // hkv, 1), v_all.repeat_interleave(h // hkv, 1)
-        k_pos = torch.cat([token_index(r, cp, t * cp, True) for r in range(cp)])
-        mask = token_index(0, cp, t * cp, True)[:, None] >= k_pos[None, :]
-        sink["y"] = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
-    fwd = _ops(forward)
-    return Ops(fwd), Ops(_ops(lambda: sink["y"].backward(torch.ones_like(sink["y"]))))
-
-
-def ulysses_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> dict:
-    """Ulysses attention's compute (:mod:`labkit.parallel.context.ulysses`) for a rank's ``t``
-    tokens, the calls left out: per head count n (of q, of k and v), the layouts around a
-    tensor's all-to-all, (to the head split, back to the sequence split); and "core", sdpa over
-    the whole sequence on 1/cp of the heads in position order, (forward Ops, backward Ops)."""
-    def layout(x, to_heads: bool):
-        bb, hh, tt, d = x.shape
-        parts = (x.view(bb, cp, hh // cp, tt, d).transpose(0, 1) if to_heads
-                 else x.view(bb, hh, cp, tt // cp, d).permute(2, 0, 1, 3, 4)).contiguous()
-        got = torch.empty_like(parts)                          # what the all-to-all fills
-        return (got.permute(1, 2, 0, 3, 4).reshape(bb, hh // cp, cp * tt, d) if to_heads
-                else got.transpose(0, 1).reshape(bb, cp * hh, tt // cp, d))
-    q, k, v = (torch.randn(b, n // cp, t * cp, hd, requires_grad=True) for n in (h, hkv, hkv))
-    order = torch.randperm(t * cp)
-    got = {}
-
-    def core():
-        kk, vv = (z.repeat_interleave(h // hkv, dim=1) for z in (k, v)) if h > hkv else (k, v)
-        qh, kh, vh = (z.index_select(2, order) for z in (q, kk, vv))
-        got["y"] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).index_select(2, order)
-    fwd = _ops(core)
-    out = {n: (Ops(_ops(lambda: layout(torch.randn(b, n, t, hd), True))),
-               Ops(_ops(lambda: layout(torch.randn(b, n // cp, t * cp, hd), False)))) for n in {h, hkv}}
-    return out | {"core": (Ops(fwd), Ops(_ops(lambda: got["y"].backward(torch.ones_like(got["y"])))))}
-
-
 def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None,
           cp: int = 1, ep: int = 1) -> ModelWork:
     """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
@@ -369,7 +306,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
             context.activate(before)
         for h in hooks:
             h.remove()
-        from ..models.training import build_optimizer
+        from ..training import build_optimizer
         opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
         counter.sink = sink("opt", "fwd")
         opt.step()
@@ -435,69 +372,3 @@ def unaccumulated(work: ModelWork) -> ModelWork:
     from dataclasses import replace
     keep = lambda b: replace(b, bwd=b.bwd.where(lambda o: o.name != "accumulate_grad"))  # noqa: E731
     return replace(work, blocks=[keep(b) for b in work.blocks], pre=keep(work.pre), post=keep(work.post))
-
-
-def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
-    """Per dp rank, per micro-batch: {MoE layer name: the experts each token chose (tokens,
-    top_k)} at the first step's data and the seeded weights, as the run's first step routes."""
-    from ..parallel.expert import moe_layers
-    net = build_model(model, 0)
-    x, _ = resolve_data(data, net, batch, 0)(0)
-    seen, hooks = {}, []
-    for name, moe in moe_layers(net):
-        def hook(m, args, logits, name=name, moe=moe):     # MoE.forward's own top-k of the router's softmax
-            seen[name] = logits.float().softmax(dim=-1).topk(moe.top_k, dim=-1).indices.reshape(-1, moe.top_k)
-        hooks.append(moe.router.register_forward_hook(hook))
-    out = []
-    with torch.no_grad():
-        for rows in x.chunk(ranks):
-            out.append([])
-            for part in rows.chunk(microbatches):
-                net(part)
-                out[-1].append(dict(seen))
-    for h in hooks:
-        h.remove()
-    return out
-
-
-def routed_ops(moe, chosen, counts) -> dict:
-    """One ep rank's compute around a MoE layer's exchanges, as
-    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs it: "pre" sorts its tokens'
-    ``chosen`` (tokens, top_k) experts and gathers their rows, "experts" runs its local experts
-    on what arrives (``counts``: [sender, local expert] rows), "post" weights the results back
-    into the tokens; each (forward Ops, backward Ops), counted."""
-    from types import SimpleNamespace
-
-    from ..parallel.expert.dispatch import ExpertParallelMoE as EP
-    ep, local = counts.shape
-    me = SimpleNamespace(top_k=moe.top_k, n_experts=moe.n_experts,      # every expert has the same shapes
-                         experts={str(e): moe.experts[e] for e in range(local)})
-    c, n = moe.router.in_features, len(chosen)
-    x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, moe.top_k, requires_grad=True)
-    arrived = torch.randn(int(counts.sum()), c, requires_grad=True)
-    back = torch.randn(n * moe.top_k, c, requires_grad=True)
-    got = {}
-
-    def pre():
-        got["order"], got["token"], _ = EP._sort(me, chosen)
-        got["pre"] = x.index_select(0, got["token"])
-
-    def experts():
-        got["experts"] = EP._experts(me, arrived, counts)
-
-    def post():
-        got["post"] = EP._unpermute(me, x.detach(), back, gates, got["order"], got["token"])
-    out = {}
-    for part, fn in (("pre", pre), ("experts", experts), ("post", post)):
-        fwd = _ops(fn)
-        out[part] = (Ops(fwd), Ops(_ops(lambda: got[part].backward(torch.ones_like(got[part])))))
-    return out
-
-
-def exchange(chosen: list, n_experts: int, ep: int) -> tuple[list, list]:
-    """From each ep rank's tokens' ``chosen`` experts: rows[s][r], the rows rank s sends rank r,
-    and per receiving rank r its [sender, local expert] counts (rank r holds experts
-    [r·E/ep, (r+1)·E/ep))."""
-    per = torch.stack([torch.bincount(c.reshape(-1), minlength=n_experts) for c in chosen])    # (ep, E)
-    local = n_experts // ep
-    return per.view(ep, ep, local).sum(-1).tolist(), [per[:, r * local:(r + 1) * local] for r in range(ep)]

@@ -63,7 +63,7 @@ def check_loss(loss: Callable, model: nn.Module, data: Callable, batch: int) -> 
     process's loss only for a mean. Checked on the first batch's targets and the model's
     output shapes (the model runs on the meta device: no weights, nothing written): the loss
     of two rows must equal the loss of those rows given twice. A sum doubles: refused."""
-    from ..models.training import TokenLoss
+    from ..training import TokenLoss
     if isinstance(loss, TokenLoss) or not callable(loss):
         return
     sample = _sample_outputs(model, data, batch)

@@ -12,7 +12,7 @@ from statistics import median
 import torch
 
 from ..analysis.drift import StepSnapshots, check_snapshots
-from ..models.training import build_model, build_optimizer, resolve_data, resolve_loss
+from ..training import build_model, build_optimizer, resolve_data, resolve_loss
 
 
 @dataclass

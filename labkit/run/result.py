@@ -45,6 +45,14 @@ class Run:
     are refreshed after each step from the new step's events alone."""
     profile_paths: list[str] = field(default_factory=list, repr=False)
     """With ``lab.run(..., profile=True)``: each rank's torch profiler trace, in rank order."""
+    checkpoints: list[str] = field(default_factory=list, repr=False)
+    """With ``lab.run(..., checkpoint=DIR)``: the complete checkpoints it saved, in step order
+    (labkit.checkpoint)."""
+    checkpoint_io: dict = field(default_factory=dict, repr=False)
+    """Per rank, what checkpointing cost: ``"load"`` (resume=: seconds reading) and ``"save"``
+    ({step: seconds gathering and writing, bytes offered and written}), in rank order."""
+    first_step: int = 0
+    """The global step its step 0 was (``resume=``: the checkpoint's step; ``data(step)`` saw it)."""
 
     @property
     def profile(self):

@@ -23,7 +23,7 @@ from ..parallel.build import RunSpec
 from ..analysis.metrics import combine_steps, step_entry
 from .result import Run
 from ..analysis.timeline import Timeline
-from ..models.training import build_model, check_optimizer, resolve_data, resolve_loss
+from ..training import build_model, check_optimizer, resolve_data, resolve_loss
 from ..parallel.blocks import check_blocks
 from ..parallel.materialize import check_init
 from .checks import check_loss, check_model, check_number, check_profile, warn_dropout
@@ -36,8 +36,9 @@ from ..parallel.expert import check_model as check_expert_model, tokens_per_ep_r
 from ..parallel.context import check_model as check_context_model
 
 
-def validate(spec: RunSpec, engines: int) -> None:
-    """Everything that can be checked before an engine is called; ValueError names the fix."""
+def validate(spec: RunSpec, engines: int):
+    """Everything that can be checked before an engine is called; ValueError names the fix.
+    Returns the run's checkpointing (labkit.checkpoint.Plan), or None when it asks for none."""
     s = spec.strategy
     if not isinstance(s, Strategy):
         raise TypeError(f"strategy must be a labkit.Strategy, got {type(s).__name__}")
@@ -83,6 +84,8 @@ def validate(spec: RunSpec, engines: int) -> None:
         from ..parallel.pipeline.stages import check_split
         check_split(s, unit_count(built), len(layer_span(built)))
         _check_tied_split_backward(s, built)
+    from ..checkpoint import prepare
+    return prepare(spec, built)                      # checkpoint=, resume=: the folder, model, optimizer
 
 
 def model_for_checks(model, seed: int) -> nn.Module:
@@ -178,7 +181,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
     step, tagged with that id; after each step, append its events (O(events of the step)) and
     refresh the metrics; ``on_step(run, step)``; stop at a step boundary when ``stop()`` says so.
     """
-    validate(spec, lab.world_size)
+    plan = validate(spec, lab.world_size)
     ship_by_value(spec.model, spec.data, spec.loss, getattr(spec.loss, "total", None))   # a token loss's fn
     s = spec.strategy
     with lab.hold(what):
@@ -189,11 +192,18 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         warned: set = set()           # engine warnings, each relayed once per rank and run
         built = lab.apply(engine.setup_run, spec, run_id)
         relay_warnings(built, warned)
+        restored = None
+        if plan is not None and plan.resume is not None:      # the state, and the data from its step
+            from ..parallel import state
+            restored = lab.apply(state.restore, plan.resume, plan.first, plan.layout)
         link = getattr(lab, "link", None)          # the emulated link its calls obey (None: raw gloo)
         title = f"emulated link {link}" if link is not None else None     # shown on every timeline
         run = Run(s, [], Timeline([], lab.world_size, title=title, grid=s), {}, spec.batch, ranks=lab.ranks)
         run.link = link
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
+        run.first_step = plan.first if plan is not None else 0
+        if restored is not None:
+            run.checkpoint_io["load"] = restored
         peak = [0] * lab.world_size
         for step in range(spec.steps):
             results = lab.apply(engine.run_step, step, run_id)
@@ -201,9 +211,16 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             record_step(run, results, spec, peak, step)
             if on_step is not None:
                 on_step(run, step)
-            if stop is not None and stop() and step < spec.steps - 1:
+            stopping = stop is not None and stop() and step < spec.steps - 1
+            if plan is not None and plan.root is not None:     # checkpoint=: due saves, finished async ones
+                from ..checkpoint import after_step
+                run.checkpoints += after_step(lab, spec, plan, step, stopping, run_id, run.checkpoint_io)
+            if stopping:
                 run.interrupted = True
                 break
+        if plan is not None and plan.pending is not None:     # the last asynchronous save, waited for
+            from ..checkpoint import finish
+            run.checkpoints.append(finish(lab, spec, plan, run.checkpoint_io))
         if spec.extra.get("profile"):
             run.profile_paths = save_profiles(lab.apply(engine.finish_profile), spec.extra["profile"], run_id)
         run.params = gather_parameters(lab)

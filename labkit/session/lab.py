@@ -522,7 +522,8 @@ class Lab:
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
             tp_plan: dict | None = None, optimizer: str = "sgd", blocks: str | None = None,
-            init: str = "auto", profile=False) -> Run:
+            init: str = "auto", profile=False, checkpoint=None, checkpoint_every: int | None = None,
+            resume=None, checkpoint_async: bool = False) -> Run:
         """Train ``model`` for ``steps`` under ``strategy``; see docs/design.md for the contract.
 
         ``tp_plan`` (tp > 1): which modules tensor parallelism splits, in DTensor's convention
@@ -546,11 +547,21 @@ class Lab:
         a GPU kernels and memcpys too), saved as ``rank{N}.json.gz`` in a new temporary folder,
         or in the folder ``profile`` names; ``run.profile`` reads them back as a Timeline
         (labkit.record.profiler, labkit.analysis.traces).
+
+        ``checkpoint="ckpt/"`` saves parameters, optimizer state and the step with torch's
+        distributed checkpoint into ``ckpt/step_N`` every ``checkpoint_every`` steps and at the
+        end, each save atomic (``run.checkpoints`` lists them); ``resume="ckpt/"`` (its last
+        complete checkpoint, or one ``step_N`` folder) starts this run, under any strategy, where
+        that one stopped: ``steps`` more steps, ``data(step)`` from the saved step on
+        (labkit.checkpoint). ``checkpoint_async=True`` writes each save behind the next steps
+        (DCP's async_save); ``run.checkpoint_io`` says how long the steps waited for it.
         """
         from ..run.runner import execute
         self._check_open()
         spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, record,
-                       extra={"snapshots": snapshots, "profile": profile}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
+                       extra={"snapshots": snapshots, "profile": profile, "checkpoint": checkpoint,
+                              "checkpoint_every": checkpoint_every, "resume": resume,
+                              "checkpoint_async": checkpoint_async}, allow_nonfinite=allow_nonfinite, tp_plan=tp_plan,
                        optimizer=optimizer, blocks=blocks, init=init)
         self._interrupt = False
         return execute(self, spec, on_step, stop=lambda: self._interrupt)

@@ -1,4 +1,4 @@
-"""Loss curves drawn: the settings of :func:`labkit.analysis.curves.loss_curves` beside the
+"""Loss curves drawn: the settings of :func:`labkit.bench.curves.loss_curves` beside the
 fp32 reference, their departure from it per step, and the bytes each sends.
 
 >>> labkit.view.curves.plot_curves(curves)        # what curves.plot() draws

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from ..engine.grid import ParallelDims  # what draw_grid draws, here for notebooks to import beside it
+from ..grid import ParallelDims  # what draw_grid draws, here for notebooks to import beside it
 from .timeline import _new_figure
 
 

@@ -21,8 +21,17 @@ holds (``arange(T)`` without cp)::
     y = labkit.parallel.context.attention(q, k, v, causal=True) # torch's sdpa without cp
 
 Keys and values may have fewer heads than queries (grouped-query attention): they travel
-unrepeated. :func:`check_model` runs the model once on a probe and refuses cp for a model
-that calls neither. This file owns the axis's rules (:func:`check_strategy`, called by
+unrepeated.
+
+**A Hugging Face model needs no change.** transformers' own models call their attention
+through its registry (``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``):
+under cp > 1 labkit registers :func:`attention` there and sets the model's
+``config._attn_implementation`` to it on every engine, and gives the model's forward the
+``position_ids`` of the tokens the rank holds (:mod:`.hf`). A ``LlamaForCausalLM(config)``
+built in the user's own factory runs ring, all-gather or Ulysses attention as it is.
+
+:func:`check_model` runs the model once on a probe and refuses cp for a model whose
+attention reaches :func:`attention` neither way. This file owns the axis's rules (:func:`check_strategy`, called by
 ``Strategy``; :func:`check_model`, called before any engine) and imports nothing heavy; the
 engine side (the ring, the collectives) is reached through :mod:`.layout`.
 """
@@ -77,13 +86,19 @@ def check_model(s, built, data) -> None:
             raise ValueError(f"Strategy.cp={s.cp}: MoE layer {name} has aux_loss_coef={m.aux_loss_coef}, a "
                              "sequence-wise balance loss that a slice of the sequence cannot compute; use "
                              "labkit.models.llama(aux_loss_coef=0), or cp=1")
-    calls = probe(built, x[:1])
+    from .hf import check_hf, routed
+    check_hf(s, built, t)
+    with routed(built):                  # a transformers model: its attention through the registry
+        calls = probe(built, x[:1])
     if not calls["attention"] or not calls["positions"]:
         missing = [k for k in ("attention", "positions") if not calls[k]]
         raise ValueError(f"Strategy.cp={s.cp}: the model never calls labkit.parallel.context."
-                         f"{' nor '.join(missing)}, so its attention cannot see the other ranks' tokens; route its "
-                         "attention core and positions through labkit.parallel.context (see its docstring: "
-                         "labkit.models.llama does), or use cp=1")
+                         f"{' nor '.join(missing)}, so its attention cannot see the other ranks' tokens; opt in "
+                         "one of two ways: call labkit.parallel.context.attention and .positions in the model's "
+                         "attention (see its docstring: labkit.models.llama does), or call the attention through "
+                         "transformers' registry, ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation"
+                         ", ...) with position_ids taken from the forward's arguments, as transformers' own models "
+                         "do (labkit then routes it); or use cp=1")
     if s.cp_mode == "ulysses":
         for what, heads in (("query", calls["q_heads"]), ("key/value", calls["kv_heads"])):
             if heads % (s.tp * s.cp):
@@ -120,12 +135,12 @@ class _Probe:
     def __init__(self):
         self.calls = {"attention": 0, "positions": 0, "q_heads": 0, "kv_heads": 0}
 
-    def attention(self, q, k, v, causal):
+    def attention(self, q, k, v, causal, scale=None):
         self.calls["attention"] += 1
         self.calls["q_heads"], self.calls["kv_heads"] = q.shape[1], k.shape[1]
         if self.calls["positions"]:
             raise _Seen
-        return local_attention(q, k, v, causal)
+        return local_attention(q, k, v, causal, scale)
 
     def positions(self, t, device):
         import torch
@@ -140,12 +155,15 @@ def active() -> bool:
     return _active is not None
 
 
-def attention(q, k, v, causal: bool = True):
+def attention(q, k, v, causal: bool = True, scale: float | None = None):
     """Softmax attention of ``q`` (B, H, T, hd) over ``k``, ``v`` (B, Hkv, T, hd), Hkv dividing H;
-    across the cp group when a context-parallel job is built on this rank, else torch's sdpa."""
+    across the cp group when a context-parallel job is built on this rank, else torch's sdpa.
+    ``scale`` multiplies the scores (None: 1/√hd)."""
     if _active is None:
-        return local_attention(q, k, v, causal)
-    return _active.attention(q, k, v, causal)
+        return local_attention(q, k, v, causal, scale)
+    if scale is None:          # the default scale: a stand-in context (the planner's counter) needs none
+        return _active.attention(q, k, v, causal)
+    return _active.attention(q, k, v, causal, scale)
 
 
 def positions(t: int, device=None):
@@ -156,13 +174,13 @@ def positions(t: int, device=None):
     return _active.positions(t, device)
 
 
-def local_attention(q, k, v, causal: bool = True):
+def local_attention(q, k, v, causal: bool = True, scale: float | None = None):
     """Torch's scaled_dot_product_attention, key/value heads repeated to the query heads."""
     import torch.nn.functional as F
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 def activate(ctx) -> None:

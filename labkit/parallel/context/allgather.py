@@ -34,8 +34,9 @@ class _GatherKV(torch.autograd.Function):
         return out, None
 
 
-def allgather_attention(q, k, v, causal: bool, cp) -> torch.Tensor:
-    """Attention of this rank's ``q`` over the gathered ``k``, ``v`` of every cp rank."""
+def allgather_attention(q, k, v, causal: bool, cp, scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's ``q`` over the gathered ``k``, ``v`` of every cp rank (``scale``:
+    the scores' factor, None for 1/√hd)."""
     import torch.nn.functional as F
     t = q.shape[2]
     gathered = _GatherKV.apply(torch.stack([k, v]), cp)             # (cp, 2, B, Hkv, t, hd)
@@ -48,4 +49,4 @@ def allgather_attention(q, k, v, causal: bool, cp) -> torch.Tensor:
         q_pos = cp.positions(t, q.device)
         k_pos = torch.cat([token_index(r, cp.size, t * cp.size, cp.balance) for r in range(cp.size)]).to(q.device)
         mask = q_pos[:, None] >= k_pos[None, :]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)

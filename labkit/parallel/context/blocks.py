@@ -37,10 +37,11 @@ def _scores(q, k, scale, how):
     return s
 
 
-def block_forward(q, k, v, how: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ``q`` (B, H, c, hd) over ``k``, ``v`` (B, Hkv, c, hd): out in float32."""
+def block_forward(q, k, v, how: str, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ``q`` (B, H, c, hd) over ``k``, ``v`` (B, Hkv, c, hd): out in float32.
+    ``scale`` multiplies the scores (None: 1/√hd, as torch's sdpa)."""
     group = q.shape[1] // k.shape[1]
-    s = _scores(q, _repeat(k, group), q.shape[-1] ** -0.5, how).float()
+    s = _scores(q, _repeat(k, group), q.shape[-1] ** -0.5 if scale is None else scale, how).float()
     lse = torch.logsumexp(s, dim=-1)
     out = torch.exp(s - lse.unsqueeze(-1)) @ _repeat(v, group).float()
     return out, lse
@@ -53,9 +54,9 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torc
     lse.copy_(new)
 
 
-def block_backward(q, k, v, out, dout, lse, how: str):
+def block_backward(q, k, v, out, dout, lse, how: str, scale: float | None = None):
     """(dq, dk, dv) of one pair, float32, dk and dv summed back onto the Hkv key/value heads."""
-    group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5 if scale is None else scale
     kr, vr = _repeat(k, group).float(), _repeat(v, group).float()
     p = torch.exp(_scores(q.float(), kr, scale, how) - lse.unsqueeze(-1))
     dv = p.transpose(-2, -1) @ dout

@@ -58,15 +58,15 @@ class ContextParallel:
         """This rank's tokens of ``x`` (batch, sequence, …)."""
         return x[:, token_index(self.index, self.size, x.shape[1], self.balance)]
 
-    def attention(self, q, k, v, causal: bool):
+    def attention(self, q, k, v, causal: bool, scale: float | None = None):
         if self.mode == "ring":
             from .ring import ring_attention
-            return ring_attention(q, k, v, causal, self)
+            return ring_attention(q, k, v, causal, self, scale)
         if self.mode == "ulysses":
             from .ulysses import ulysses_attention
-            return ulysses_attention(q, k, v, causal, self)
+            return ulysses_attention(q, k, v, causal, self, scale)
         from .allgather import allgather_attention
-        return allgather_attention(q, k, v, causal, self)
+        return allgather_attention(q, k, v, causal, self, scale)
 
 
 class ShardedData:

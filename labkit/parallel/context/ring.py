@@ -50,7 +50,7 @@ class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries over every cp rank's keys and values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, cp):
+    def forward(ctx, q, k, v, causal, cp, scale):
         q, kv = q.contiguous(), torch.stack([k, v]).contiguous()      # one message per hop
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -62,13 +62,13 @@ class RingAttention(torch.autograd.Function):
             pending = [] if last else _hop(cp, kv, nxt, KV_TAG, f"cp kv {j + 1}")
             with comm.span("attention", f"ring fwd {j}"):
                 for qs, ks, how in _pairs(cp, src, causal, c):
-                    o_b, lse_b = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how)
+                    o_b, lse_b = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale)
                     merge(out[:, :, qs], lse[:, :, qs], o_b, lse_b)
             for handle in pending:
                 handle.wait()
             kv = kv if last else nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.cp = causal, cp
+        ctx.causal, ctx.cp, ctx.scale = causal, cp, scale
         return out.to(q.dtype)
 
     @staticmethod
@@ -88,7 +88,8 @@ class RingAttention(torch.autograd.Function):
             with comm.span("attention", f"ring bwd {j}"):
                 for qs, ks, how in _pairs(cp, src, causal, c):
                     dq_b, dk_b, dv_b = block_backward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                      out[:, :, qs], dout[:, :, qs], lse[:, :, qs], how)
+                                                      out[:, :, qs], dout[:, :, qs], lse[:, :, qs], how,
+                                                      ctx.scale)
                     dq[:, :, qs] += dq_b
                     dkv[0][:, :, ks] += dk_b
                     dkv[1][:, :, ks] += dv_b
@@ -104,9 +105,10 @@ class RingAttention(torch.autograd.Function):
             kv = kv if last else nxt
         for handle in grad_hops:
             handle.wait()
-        return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None
+        return dq.to(q.dtype), grad_in[0].to(k.dtype), grad_in[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, causal: bool, cp) -> torch.Tensor:
-    """Ring attention of ``q`` (B, H, T/cp, hd) over ``k``, ``v`` (B, Hkv, T/cp, hd) across ``cp``."""
-    return RingAttention.apply(q, k, v, causal, cp)
+def ring_attention(q, k, v, causal: bool, cp, scale: float | None = None) -> torch.Tensor:
+    """Ring attention of ``q`` (B, H, T/cp, hd) over ``k``, ``v`` (B, Hkv, T/cp, hd) across ``cp``;
+    ``scale`` multiplies the scores (None: 1/√hd)."""
+    return RingAttention.apply(q, k, v, causal, cp, scale)

@@ -60,8 +60,9 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.cp, f"cp a2a grad {ctx.name}"), None, None
 
 
-def ulysses_attention(q, k, v, causal: bool, cp) -> torch.Tensor:
-    """Attention of this rank's tokens through head-split all-to-alls over ``cp``."""
+def ulysses_attention(q, k, v, causal: bool, cp, scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's tokens through head-split all-to-alls over ``cp`` (``scale``: the
+    scores' factor, None for 1/√hd)."""
     import torch.nn.functional as F
     t = q.shape[2]
     if q.shape[1] % cp.size or k.shape[1] % cp.size:
@@ -72,12 +73,12 @@ def ulysses_attention(q, k, v, causal: bool, cp) -> torch.Tensor:
     if group > 1:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
     if not causal:
-        return _HeadsToSeq.apply(F.scaled_dot_product_attention(qh, kh, vh), cp, "out")
+        return _HeadsToSeq.apply(F.scaled_dot_product_attention(qh, kh, vh, scale=scale), cp, "out")
     # Tokens arrive in rank order, not position order. Sorted into position order, the causal
     # mask is sdpa's own (is_causal): an explicit (T, T) mask would be kept for the backward as
     # T² floats, the memory that context parallelism exists to avoid.
     pos = torch.cat([token_index(r, cp.size, t * cp.size, cp.balance) for r in range(cp.size)]).to(q.device)
     order = pos.argsort()
     qh, kh, vh = (x.index_select(2, order) for x in (qh, kh, vh))
-    y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).index_select(2, pos)   # back to rank order
+    y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale).index_select(2, pos)   # back to rank order
     return _HeadsToSeq.apply(y, cp, "out")

@@ -17,6 +17,14 @@ expert-data-parallel group in its distributed optimizer). Tokens travel to their
 and back with two all-to-alls per layer (:mod:`.dispatch`), and an expert's gradient is
 averaged over the dp/ep ranks that hold the same slice.
 
+A transformers MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE, and any family of the same shape)
+needs no change: each sparse block's experts module, kept as fused tensors of ``n_experts``
+rows and called by its block with the router's choices, is found where the config's
+``base_model_ep_plan`` (or :data:`EXPERTS_AT`) puts it (:func:`fused_experts`) and replaced by
+one holding this rank's rows and routing by the same all-to-alls; the model's own experts
+code runs on the rows that arrive. The router stays in the block, so its logits, and the
+auxiliary loss transformers computes from them (``output_router_logits``), are the model's.
+
 This file owns the axis's rules: :func:`check_strategy` (called by ``Strategy``) and
 :func:`check_model` (called before any engine, with the built model). It imports nothing
 heavy, so a notebook can validate a strategy without torch.distributed.
@@ -54,18 +62,62 @@ def moe_layers(model) -> list[tuple[str, object]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
+# Where transformers' MoE families keep a sparse block's experts, under the base model, for a
+# config without ``base_model_ep_plan`` (Mixtral's older layout first, then today's).
+EXPERTS_AT = ("layers.*.block_sparse_moe.experts", "layers.*.mlp.experts")
+EXPERT_SHAPE = ("its experts as fused tensors, every parameter (n_experts, …), called as "
+                "experts(hidden_states, top_k_index, top_k_weights) by its block, as transformers' Mixtral, "
+                "Qwen2-MoE and Qwen3-MoE keep them")
+
+
+def fused_experts(model) -> list[tuple[str, object]]:
+    """(name, module) of every sparse MoE block's experts in a transformers model: where its
+    config's ``base_model_ep_plan`` puts them (the keys styled ``ep_dispatch_experts``), else
+    where :data:`EXPERTS_AT` says, under the base model. ValueError when a module found there
+    is not of :data:`EXPERT_SHAPE`. ``[]`` for any other model."""
+    from ..tensor.plan import match_plan
+    config, prefix = getattr(model, "config", None), getattr(model, "base_model_prefix", "")
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return []
+    plan = getattr(config, "base_model_ep_plan", None) or {}
+    keys = [k for k, style in plan.items() if style == "ep_dispatch_experts"] or list(EXPERTS_AT)
+    keys = [f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k for k in keys]
+    found = [name for key in keys for name in match_plan(model, {key: "experts"})]
+    layers = [(name, model.get_submodule(name)) for name in found]
+    for name, experts in layers:
+        if n_experts(experts) is None:
+            raise ValueError(f"Strategy.ep: {name} is a {type(experts).__name__}, not a module of the shape expert "
+                             f"parallelism spreads ({EXPERT_SHAPE}); use ep=1 for this model")
+    return layers
+
+
+def n_experts(experts) -> int | None:
+    """The expert count of a fused experts module (every direct parameter's leading dim, one of
+    them 3-d), or None when it is not of that shape."""
+    params = list(experts.named_parameters(recurse=False))
+    sizes = {p.shape[0] if p.dim() else None for _, p in params}
+    if not params or len(sizes) != 1 or None in sizes or not any(p.dim() == 3 for _, p in params):
+        return None
+    return sizes.pop()
+
+
 def check_model(s, built) -> None:
     """The model-dependent rules, before any engine: MoE layers to split, evenly."""
     if s.ep == 1:
         return
-    layers = moe_layers(built)
-    if not layers:
+    layers = [(name, moe.n_experts) for name, moe in moe_layers(built)]
+    fused = [(name, n_experts(m)) for name, m in fused_experts(built)]
+    if not layers and not fused:
         raise ValueError(f"Strategy.ep={s.ep}: the model has no mixture-of-experts layer to spread; use a model "
-                         "with experts (labkit.models.llama(n_experts=...)), or ep=1")
-    for name, moe in layers:
-        if moe.n_experts % s.ep:
-            raise ValueError(f"Strategy.ep={s.ep}: layer {name} has n_experts={moe.n_experts}, which does not "
-                             f"divide over {s.ep} ranks; use an ep that divides {moe.n_experts}, or "
+                         "with experts (labkit.models.llama(n_experts=...), or a transformers MoE model with "
+                         f"{EXPERT_SHAPE}), or ep=1")
+    if fused and s.tp > 1:
+        raise ValueError(f"Strategy.ep={s.ep} with tp={s.tp}: a transformers model's fused experts are spread over "
+                         "ep beside dp, pp and zero, not tp; use tp=1 with ep, or ep=1")
+    for name, count in layers + fused:
+        if count % s.ep:
+            raise ValueError(f"Strategy.ep={s.ep}: layer {name} has n_experts={count}, which does not "
+                             f"divide over {s.ep} ranks; use an ep that divides {count}, or "
                              f"n_experts a multiple of {s.ep}")
 
 

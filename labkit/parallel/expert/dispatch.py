@@ -42,7 +42,7 @@ from ... import comm
 from ...models.moe import MoE
 from ..data.sync import DDPSync
 from ..tensor.mappings import gather_from_sequence_parallel, scatter_to_sequence_parallel
-from . import moe_layers
+from . import fused_experts, moe_layers, n_experts
 
 
 class AllToAll(torch.autograd.Function):
@@ -121,7 +121,64 @@ def _start(x, send, recv, group, name):
     return _Start.apply(x, send, recv, group, name, box), box
 
 
-class ExpertParallelMoE(MoE):
+class Routing:
+    """Dispatch, local experts, combine (the module docstring's five steps), for a layer that
+    sets ``ep``, ``ep_group``, ``n_experts``, ``top_k``, ``layer_name`` and ``shared`` and runs
+    its local experts in ``_experts(arrived rows, counts[sender, local expert])``."""
+
+    def _routed_blocking(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        ep, local = self.ep, self.n_experts // self.ep
+        # 1. one row per (token, choice), sorted by expert: grouped by destination rank, then expert
+        order, token, per_expert = self._sort(chosen)
+        # 2. sizes first: [sender, my local expert] → rows coming
+        counts = torch.empty_like(per_expert)
+        comm.all_to_all_single(counts, per_expert, group=self.ep_group, name=f"{self.layer_name} counts")
+        counts = counts.view(ep, local)
+        send, recv = per_expert.view(ep, local).sum(1).tolist(), counts.sum(1).tolist()
+        # 3. dispatch
+        arrived = AllToAll.apply(x.index_select(0, token), send, recv, self.ep_group, f"{self.layer_name} dispatch")
+        # 4. the local experts; 5. combine, then weight by the gates where they were computed
+        y = self._experts(arrived, counts)
+        back = AllToAll.apply(y, recv, send, self.ep_group, f"{self.layer_name} combine")
+        return self._unpermute(x, back, gates, order, token)
+
+    def _sort(self, chosen):
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        return order, order // self.top_k, torch.bincount(flat, minlength=self.n_experts)
+
+    def _unpermute(self, x, back, gates, order, token):
+        weighted = back * gates.reshape(-1).index_select(0, order).unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, weighted)
+
+    def _routed_overlapped(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, whole: torch.Tensor):
+        """Two micro-batches of tokens, A and B, each exchange async under the other's experts:
+        dispatch A, B; wait A, experts A, combine A; wait B, experts B, combine B; wait both.
+        Returns the routed output and the shared expert's on ``whole`` (None without one)."""
+        ep, local, name = self.ep, self.n_experts // self.ep, self.layer_name
+        parts = [(xs, cs, gs) for xs, cs, gs in zip(x.tensor_split(2), chosen.tensor_split(2), gates.tensor_split(2))]
+        sorted_ = [self._sort(cs) for _, cs, _ in parts]
+        # sizes of both micro-batches in one exchange: [destination, micro-batch, its local expert]
+        mine = torch.stack([pe.view(ep, local) for *_, pe in sorted_], dim=1).contiguous()
+        counts = torch.empty_like(mine)
+        comm.all_to_all_single(counts, mine, group=self.ep_group, name=f"{name} counts")
+        plans = []
+        for m, ((xs, _, _), (order, token, _)) in enumerate(zip(parts, sorted_)):
+            send, recv = mine[:, m].sum(1).tolist(), counts[:, m].sum(1).tolist()
+            arrived, box = _start(xs.index_select(0, token), send, recv, self.ep_group, f"{name} dispatch mb{m}")
+            plans.append((send, recv, arrived, box))
+        # the shared expert needs no exchange: it runs while both dispatches travel (DeepSeek-V3 §3.2.2)
+        shared = self.shared(whole) if self.shared is not None else None
+        combined = []
+        for m, (send, recv, arrived, box) in enumerate(plans):
+            y = self._experts(_Wait.apply(arrived, box), counts[:, m])     # the other's exchange in flight
+            combined.append(_start(y, recv, send, self.ep_group, f"{name} combine mb{m}"))
+        out = [self._unpermute(xs, _Wait.apply(back, box), gs, order, token)
+               for (xs, _, gs), (order, token, _), (back, box) in zip(parts, sorted_, combined)]
+        return torch.cat(out), shared
+
+
+class ExpertParallelMoE(Routing, MoE):
     """A :class:`~labkit.models.moe.MoE` holding only its ep rank's experts (``experts`` keyed
     by their global index, so state_dict keys stay the whole model's) and routing by all-to-all."""
 
@@ -156,27 +213,6 @@ class ExpertParallelMoE(MoE):
         gates = scatter_to_sequence_parallel(gates.unsqueeze(0), self.tp_group, f"{self.layer_name} gates").squeeze(0)
         return x, chosen.chunk(tp)[self.tp_group.rank()], gates
 
-    def _routed_blocking(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        ep, local = self.ep, len(self.experts)
-        # 1. one row per (token, choice), sorted by expert: grouped by destination rank, then expert
-        order, token, per_expert = self._sort(chosen)
-        # 2. sizes first: [sender, my local expert] → rows coming
-        counts = torch.empty_like(per_expert)
-        comm.all_to_all_single(counts, per_expert, group=self.ep_group, name=f"{self.layer_name} counts")
-        counts = counts.view(ep, local)
-        send, recv = per_expert.view(ep, local).sum(1).tolist(), counts.sum(1).tolist()
-        # 3. dispatch
-        arrived = AllToAll.apply(x.index_select(0, token), send, recv, self.ep_group, f"{self.layer_name} dispatch")
-        # 4. the local experts; 5. combine, then weight by the gates where they were computed
-        y = self._experts(arrived, counts)
-        back = AllToAll.apply(y, recv, send, self.ep_group, f"{self.layer_name} combine")
-        return self._unpermute(x, back, gates, order, token)
-
-    def _sort(self, chosen):
-        flat = chosen.reshape(-1)
-        order = flat.argsort(stable=True)
-        return order, order // self.top_k, torch.bincount(flat, minlength=self.n_experts)
-
     def _experts(self, arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each local expert on its rows from every sender (every expert runs, on zero rows if
         none came); ``counts``: [sender, local expert]. The result is in arrival order."""
@@ -187,35 +223,43 @@ class ExpertParallelMoE(MoE):
         y = torch.cat([expert(r) for expert, r in zip(self.experts.values(), rows)])
         return y.index_select(0, by_expert.argsort())
 
-    def _unpermute(self, x, back, gates, order, token):
-        weighted = back * gates.reshape(-1).index_select(0, order).unsqueeze(-1)
-        return torch.zeros_like(x).index_add(0, token, weighted)
 
-    def _routed_overlapped(self, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor, whole: torch.Tensor):
-        """Two micro-batches of tokens, A and B, each exchange async under the other's experts:
-        dispatch A, B; wait A, experts A, combine A; wait B, experts B, combine B; wait both.
-        Returns the routed output and the shared expert's on ``whole`` (None without one)."""
-        ep, local, name = self.ep, len(self.experts), self.layer_name
-        parts = [(xs, cs, gs) for xs, cs, gs in zip(x.tensor_split(2), chosen.tensor_split(2), gates.tensor_split(2))]
-        sorted_ = [self._sort(cs) for _, cs, _ in parts]
-        # sizes of both micro-batches in one exchange: [destination, micro-batch, its local expert]
-        mine = torch.stack([pe.view(ep, local) for *_, pe in sorted_], dim=1).contiguous()
-        counts = torch.empty_like(mine)
-        comm.all_to_all_single(counts, mine, group=self.ep_group, name=f"{name} counts")
-        plans = []
-        for m, ((xs, _, _), (order, token, _)) in enumerate(zip(parts, sorted_)):
-            send, recv = mine[:, m].sum(1).tolist(), counts[:, m].sum(1).tolist()
-            arrived, box = _start(xs.index_select(0, token), send, recv, self.ep_group, f"{name} dispatch mb{m}")
-            plans.append((send, recv, arrived, box))
-        # the shared expert needs no exchange: it runs while both dispatches travel (DeepSeek-V3 §3.2.2)
-        shared = self.shared(whole) if self.shared is not None else None
-        combined = []
-        for m, (send, recv, arrived, box) in enumerate(plans):
-            y = self._experts(_Wait.apply(arrived, box), counts[:, m])     # the other's exchange in flight
-            combined.append(_start(y, recv, send, self.ep_group, f"{name} combine mb{m}"))
-        out = [self._unpermute(xs, _Wait.apply(back, box), gs, order, token)
-               for (xs, _, gs), (order, token, _), (back, box) in zip(parts, sorted_, combined)]
-        return torch.cat(out), shared
+class ExpertParallelExperts(Routing, nn.Module):
+    """A transformers sparse block's experts (fused tensors of ``n_experts`` rows, called as
+    ``experts(hidden_states, top_k_index, top_k_weights)``) holding only this ep rank's rows,
+    under the same parameter names (state_dict keys stay the model's; the shapes are the
+    slice). The tokens go to their experts' ranks by the all-to-alls of :class:`Routing`, and
+    there the model's own experts module computes them (its forward, on this rank's rows,
+    each row routed to its local expert with weight 1); the router's weights are applied
+    where the token lives, as in the model."""
+
+    shared = None         # a shared expert stays in the model's block, outside the exchange
+
+    def __init__(self, experts: nn.Module, index: int, ep: int, group, name: str, overlap: str):
+        super().__init__()
+        self.n_experts, self.ep, self.ep_group, self.layer_name, self.overlap = n_experts(experts), ep, group, name, overlap
+        local = self.n_experts // ep
+        for pname, p in list(experts.named_parameters(recurse=False)):
+            mine = nn.Parameter(p.detach()[index * local:(index + 1) * local].clone(), requires_grad=p.requires_grad)
+            setattr(self, pname, mine)
+            setattr(experts, pname, mine)       # one Parameter: the model's module computes with this rank's rows
+        if hasattr(experts, "num_experts"):
+            experts.num_experts = local
+        self.__dict__["inner"] = experts         # not a submodule: its parameters are registered here
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        self.top_k = top_k_index.shape[1]
+        if self.overlap == "microbatch" and len(hidden_states) > 1:
+            return self._routed_overlapped(hidden_states, top_k_index, top_k_weights, hidden_states)[0]
+        return self._routed_blocking(hidden_states, top_k_index, top_k_weights)
+
+    def _experts(self, arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The model's experts module on the rows that arrived (``counts``: [sender, local expert])."""
+        ep, local = counts.shape
+        expert_of_row = torch.arange(local, device=arrived.device).repeat(ep).repeat_interleave(counts.reshape(-1))
+        y = self.inner(arrived, expert_of_row.unsqueeze(1), arrived.new_ones(len(arrived), 1))
+        # every parameter in the graph (a zero gradient when no row came), as labkit's MoE runs every expert
+        return y + sum(p.reshape(-1)[:0].sum() for p in self.parameters())
 
 
 def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "none", tp_group=None) -> nn.Module:
@@ -230,6 +274,9 @@ def build_expert_parallel(model: nn.Module, groups, ep: int, overlap: str = "non
         moe.experts = nn.ModuleDict({str(e): moe.experts[e] for e in mine})
         moe.__class__ = ExpertParallelMoE
         moe.ep, moe.ep_group, moe.layer_name, moe.overlap, moe.tp_group = ep, groups.ep, name, overlap, tp_group
+    for name, experts in fused_experts(model):          # a transformers model's sparse blocks
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, ExpertParallelExperts(experts, i, ep, groups.ep, name, overlap))
     return model
 
 
@@ -248,7 +295,9 @@ def _hidden(params: list):
 def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the experts this rank holds, in ``module``'s naming."""
     return [(f"{name}.experts.{key}", p) for name, moe in moe_layers(module)
-            for key, p in moe.experts.named_parameters()]
+            for key, p in moe.experts.named_parameters()] + [
+        (f"{name}.{key}", p) for name, m in module.named_modules() if isinstance(m, ExpertParallelExperts)
+        for key, p in m.named_parameters()]
 
 
 class ExpertSync:
@@ -352,6 +401,12 @@ class ExpertSync:
                     key = f"{name}.experts.{j * local + pos}.{rest}"
                     gathered.setdefault(name, {})[key] = part[offset:offset + t.numel()].view_as(t).clone()
                     offset += t.numel()
+        for name, m in module.named_modules():     # fused experts: this rank's rows, gathered along dim 0
+            if isinstance(m, ExpertParallelExperts):
+                for key, p in m.named_parameters():
+                    out = p.new_empty((ep * p.shape[0], *p.shape[1:]))
+                    comm.all_gather(out, p.detach().contiguous(), self.groups.ep, name=f"{name}.{key} gathered")
+                    state[f"{name}.{key}"] = out.cpu()
         ordered, layers = {}, list(gathered)
         for key, value in state.items():          # the whole model's order, each layer's experts in place
             layer = next((n for n in layers if key.startswith(f"{n}.experts.")), None)

@@ -214,10 +214,12 @@ def _has(root: nn.Module, path: str) -> bool:
 
 def _hf_layer(stage: PipelineStage, layer: nn.Module, unit: Unit, x: torch.Tensor):
     """A transformers decoder layer on the hidden states, with what its model's forward would
-    give it: position ids 0..T-1, the rotary (cos, sin) and the causal mask, recomputed here."""
+    give it: the position ids of its tokens (0..T-1; under cp, the rank's slice), the rotary
+    (cos, sin) and the causal mask, recomputed here."""
     from transformers.masking_utils import create_causal_mask
 
-    position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    from ..context import positions
+    position_ids = positions(x.shape[1], x.device).unsqueeze(0)
     mask = create_causal_mask(config=stage.config, inputs_embeds=x, attention_mask=None, cache=None,
                               position_ids=position_ids)
     cos_sin = stage.get_submodule(unit.rotary)(x, position_ids=position_ids)

@@ -5,10 +5,10 @@ Two parts, top to bottom:
 
 * the **stage split** — top-level blocks (or units) into p·v contiguous stages, balanced by parameter
   count (interleaved: equal block counts, as Megatron does), or at ``Strategy.split_at``;
-* the **link** — activations and gradients between neighbour stages with labkit.comm's
+* the **channel** — activations and gradients between neighbour stages with labkit.comm's
   isend/irecv, so every transfer is on the comm lane. Each channel's first activation is
   preceded by a shape header (the receiver allocates from it); a shape that changes later is
-  a clear error from the sender, never a gloo abort (see :class:`Link`).
+  a clear error from the sender, never a gloo abort (see :class:`PipeChannel`).
 
 The schedule (:mod:`.schedules`) says what each rank does in which order; one executor for
 every strategy runs it (:mod:`labkit.parallel.executor`, built by :mod:`labkit.parallel.build`).
@@ -117,7 +117,7 @@ def stage_blocks(model: nn.Module, strategy) -> list[range]:
     return split_blocks(weights, stages, strategy.split_at, equal=strategy.schedule == "interleaved")
 
 
-# -- the link between neighbour stages ---------------------------------------------------------
+# -- the channel between neighbour stages ------------------------------------------------------
 FAILED = -1   # a header of these: the sending stage failed and sends nothing more
 
 
@@ -125,7 +125,7 @@ class ShapeChanged(ValueError):
     """A stage's output changed shape or dtype after its first micro-batch."""
 
 
-class Link:
+class PipeChannel:
     """Activations forward and gradients backward, each transfer a labkit.comm call.
 
     A channel is the pair of neighbour stages. Its first activation is preceded by

@@ -51,7 +51,7 @@ def build_tied_sync(full: nn.Module, blocks: list[range], held: list[int], group
     """The embedding group's sync for this rank, or None (nothing tied, or both copies here).
 
     ``held``: the global stages this rank holds. The group is the first and last pipeline
-    rank (:meth:`labkit.engine.grid.ParallelDims.embedding_groups`).
+    rank (:meth:`labkit.grid.ParallelDims.embedding_groups`).
     """
     names = tied_across_stages(full, blocks)
     last = len(blocks) - 1

@@ -6,7 +6,8 @@ Two modes over the same plan (DTensor's convention, see :mod:`.plan`):
   :class:`~.layers.ColumnParallelLinear`, :class:`~.layers.RowParallelLinear` or
   :class:`~.layers.VocabParallelEmbedding`, built from the whole seeded module and split;
   their collectives are the f/g pair of :mod:`.mappings`, over :mod:`labkit.comm` (on the
-  timeline);
+  timeline); an embedding and a head that share one weight (tied), both split by vocabulary,
+  share one shard, as Megatron-LM ties its vocab-parallel embedding and output layer;
 * ``"dtensor"`` — ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a
   device mesh over the same tp group (gloo on CPU runs it); torch's own collectives, so they
   are not on labkit's timeline.
@@ -53,11 +54,15 @@ def build_tensor_parallel(model: nn.Module, tp_mode: str, tp_group, tp_rank: int
         return model
     matched = match_plan(model, resolve_plan(model, plan))
     if tp_mode == "megatron":
+        shards = {}               # id of a whole weight → its shard: a tied embedding and head share one
         for name, style in matched.items():
             parent, _, child = name.rpartition(".")
             module = model.get_submodule(name)
             kind = nn.Embedding if isinstance(module, nn.Embedding) else nn.Linear
             split = MEGATRON_LAYERS[kind, style](module, tp_group, tp_rank, tp_size, name, sequence_parallel)
+            if id(module.weight) in shards:          # both cut rows [rank·V/tp, (rank+1)·V/tp) of one table
+                split.weight = shards[id(module.weight)]
+            shards[id(module.weight)] = split.weight
             setattr(model.get_submodule(parent), child, split)
         if sequence_parallel:
             _mark_sequence_region(model, sp_plan if sp_plan is not None else model.sp_plan, tp_group)

@@ -8,6 +8,9 @@ in ``torch.distributed.tensor.parallel.parallelize_module``, a key is split at d
 part is matched (``fnmatch``) against one level of the module tree, so ``*`` matches one
 name: ``"*.mlp.fc"`` matches ``"3.mlp.fc"`` but not ``"mlp.fc"``.
 
+A transformers model's plan is its own ``model.tp_plan`` (its config's ``base_model_tp_plan``
+with the head's and the embedding's) in labkit's styles (:func:`labkit.models.hf.model_tp_plan`).
+
 Every check raises ValueError naming the field and the fix, in the notebook, before an
 engine is called (:func:`check_tensor_parallel`).
 """
@@ -90,6 +93,9 @@ def _groups(linears: list, sequential: bool) -> list[tuple[str, str]]:
 
 def resolve_plan(model: nn.Module, plan: dict | None = None) -> dict:
     """The plan given, else the model's own ``tp_plan``; ValueError if there is neither."""
+    if plan is None and type(getattr(model, "config", None)).__module__.startswith("transformers."):
+        from ...models.hf import model_tp_plan
+        plan = model_tp_plan(model)        # a transformers model's own plan, in labkit's styles
     plan = plan if plan is not None else getattr(model, "tp_plan", None)
     if not plan:
         suggested = suggest_plan(model)
@@ -137,7 +143,7 @@ def check_tensor_parallel(tp: int, tp_mode: str, model_or_factory, plan: dict | 
         _check_heads(name, modules, tp)
     if matched:
         _check_model_heads(model, tp)
-    _check_untied(model, matched)
+    _check_untied(model, matched, tp_mode)
     if sequence_parallel:
         _check_sequence_parallel(model, matched, tp, tp_mode, seq_len)
     return matched
@@ -178,10 +184,19 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
         if style != "rowwise":
             raise ValueError(f"tp_plan[{name!r}]='colwise' on an Embedding: labkit splits embeddings by "
                              f"vocabulary (Megatron's VocabParallelEmbedding); use 'rowwise'")
+        if module.padding_idx is not None:
+            raise ValueError(f"tp_plan[{name!r}] splits an Embedding with padding_idx={module.padding_idx}, whose "
+                             "row the vocab-parallel split would train; build it with padding_idx=None (a "
+                             "transformers config with pad_token_id=None), or leave it out of tp_plan")
         dim, size = "num_embeddings", module.num_embeddings
     else:
         raise ValueError(f"tp_plan names {name!r}, a {type(module).__name__}; tensor parallelism splits only "
                          f"nn.Linear and nn.Embedding modules: change the key to match those")
+    if size % tp and (isinstance(module, nn.Embedding) or style == "colwise_gather_output"):
+        raise ValueError(f"tp_plan[{name!r}]={style!r} splits the vocabulary ({dim}={size}) over Strategy.tp={tp}, "
+                         f"which does not divide it; pad the vocabulary as Megatron-LM does (a model with "
+                         f"vocab_size={-(-size // tp) * tp}, a multiple of {tp}; the extra ids never occur in the "
+                         f"data), or use a tp that divides {size}")
     if size % tp:
         raise ValueError(f"tp_plan[{name!r}]={style!r} splits {dim}={size} over Strategy.tp={tp}, which does not "
                          f"divide it; use a tp that divides {size}, or a width that is a multiple of {tp}")
@@ -212,14 +227,33 @@ def _check_head_counts(owner, where: str, tp: int) -> None:
                              f"the heads; use {field} a multiple of {tp}, or a tp that divides {heads}")
 
 
-def _check_untied(model: nn.Module, matched: dict) -> None:
-    """A planned weight may not be shared with another module (a tied embedding and head)."""
+def tied_vocab_pair(modules: dict, matched: dict, names: list[str]) -> bool:
+    """Whether ``names`` (the modules sharing one weight) are an embedding split by vocabulary
+    and a head split by vocabulary (colwise): one shard serves both, as Megatron-LM ties its
+    vocab-parallel embedding and output layer."""
+    kinds = sorted(((isinstance(modules[n], nn.Embedding), matched.get(n)) for n in names), key=lambda k: k[0])
+    return len(names) == 2 and kinds[0][0] is False and kinds[1] == (True, "rowwise") \
+        and kinds[0][1] in ("colwise", "colwise_gather_output")
+
+
+def _check_untied(model: nn.Module, matched: dict, tp_mode: str = "megatron") -> None:
+    """A planned weight may be shared with another module only as a tied embedding and head,
+    both split by vocabulary (megatron mode: one shard serves both)."""
     owners: dict[int, list[str]] = {}
     for full, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(full.rpartition(".")[0])
+    modules = dict(model.named_modules())
     for full, p in model.named_parameters(remove_duplicate=False):
         name = full.rpartition(".")[0]
         others = [o for o in owners[id(p)] if o != name]
-        if name in matched and others:
-            raise ValueError(f"tp_plan splits {name!r}, whose weight is tied to {others[0]!r}; leave both out of "
-                             f"the plan, or untie them (labkit.models.gpt(tie=False))")
+        if name not in matched or not others:
+            continue
+        if tied_vocab_pair(modules, matched, owners[id(p)]) and tp_mode == "megatron":
+            continue
+        if tied_vocab_pair(modules, matched, owners[id(p)]):
+            raise ValueError(f"tp_plan splits {name!r}, whose weight is tied to {others[0]!r}: one vocab-parallel "
+                             "shard for both is built for tp_mode='megatron'; use that mode")
+        raise ValueError(f"tp_plan splits {name!r}, whose weight is tied to {others[0]!r}; split both by "
+                         "vocabulary (the embedding 'rowwise' and the head 'colwise' or 'colwise_gather_output': "
+                         "one shard serves both), leave both out of the plan, or untie them "
+                         "(labkit.models.gpt(tie=False))")

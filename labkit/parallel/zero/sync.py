@@ -191,7 +191,7 @@ class ShardedOptimizer:
 
 def build_sharded_optimizer(syncs: list, spec, params: list):
     """Step 5's optimizer with zero: over the shards (by hand), or FSDP2's DTensor parameters."""
-    from ...models.training import build_optimizer
+    from ...training import build_optimizer
 
     if spec.strategy.zero_mode == "fsdp2":
         return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)

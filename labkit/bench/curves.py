@@ -1,7 +1,7 @@
 """Loss curves that show what gradient compression costs: the same training under several
 settings, beside the fp32 single-process reference, with the bytes each sends per step.
 
->>> curves = labkit.analysis.curves.loss_curves(lab, labkit.models.mlp(width=128, depth=4), steps=20)
+>>> curves = labkit.bench.curves.loss_curves(lab, labkit.models.mlp(width=128, depth=4), steps=20)
 >>> curves              # a table: final loss and validation loss, max |Δ| from the reference, KiB/step
 >>> curves.plot()       # loss and validation loss, parameters' departure per step, bytes per step
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..analysis.events import SEND_KINDS
+from ..analysis.tables import CellTable
 from ..config import Strategy
-from .events import SEND_KINDS
-from .tables import CellTable
-from ..models.training import build_model, resolve_data, resolve_loss
+from ..training import build_model, resolve_data, resolve_loss
 
 SETTINGS = {
     "fp32": dict(dp_mode="overlap"),

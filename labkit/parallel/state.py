@@ -1,0 +1,409 @@
+"""Training state on disk, engine side: save a job's parameters and optimizer state with torch's
+distributed checkpoint (DCP), and restore them into a job built under any other strategy.
+
+What is written is layout-free: every tensor whole, under the model's own ``state_dict`` name
+(``{"model": {name: tensor}, "optim": {name: {"exp_avg": …, "exp_avg_sq": …}}}``), so the
+folder is torch's own (``dcp_to_torch_save`` gives a plain state dict) and any strategy can
+read it. Each rank contributes the entries it holds (a pipeline stage its blocks, a ZeRO rank
+the parameters its shard touches); DCP's planner writes each entry once, on one of the ranks
+holding it, so every rank writes its own ``__{rank}_0.distcp`` file. Sharded saves (DTensor
+pieces resharded by DCP's loader) would skip the gathers below, but labkit's ZeRO shards are
+flat ranges across several parameters, which no DTensor placement describes; whole tensors
+cost one gather per state and give one rule for every layout.
+
+The one rule is an index map. Number every element of the whole model's trainable
+parameters (in ``named_parameters`` order, a tied weight once); each tensor a rank holds,
+the model's own (a Megatron chunk, a DTensor's local shard) or an optimizer's (a ZeRO flat
+shard, padded), is then a tensor of those numbers (−1 for padding), built by the same cuts
+the strategy made. Saving scatters each local state into a whole vector and takes the
+element-wise maximum over ranks (replicas hold equal values, absent elements −inf, so the
+result is exact); restoring reads ``vector[index]`` into each local tensor. Optimizer state
+is elementwise and shaped like the tensor it steps (SGD's momentum, AdamW's moments), so
+the same map serves parameters and state.
+
+    >>> save("ckpt/.step_000004.tmp", step=4, layout=layout)      # every rank (lab.apply)
+    >>> restore("ckpt/step_000004", step=4, layout=layout)        # every rank, after setup_run
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def state_keys(optimizer: str, momentum: float) -> tuple:
+    """The per-parameter optimizer tensors a run keeps: AdamW's two moments, SGD's momentum
+    buffer (none for plain SGD)."""
+    if optimizer == "sgd" and not momentum:
+        return ()
+    return STATE_KEYS[optimizer]
+
+
+class Layout:
+    """The whole model's parameters, numbered: ``names`` (a tied weight once),
+    ``shapes``, ``offsets`` into one vector, and ``alias`` (a tied weight's other names →
+    the first)."""
+
+    def __init__(self, names: list, shapes: list, alias: dict):
+        self.names, self.shapes, self.alias = list(names), [tuple(s) for s in shapes], dict(alias)
+        self.offsets, total = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            self.offsets[name] = total
+            total += _numel(shape)
+        self.total = total
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "Layout":
+        """From the whole model (built on ``meta`` is enough: only names and shapes are read)."""
+        first, names, shapes, alias = {}, [], [], {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                alias[name] = first[id(p)]
+                continue
+            first[id(p)] = name
+            names.append(name)
+            shapes.append(tuple(p.shape))
+        return cls(names, shapes, alias)
+
+    def to_dict(self) -> dict:
+        return {"names": self.names, "shapes": [list(s) for s in self.shapes], "alias": self.alias}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        return cls(d["names"], d["shapes"], d["alias"])
+
+    def ids(self, name: str) -> torch.Tensor | None:
+        """The numbers of parameter ``name``'s elements, shaped like it (None: not a parameter)."""
+        name = self.alias.get(name, name)
+        if name not in self.offsets:
+            return None
+        start = self.offsets[name]
+        shape = self.shapes[self.names.index(name)]
+        return torch.arange(start, start + _numel(shape)).view(shape)
+
+    def split(self, vector: torch.Tensor) -> dict:
+        """A whole vector back into ``{name: tensor}``, each in its parameter's shape."""
+        return {n: vector[self.offsets[n]:self.offsets[n] + _numel(s)].view(s).clone()
+                for n, s in zip(self.names, self.shapes)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# -- the index map: what each local tensor is, in the whole model's numbering ---------------------
+def parameter_ids(model: nn.Module, layout: Layout, tp_index: int, tp_size: int) -> dict:
+    """``id(parameter)`` → (its numbers, shaped like the local tensor; its whole name) for every
+    parameter of this rank's ``model``, cut as the strategy cut it: a Megatron layer's
+    chunk along its ``shard_dims`` (labkit.parallel.tensor.layers), then a DTensor's local
+    shard (DTensor tp, FSDP2) from its mesh and placements."""
+    out = {}
+    for prefix, module in model.named_modules():
+        dims = getattr(module, "shard_dims", None) or {}
+        for name, p in module.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            ids = layout.ids(key)
+            if ids is None or id(p) in out:
+                continue
+            if name in dims:
+                ids = ids.chunk(tp_size, dim=dims[name])[tp_index]
+            ids = _dtensor_local(p, ids)
+            out[id(p)] = (ids, layout.alias.get(key, key))
+    return out
+
+
+def _dtensor_local(p, ids: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece of ``ids`` (``ids`` shaped as the DTensor's global shape)."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(p, DTensor):
+        return ids
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return ids[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def optimizer_ids(job, layout: Layout) -> list:
+    """(tensor the optimizer steps, its numbers as a flat vector with −1 for padding, the whole
+    names it touches) for every tensor of this rank's optimizer: labkit's ZeRO flat shards
+    (labkit.parallel.zero.shard: members end to end, padded, this rank's slice), or the
+    parameters themselves."""
+    s = job.spec.strategy
+    pids = parameter_ids(job.model, layout, job.tp_index, s.tp)
+    opt = job.optimizer
+    if opt is None:
+        return []
+    units = getattr(opt, "units", None)
+    if units is not None:
+        out = []
+        for unit in units:
+            parts = [pids[id(p)] for _, p in unit.members]
+            flat = torch.cat([ids.reshape(-1) for ids, _ in parts] +
+                             [torch.full((unit.padded - unit.numel,), -1, dtype=torch.long)])
+            lo = unit.rank * unit.shard_numel
+            out.append((unit.shard, flat[lo:lo + unit.shard_numel], sorted({n for _, n in parts})))
+        return out
+    return [(p, pids[id(p)][0].reshape(-1), [pids[id(p)][1]])
+            for group in opt.param_groups for p in group["params"]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (written in place on restore), else the tensor."""
+    return getattr(t, "_local_tensor", t)
+
+
+# -- save ---------------------------------------------------------------------------------------
+def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict:
+    """Write this run's state at ``step`` into ``path`` (every rank calls it: collectives).
+
+    Parameters and buffers come from the job's ``full_state_dict`` (the gathers every strategy
+    already has for ``run.parameters()``); each optimizer state is scattered into a whole
+    vector and maximised over the world (the module docstring). Returns this rank's seconds,
+    the bytes of what it offered and the bytes of the file it wrote.
+
+    ``asynchronous``: the gathers stay in the step loop (they are collectives on the training
+    groups), the writing goes to DCP's ``async_save`` thread, whose own collectives use a
+    group of their own (:func:`_writer_group`), so they never interleave with a step's;
+    :func:`finish_save` waits for it."""
+    from .. import engine
+    import torch.distributed.checkpoint as dcp
+
+    s = engine.session()
+    job, lay = s.job, Layout.from_dict(layout)
+    t0 = time.perf_counter()
+    model_state = job.full_state_dict()
+    optim_state = gather_optimizer(job, lay, step)
+    t1 = time.perf_counter()
+    state = {"model": model_state, "optim": optim_state}
+    offered = sum(t.numel() * t.element_size() for t in model_state.values()) + \
+        sum(t.numel() * t.element_size() for d in optim_state.values() for t in d.values())
+    out = {"rank": s.rank, "gather_s": t1 - t0, "offered_bytes": offered}
+    if asynchronous:
+        future = dcp.async_save(state, checkpoint_id=path, process_group=_writer_group())
+        ended: list = []
+        future.add_done_callback(lambda _f: ended.append(time.perf_counter()))
+        _PENDING[path] = (future, t1, ended)
+        return {**out, "handed_off_s": time.perf_counter() - t1}
+    dcp.save(state, checkpoint_id=path)
+    return {**out, "write_s": time.perf_counter() - t1, "file_bytes": _file_bytes(path, s.rank)}
+
+
+_PENDING: dict = {}          # path → (the async save's future, when it was handed off, [when it ended])
+_WRITER: list = []           # [(the default group it was made in, the writer's group)]
+
+
+def _writer_group():
+    """A gloo group over the world for the async writer's collectives, made once per world group
+    (every rank makes it in the same call, as ``new_group`` needs)."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _WRITER or _WRITER[0][0] is not world:
+        _WRITER[:] = [(world, dist.new_group(backend="gloo"))]
+    return _WRITER[0][1]
+
+
+def _file_bytes(path: str, rank: int) -> int:
+    mine = os.path.join(path, f"__{rank}_0.distcp")
+    return os.path.getsize(mine) if os.path.exists(mine) else 0
+
+
+def save_done(path: str) -> bool:
+    """Has this rank's asynchronous save into ``path`` finished (no wait)?"""
+    entry = _PENDING.get(path)
+    return entry is None or entry[0].done()
+
+
+def finish_save(path: str) -> dict:
+    """Wait for this rank's asynchronous save into ``path``; its seconds in the background
+    (``write_s``, from hand-off to the end) and how long this call waited for it (``waited_s``:
+    what the steps in between did not hide)."""
+    from .. import engine
+
+    rank = engine.session().rank
+    future, started, ended = _PENDING.pop(path)
+    t0 = time.perf_counter()
+    future.result()
+    waited = time.perf_counter() - t0
+    end = ended[0] if ended else time.perf_counter()
+    return {"rank": rank, "write_s": end - started, "waited_s": waited, "file_bytes": _file_bytes(path, rank)}
+
+
+def gather_optimizer(job, layout: Layout, step: int) -> dict:
+    """``{name: {key: whole tensor}}`` for the names this rank's optimizer touches; every rank
+    joins one all-reduce (max) per state key over the world."""
+    spec = job.spec
+    keys = state_keys(spec.optimizer, spec.momentum)
+    pairs = optimizer_ids(job, layout)
+    _check_steps(job, pairs, step)
+    held = sorted({n for _, _, names in pairs for n in names})
+    out: dict = {n: {} for n in held}
+    for key in keys:
+        vector = torch.full((layout.total,), float("-inf"))
+        for p, ids, _ in pairs:
+            state = job.optimizer.state.get(p, {})
+            if state.get(key) is None:
+                raise RuntimeError(f"the optimizer holds no {key!r} for a tensor it steps (no step taken yet?)")
+            local = _local(state[key]).detach().reshape(-1).cpu().float()
+            kept = ids >= 0
+            vector[ids[kept]] = local[kept]
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX)
+        for name, whole in layout.split(vector).items():
+            if name in out:
+                if torch.isinf(whole).any():
+                    raise RuntimeError(f"checkpoint: no rank holds all of {key!r} for parameter {name!r}")
+                out[name][key] = whole
+    return out
+
+
+def _check_steps(job, pairs, step: int) -> None:
+    """AdamW's bias correction reads its step count: every tensor's must be the run's step
+    (restore sets it so); a skipped step (fp16) would make them differ."""
+    for p, _, names in pairs:
+        taken = job.optimizer.state.get(p, {}).get("step")
+        if taken is not None and int(float(taken)) != step:
+            raise RuntimeError(f"checkpoint at step {step}: the optimizer of {names[0]!r} took {int(float(taken))} "
+                               "steps; a checkpoint needs every update applied (precision='fp16' skips some)")
+
+
+# -- restore ------------------------------------------------------------------------------------
+def read(path: str, want: dict) -> dict:
+    """``want`` (a nested dict of tensors to fill, by DCP key) read from ``path`` in this process
+    alone (``no_dist``: no collective, each rank reads what it needs)."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(want, checkpoint_id=path, no_dist=True)
+    return want
+
+
+def restore(path: str, step: int, layout: dict) -> dict:
+    """Load the checkpoint at ``path`` into this rank's freshly built job, whatever strategy
+    built it, and start its data at ``step`` (every rank calls it after ``setup_run``)."""
+    from .. import engine
+
+    s = engine.session()
+    job, lay = s.job, Layout.from_dict(layout)
+    t0 = time.perf_counter()
+    keys = state_keys(job.spec.optimizer, job.spec.momentum)
+    pairs = optimizer_ids(job, lay)
+    touched = sorted({n for _, _, names in pairs for n in names})
+    want = {"model": {n: torch.empty(sh) for n, sh in zip(lay.names, lay.shapes)}}
+    want["model"].update({k: torch.empty(b.shape, dtype=b.dtype) for k, b in _buffers(job.model).items()})
+    if keys and touched:
+        want["optim"] = {n: {k: torch.empty(lay.shapes[lay.names.index(n)]) for k in keys} for n in touched}
+    loaded = read(path, want)
+    with torch.no_grad():
+        _restore_model(job, lay, _vector(lay, {n: loaded["model"][n] for n in lay.names}), pairs,
+                       loaded["model"])
+        for k in keys if touched else ():
+            _restore_state(job, k, _vector(lay, {n: d[k] for n, d in loaded["optim"].items()}), pairs)
+        if job.spec.optimizer == "adamw":
+            from torch.optim.optimizer import _get_scalar_dtype
+            for p, _, _ in pairs:
+                job.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+    job.data = FromStep(job.data, step)
+    return {"rank": s.rank, "read_s": time.perf_counter() - t0}
+
+
+def _buffers(model: nn.Module) -> dict:
+    """The buffers ``state_dict`` holds (persistent ones), by name."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in model.state_dict().items() if k not in params}
+
+
+def _vector(layout: Layout, tensors: dict) -> torch.Tensor:
+    """One whole vector in the layout's numbering from ``{name: tensor}`` (NaN where absent)."""
+    vector = torch.full((layout.total,), float("nan"))
+    for name, t in tensors.items():
+        start = layout.offsets[name]
+        vector[start:start + t.numel()] = t.reshape(-1).float()
+    return vector
+
+
+def _restore_model(job, layout: Layout, params: torch.Tensor, pairs: list, loaded: dict) -> None:
+    """Each local parameter from the whole vector through its numbers; ZeRO's shards too (a
+    parameter whose flat buffer ZeRO-3 freed is left to the next gather, from those shards)."""
+    pids = parameter_ids(job.model, layout, job.tp_index, job.spec.strategy.tp)
+    for p in {id(p): p for p in job.model.parameters()}.values():
+        local = _local(p)
+        if id(p) not in pids or local.untyped_storage().size() == 0:     # ZeRO-3 at rest
+            continue
+        local.copy_(params[pids[id(p)][0]].view(local.shape).to(local.dtype))
+    if getattr(job.optimizer, "units", None) is not None:
+        for p, ids, _ in pairs:
+            _fill(_local(p), params, ids)
+    for name, b in job.model.named_buffers():
+        if name in loaded:
+            b.copy_(loaded[name])
+
+
+def _fill(target: torch.Tensor, vector: torch.Tensor, ids: torch.Tensor) -> None:
+    """``target`` ← ``vector[ids]``, zeros where ``ids`` is −1 (ZeRO's padding)."""
+    flat = torch.zeros(ids.numel(), dtype=vector.dtype)
+    kept = ids >= 0
+    flat[kept] = vector[ids[kept]]
+    target.copy_(flat.view(target.shape).to(target.dtype))
+
+
+def _restore_state(job, key: str, vector: torch.Tensor, pairs: list) -> None:
+    """torch's own per-tensor state, as its step makes it, filled from ``vector``: AdamW's
+    moments, SGD's momentum buffer; a DTensor parameter's state is a DTensor on its mesh and
+    placements (its step count is set by :func:`restore`)."""
+    for p, ids, _ in pairs:
+        local = torch.empty_like(_local(p))
+        _fill(local, vector, ids)
+        job.optimizer.state.setdefault(p, {})[key] = _as_like(p, local)
+
+
+def _as_like(p, local: torch.Tensor):
+    from torch.distributed.tensor import DTensor
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local
+
+
+class FromStep:
+    """``data(first + step)``: a resumed run's step 0 reads the batch the run it continues
+    would have read next (its other attributes are the data's own)."""
+
+    def __init__(self, data, first: int):
+        self.data, self.first = data, first
+
+    def __call__(self, step: int):
+        return self.data(self.first + step)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["data"], name)
+
+
+# -- where a whole tensor lives now (the course's picture of resharding) --------------------------
+def pieces(name: str, layout: dict) -> dict:
+    """Which elements of parameter ``name`` (numbered in the whole tensor, row-major) this rank's
+    optimizer steps, i.e. what its part of a checkpoint's ``name`` comes from: ``count``, the
+    ``rows`` and ``cols`` they fall in (a 2-D weight), and the ``first`` and ``last`` element."""
+    from .. import engine
+
+    s = engine.session()
+    lay = Layout.from_dict(layout)
+    name = lay.alias.get(name, name)
+    if name not in lay.offsets:
+        raise KeyError(f"{name!r} is not a parameter of this model; one of {lay.names[:4]}…")
+    start, shape = lay.offsets[name], lay.shapes[lay.names.index(name)]
+    held = torch.cat([ids[(ids >= start) & (ids < start + _numel(shape))] for _, ids, _ in optimizer_ids(s.job, lay)]
+                     or [torch.empty(0, dtype=torch.long)]).unique() - start
+    out = {"rank": s.rank, "count": int(held.numel()), "of": _numel(shape), "shape": list(shape)}
+    if held.numel():
+        out["first"], out["last"] = int(held.min()), int(held.max())
+        if len(shape) == 2:
+            rows, cols = (held // shape[1]).unique(), (held % shape[1]).unique()
+            out["rows"] = [int(rows.min()), int(rows.max())]
+            out["cols"] = [int(cols.min()), int(cols.max())]
+    return out

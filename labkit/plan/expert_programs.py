@@ -1,0 +1,74 @@
+"""Expert parallelism in the planner's programs: a MoE layer's exchanges over the ep group
+around this rank's experts (parallel/expert/dispatch.py), and the experts' own gradient sync.
+:class:`ExpertPrograms` is a part of :class:`labkit.plan.physical.Builder`.
+"""
+from __future__ import annotations
+
+from .des import Compute, Issue, Wait
+
+
+class ExpertPrograms:
+    """The Builder's ep methods (they use its grid, prices and calls)."""
+
+    def ep_layer(self, layer, moe, fwd: bool, kind, name, mb, d) -> list:
+        """One MoE layer on dp rank ``d`` as parallel/expert/dispatch.py runs it: the counts, then
+        the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
+        halves of the tokens, each's exchanges in flight under the other's experts. Backward
+        mirrors forward (autograd runs the later half first)."""
+        from .expert_work import exchange, routed_ops
+        ep, n = self.s.ep, moe.n_experts
+        first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
+        group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
+        halves = [None] if self.s.ep_overlap == "none" else [0, 1]
+        ops, call = {}, {}
+        for h in halves:
+            chosen = [self.routes[first + k][mb][layer] for k in range(ep)]
+            chosen = chosen if h is None else [x.tensor_split(2)[h] for x in chosen]
+            rows, counts = exchange(chosen, n, ep)
+            if (layer, d, mb, h) not in self.counted:          # forward and backward alike
+                self.counted[layer, d, mb, h] = routed_ops(moe, chosen[me], counts[me])
+            for part, pair in self.counted[layer, d, mb, h].items():
+                ops[part, h] = Compute(self.m.seconds(pair[0 if fwd else 1].ops), kind, name, mb)
+            out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
+            back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
+            for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
+                label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
+                call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
+                                         me, label, mb)
+        # the int64 sizes, both halves' in one exchange: (E,) per rank, or [destination, half, local expert]
+        per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)
+        sizes = self.a2a(("a2a counts", first, mb, layer), group, [per] * ep, me, f"{layer} counts", mb)
+        order = halves if fwd else halves[::-1]
+        start, a, b, end = ("pre", "dispatch", "combine", "post") if fwd else ("post", "combine", "dispatch", "pre")
+        items = [sizes, Wait(sizes.key)] if fwd else []
+        for h in order:
+            items += [ops[start, h], call[a, h]]
+        for h in order:
+            items += [Wait(call[a, h].key), ops["experts", h], call[b, h]]
+        for h in order:
+            items += [Wait(call[b, h].key), ops[end, h]]
+        return items
+
+    def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
+        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member. gloo's
+        alltoallv posts every member's n − 1 sends and receives at once, then waits for them
+        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes. An emulated
+        link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
+        leaving the busiest member); the call takes the longer."""
+        n = len(group)
+        own, link = self.m.comm_parts("all_to_all", max(sent) * n / (n - 1), n,
+                                  gloo=self.m.comm_parts("send", max(sent), 2)[0])
+        return Issue(key, group, own, "all_to_all", name, int(sent[me]), None, mb, link=link)
+
+    def expert_sync(self, d: int) -> list:
+        """ExpertSync.finish without ZeRO: this rank's experts' gradients flattened, summed over
+        their dp/ep replicas (blocking), divided and copied back."""
+        s = self.s
+        nbytes = 4 * sum(n for b in self.w.blocks for n, r in zip(b.params, b.routed) if r) // s.ep
+        if s.ep == 1 or not nbytes:
+            return []
+        group = tuple(self.rank(k * s.ep + d % s.ep, 0, 0) for k in range(s.dp // s.ep))
+        out = [self.copy(nbytes)]
+        if len(group) > 1:
+            out += self.blocking(("expert grads", d % s.ep), group, "all_reduce", nbytes, "allreduce", "expert grads")
+        return out + [Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps), self.copy(nbytes)]

@@ -1,0 +1,76 @@
+"""The compute around expert parallelism's exchanges, counted as :mod:`.work` counts a
+model's: which experts the first step's tokens choose, the rows each rank sends each other, and
+one ep rank's sort, experts and un-permute.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..training import build_model, resolve_data
+from .work import Ops, _ops
+
+
+def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
+    """Per dp rank, per micro-batch: {MoE layer name: the experts each token chose (tokens,
+    top_k)} at the first step's data and the seeded weights, as the run's first step routes."""
+    from ..parallel.expert import moe_layers
+    net = build_model(model, 0)
+    x, _ = resolve_data(data, net, batch, 0)(0)
+    seen, hooks = {}, []
+    for name, moe in moe_layers(net):
+        def hook(m, args, logits, name=name, moe=moe):     # MoE.forward's own top-k of the router's softmax
+            seen[name] = logits.float().softmax(dim=-1).topk(moe.top_k, dim=-1).indices.reshape(-1, moe.top_k)
+        hooks.append(moe.router.register_forward_hook(hook))
+    out = []
+    with torch.no_grad():
+        for rows in x.chunk(ranks):
+            out.append([])
+            for part in rows.chunk(microbatches):
+                net(part)
+                out[-1].append(dict(seen))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def routed_ops(moe, chosen, counts) -> dict:
+    """One ep rank's compute around a MoE layer's exchanges, as
+    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs it: "pre" sorts its tokens'
+    ``chosen`` (tokens, top_k) experts and gathers their rows, "experts" runs its local experts
+    on what arrives (``counts``: [sender, local expert] rows), "post" weights the results back
+    into the tokens; each (forward Ops, backward Ops), counted."""
+    from types import SimpleNamespace
+
+    from ..parallel.expert.dispatch import ExpertParallelMoE as EP
+    ep, local = counts.shape
+    me = SimpleNamespace(top_k=moe.top_k, n_experts=moe.n_experts,      # every expert has the same shapes
+                         experts={str(e): moe.experts[e] for e in range(local)})
+    c, n = moe.router.in_features, len(chosen)
+    x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, moe.top_k, requires_grad=True)
+    arrived = torch.randn(int(counts.sum()), c, requires_grad=True)
+    back = torch.randn(n * moe.top_k, c, requires_grad=True)
+    got = {}
+
+    def pre():
+        got["order"], got["token"], _ = EP._sort(me, chosen)
+        got["pre"] = x.index_select(0, got["token"])
+
+    def experts():
+        got["experts"] = EP._experts(me, arrived, counts)
+
+    def post():
+        got["post"] = EP._unpermute(me, x.detach(), back, gates, got["order"], got["token"])
+    out = {}
+    for part, fn in (("pre", pre), ("experts", experts), ("post", post)):
+        fwd = _ops(fn)
+        out[part] = (Ops(fwd), Ops(_ops(lambda: got[part].backward(torch.ones_like(got[part])))))
+    return out
+
+
+def exchange(chosen: list, n_experts: int, ep: int) -> tuple[list, list]:
+    """From each ep rank's tokens' ``chosen`` experts: rows[s][r], the rows rank s sends rank r,
+    and per receiving rank r its [sender, local expert] counts (rank r holds experts
+    [r·E/ep, (r+1)·E/ep))."""
+    per = torch.stack([torch.bincount(c.reshape(-1), minlength=n_experts) for c in chosen])    # (ep, E)
+    local = n_experts // ep
+    return per.view(ep, ep, local).sum(-1).tolist(), [per[:, r * local:(r + 1) * local] for r in range(ep)]
