@@ -7,6 +7,7 @@ matplotlib.use("Agg")
 import io  # noqa: E402
 import json  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -188,7 +189,8 @@ def _draws(text, renderer) -> bool:
 def test_columns_and_pandas_hold_the_schema():
     tl = Timeline(two_rank_run())
     assert list(tl.table.columns) == ["rank", "stream", "kind", "name", "step", "microbatch",
-                                      "start", "end", "bytes", "peer"]
+                                      "start", "end", "bytes", "peer", "group", "waited", "posted", "moved"]
+    assert set(tl.table["group"]) == {""} and np.isnan(tl.table["waited"]).all()    # optional: not given
     assert tl.table["microbatch"].dtype.kind == "i" and tl.table["start"].dtype.kind == "f"
     assert tl.events == two_rank_run()                      # the dicts as given, None kept
     frame = tl.to_pandas()
@@ -278,7 +280,7 @@ def test_many_ranks_aggregate_per_stage_and_zoom_back():
 
 
 def test_heatmap_states_by_hand():
-    from labkit.view.timeline import heat_states
+    from labkit.view.heatmap import heat_states
     import numpy as np
 
     tl = Timeline([ev(0, "compute", "fwd", 0.0, 0.002), ev(0, "comm", "allreduce", 0.0015, 0.003),

@@ -35,6 +35,14 @@ def aligned(results: list[dict]) -> list[dict]:
     out = []
     for r in results:
         d = shift.get(r.get("rank"), 0.0)
-        out.extend(r["events"] if d == 0.0 else
-                   [dict(e, start=e["start"] + d, end=e["end"] + d) for e in r["events"]])
+        out.extend(r["events"] if d == 0.0 else [_shifted(e, d) for e in r["events"]])
+    return out
+
+
+def _shifted(event: dict, d: float) -> dict:
+    """``event`` moved ``d`` seconds later (its ``waited``, ``posted`` and ``moved`` instants too)."""
+    out = dict(event, start=event["start"] + d, end=event["end"] + d)
+    for instant in ("waited", "posted", "moved"):
+        if instant in out:
+            out[instant] = out[instant] + d
     return out

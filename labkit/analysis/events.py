@@ -22,7 +22,7 @@ row here, and every view picks it up.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 STREAMS = ("compute", "comm")
 
@@ -40,6 +40,17 @@ class Event(TypedDict):
     end: float
     bytes: int
     peer: int | None
+    group: NotRequired[str]
+    """A collective's ranks, "0,2" (:func:`group_key`): what joins its members across ranks."""
+    waited: NotRequired[float]
+    """When the caller waited on an asynchronous call (seconds on the step's clock): where the
+    rank consumed its result, the edge a replay keeps (labkit.plan.whatif)."""
+    moved: NotRequired[float]
+    """On an emulated link: when gloo itself had moved a collective's bytes, before the link's
+    wait (a replay on a faster link needs gloo's own time)."""
+    posted: NotRequired[float]
+    """When a send was posted, where its span starts later (its receiver came later:
+    labkit.analysis.waits trims the span to the time both ends were there)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,21 @@ def stream_of(kind: str) -> str:
 
 
 def make_event(rank: int, kind: str, name: str, step: int, start, end, microbatch=None,
-               nbytes: int = 0, peer=None, stream: str | None = None) -> Event:
-    """An event; the stream comes from the kind table unless given."""
-    return {"rank": rank, "stream": stream or stream_of(kind), "kind": kind, "name": name, "step": step,
-            "microbatch": microbatch, "start": start, "end": end, "bytes": int(nbytes), "peer": peer}
+               nbytes: int = 0, peer=None, stream: str | None = None, group=None) -> Event:
+    """An event; the stream comes from the kind table unless given; ``group``: a collective's
+    ranks (any iterable of ints)."""
+    event = {"rank": rank, "stream": stream or stream_of(kind), "kind": kind, "name": name, "step": step,
+             "microbatch": microbatch, "start": start, "end": end, "bytes": int(nbytes), "peer": peer}
+    if group is not None:
+        event["group"] = group_key(group)
+    return event
+
+
+def group_key(ranks) -> str:
+    """A collective's ranks as events write them: sorted, comma-joined ("0,2")."""
+    return ",".join(str(int(r)) for r in sorted(ranks))
+
+
+def group_ranks(key: str) -> tuple[int, ...]:
+    """The ranks of a ``group`` value ("0,2" → (0, 2); "" → ())."""
+    return tuple(int(r) for r in key.split(",")) if key else ()

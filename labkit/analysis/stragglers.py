@@ -87,8 +87,8 @@ class Stragglers(list):
 
     def plot(self, ax=None):
         """Every rank's lateness, the stragglers named with their cause
-        (labkit.view.timeline.plot_stragglers)."""
-        from ..view.timeline import plot_stragglers
+        (labkit.view.paths.plot_stragglers)."""
+        from ..view.paths import plot_stragglers
 
         return plot_stragglers(self, ax=ax)
 

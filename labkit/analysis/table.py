@@ -16,7 +16,16 @@ equal length, in the schema's order (docs/design.md, "Events"):
     start, end  float64   seconds from the step's start, one clock for all ranks
     bytes       int64     bytes moved (0 for compute)
     peer        int32     the other rank of a send/recv/wait, -1 for none
+    group       str       optional: a collective's ranks, "0,2" ("" for none)
+    waited      float64   optional: when the caller waited on an async call (NaN: unknown)
+    posted      float64   optional: when a send was posted, where ``start`` is later (NaN: at start)
+    moved       float64   optional: on an emulated link, when gloo had moved a collective's bytes
     =========== ========= ==================================================
+
+The optional columns are what the step graph (labkit.analysis.graph, labkit.plan.whatif) needs
+to join a collective's members across ranks, to know where a rank consumed a call's result, and
+where a send whose receiver came later was posted (labkit.analysis.waits trims its span); events
+without them (older traces) read as "" and NaN, and dicts carry them only when set.
 
 Why numpy and not pandas or pyarrow: numpy is already here (torch needs it), it runs on
 every engine, and the hot operations — masks, sorts, ``bincount`` and a running maximum —
@@ -33,6 +42,9 @@ from __future__ import annotations
 import numpy as np
 
 COLUMNS = ("rank", "stream", "kind", "name", "step", "microbatch", "start", "end", "bytes", "peer")
+OPTIONAL = {"group": "", "waited": float("nan"), "posted": float("nan"), "moved": float("nan")}
+"""Columns an event may carry beyond the schema's ten, with the value that stands for none."""
+ALL_COLUMNS = COLUMNS + tuple(OPTIONAL)
 _INT32 = ("rank", "step", "microbatch", "peer")
 _NONE_AS = -1          # microbatch and peer: -1 stands for None (ranks and micro-batches are ≥ 0)
 
@@ -47,7 +59,9 @@ def _column(name: str, values) -> np.ndarray:
         return np.array(values, dtype=np.float64)
     if name == "bytes":
         return np.array([int(v or 0) for v in values], dtype=np.int64)
-    if name == "name":
+    if name in ("waited", "posted", "moved"):
+        return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    if name in ("name", "group"):
         out = np.empty(len(values), dtype=object)
         out[:] = ["" if v is None else str(v) for v in values]
         return out
@@ -64,17 +78,24 @@ class EventTable:
         lengths = {len(columns[c]) for c in COLUMNS}
         if len(lengths) > 1:
             raise ValueError(f"EventTable: columns of different lengths {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
         self.columns = {c: columns[c] for c in COLUMNS}
+        for c, none in OPTIONAL.items():
+            self.columns[c] = columns[c] if c in columns else _column(c, [none] * n)
 
     @classmethod
     def from_dicts(cls, events) -> "EventTable":
         """Columns from event dicts (the recorder's, the simulator's, a run.json's)."""
         events = list(events)
         try:
-            return cls({c: _column(c, [e[c] for e in events]) for c in COLUMNS})
+            columns = {c: _column(c, [e[c] for e in events]) for c in COLUMNS}
         except KeyError as missing:
             raise ValueError(f"an event has no {missing} field; events follow the schema "
                              f"{COLUMNS} (labkit.analysis.events.make_event builds one)") from None
+        for c, none in OPTIONAL.items():
+            if any(c in e for e in events):
+                columns[c] = _column(c, [e.get(c, none) for e in events])
+        return cls(columns)
 
     @classmethod
     def empty(cls) -> "EventTable":
@@ -83,7 +104,7 @@ class EventTable:
     @classmethod
     def concat(cls, tables) -> "EventTable":
         tables = [t for t in tables if len(t)] or [cls.empty()]
-        return cls({c: np.concatenate([t.columns[c] for t in tables]) for c in COLUMNS})
+        return cls({c: np.concatenate([t.columns[c] for t in tables]) for c in ALL_COLUMNS})
 
     def __len__(self) -> int:
         return len(self.columns["rank"])
@@ -96,18 +117,26 @@ class EventTable:
         return EventTable({c: v[mask] for c, v in self.columns.items()})
 
     def to_dicts(self) -> list[dict]:
-        """Back to event dicts (None where microbatch or peer is -1)."""
+        """Back to event dicts (None where microbatch or peer is -1; the optional columns only
+        where set)."""
         cols = {c: v.tolist() for c, v in self.columns.items()}
         for c in ("microbatch", "peer"):
             cols[c] = [None if v == _NONE_AS else v for v in cols[c]]
-        return [dict(zip(COLUMNS, row)) for row in zip(*(cols[c] for c in COLUMNS))]
+        rows = [dict(zip(COLUMNS, row)) for row in zip(*(cols[c] for c in COLUMNS))]
+        for k, row in enumerate(rows):
+            if cols["group"][k]:
+                row["group"] = cols["group"][k]
+            for instant in ("waited", "posted", "moved"):
+                if cols[instant][k] == cols[instant][k]:          # not NaN
+                    row[instant] = cols[instant][k]
+        return rows
 
     def to_pandas(self):
         """A pandas DataFrame in the column layout above; microbatch and peer as nullable
         integers (<NA> for none), stream and kind as categories. Needs pandas."""
         import pandas as pd  # here: labkit itself never needs pandas
 
-        frame = pd.DataFrame({c: self.columns[c] for c in COLUMNS})
+        frame = pd.DataFrame({c: self.columns[c] for c in ALL_COLUMNS})
         for c in ("microbatch", "peer"):
             frame[c] = frame[c].astype("Int32").mask(frame[c] == _NONE_AS)
         for c in ("stream", "kind"):

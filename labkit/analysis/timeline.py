@@ -151,6 +151,32 @@ class Timeline:
 
         return find(self, top=top, threshold=threshold)
 
+    # --- the step as a graph (labkit.analysis.graph) --------------------------------------
+
+    def critical_path(self, step: int | None = None, groups: str = "require", rank: int | None = None) -> "Timeline":
+        """The spans that set each step's length (or ``step``'s), cut to their part on the path,
+        as a Timeline: every view works on it. Time between a rank's recorded spans on the path
+        is an ``untraced`` span. groups="world": join collectives that do not name their ranks
+        as one group of every rank (a profiler trace without process-group info); rank=R: that
+        rank's own path, without edges to other ranks (labkit.analysis.graph)."""
+        from .graph import critical_path
+
+        return critical_path(self, step, groups, rank)
+
+    def bound_by(self, step: int | None = None, groups: str = "require"):
+        """What holds the critical path, largest first; ``str()`` of it is one line, e.g.
+        "rank 2's compute (61% of the path), then the allreduces of ranks 0–3 (22% of the path)"."""
+        from .graph import bound_by
+
+        return bound_by(self, step, groups)
+
+    def straggler_scores(self, groups: str = "require"):
+        """Per rank: the share of steps in which it lay on (and bounded) the critical path, and
+        its compute time against its peers' median and the fastest peer's (labkit.analysis.graph)."""
+        from .graph import straggler_scores
+
+        return straggler_scores(self, groups)
+
     # --- files ----------------------------------------------------------------------------
 
     def to_chrome_trace(self) -> dict:
@@ -228,7 +254,9 @@ def _trace_spans(table: EventTable, offsets: dict[int, float]) -> list[dict]:
     tids = [STREAM_TIDS.get(s, len(STREAM_TIDS) + 1) for s in table["stream"].tolist()]
     return [{"name": e["name"] or e["kind"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": tid,
              "ts": t, "dur": d,
-             "args": {k: e[k] for k in ("stream", "kind", "step", "microbatch", "bytes", "peer")}}
+             "args": {k: e[k] for k in ("stream", "kind", "step", "microbatch", "bytes", "peer", "group", "waited",
+                                "posted", "moved")
+                      if k in e}}
             for e, tid, t, d in zip(rows, tids, ts, dur)]
 
 
@@ -264,7 +292,9 @@ def _from_saved(trace: dict) -> EventTable:
     events = []
     for e in spans:
         a, start = e["args"], e["ts"] * 1e-6 - offsets[e["args"]["step"]]
-        events.append({"rank": e["pid"], "stream": a["stream"], "kind": a["kind"], "name": e["name"],
-                       "step": a["step"], "microbatch": a.get("microbatch"), "start": start,
-                       "end": start + e["dur"] * 1e-6, "bytes": a.get("bytes") or 0, "peer": a.get("peer")})
+        event = {"rank": e["pid"], "stream": a["stream"], "kind": a["kind"], "name": e["name"],
+                 "step": a["step"], "microbatch": a.get("microbatch"), "start": start,
+                 "end": start + e["dur"] * 1e-6, "bytes": a.get("bytes") or 0, "peer": a.get("peer")}
+        event.update({k: a[k] for k in ("group", "waited", "posted", "moved") if a.get(k) is not None})
+        events.append(event)
     return EventTable.from_dicts(events)

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .events import group_key
 from .table import EventTable, union_lengths
 
 # NCCL kernel name → kind, first match wins (all-to-all runs as grouped SendRecv kernels in
@@ -164,19 +165,23 @@ def _read_rank(trace: dict, path: Path, rank: int) -> tuple[EventTable, list[int
         ts = [float(e["ts"]) for e in spans] or [0.0]
         steps = [(0, min(ts), max(float(e["ts"]) + float(e["dur"]) for e in spans) if spans else 0.0, None)]
     kernels = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    rows = _gpu_rows(spans, kernels) if kernels else _cpu_rows(spans, steps)
+    groups = _process_groups(trace)
+    rows = _gpu_rows(spans, kernels, groups) if kernels else _cpu_rows(spans, steps, groups)
     starts = np.array([s[1] for s in steps])
     ends = np.array([s[2] for s in steps])
     events, outside = [], 0
-    for kind, stream, name, start, end, anchor in rows:
+    for kind, stream, name, start, end, anchor, group in rows:
         i = int(np.searchsorted(starts, anchor, side="right")) - 1
         if i < 0 or anchor > ends[i]:
             outside += 1
             continue
         zero = starts[i]
-        events.append({"rank": rank, "stream": stream, "kind": kind, "name": name, "step": steps[i][0],
-                       "microbatch": None, "start": (start - zero) * 1e-6, "end": (end - zero) * 1e-6,
-                       "bytes": 0, "peer": None})
+        event = {"rank": rank, "stream": stream, "kind": kind, "name": name, "step": steps[i][0],
+                 "microbatch": None, "start": (start - zero) * 1e-6, "end": (end - zero) * 1e-6,
+                 "bytes": 0, "peer": None}
+        if group:
+            event["group"] = group
+        events.append(event)
     if outside:
         warnings.warn(f"{path}: {outside} spans outside every ProfilerStep window (before the first "
                       "step or between steps) are left out", stacklevel=3)
@@ -188,8 +193,34 @@ def _read_rank(trace: dict, path: Path, rank: int) -> tuple[EventTable, list[int
     return EventTable.from_dicts(events), [s[0] for s in steps]
 
 
-def _gpu_rows(spans, kernels):
-    """(kind, stream, name, start, end, anchor) per kernel; anchor: its launch's host time."""
+def _process_groups(trace: dict) -> dict[str, str]:
+    """Process group name → its ranks ("0,1"), from ``distributedInfo.pg_config`` (a list or a
+    dict of {pg_name, ranks, …}, as torch's profiler writes it)."""
+    config = (trace.get("distributedInfo") or {}).get("pg_config") or []
+    entries = config.values() if isinstance(config, dict) else config
+    out = {}
+    for pg in entries:
+        if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
+            out[str(pg.get("pg_name", ""))] = group_key(pg["ranks"])
+    return out
+
+
+def _group_of(args: dict, groups: dict[str, str]) -> str:
+    """A collective's ranks from a profiler event's args: "Process Group Ranks" ("[0, 1]"), else
+    its "Process Group Name" looked up in pg_config; "" when the trace does not say."""
+    ranks = args.get("Process Group Ranks")
+    if isinstance(ranks, str) and ranks.startswith("["):
+        try:
+            return group_key(json.loads(ranks))
+        except (ValueError, TypeError):
+            pass
+    if isinstance(ranks, list):
+        return group_key(ranks)
+    return groups.get(str(args.get("Process Group Name", "")), "")
+
+
+def _gpu_rows(spans, kernels, groups):
+    """(kind, stream, name, start, end, anchor, group) per kernel; anchor: its launch's host time."""
     launched = {e["args"]["correlation"]: float(e["ts"]) for e in spans
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     rows = []
@@ -198,13 +229,15 @@ def _gpu_rows(spans, kernels):
         kind = "memcpy" if e["cat"] != "kernel" else (comm_kind(name) or "compute")
         stream = "comm" if kind not in ("memcpy", "compute") else "compute"
         anchor = launched.get(e.get("args", {}).get("correlation"), start)
-        rows.append((kind, stream, name, start, start + float(e["dur"]), anchor))
+        group = _group_of(e.get("args", {}), groups) if stream == "comm" else ""
+        rows.append((kind, stream, name, start, start + float(e["dur"]), anchor, group))
     return rows
 
 
-def _cpu_rows(spans, steps):
+def _cpu_rows(spans, steps, groups):
     """Top-level cpu_ops of the main thread (compute, or comm for c10d ops) and gloo's
-    annotations (comm), as (kind, stream, name, start, end, anchor)."""
+    annotations (comm), as (kind, stream, name, start, end, anchor, group); a c10d op's group
+    is read from the ``record_param_comms`` op inside it."""
     main = steps[0][3]
     if main is None:   # no step annotation: the thread with the most ops
         tids = [e.get("tid") for e in spans if e.get("cat") == "cpu_op"]
@@ -217,11 +250,19 @@ def _cpu_rows(spans, steps):
             continue
         reach = end
         kind = comm_kind(e["name"]) or "compute"
-        rows.append((kind, "compute" if kind == "compute" else "comm", e["name"], start, end, start))
+        group = _group_of(e.get("args", {}), groups) if kind != "compute" else ""
+        rows.append([kind, "compute" if kind == "compute" else "comm", e["name"], start, end, start, group])
+    params = sorted((float(e["ts"]), _group_of(e.get("args", {}), groups)) for e in spans
+                    if e.get("name") == "record_param_comms" and e.get("tid") == main)
+    for row in rows:
+        if row[1] == "comm" and not row[6]:
+            row[6] = next((g for ts, g in params if row[3] <= ts <= row[4] and g), "")
+    rows = [tuple(r) for r in rows]
     for e in spans:
         if str(e.get("name", "")).startswith("gloo:"):
             start = float(e["ts"])
-            rows.append((comm_kind(e["name"]), "comm", e["name"], start, start + float(e["dur"]), start))
+            rows.append((comm_kind(e["name"]), "comm", e["name"], start, start + float(e["dur"]), start,
+                         _group_of(e.get("args", {}), groups)))
     return rows
 
 

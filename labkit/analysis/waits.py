@@ -63,6 +63,8 @@ def _split(send: dict, recv: dict) -> dict | None:
     s0, s1, r0, r1 = send["start"], send["end"], recv["start"], recv["end"]
     both = max(s0, r0)
     send["start"] = min(both, s1)
+    if send["start"] > s0:
+        send["posted"] = s0          # when the sender posted it: the step graph's replay needs it
     send["end"] = max(send["start"], min(s1, r1))
     if s0 <= r0:
         return None

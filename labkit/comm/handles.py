@@ -33,7 +33,7 @@ class Handle:
                 and entry["op"] not in ("send", "recv")):
             # gloo completes collectives on its own thread: note when, without blocking.
             try:
-                work.get_future().add_done_callback(lambda _f: self._completed())
+                work.get_future().add_done_callback(lambda _f: self._completed(moved=True))
             except RuntimeError:
                 # gloo's reduce_scatter_single has no future and its is_completed() stays False;
                 # an async one (zero=2/3, issued during backward) is waited for by one watcher
@@ -41,14 +41,23 @@ class Handle:
                 # That thread is the only waiter: two threads waiting on one such work copied
                 # its result out twice, the second over a buffer already reused (measured).
                 if thread:
-                    self._watcher = _Watcher(work, self._completed)
+                    self._watcher = _Watcher(work, lambda: self._completed(moved=True))
 
-    def _completed(self):
+    def _completed(self, moved: bool = False):
+        """Note when the call completed; ``moved``: called as gloo finished moving the bytes."""
         if self._done_at is None:
             done = self._ctx.recorder.mark()
             if self._deadline is not None:      # the link's end, on the step's clock
+                if moved:
+                    self._moved(done)
                 done = max(done, self._resolve() - self._ctx.recorder.origin)
             self._done_at = done
+
+    def _moved(self, at) -> None:
+        """On an emulated link: when gloo itself had moved the bytes (CPU clock), before the
+        link's wait; a replay on a faster link needs gloo's own time (labkit.plan.whatif)."""
+        if isinstance(at, float) and "moved" not in self.entry:
+            self.entry["moved"] = at
 
     def _resolve(self) -> float | None:
         """The emulated end, worked out once (a receive's needs its message's departure)."""
@@ -68,6 +77,8 @@ class Handle:
         during backward, a ring attention's K/V hop inside a block's forward) cuts that span, as
         a blocking call does: the rank computed nothing while it waited."""
         rec = self._ctx.recorder
+        if rec.enabled and not rec.cuda and "waited" not in self.entry:
+            self.entry["waited"] = rec.mark()          # where this rank consumed the result
         began = rec.mark() if self._thread and rec.enabled and not rec.cuda else None
         self._wait()
         if began is not None and (ended := rec.mark()) - began > BLOCKED_S:
@@ -79,6 +90,8 @@ class Handle:
             _guard(self._ctx, self.entry, self._watcher.join)
         elif self.work is not None:
             _guard(self._ctx, self.entry, lambda: _wait_work(self._ctx, self.work))
+        if self._deadline is not None and self._done_at is None and self.entry["peer"] is None:
+            self._moved(self._ctx.recorder.mark())         # a blocking collective: gloo is done now
         self._hold()
         self._completed()
         self.entry["state"] = "done"
@@ -161,8 +174,13 @@ def _record(ctx, entry, start, end):
     if entry.get("_recorded") or entry["op"] == "barrier":     # a barrier only aligns ranks
         return
     entry["_recorded"] = True
-    ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm", microbatch=entry["microbatch"],
-                     nbytes=entry["bytes"], peer=entry["peer"])
+    group = entry["group"] if entry["peer"] is None else None       # a collective's members
+    event = ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm",
+                             microbatch=entry["microbatch"], nbytes=entry["bytes"], peer=entry["peer"],
+                             group=group)
+    for instant in ("waited", "moved"):
+        if event is not None and isinstance(entry.get(instant), float):
+            event[instant] = entry[instant]
 
 
 def _guard(ctx: CommContext, entry: dict, call):

@@ -72,6 +72,10 @@ class Issue:
     link: float = 0.0
     """The call's time on an emulated link (0: none), a wait off the cores: the call takes the
     longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
+    tail: float = 0.0
+    """Wall time after its link time before the call completes on its ranks (a thread's wake-up),
+    its stream and link already free for the next call: a replayed call's measured excess
+    (labkit.plan.whatif)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class _Job:
     remaining: float              # work on the shared cores
     ask: float                    # the cores it asks for while that work remains
     start: float
-    what: object                  # ("compute", rank, item) or ("call", key)
+    what: object                  # ("compute", rank, item), ("call", key) or ("tail", key)
     until: float = 0.0            # a call's end on its emulated link: wall time, off the cores
 
 
@@ -106,6 +110,7 @@ class Sim:
         self.busy = [None] * n                     # the compute job of each rank
         self.streams = [[] for _ in range(n)]      # posted, unfinished calls, in order
         self.posts, self.done, self.calls, self.loose, self.crossed = {}, set(), {}, {}, set()
+        self.waited, self.recorded = {}, {}       # (key, rank) → when it reached the Wait; its event
         self.running: list[_Job] = []
         self.tx, self.rx, self.reserved = [0.0] * n, [0.0] * n, {}    # each rank's link, busy until (links)
         while True:
@@ -142,8 +147,11 @@ class Sim:
                         self.posts[(item.key, r)] = (self.t, item)
                         self.calls.setdefault(item.key, item)
                     elif isinstance(item, Wait):
+                        self.waited.setdefault((item.key, r), self.t)
                         if (item.key, r) not in self.done:
                             break
+                        if (item.key, r) in self.recorded:         # where the rank consumed it
+                            self.recorded.pop((item.key, r))["waited"] = self.waited[(item.key, r)]
                     self.pc[r] += 1
                     moved = True
 
@@ -249,17 +257,37 @@ class Sim:
                 self.events.append(_event(r, "compute", item.kind, item.name, item.microbatch, job.start, self.t))
             return
         key = job.what[1]
+        if job.what[0] == "call":
+            for m in self.calls[key].group:
+                if self.calls[key].ordered:
+                    self.streams[m].pop(0)               # the stream (and link) free for the next call
+            if self.calls[key].tail > 0:                  # the ranks see it complete a tail later
+                self.running.append(_Job(0.0, 0.0, job.start, ("tail", key), self.t + self.calls[key].tail))
+                return
         for m in self.calls[key].group:
-            if self.calls[key].ordered:
-                self.streams[m].pop(0)
             self.done.add((key, m))
             posted, item = self.posts[(key, m)]
             if item.kind == "recv" and job.start > posted + EPS:      # a receive before its sender posted
-                self.events.append(_event(m, "comm", "wait", item.name, item.microbatch, posted, job.start))
-            self.events.append(_event(m, "comm", item.kind, item.name, item.microbatch, job.start, self.t,
-                                      item.bytes, item.peer))
+                self.events.append(_event(m, "comm", "wait", item.name, item.microbatch, posted, job.start,
+                                          peer=item.peer))
+            group = item.group if item.ordered and len(item.group) > 1 else None
+            # a collective's span runs from this member's post, as labkit.comm records one: a member
+            # that came early shows its wait for the others inside the call
+            begin = posted if item.ordered and item.kind not in ("send", "recv") else job.start
+            event = _event(m, "comm", item.kind, item.name, item.microbatch, begin, self.t, item.bytes,
+                           item.peer, group)
+            if item.kind == "send" and job.start > posted + EPS:      # posted before its receiver was
+                event["posted"] = posted
+            if (key, m) in self.waited:
+                event["waited"] = self.waited[(key, m)]
+            else:
+                self.recorded[(key, m)] = event
+            self.events.append(event)
 
 
-def _event(rank, stream, kind, name, microbatch, start, end, nbytes=0, peer=None) -> dict:
-    return {"rank": rank, "stream": stream, "kind": kind, "name": name, "step": 0, "microbatch": microbatch,
-            "start": start, "end": end, "bytes": int(nbytes), "peer": peer}
+def _event(rank, stream, kind, name, microbatch, start, end, nbytes=0, peer=None, group=None) -> dict:
+    event = {"rank": rank, "stream": stream, "kind": kind, "name": name, "step": 0, "microbatch": microbatch,
+             "start": start, "end": end, "bytes": int(nbytes), "peer": peer}
+    if group is not None:                # a collective's members: the step graph joins them
+        event["group"] = ",".join(str(r) for r in sorted(group))
+    return event

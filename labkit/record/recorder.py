@@ -74,15 +74,15 @@ class Recorder:
 
     # -- events --------------------------------------------------------------------------
     def add(self, kind: str, name: str, start, end, stream: str | None = None, microbatch=None,
-            nbytes: int = 0, peer=None) -> dict | None:
+            nbytes: int = 0, peer=None, group=None) -> dict | None:
         """Record one span between two marks (floats, or CUDA events on GPU); the stream is the
-        kind's (labkit.analysis.events) unless given."""
+        kind's (labkit.analysis.events) unless given; ``group``: a collective's ranks."""
         if not self.enabled:
             return None
         if self.sync_debug and self.cuda:
             import torch
             torch.cuda.synchronize()      # the op's kernels end before the next op is launched
-        event = make_event(self.rank, kind, name, self.step, start, end, microbatch, nbytes, peer, stream)
+        event = make_event(self.rank, kind, name, self.step, start, end, microbatch, nbytes, peer, stream, group)
         if isinstance(start, float) and isinstance(end, float):
             self._events.extend(self._cut(event))
         else:

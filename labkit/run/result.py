@@ -138,6 +138,16 @@ class Run:
         from ..analysis.tensor_bytes import tp_bytes_table
         return tp_bytes_table(self, n_embd, seq)
 
+    def whatif(self, link="same", compute: float = 1.0, straggler: int | None = None, **knobs):
+        """This run's measured steps replayed with another ``link`` (a labkit.Link), compute
+        times ``compute`` (0.1: ten times faster), or rank ``straggler``'s compute brought to
+        its peers' median: ``.step_time_s``, ``.metrics``, ``.timeline`` (draw it against the
+        run with ``labkit.plan.overlay``). Exact replays of the measured graph; knobs that
+        change its shape (buckets, micro-batches) belong to labkit.plan.simulate
+        (:mod:`labkit.plan.whatif`)."""
+        from ..plan.whatif import whatif
+        return whatif(self, link, compute, straggler, **knobs)
+
     def max_diff(self, other) -> MaxDiff:
         """Largest parameter difference from another run or ``labkit.reference`` result, over
         every rank's copy (each dp replica, each stage; ZeRO shards and tp pieces as gathered),

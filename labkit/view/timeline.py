@@ -55,8 +55,6 @@ EDGELESS_ABOVE = 20_000
 MAX_HEIGHT_IN = 12.0
 LANE_IN = 0.45
 # Heatmap states, in drawing order (0, 1, 2), and time bins across the axis.
-HEAT_STATES = (("idle", "#F2F2F2"), ("comm, not hidden", "#D55E00"), ("compute", "#0072B2"))
-HEAT_BINS = 400
 # A pipeline action's name as torch spells it: stage, op, micro-batch ("0RECV_B3").
 _ACTION = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _ACTION_LABEL = {"F": "F", "B": "B", "I": "I", "W": "W", "SEND_F": "→F", "RECV_F": "←F",
@@ -78,7 +76,8 @@ def key_for(labels) -> str | None:
 
 
 def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool = True,
-                  ranks=None, stage: int | None = None, aggregate: bool | None = None):
+                  ranks=None, stage: int | None = None, aggregate: bool | None = None,
+                  critical_path: bool = False):
     """Draw `tl`; return the Figure.
 
     step: a step number, "all" (back to back, as in the trace) or None for the last step.
@@ -86,7 +85,9 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     only, no heatmap). labels: write "F3"/"B3" or the event name inside spans wide enough.
     ranks / stage: draw only these ranks / the replicas of this pipeline stage (needs the
     Timeline's grid). aggregate: force the aggregated view on or off (default: on past
-    AGGREGATE_ABOVE ranks when neither ranks nor stage is given).
+    AGGREGATE_ABOVE ranks when neither ranks nor stage is given). critical_path: outline the
+    spans on the step's critical path (labkit.analysis.graph) in black, and say in the title
+    what holds it.
     """
     table, shift, offsets = _window(tl, step)
     shown = _shown_ranks(tl, ranks, stage)
@@ -103,33 +104,17 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
         ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, extent or 1.0)
     ax.set_title(_plot_title(tl, step) + (f" — {len(shown)} ranks, 3 per stage shown" if aggregate else ""))
+    if critical_path:
+        from .paths import outline_path
+        outline_path(ax, tl, step, [r for r, _ in lanes])
     _legend(ax, set(np.unique(shown_kinds(table["kind"], table["name"])).tolist()), key)
     if heat_ax is not None:
+        from .heatmap import draw_heatmap
         draw_heatmap(heat_ax, table, shift, shown, extent, tl)
         ax = heat_ax
     spec = ax.get_subplotspec()
     if spec is None or spec.is_last_row():     # one x-label per figure, under the bottom panel
         ax.set_xlabel("time (ms)")
-    return ax.figure
-
-
-def plot_stragglers(found, ax=None):
-    """Each rank's lateness per step (the time its peers waited for it at collectives) as a
-    bar, the stragglers in red with their cause; returns the Figure."""
-    if ax is None:
-        _, ax = _new_figure((10, 2.8))
-    ranks = sorted(found.scores)
-    late_ms = np.array([found.scores[r] for r in ranks]) * 1e3
-    slow = set(found.ranks())
-    ax.bar(ranks, late_ms, width=1.0 if len(ranks) > 64 else 0.8,
-           color=["#D55E00" if r in slow else "#999999" for r in ranks])
-    for i, s in enumerate(found):       # stacked, so neighbouring stragglers' names never overlap
-        ax.annotate(f"rank {s.rank}: {s.cause}", (s.rank, s.late_s * 1e3), xytext=(0, 3 + 12 * i),
-                    textcoords="offset points", ha="center", fontsize="small")
-    ax.margins(y=0.12 + 0.1 * len(found))
-    ax.set_xlabel("rank")
-    ax.set_ylabel("late per step (ms)")
-    ax.set_title(repr(found).splitlines()[0] if found else repr(found), fontsize="medium")
     return ax.figure
 
 
@@ -356,53 +341,6 @@ def _span_label(kind: str, name: str, microbatch: int) -> tuple[str, bool]:
 
 
 # --- the heatmap ----------------------------------------------------------------------------
-
-
-def heat_states(table: EventTable, shift, ranks: list[int], extent_ms: float, bins: int = HEAT_BINS):
-    """ranks × bins of 0 idle, 1 comm not hidden by compute, 2 compute: the state covering
-    most of each bin (compute if at least half of it computes, else comm if at least half of
-    it communicates, else idle). Coverage sums spans, so overlapping spans of one stream
-    count twice; clipped at a full bin."""
-    width = extent_ms / bins if extent_ms > 0 else 1.0
-    index = {r: i for i, r in enumerate(ranks)}
-    row = np.array([index.get(r, -1) for r in table["rank"].tolist()], dtype=int)
-    keep = row >= 0
-    u0 = (shift + table["start"])[keep] * 1e3 / width
-    u1 = (shift + table["end"])[keep] * 1e3 / width
-    row, stream, kind = row[keep], table["stream"][keep], table["kind"][keep]
-    covered = {}
-    for name, m in (("compute", stream == "compute"), ("comm", (stream != "compute") & (kind != "wait"))):
-        covered[name] = np.clip(_ramp(row[m], u1[m], len(ranks), bins) - _ramp(row[m], u0[m], len(ranks), bins), 0, 1)
-    states = np.zeros((len(ranks), bins), dtype=int)
-    states[covered["comm"] >= 0.5] = 1
-    states[covered["compute"] >= 0.5] = 2
-    return states
-
-
-def _ramp(row, u, nrows: int, bins: int):
-    """Σ clip(u − k, 0, 1) per (row, bin k): the part of bin k before each time u (in bins)."""
-    u = np.clip(u, 0, bins)
-    whole = np.floor(u).astype(int)
-    out = np.zeros((nrows, bins + 1))
-    np.add.at(out, (row, 0), 1.0)                         # bins 0 .. whole−1 are full ...
-    np.add.at(out, (row, whole), -1.0)
-    out = np.cumsum(out, axis=1)
-    np.add.at(out, (row, whole), u - whole)               # ... and bin `whole` partly
-    return out[:, :bins]
-
-
-def draw_heatmap(ax, table: EventTable, shift, ranks: list[int], extent_ms: float, tl=None) -> None:
-    """Every rank's state over time as one image (rank 0 at the top)."""
-    states = heat_states(table, shift, ranks, extent_ms)
-    cmap = matplotlib.colors.ListedColormap([c for _, c in HEAT_STATES])
-    ax.imshow(states, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=2.5,
-              extent=(0, extent_ms or 1.0, len(ranks) - 0.5, -0.5))
-    ticks = np.unique(np.linspace(0, len(ranks) - 1, min(len(ranks), 9)).astype(int)).tolist()
-    names = [_rank_name(tl, ranks[i]) if tl is not None else f"rank {ranks[i]}" for i in ticks]
-    ax.set_yticks(ticks, names, fontsize="small")
-    ax.set_title("every rank: what it was doing", fontsize="medium")
-    ax.legend(handles=[Patch(facecolor=c, edgecolor="#777777", label=n) for n, c in reversed(HEAT_STATES)],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
 
 
 def _plot_title(tl: Timeline, step) -> str:

@@ -9,7 +9,9 @@ Per step and rank, on the compute stream (7): an input memcpy, per layer a forwa
 GEMMs and two elementwise kernels, then the backward in reverse (two GEMMs per forward GEMM);
 gradients go out in two buckets on the NCCL stream (20): bucket 0 (layers 3-2) when layer 2's
 backward is done, overlapping layers 1-0's backward, bucket 1 (layers 1-0) at the end; then the
-optimizer's fused kernel once both all-reduces are done.
+optimizer's fused kernel once both all-reduces are done. Each NCCL kernel carries the process
+group's args as torch's profiler writes them ("Process Group Ranks", …; pg_config in
+distributedInfo), which the step graph joins collectives by.
 
 Rank 5 runs its kernels 1.4× slower (a throttled GPU). An NCCL all-reduce kernel starts on each
 rank when its stream reaches it and ends for everyone when the last rank has joined plus the
@@ -39,6 +41,12 @@ ALLREDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
 TRANSFER_US = 420          # each bucket's ring all-reduce once every rank has joined
 OPTIMIZER = ("multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>>", 90)
 MEMCPY = ("Memcpy HtoD (Pinned -> Device)", 40)
+# what torch's profiler writes on an NCCL kernel and in distributedInfo about its process group
+COLLECTIVE_ARGS = {"Collective name": "allreduce", "dtype": "BFloat16", "Group size": WORLD,
+                   "Process Group Name": "0", "Process Group Description": "default_pg",
+                   "Process Group Ranks": str(list(range(WORLD)))}
+PG_CONFIG = [{"pg_name": "0", "pg_desc": "default_pg", "backend_config": "cuda:nccl", "pg_size": WORLD,
+              "ranks": list(range(WORLD))}]
 
 
 def rank_compute(rank: int) -> list[tuple[str, float, str]]:
@@ -85,7 +93,9 @@ def build() -> dict[int, list[dict]]:
                 ends[(r, b)] = max(joined, start) + TRANSFER_US
                 corr[r] += 1
                 events[r].append(_launch(ready[(r, b)] - 4.0, corr[r]))
-                events[r].append(_kernel(ALLREDUCE, "kernel", 20, start, ends[(r, b)] - start, corr[r]))
+                kernel = _kernel(ALLREDUCE, "kernel", 20, start, ends[(r, b)] - start, corr[r])
+                kernel["args"].update(COLLECTIVE_ARGS)
+                events[r].append(kernel)
         step_end = 0.0
         for r in range(WORLD):
             t = max(done_compute[r], ends[(r, 1)])
@@ -121,7 +131,7 @@ def write(out: Path = OUT) -> list[Path]:
             if e["cat"] in ("cuda_runtime", "user_annotation"):
                 e["pid"], e["tid"] = 4000 + rank, 4000 + rank
         trace = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}],
-                 "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": WORLD},
+                 "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": WORLD, "pg_config": PG_CONFIG},
                  "traceEvents": sorted(events, key=lambda e: e["ts"]), "displayTimeUnit": "ms",
                  "traceName": f"synthetic, labkit tests/data/make_kineto_gpu.py, rank {rank}"}
         path = out / f"rank{rank}.json.gz"

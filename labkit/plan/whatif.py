@@ -1,0 +1,300 @@
+"""What if: a measured step replayed with another link, faster compute, or a straggler healed.
+
+``run.whatif(link=labkit.Link(bandwidth=200e6), compute=1.0, straggler=None)`` turns each
+measured step into the planner's programs (:mod:`labkit.plan.des`, the one event-driven core
+that :func:`labkit.plan.simulate` runs too) and runs them again:
+
+* each rank's **compute spans** keep their measured durations, times ``compute`` (0.1: a
+  ten times faster machine), and a ``straggler`` rank's are scaled, kind by kind (forward,
+  backward, optimizer), to the other ranks' median time in that kind and step (the planted or
+  real slowness removed where it was);
+* **host time** between a rank's recorded spans (Python, the data, the framework) is kept as
+  measured: it is not compute that a faster chip shortens;
+* each **call** is issued where the rank issued it (an asynchronous bucket from inside the
+  backward that completed it) and waited for where the rank waited (``waited``, recorded by
+  :mod:`labkit.comm`; a trace without it: where the rank's compute lane sat idle until the
+  call ended, else before the step's last compute span). Collectives join their members
+  (the ``group`` each span carries) and run in order per rank, as on an emulated link; a
+  message pairs its send and receive;
+* a call is **re-priced** by the link's α-β: ``steps·α + wire bytes / β`` (2(n−1) steps for
+  an all-reduce, n − 1 for all-gather, reduce-scatter, broadcast and all-to-all, one for a
+  message; the wire bytes are what the rank put on the wire, ``bytes``: :meth:`labkit.Link.seconds`
+  written per rank). A call measured on an emulated link keeps the part of its own time
+  beyond the old link's and gloo's (the link's wake-up, the members' join), so
+  ``new = max(gloo, α-β(new link)) + max(0, measured − max(gloo, α-β(old link)))``; one measured on raw gloo takes
+  the longer of its measured time and the new link's (gloo's work and the link's wait run at
+  once, as :mod:`labkit.comm.emulate` imposes them). On a link, a collective's gloo time is
+  known from ``moved`` (when gloo had moved the bytes, recorded before the link's wait), so a
+  faster link cannot make a call shorter than gloo made it; the call's excess beyond
+  max(gloo, old link) — the members' join, a thread's wake-up — runs after the link's part
+  without holding the link (``Issue.tail``: the next call may take the link meanwhile). A run on an emulated link cannot be
+  replayed on raw gloo (``link=None``): the link hid gloo's own time.
+
+These knobs are exact replays of the measured graph. Knobs that change the graph's shape —
+bucket size, micro-batches, the dp mode, the schedule — are not: predict those with
+:func:`labkit.plan.simulate`, which rebuilds the executor's action lists.
+
+    >>> fast = run.whatif(link=labkit.Link(bandwidth=200e6, latency=2e-4))
+    >>> fast.step_time_s, fast.timeline.bound_by()
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..analysis.events import group_ranks
+from ..analysis.graph import COLLECTIVES, EPS, StepGraph
+from ..analysis.timeline import Timeline
+from .des import Compute, Issue, Sim, Wait
+
+RING_STEPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 1}
+"""α's paid per call, by kind; others (all-gather, reduce-scatter, broadcast, all-to-all): n − 1."""
+
+
+@dataclass
+class WhatIf:
+    """A replayed run: ``timeline`` (every measured step replayed), ``metrics`` (the design's
+    metrics over it), and the measured and replayed median step times."""
+
+    timeline: Timeline
+    metrics: dict
+    measured_step_s: float
+    what: str
+
+    @property
+    def step_time_s(self) -> float:
+        return self.metrics["step_time_s"]
+
+    @property
+    def speedup(self) -> float:
+        """Measured step time over the replayed one (> 1: the change would help)."""
+        return self.measured_step_s / self.step_time_s if self.step_time_s > 0 else float("inf")
+
+    def __repr__(self) -> str:
+        return (f"what if {self.what}: step {self.measured_step_s * 1e3:.2f} ms measured → "
+                f"{self.step_time_s * 1e3:.2f} ms replayed (×{self.speedup:.2f})")
+
+
+def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None, **knobs) -> WhatIf:
+    """``run``'s steps replayed with ``link`` (a labkit.Link; "same": the run's own), compute
+    times ``compute``, and ``straggler``'s compute brought to its peers' median (module
+    docstring)."""
+    if knobs:
+        raise TypeError(f"whatif({', '.join(knobs)}=…): these knobs change the step's shape, which a replay "
+                        f"of the measured graph cannot do; predict them with labkit.plan.simulate(strategy, "
+                        f"machine, model=…), which rebuilds the executor's action lists")
+    if isinstance(compute, bool) or not isinstance(compute, (int, float)) or not 0 < compute < float("inf"):
+        raise ValueError(f"whatif(compute={compute!r}): give the factor on compute time, e.g. 0.1 for ten times "
+                         f"faster compute, 1.0 for as measured")
+    measured_link = getattr(run, "link", None)
+    new_link = measured_link if isinstance(link, str) and link == "same" else link
+    if new_link is None and measured_link is not None:
+        raise ValueError("whatif(link=None): this run's calls were held by an emulated link, which hid gloo's own "
+                         "time; replay it on another Link, or run it on raw gloo to see raw gloo")
+    tl = run.timeline
+    if straggler is not None and straggler not in tl.ranks:
+        raise ValueError(f"whatif(straggler={straggler!r}): give a rank from 0 to {tl.world_size - 1}")
+    if not tl.steps:
+        raise ValueError("whatif: the run holds no events (run it with record=True)")
+    replayed = []
+    for s in tl.steps:
+        events = replay_step(tl.step(s).events, tl.world_size, measured_link, new_link, compute, straggler)
+        replayed += [dict(e, step=s) for e in events]
+    what = ", ".join(w for w in (
+        f"link {new_link}" if new_link is not measured_link else "",
+        f"compute ×{compute:g}" if compute != 1.0 else "",
+        f"rank {straggler} healed" if straggler is not None else "") if w) or "nothing changed"
+    out = Timeline(replayed, tl.world_size, f"what if {what}", tl.grid)
+    batch = getattr(run, "batch", None) or 1
+    measured = float(np.median(list(tl.step_durations().values())))
+    return WhatIf(out, out.metrics(global_batch=batch), measured, what)
+
+
+# --- one step --------------------------------------------------------------------------------
+def replay_step(events: list[dict], world_size: int, old_link=None, new_link=None, compute: float = 1.0,
+                straggler: int | None = None) -> list[dict]:
+    """One step's events replayed on :class:`labkit.plan.des.Sim` (module docstring)."""
+    graph = StepGraph(events)
+    calls = _calls(graph, old_link, new_link)
+    scale = _compute_scale(events, world_size, compute, straggler)
+    programs = [_program(graph, r, calls, scale[r]) for r in range(world_size)]
+    return Sim(programs, cores=float(world_size), links=new_link is not None).run()
+
+
+@dataclass
+class _Call:
+    key: object
+    group: tuple
+    seconds: float
+    link: float
+    tail: float
+    ordered: bool
+
+
+def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
+    """Each comm span's call: its key (one per collective or message), members and price."""
+    out, freed = {}, {}                  # freed: a collective's key → when it left its link
+    for i in np.argsort(graph.start, kind="stable").tolist():
+        e = graph.events[i]
+        kind = e["kind"]
+        if e["stream"] != "comm" or kind == "wait":
+            continue
+        if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
+            members = graph.members[i]
+            key, group, ordered, rows = ("c", int(min(members))), tuple(sorted(int(graph.rank[m]) for m in members)), \
+                True, members.tolist()
+        elif kind in ("send", "recv") and i in graph.partner:
+            s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
+            key, group, ordered, rows = ("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r]
+        else:                                   # a call alone on its rank (its peers unrecorded)
+            key, group, ordered, rows = ("a", i), (int(graph.rank[i]),), True, [i]
+        nbytes = max(graph.events[m]["bytes"] for m in rows)
+        ranks = group if kind not in COLLECTIVES else (group_ranks(e.get("group", "")) or group)
+        old = _link_seconds(old_link, kind, nbytes, ranks)
+        begin = _began(graph, i, rows, freed, old_link is not None)
+        freed[key] = begin + old
+        end = max(graph.end[m] for m in rows)
+        new = _link_seconds(new_link, kind, nbytes, ranks)
+        if old_link is None:                     # raw gloo: its time and the new link's run at once
+            seconds, link, tail = end - begin, new, 0.0
+        else:                                    # gloo's own time, if recorded; the rest is the tail
+            moved = [graph.events[m].get("moved") for m in rows]
+            gloo = max(moved) - begin if None not in moved else 0.0
+            seconds, link = max(0.0, gloo), new
+            tail = max(0.0, end - begin - max(seconds, old))
+        for m in rows:
+            out[m] = _Call(key, group, seconds, link, tail, ordered)
+    return out
+
+
+def _began(graph: StepGraph, i: int, rows, freed: dict, on_link: bool) -> float:
+    """When call i began moving bytes: its last member's entry, and, for a collective, its
+    group's previous call out of the way — on an emulated link once that call left the link
+    (its recorded end can come later: the thread that notes it wakes late), else at its end."""
+    begin = max(graph.start[m] for m in rows)        # a message's spans start once both ends are there
+    if graph.kind[i] not in COLLECTIVES or i not in graph.members:
+        return float(begin)
+    previous = graph.previous.get(i)
+    if previous is not None:
+        key = ("c", int(min(previous)))
+        before = freed.get(key) if on_link and key in freed else max(graph.end[p] for p in previous)
+        begin = max(begin, before)
+    return float(begin)
+
+
+def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
+    """The call's α-β time on ``link`` (0 without one): steps·α + wire bytes / β, on the tier
+    its ranks span."""
+    if link is None:
+        return 0.0
+    n = len(ranks)
+    if n < 2:
+        return 0.0
+    alpha, beta = link.alpha_beta(link.tier(ranks))
+    steps = RING_STEPS.get(kind, lambda n: n - 1)(n)
+    return steps * alpha + nbytes / beta
+
+
+def _compute_scale(events, world_size: int, compute: float, straggler) -> list[dict]:
+    """Each rank's factor on its compute spans, by kind: ``compute``, and for the straggler what
+    brings its time in each kind (forward, backward, optimizer, …) to the median of the other
+    ranks' (a planted delay in the forward is removed there alone)."""
+    scale = [defaultdict(lambda: compute) for _ in range(world_size)]
+    if straggler is None or world_size < 2:
+        return scale
+    busy = defaultdict(lambda: np.zeros(world_size))
+    for e in events:
+        if e["stream"] != "comm":
+            busy[e["kind"]][e["rank"]] += e["end"] - e["start"]
+    for kind, per_rank in busy.items():
+        others = float(np.median(np.delete(per_rank, straggler)))
+        if per_rank[straggler] > 0:
+            scale[straggler][kind] = compute * min(1.0, others / per_rank[straggler])
+    return scale
+
+
+def _program(graph: StepGraph, rank: int, calls: dict[int, _Call], scale: dict) -> list:
+    """Rank ``rank``'s items in the order its thread met them: compute spans (cut where a call
+    was issued or waited for inside them), host time between, each call's Issue and Wait."""
+    rows = graph.by_rank.get(rank, np.zeros(0, dtype=int))
+    spans = _outermost([i for i in rows if graph.compute[i]], graph)
+    points = []
+    for i in rows:
+        if i not in calls:
+            continue
+        call, e = calls[i], graph.events[i]
+        issue = Issue(call.key, call.group, call.seconds, e["kind"], e["name"], e["bytes"], e.get("peer"),
+                      e.get("microbatch"), call.ordered, link=call.link, tail=call.tail)
+        posted = e.get("posted", graph.start[graph.wait_of[i]] if i in graph.wait_of else graph.start[i])
+        points.append((float(posted), 0, issue, None))
+        points.append((float(_consumed(graph, i, spans)), 1, Wait(call.key), float(graph.end[i])))
+    points.sort(key=lambda p: (p[0], p[1]))
+    prog, cursor, k = [], 0.0, 0
+
+    def host(until: float):
+        nonlocal cursor
+        if until - cursor > EPS:
+            prog.append(Compute(until - cursor))
+        cursor = max(cursor, until)
+
+    def point(p):
+        nonlocal cursor
+        t, _, item, ends = p
+        host(t)
+        prog.append(item)
+        if ends is not None:                    # a wait: the thread resumes once the call is through
+            cursor = max(cursor, ends)
+
+    for i in spans:
+        start, end, e = float(graph.start[i]), float(graph.end[i]), graph.events[i]
+        while k < len(points) and points[k][0] <= start + EPS:
+            point(points[k])
+            k += 1
+        host(start)
+        t = max(start, cursor)
+        while k < len(points) and points[k][0] < end - EPS:
+            piece = points[k][0] - t
+            if piece > EPS:
+                prog.append(Compute(piece * scale[e["kind"]], e["kind"], e["name"], e.get("microbatch")))
+            t = max(t, points[k][0])
+            prog.append(points[k][2])
+            if points[k][3] is not None:
+                t = max(t, points[k][3])
+            k += 1
+        if end - t > EPS:
+            prog.append(Compute((end - t) * scale[e["kind"]], e["kind"], e["name"], e.get("microbatch")))
+        cursor = max(cursor, end)
+    for p in points[k:]:
+        point(p)
+    return prog
+
+
+def _outermost(rows: list[int], graph: StepGraph) -> list[int]:
+    """Compute spans not inside another of the rank's (a ring round inside its block's forward)."""
+    out, reach = [], -np.inf
+    for i in sorted(rows, key=lambda i: (graph.start[i], -graph.end[i])):
+        if graph.end[i] <= reach + EPS:
+            continue
+        out.append(i)
+        reach = graph.end[i]
+    return out
+
+
+def _consumed(graph: StepGraph, i: int, spans: list[int]) -> float:
+    """Where the rank waited for call i: its recorded ``waited``; else, for a trace without it,
+    where the compute lane sat idle until the call ended (the next span starting then), else
+    before the step's last compute span."""
+    e = graph.events[i]
+    if e.get("waited") is not None:
+        return float(e["waited"])
+    end = graph.end[i]
+    later = [j for j in spans if graph.start[j] >= end - EPS]
+    if not later:
+        return float(end)
+    first = min(later, key=lambda j: graph.start[j])
+    busy_until = max([graph.end[j] for j in spans if graph.start[j] < end - EPS], default=0.0)
+    if busy_until <= end + EPS and graph.start[first] - end < 1e-3:
+        return float(graph.start[first])
+    return float(graph.start[max(later, key=lambda j: graph.start[j])])
