@@ -391,6 +391,24 @@ def test_the_closing_exercise_asks_and_holds_its_answer_back(stem):
     assert "Right" not in shown and "Not yet" not in shown, shown
 
 
+def test_10_the_link_holds_the_path_and_a_four_times_faster_link_more_than_halves_the_step():
+    """10's section 7: on 20 MB/s the buckets' all-reduces hold most of the path; a link four times
+    faster makes the step more than twice as fast, replayed and measured alike, and not four times."""
+    _, g = notebook("10_precision")
+    assert g["why_first"].startswith("the allreduces of ranks"), g["why_first"]
+    assert 2.0 < g["predicted_speedup"] < 4.0, g["predicted_speedup"]
+    assert 2.0 < g["measured_speedup"] < 4.0, g["measured_speedup"]
+
+
+def test_15_the_path_runs_through_the_straggler_and_healing_it_shortens_the_step():
+    """15: the critical path's compute is rank 10's, straggler_scores ranks it worst, the GPU
+    trace's path is rank 5's; the replay without the straggler is much shorter than the step."""
+    _, g = notebook("15_reading_a_big_run")
+    assert g["bound_rank"] == 10 and g["worst_rank"] == 10
+    assert g["gpu_bound_rank"] == 5
+    assert g["healed_ms"] < 0.8 * g["slow_ms"], (g["healed_ms"], g["slow_ms"])
+
+
 def test_16_resumed_runs_are_exact_and_the_weight_is_cut_as_the_text_says():
     """16's text: both resumes equal 5 straight steps; under dp2×tp2 (row-parallel ``down``) each
     rank holds every row and half of the columns, the dp replicas the same half; under dp2×pp2
@@ -515,6 +533,9 @@ CLAIMS = {
         ('At 3 MB/s the uncompressed all-reduces take most', test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path),
         ('Away from β* the measurement follows the α-β lin', test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path),
         ('Slide β down and watch exposed comm take over th', 'question'),
+        ('So a faster link should help — by how much?', 'question'),
+        ('A link four times faster makes the step more tha',
+         test_10_the_link_holds_the_path_and_a_four_times_faster_link_more_than_halves_the_step),
     ],
     "11_bubbles_and_memory": [
         ("`full` keeps only each block's input; `selective", 'method'),
@@ -561,6 +582,12 @@ CLAIMS = {
     "15_reading_a_big_run": [
         ('16 engines on a laptop share its cores (labkit w', 'method'),
         ('**These traces are synthetic**: built by `tests/', test_15_the_big_run_is_exact_and_the_planted_straggler_is_named_by_both_lenses),
+        ('The replay without the straggler is much shorter',
+         test_15_the_path_runs_through_the_straggler_and_healing_it_shortens_the_step),
+    ],
+    "16_checkpoints": [
+        ('Under ZeRO-3 a block is one flat unit of its six', test_16_resumed_runs_are_exact_and_the_weight_is_cut_as_the_text_says),
+        ('Now resume the same checkpoint under dp = 2 × tp', test_16_resumed_runs_are_exact_and_the_weight_is_cut_as_the_text_says),
     ],
 }
 
