@@ -203,6 +203,11 @@ class Dashboard:
         self.run_button.on_click(self.run)
         self.stop_button.on_click(self.stop)
         self.pin_button.on_click(self.pin)
+        # a view of the drawn step, not a setting: it redraws, it never starts a run
+        self.path_box = W.Checkbox(value=False, description="critical path", indent=False,
+                                   tooltip="outline the chain of spans that set the step's length")
+        self.path_box.add_class("labkit-critical-path")
+        self.path_box.observe(lambda _change: self._redraw(), names="value")
         self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="120px"))
         self.status = W.HTML(layout=W.Layout(min_width="400px"))
         self.status.add_class("labkit-status")
@@ -226,8 +231,8 @@ class Dashboard:
         group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
         panel = W.HBox([group(title, *names) for title, names in form.groups()],
                        layout=W.Layout(flex_flow="row wrap"))
-        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["model"], c["steps"], c["auto"]],
-                     layout=W.Layout(flex_flow="row wrap"))
+        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["model"], c["steps"], c["auto"],
+                      self.path_box], layout=W.Layout(flex_flow="row wrap"))
         return W.VBox([bar, W.HBox([self.progress, self.status]), panel, self.tabs], layout=W.Layout(width="100%"))
 
     # -- checking and submitting (notebook thread) ------------------------------------------------
@@ -306,9 +311,16 @@ class Dashboard:
     # -- drawing (painter thread) --------------------------------------------------------------
     def _draw_timeline(self, live: LiveRun, timeline, step: int) -> None:
         title = f"run {live.number} · {_describe(live.spec.strategy)}"
-        redraw_timeline(self.timeline_view, timeline, step, title)
+        self._drawn = (live, timeline, step)
+        redraw_timeline(self.timeline_view, timeline, step, title, critical_path=self.path_box.value)
         self.draws += 1
         self.last_draw = (live.number, step, time.perf_counter())
+
+    def _redraw(self) -> None:
+        """The step on show drawn again (the critical-path toggle changed)."""
+        drawn = getattr(self, "_drawn", None)
+        if drawn is not None:
+            self._painter.request("timeline", lambda: self._draw_timeline(*drawn))
 
     def _draw_compare(self) -> None:
         a, b = self.pinned, self.runner.last
@@ -340,12 +352,13 @@ def timeline_figsize(world: int, panels: int = 1) -> tuple[float, float]:
     return 8, panels * min(MAX_HEIGHT_IN, 0.6 + 0.6 * world) + 0.6
 
 
-def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str) -> None:
+def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str, critical_path: bool = False) -> None:
     """Draw `step` of `timeline` into `view` in place of what it showed, titled
-    "<title> · <the plot's title>" (benchmarks/bench_timeline.py --redraw times this)."""
+    "<title> · <the plot's title>" (benchmarks/bench_timeline.py --redraw times this);
+    ``critical_path``: the step's critical path outlined, and what holds it in the title."""
     ax = view.axes[0]
     view.clear(ax)
-    timeline.plot(ax=ax, step=step)
+    timeline.plot(ax=ax, step=step, critical_path=critical_path)
     # y given: the title sits at the top edge, not above the measured boxes of every tick
     # label (there are none on top, and measuring them each redraw is slow)
     # "this step": the metrics table gives the median over the run's steps, which can differ

@@ -98,6 +98,12 @@ def test_slider_change_reruns_and_redraws_with_the_new_settings(lab2):
     assert "microbatches=4" not in dash.diff.value      # labels name what differs: the mode
     assert "dp_mode=naive" in dash.diff.value and "dp_mode=bucketed" in dash.diff.value
     assert bytes(dash.compare_view.widget.value).startswith(b"\x89PNG")
+    drawn, image = dash.draws, bytes(dash.timeline_view.widget.value)
+    dash.path_box.value = True                          # a view toggle: it redraws, it runs nothing
+    dash._painter.wait(DEADLINE)
+    assert dash.draws == drawn + 1 and dash.runner.last is third
+    assert "critical path" in dash.timeline_view.axes[0].get_title()
+    assert bytes(dash.timeline_view.widget.value) != image
     dash.close()
 
 
