@@ -129,6 +129,17 @@ EXERCISES = {
         "70 ms a step. Every rank's step is 35 ms, so step times alone cannot tell who was slow; "
         "the entry times can (timeline.stragglers()).",
         "a synchronous all-reduce ends for everyone together; who waits, and how long, before it starts?"),
+    "whatif_link": Exercise(
+        "dp = 2 on an emulated link, bucketed (the all-reduce after backward): rank 0 computes 30 ms a "
+        "step, rank 1 40 ms, and the gradients' all-reduce takes 40 ms once both have joined. The critical "
+        "path runs through which rank's compute, and how many ms does a step take on a link 4× faster "
+        "(latency negligible, everything else as measured)?",
+        lambda: 40 + 40 / 4,
+        "The path is rank 1's compute (40 ms: rank 0 waits for it inside the all-reduce), then the "
+        "all-reduce (40 ms): 80 ms. A 4× link shortens only the all-reduce: 40 + 10 = 50 ms, a 1.6× "
+        "speed-up, not 4× — the part of the path that is not on the link does not move. "
+        "run.whatif(link=…) replays a measured step exactly this way.",
+        "find what the path runs through (timeline.bound_by()), then shorten only the link's part of it."),
     "timeout": Exercise(
         "Notebook 06's straggler is late by 6.5 s at step 1; the lab's collective timeout is 5 s. "
         "How many seconds does rank 0 wait for rank 1 before it gives up?",

@@ -534,6 +534,7 @@ CLAIMS = {
         ('Away from β* the measurement follows the α-β lin', test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path),
         ('Slide β down and watch exposed comm take over th', 'question'),
         ('So a faster link should help — by how much?', 'question'),
+        ("And one on section 7: which rank's compute does", 'question'),
         ('A link four times faster makes the step more tha',
          test_10_the_link_holds_the_path_and_a_four_times_faster_link_more_than_halves_the_step),
     ],
