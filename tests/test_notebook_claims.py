@@ -150,15 +150,14 @@ def test_04_on_the_emulated_link_times_follow_the_bytes():
 
 
 # -- the claims of notebooks 07, 08, 10 and 11 (each checked on the notebook's own run) ------------
-def test_07_tp_pays_in_exposed_comm_and_less_of_it_as_width_grows():
-    """07's text: at both widths TP leaves a larger share of its step in exposed comm than PP,
-    and TP's share falls from width 64 to 256 (matmuls grow as h², its messages as h). Which
-    one is faster is printed, not claimed: at this size it changed from run to run."""
+def test_07_tp_pays_in_exposed_comm():
+    """07's text: at both widths TP leaves a larger share of its step in exposed comm than PP.
+    Its fall with width is theory the text does not claim from the table (it moved by less than
+    the noise: 0.701 → 0.704 in one run); which one is faster is printed, not claimed."""
     _, v = notebook("07_tensor_parallel")
     rows = {(w, "tp" if "tp=2" in name else "pp"): exposed for w, name, _, exposed, _ in v["rows"]}
     for width in (64, 256):
         assert rows[width, "tp"] > rows[width, "pp"], rows
-    assert rows[256, "tp"] < rows[64, "tp"], rows
 
 
 def test_08_prefetch_overlaps_more_of_the_gathers():
@@ -504,7 +503,8 @@ CLAIMS = {
         ('A blocking all-reduce also ends only when both t', 'hedged'),
         ('Each rank holds less than the whole model (the a', 'method'),
         ('TP sends `4·b·s·h` per layer on the critical pat', 'formula'),
-        ('Two things hold on every run: at both widths TP', test_07_tp_pays_in_exposed_comm_and_less_of_it_as_width_grows),
+        ('One thing holds on every run: at both widths TP', test_07_tp_pays_in_exposed_comm),
+        ('In theory that share falls as the width grows, t', 'hedged'),
         ('Which of the two is *faster* at this size is not', 'hedged'),
     ],
     "08_sharding": [

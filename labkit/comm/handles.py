@@ -174,7 +174,7 @@ def _record(ctx, entry, start, end):
     if entry.get("_recorded") or entry["op"] == "barrier":     # a barrier only aligns ranks
         return
     entry["_recorded"] = True
-    group = entry["group"] if entry["peer"] is None else None       # a collective's members
+    group = entry.get("group") if entry["peer"] is None else None       # a collective's members
     event = ctx.recorder.add(entry["kind"], entry["name"], start, end, stream="comm",
                              microbatch=entry["microbatch"], nbytes=entry["bytes"], peer=entry["peer"],
                              group=group)

@@ -149,10 +149,29 @@ def optimizer_ids(job, layout: Layout) -> list:
             flat = torch.cat([ids.reshape(-1) for ids, _ in parts] +
                              [torch.full((unit.padded - unit.numel,), -1, dtype=torch.long)])
             lo = unit.rank * unit.shard_numel
-            out.append((unit.shard, flat[lo:lo + unit.shard_numel], sorted({n for _, n in parts})))
+            out += _shard_pieces(unit, flat[lo:lo + unit.shard_numel], getattr(opt, "pieces", None) or [], pids)
         return out
     return [(p, pids[id(p)][0].reshape(-1), [pids[id(p)][1]])
             for group in opt.param_groups for p in group["params"]]
+
+
+def _shard_pieces(unit, ids: torch.Tensor, pieces: list, pids: dict) -> list:
+    """The tensors the optimizer steps for one ZeRO shard: the pieces it is cut into where its
+    members meet (labkit.parallel.zero.shard.FlatUnit.pieces: each steps one member's part, so
+    a member with no gradient is skipped), each with its numbers; the padding's piece has none
+    to save. The shard itself where the optimizer steps it whole."""
+    storage = unit.shard.data.untyped_storage().data_ptr()
+    base = unit.shard.data.storage_offset()
+    mine = [(m, q) for m, q in pieces if q.data.untyped_storage().data_ptr() == storage]
+    if not mine:
+        names = sorted({pids[id(p)][1] for _, p in unit.members})
+        return [(unit.shard, ids, names)]
+    out = []
+    for member, piece in mine:
+        offset = piece.data.storage_offset() - base
+        if member is not None:
+            out.append((piece, ids[offset:offset + piece.numel()], [pids[id(member)][1]]))
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

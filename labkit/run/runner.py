@@ -74,7 +74,7 @@ def validate(spec: RunSpec, engines: int):
     check_model(built, s)
     warn_dropout(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a chain
-    data = resolve_data(spec.data, built, spec.batch, spec.seed)    # synthetic data: a shape it can infer
+    data = FirstBatch(resolve_data(spec.data, built, spec.batch, spec.seed), spec.data)   # synthetic: a shape it infers
     check_targets(spec.loss, data)                   # token ids with the default "mse": refused
     if callable(spec.loss):
         check_loss(loss, built, data, spec.batch)    # a user's loss: a mean over the rows, or refused
@@ -94,6 +94,31 @@ def validate(spec: RunSpec, engines: int):
     return prepare(spec, built)                      # checkpoint=, resume=: the folder, model, optimizer
 
 
+class FirstBatch:
+    """``data`` for the checks: the first batch fetched once however many checks read it, and
+    kept for the next validation of the same user data (``data(step)`` is the same batch every
+    time: the data contract; a user's data may be slow, and the dashboard validates twice on
+    every change); other steps and attributes are the data's own."""
+
+    _last: tuple = (None, None)          # (the user's data object, its first batch)
+
+    def __init__(self, data, given=None):
+        self._data, self._given = data, given
+        self._first = FirstBatch._last[1] if given is not None and FirstBatch._last[0] is given else None
+
+    def __call__(self, step: int):
+        if step != 0:
+            return self._data(step)
+        if self._first is None:
+            self._first = self._data(0)
+            if self._given is not None:
+                FirstBatch._last = (self._given, self._first)
+        return self._first
+
+    def __getattr__(self, name):
+        return getattr(self._data, name)
+
+
 PROBE_PARAMETERS = 50_000_000
 """The largest model :func:`check_first_batch` builds for real in the notebook (200 MB in fp32)."""
 
@@ -109,6 +134,13 @@ def check_first_batch(spec: RunSpec, built: nn.Module, data) -> None:
     random_probe = split(s) and not has_dropout(built)      # dropout layers are warned about already
     if not (s.pp > 1 or random_probe) or sum(p.numel() for p in built.parameters()) > PROBE_PARAMETERS:
         return
+    # the same model, data and seed probed before (a dashboard validates on every change, and a
+    # user's data may be slow): what passed then holds now
+    same = _PROBED.get("of") is not None and all(a is b for a, b in zip(_PROBED["of"], (spec.model, spec.data)))
+    same = same and _PROBED.get("seed") == spec.seed
+    chain, random = s.pp > 1 and not (same and _PROBED.get("chain")), random_probe and not (same and _PROBED.get("random"))
+    if not (chain or random):
+        return
     try:
         x = data(0)[0]
     except Exception:             # the run reports the data's own error
@@ -117,11 +149,21 @@ def check_first_batch(spec: RunSpec, built: nn.Module, data) -> None:
         return
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec.model, spec.seed)
-    if s.pp > 1:
+    if not same:
+        _PROBED.clear()
+        _PROBED.update({"of": (spec.model, spec.data), "seed": spec.seed})
+    if chain:
         from ..parallel.pipeline.modules import check_chain
         check_chain(model, x[:1])
-    if random_probe:
+        _PROBED["chain"] = True
+    if random:
         warn_random_forward(model, x[:1], s)
+        _PROBED["random"] = True
+
+
+_PROBED: dict = {}
+"""The last model and data :func:`check_first_batch` probed (held, so identity means the same
+objects), its seed, and which probes passed."""
 
 
 def model_for_checks(model, seed: int) -> nn.Module:
