@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from statistics import median
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from .analysis.metrics import speedup as _speedup_of
 from .config import Strategy

@@ -196,7 +196,7 @@ def test_a_raw_hf_models_own_plan_in_labkits_styles():
 
 
 @pytest.mark.parametrize("args, match", [
-    ((4, "megatron", qwen2_tied), f"pad the vocabulary.*vocab_size=96, a multiple of 4"),
+    ((4, "megatron", qwen2_tied), "pad the vocabulary.*vocab_size=96, a multiple of 4"),
     ((2, "dtensor", qwen2_tied), "tied to 'lm_head'.*tp_mode='megatron'"),
     ((2, "megatron", qwen2_tied, {"model.embed_tokens": "rowwise"}), "tied to 'lm_head'; split both by vocabulary"),
 ])

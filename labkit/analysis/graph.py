@@ -279,7 +279,11 @@ def bound_by(timeline, step: int | None = None, groups: str = "require") -> Boun
     """Sum the critical path's time by what it is: each rank's compute, each kind of collective
     in each group (a dp group's bucket all-reduces together), the messages between each pair,
     each rank's untraced time."""
-    path = critical_path(timeline, step, groups)
+    return bound_of(critical_path(timeline, step, groups))
+
+
+def bound_of(path) -> BoundBy:
+    """:func:`bound_by` of a critical path already found (a Timeline of its spans)."""
     totals: dict[str, float] = defaultdict(float)
     compute: dict[int, float] = defaultdict(float)
     for e in path.events:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..analysis.graph import bound_of
+
 from .timeline import _lane, _new_figure, _window
 
 
@@ -23,7 +25,7 @@ def outline_path(ax, tl, step, lane_ranks: list[int]) -> None:
         y = _lane(lane_ranks, rank, "compute" if stream != "comm" else "comm")
         ax.broken_barh([((sh + start) * 1e3, (end - start) * 1e3)], (y - 0.45, 0.9), facecolors="none",
                        edgecolors="black", linewidth=1.8, zorder=5)
-    verdict = tl.bound_by(shown)
+    verdict = bound_of(path)                   # the path found above, not walked again
     ax.set_title(f"{ax.get_title()}\ncritical path (outlined): {verdict}", fontsize="medium")
 
 
