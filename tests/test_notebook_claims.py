@@ -339,7 +339,7 @@ def test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula()
     split = v["split"]
     assert split["balanced"]["pairs"] == [8.0] * 4 and split["contiguous"]["pairs"] == [2.0, 6.0, 10.0, 14.0]
     contiguous = split["contiguous"]["attention_ms"]
-    assert contiguous[3] >= 2 * contiguous[0], contiguous
+    assert contiguous[3] > contiguous[0], contiguous      # the text: longer (its work 7×; measured 1.8–2×+)
     modes = v["modes"]
     for mode, m in modes.items():
         assert m["sent"] == [m["formula"]] * 4, (mode, m)
@@ -562,7 +562,7 @@ CLAIMS = {
         ('Every run of the course is checked; here `cp=4`', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
         ('Below them, on the comm lane, the hop `cp kv j`', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
         ('With the sequence cut into contiguous slices, ra', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
-        ('Contiguous, the last rank computes attention mor', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
+        ('Contiguous, the last rank computes attention lon', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
         ('The measured bars are the illustration, and they', 'hedged'),
         ('On a cluster, where each rank has a GPU of its o', 'cluster'),
         ('The ring sends the most (its blocks travel again', test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula),
