@@ -11,13 +11,13 @@ a Llama model that no measurement ran, its sequence over cp ranks and its MoE tw
 over ep ranks) is simulated from it and run on the lab, twice.
 The two runs ``measure`` itself takes of a trivial model (its host costs per action and per
 step) are repeated as the in-sample cases; every other case is held out. Prints, per case,
-the measured step time (median of the two runs), the predicted, their ratio, the prediction
-without the point-to-point terms (a message's wait for a core, its crossing one the other way,
-each call's host cost: the machine's ``wake_s``, ``cross_s`` and ``call_s``) over the
-measured, the second run over the first (how far a measurement predicts itself: the floor
-under the ratio), and the exposed-comm fraction measured/predicted; then how many
-cases meet the targets (step time within 15 % on 2 engines, 20 % on 4; exposed comm within
-0.07), and the host's load average (``os.getloadavg``), since the engines share their cores
+the measured step time (median of the two runs), the predicted, their ratio, the second run
+over the first (how far a measurement predicts itself: the floor under the ratio), and the
+exposed-comm fraction measured/predicted; then how many cases meet the targets (step time
+within 15 % on 2 engines, 20 % on 4; exposed comm within 0.07); then the ablation: the
+held-out error with each host and gloo term of the machine switched off (:data:`TERMS`, each
+set to nothing; the matmul shape term with the table as measured, undivided), so a term that
+does not make the held-out cases better shows it; and the host's load average (``os.getloadavg``), since the engines share their cores
 with whatever else runs; ``--remeasure`` measures the machine again before each case, so a
 drift of that load between the measurement and the case is taken out.
 ``--link bandwidth,latency``: the lab runs on an emulated link (``labkit.Link``), whose α and
@@ -109,18 +109,40 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
 
 
 KEYS = ("step_time_s", "exposed_comm_fraction", "bubble_fraction")
+TERMS = ("view_s", "call_s", "wake_s", "cross_s", "join_s", "sleep_s", "action_s", "step_s", "comm_load",
+         "matmul_half_dim", "setup_s", "elementwise", "attention_Fps", "cold_Bps")
+"""The machine's terms beyond the compute table, the memory rate and the link's α-β that the
+ablation switches off one at a time (those the machine still has)."""
+
+
+def without(machine, term: str):
+    """``machine`` with ``term`` switched off: a number 0, a table empty; the shape term with the
+    matmul table as measured (each row times its shape's efficiency); the cold rows at the
+    in-cache memory rate."""
+    if term == "matmul_half_dim":
+        from labkit.plan.measure import MATMUL_SHAPES
+        rows = tuple((f, r * machine.efficiency(min(shape))) for (f, r), shape in zip(machine.matmul, MATMUL_SHAPES))
+        return replace(machine, matmul=rows, matmul_half_dim=0.0)
+    if term == "cold_Bps":
+        return replace(machine, cold_Bps=((1, machine.memory_Bps),))
+    value = getattr(machine, term)
+    return replace(machine, **{term: type(value)() if isinstance(value, (dict, tuple)) else 0.0})
+
+
+def terms(machine) -> list[str]:
+    return [t for t in TERMS if hasattr(machine, t)]
 
 
 def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     kw = {k: spec[k] for k in ("data", "loss") if k in spec}
     tp_plan = spec.get("tp_plan") if strategy.tp > 1 else None
     pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
-    without = replace(machine, wake_s=0.0, call_s=0.0, cross_s=0.0)      # the point-to-point terms
-    bare = plan.simulate(strategy, without, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
+    ablated = {t: plan.simulate(strategy, without(machine, t), model=spec["model"], batch=spec["batch"],
+                                tp_plan=tp_plan, **kw).metrics["step_time_s"] for t in terms(machine)}
     runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
             for _ in range(2)]
     row = {f"predicted_{k}": pred.metrics[k] for k in KEYS}
-    row["predicted_without_messages_s"] = bare.metrics["step_time_s"]
+    row["without"] = ablated
     row["in_sample"] = bool(spec.get("in_sample"))
     for k in KEYS:
         row[f"measured_{k}"] = median(r[k] for r in runs)
@@ -131,13 +153,13 @@ def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
 
 def summarise(rows: list[dict], engines: int) -> str:
     target = 0.15 if engines <= 2 else 0.20
-    lines = [f"{'case':>34} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'w/o msg':>7} {'2nd/1st':>7} "
+    lines = [f"{'case':>34} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'2nd/1st':>7} "
              f"{'exposed m/p':>11} {'bubble m/p':>11} {'load':>5}"]
     for r in rows:
         ratio = r["predicted_step_time_s"] / r["measured_step_time_s"]
         a, b = r["runs_step_time_s"]
         lines.append(f"{r['case']:>34} {1e3 * r['measured_step_time_s']:>11.2f} {1e3 * r['predicted_step_time_s']:>12.2f} "
-                     f"{ratio:>6.2f} {r['predicted_without_messages_s'] / r['measured_step_time_s']:>7.2f} "
+                     f"{ratio:>6.2f} "
                      f"{b / a:>7.2f} "
                      f"{r['measured_exposed_comm_fraction']:>5.2f}/{r['predicted_exposed_comm_fraction']:<5.2f} "
                      f"{r['measured_bubble_fraction']:>5.2f}/{r['predicted_bubble_fraction']:<5.2f} {r['load']:>5.1f}")
@@ -146,14 +168,34 @@ def summarise(rows: list[dict], engines: int) -> str:
         if not part:
             continue
         hit_t = sum(abs(r["predicted_step_time_s"] / r["measured_step_time_s"] - 1) <= target for r in part)
-        hit_b = sum(abs(r["predicted_without_messages_s"] / r["measured_step_time_s"] - 1) <= target for r in part)
         floor_t = sum(abs(r["runs_step_time_s"][1] / r["runs_step_time_s"][0] - 1) <= target for r in part)
         hit_x = sum(abs(r["measured_exposed_comm_fraction"] - r["predicted_exposed_comm_fraction"]) <= 0.07
                     for r in part)
-        lines.append(f"{label} ({len(part)} cases): step time within ±{100 * target:.0f} %: {hit_t} (without the "
-                     f"point-to-point terms: {hit_b}); exposed comm within ±0.07: {hit_x}; the second run within "
+        lines.append(f"{label} ({len(part)} cases): step time within ±{100 * target:.0f} %: {hit_t}; exposed comm within ±0.07: {hit_x}; the second run within "
                      f"±{100 * target:.0f} % of the first: {floor_t}")
-    return "\n".join(lines)
+    return "\n".join(lines + ablation(rows, target))
+
+
+def _errors(rows, key=None) -> list[float]:
+    return sorted(abs((r["without"][key] if key else r["predicted_step_time_s"]) / r["measured_step_time_s"] - 1)
+                  for r in rows)
+
+
+def ablation(rows: list[dict], target: float) -> list[str]:
+    """The held-out cases' error with each term off beside all terms on: median and worst |error|
+    and the cases within ``target``; a term whose removal leaves them as good is not earning its place."""
+    held = [r for r in rows if not r["in_sample"]]
+    if not held:
+        return []
+    lines = [f"ablation, held out ({len(held)} cases): {'term off':>16} {'median |err|':>12} {'worst':>6} "
+             f"{'within':>6}"]
+
+    def line(label, errs):
+        return (f"{'':>34} {label:>16} {100 * errs[len(errs) // 2]:>11.1f}% {100 * errs[-1]:>5.0f}% "
+                f"{sum(e <= target for e in errs):>6}")
+    lines.append(line("(all on)", _errors(held)))
+    lines += [line(t, _errors(held, t)) for t in held[0]["without"]]
+    return lines
 
 
 def main() -> None:
