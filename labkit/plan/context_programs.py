@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from . import price
 from .des import Compute, Wait
 
 _COUNTED: dict = {}
@@ -36,7 +37,8 @@ class ContextPrograms:
             return self.ring((b, h, t // 2, hd, hkv), nbytes, layer, fwd, mb, d, c)
         if s.cp_mode == "ulysses":
             return self.ulysses(shape, group, layer, fwd, kind, name, mb, d, c)
-        work = Compute(self.m.seconds(_attention_ops("gathered", *shape, s.cp)[0 if fwd else 1].ops), kind, name, mb)
+        ops = _attention_ops("gathered", *shape, s.cp)[0 if fwd else 1].ops
+        work = Compute(price.seconds(self.m, ops), kind, name, mb)
         if fwd:
             return self.blocking(("cp ag", d, mb, layer), group, "all_gather", s.cp * nbytes, "allgather",
                                  "cp allgather kv", mb) + [work]
@@ -56,7 +58,7 @@ class ContextPrograms:
             return [call, Wait(call.key)]
 
         def work(items):
-            return Compute(sum(self.m.seconds(x.ops) for x in items), kind, name, mb)
+            return Compute(sum(price.seconds(self.m, x.ops) for x in items), kind, name, mb)
         if fwd:
             return ([work([ops[h][0], ops[hkv][0], ops[hkv][0]])] + turn("q", h) + turn("k", hkv) + turn("v", hkv)
                     + [work([ops["core"][0], ops[h][1]])] + turn("out", h))
@@ -79,7 +81,7 @@ class ContextPrograms:
             hows = [relation(qa, kb, True) for qa in rank_chunks(c, n, s.cp_balance)
                     for kb in rank_chunks(src, n, s.cp_balance)]
             own = self.m.op_s if fwd else 3 * self.m.op_s + 4 * nbytes / self.m.memory_Bps
-            return own + sum(self.m.seconds(_attention_ops(how, *pair)[0 if fwd else 1].ops)
+            return own + sum(price.seconds(self.m, _attention_ops(how, *pair)[0 if fwd else 1].ops)
                              for how in hows if how != SKIP)
 
         out, grads = [], []

@@ -4,6 +4,7 @@ around this rank's experts (parallel/expert/dispatch.py), and the experts' own g
 """
 from __future__ import annotations
 
+from . import price
 from .des import Compute, Issue, Wait
 
 
@@ -28,7 +29,7 @@ class ExpertPrograms:
             if (layer, d, mb, h) not in self.counted:          # forward and backward alike
                 self.counted[layer, d, mb, h] = routed_ops(moe, chosen[me], counts[me])
             for part, pair in self.counted[layer, d, mb, h].items():
-                ops[part, h] = Compute(self.m.seconds(pair[0 if fwd else 1].ops), kind, name, mb)
+                ops[part, h] = Compute(price.seconds(self.m, pair[0 if fwd else 1].ops), kind, name, mb)
             out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
             back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
             for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
@@ -56,8 +57,8 @@ class ExpertPrograms:
         link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
         leaving the busiest member); the call takes the longer."""
         n = len(group)
-        own, link = self.m.comm_parts("all_to_all", max(sent) * n / (n - 1), n,
-                                  gloo=self.m.comm_parts("send", max(sent), 2)[0])
+        own, link = price.comm_parts(self.m, "all_to_all", max(sent) * n / (n - 1), n,
+                                  gloo=price.comm_parts(self.m, "send", max(sent), 2)[0])
         return Issue(key, group, own, "all_to_all", name, int(sent[me]), None, mb, link=link)
 
     def expert_sync(self, d: int) -> list:

@@ -15,15 +15,13 @@ are the machine's too: a call takes the link's time or gloo's, whichever is long
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 
+from . import price
 from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
+from .price import VIEWS  # noqa: F401  (work and measure read it here)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
-                   "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk"))
-"""aten ops that make a view or take metadata: no arithmetic and no bytes, a host call (``view_s``)."""
 
 
 def _link(value) -> AlphaBeta:
@@ -154,60 +152,24 @@ class Machine:
         object.__setattr__(self, "attention_Fps", ((256, float(rows)),) if isinstance(rows, (int, float)) and rows
                            else tuple(tuple(r) for r in rows or ()))
 
-    # -- prices ------------------------------------------------------------------------------
+    # -- prices: labkit.plan.price's formulas on this machine ---------------------------------
     def efficiency(self, dim: float) -> float:
-        """d/(d + d½) of a product whose smallest dimension is ``dim`` (1 when not known: 0)."""
-        return dim / (dim + self.matmul_half_dim) if dim > 0 else 1.0
+        return price.efficiency(self, dim)
 
     def rate(self, flops: float, dim: float = 0) -> float:
-        """FLOP/s of one thread on a product of ``flops`` whose smallest dimension is ``dim``: the
-        table, interpolated in log size, at that shape's efficiency."""
-        return self._table(flops) * self.efficiency(dim)
-
-    def _table(self, flops: float) -> float:
-        return _interpolate(self.matmul, flops)
+        return price.rate(self, flops, dim)
 
     def op_seconds(self, op, k: float = 1.0) -> float:
-        """One thread's seconds for one counted op (:class:`labkit.plan.work.Op`), its work
-        scaled by ``k`` (a tensor-parallel shard): host cost, then arithmetic or bytes, then
-        the bytes it finds beyond the cache."""
-        if op.name in VIEWS:
-            return self.view_s
-        host, flops, cold = self.op_s + self.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
-        if "scaled_dot_product" in op.name and self.attention_Fps:
-            return host + flops / _interpolate(self.attention_Fps, op.dim or 256) + cold / _interpolate(self.cold_Bps, 64)
-        if flops:
-            return host + flops / self.rate(flops, op.dim) + cold / _interpolate(self.cold_Bps, op.dim or 64)
-        moved = (op.bytes * k - cold) / self.memory_Bps + cold / self.dram_Bps
-        return host + max(moved, op.elements * k * self.elementwise.get(op.name, 0.0))
+        return price.op_seconds(self, op, k)
 
     def seconds(self, ops, scale=lambda op: 1.0) -> float:
-        """Seconds of a list of ops, each op's work scaled by ``scale(op)``."""
-        return sum(self.op_seconds(op, scale(op)) for op in ops)
+        return price.seconds(self, ops, scale)
 
     def comm_s(self, family: str, nbytes: float, n: int, gloo: float | None = None) -> float:
-        """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``n`` ranks:
-        the longer of its two parts (:meth:`comm_parts`)."""
-        return max(self.comm_parts(family, nbytes, n, gloo))
+        return price.comm_seconds(self, family, nbytes, n, gloo)
 
     def comm_parts(self, family: str, nbytes: float, n: int, gloo: float | None = None) -> tuple[float, float]:
-        """(gloo's own seconds, the emulated link's seconds or 0) of one call of ``family``:
-        ``gloo`` if given, else its fitted α-β. gloo's part is the cores' work; the link's is a
-        wait off them (``labkit.Link``: the call's handle sleeps until then, and wakes
-        ``sleep_s`` late). On the link a collective first all-reduces its members' start times
-        (one number, gloo's own speed: :func:`labkit.comm.calls._join`) before gloo moves its bytes; the
-        link's time counts from those starts, so it runs beside that stamp."""
-        own = self.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
-        if not self.link_alpha_beta:
-            return own, 0.0
-        if family != "send":
-            own += self.join_s * (n - 1) / max(1, self.engines - 1)
-        return own, self._wire().seconds(family, nbytes, n) + self.sleep_s
-
-    def _wire(self) -> AlphaBeta:
-        """The emulated link as an AlphaBeta: α per message, β bytes/s per rank (``link_alpha_beta``)."""
-        alpha, beta = self.link_alpha_beta
-        return AlphaBeta(alpha=alpha, beta=beta, per_step=True)
+        return price.comm_parts(self, family, nbytes, n, gloo)
 
     # -- files -------------------------------------------------------------------------------
     def save(self, path) -> None:
@@ -241,13 +203,3 @@ class Machine:
                 f"start stamp {self.join_s * 1e6:.0f} µs; a sleep wakes {self.sleep_s * 1e6:.0f} µs late"
                 + (f"; link {self.link}" if self.link else "") + ")")
 
-
-def _interpolate(rows, x: float) -> float:
-    """The value of (x, y) ``rows`` at ``x``, linear in log x between rows, flat beyond them."""
-    rows = sorted(rows)
-    if x <= rows[0][0]:
-        return rows[0][1]
-    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
-        if x <= x1:
-            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
-    return rows[-1][1]

@@ -1,0 +1,70 @@
+"""Pipelines in the planner's programs: each rank's action list from
+:func:`labkit.parallel.pipeline.schedules.build_schedule`, its stages cut by the executor's own
+:func:`~labkit.parallel.pipeline.stages.split_blocks`, activations and their gradients sent
+between neighbours, and with dp the dp modes per stage (their buckets issued after a stage's last
+backward with overlap). :class:`PipelinePrograms` is a part of :class:`labkit.plan.physical.Builder`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .des import Compute, Wait
+
+
+class PipelinePrograms:
+    """The Builder's pp method (it uses its grid, compute and calls)."""
+
+    def pipeline(self, d: int, p: int, t: int) -> list:
+        from ..parallel.pipeline.schedules import build_schedule
+        from ..parallel.pipeline.stages import split_blocks
+
+        s, w = self.s, self.w
+        stages = s.pp * s.chunks
+        ranges = split_blocks([sum(b.params) for b in w.blocks], stages, s.split_at,
+                              equal=s.schedule == "interleaved")
+        actions = build_schedule(s.schedule, s.pp, s.microbatches, s.chunks)[p]
+        last_b = {}
+        for k, a in enumerate(actions):
+            if a.op in ("B", "W") or (a.op == "I" and a.stage == 0):
+                last_b[a.stage] = k
+        syncs = {g: self.sync_items(g, ranges[g], g == 0, d, p, t, None) for g in {a.stage for a in actions}}
+        act, out = Compute(self.m.action_s), []
+        for k, a in enumerate(actions):
+            g, mb = a.stage, a.microbatch
+            blocks, first, last = ranges[g], g == 0, g == stages - 1
+            if a.op == "F":
+                out += [act] + self.forward(blocks, d, p, t, mb, first, last)
+            elif a.op in ("B", "I", "W"):
+                out += [act] + self.backward(blocks, d, p, t, mb, first, last, None if a.op == "B" else a.op)
+                if k == last_b.get(g) and s.dp_mode in ("overlap", "ddp") and not s.zero:
+                    out += [x for issued in syncs[g][0].values() for _, items in issued for x in items]
+            else:
+                out += self.message(a, ranges, d, p, t)
+        held = sorted({a.stage for a in actions})
+        for g in held:
+            out += syncs[g][1]
+        mine = [i for g in held for i in ranges[g]]
+        out.append(self.optimizer(self.share(mine, 0 in held)))
+        if s.zero == 1:
+            for g in held:
+                out += self.gathers(g, ranges[g], g == 0, d, p, t)
+        return out
+
+    def message(self, a, ranges, d: int, p: int, t: int) -> list:
+        """A SEND_F/SEND_B action posts its message; a RECV_F/RECV_B posts the receive and waits."""
+        peer, me, direction, mb = self.rank(d, a.peer, t), self.rank(d, p, t), a.op[-1], a.microbatch
+        if a.op.startswith("SEND"):
+            nbytes = _act_bytes(self.w, ranges, a.stage, direction)
+            return [self.call(("p2p", direction, a.stage, mb, d, t), (me, peer), "send", nbytes, "send",
+                              f"{direction} {mb}", mb, peer)]
+        src = a.stage - 1 if direction == "F" else a.stage + 1
+        key = ("p2p", direction, src, mb, d, t)
+        item = self.call(key, (peer, me), "send", _act_bytes(self.w, ranges, src, direction), "recv",
+                         f"{direction} {mb}", mb, peer)
+        return [replace(item, bytes=0), Wait(key)]
+
+
+def _act_bytes(work, ranges, stage: int, direction: str) -> int:
+    """Bytes of the activation (F) or its gradient (B) leaving ``stage``'s boundary."""
+    boundary = ranges[stage][-1] if direction == "F" else ranges[stage][0] - 1
+    return 4 * work.blocks[max(0, boundary)].out_numel * work.size

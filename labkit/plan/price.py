@@ -1,0 +1,118 @@
+"""The planner's prices: what one counted op and one call cost on a measured machine.
+
+A step is each rank's program (:mod:`labkit.plan.physical`) run through the simulator
+(:mod:`labkit.plan.des`); every piece of a program is priced here, from the
+:class:`~labkit.plan.machine.Machine`'s measured numbers and nothing else.
+
+**Compute.** An op (:class:`labkit.plan.work.Op`: its FLOPs F, bytes moved B of which C come
+from beyond the cache, output elements E, smallest dimension d), scaled by k (a tensor-parallel
+shard), takes one thread
+
+    t = h + h_op +  k·F / (R(k·F) · d/(d + d½)) + k·C / B_cold(d)             a matrix product
+                    k·F / R_attn(T) + k·C / B_cold                             an attention kernel
+                    max(k·(B − C)/B_mem + k·C/B_dram,  k·E · e_op)              anything else
+
+with h the host's cost per op (``op_s``), h_op an op's own kernel setup (``setup_s``), R the
+matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), d½ the shape term
+(``matmul_half_dim``), R_attn torch's attention kernels by query length T, B_mem and B_dram
+the elementwise rates in and beyond the cache, B_cold a product's cold operands by its rows,
+and e_op the seconds per element of an op whose arithmetic bounds it (GELU, exp, softmax).
+A view (a transpose, a reshape) moves nothing: it costs ``view_s``.
+
+**Communication.** A call of ``family`` moving S bytes (nccl-tests' size) over n ranks costs
+gloo's own work, the α-β of that family measured on the engines (α per ring step):
+
+    t_gloo = steps(n)·α_f + bus(n)·S/β_f
+
+(``steps``: n − 1 for a gather or scatter, 2(n − 1) for an all-reduce, 1 for a send; ``bus``:
+the bytes each rank moves per byte of S). On an emulated link the call also waits off the
+cores for the link's α-β, plus a sleep's lateness, and a collective first agrees on its start
+(``join_s`` per ring step); the call takes the longer of the two:
+
+    t_call = max(t_gloo + join·(n − 1)/(engines − 1),  steps(n)·α_link + bus(n)·S/β_link + sleep)
+
+Posting a call costs the issuing thread ``call_s``.
+
+**Shared cores.** The engines share ``cores`` cores by processor sharing: a running compute
+span asks for one core, a transfer in flight for ``comm_load`` cores per member; when the asks
+exceed the cores every one runs at cores/asks of its speed. A message whose sender is computing
+on full cores waits ``wake_s`` for its thread's turn; two messages crossing between one pair
+each take ``cross_s`` longer (:class:`labkit.plan.des.Sim` runs this).
+"""
+from __future__ import annotations
+
+import math
+
+from .hardware import AlphaBeta
+
+VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
+                   "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk"))
+"""aten ops that make a view or take metadata: no arithmetic and no bytes, a host call (``view_s``)."""
+
+
+def efficiency(machine, dim: float) -> float:
+    """d/(d + d½) of a product whose smallest dimension is ``dim`` (1 when not known: 0)."""
+    return dim / (dim + machine.matmul_half_dim) if dim > 0 else 1.0
+
+
+def rate(machine, flops: float, dim: float = 0) -> float:
+    """R(F)·d/(d + d½): FLOP/s of one thread on a product of ``flops`` whose smallest dimension is ``dim``."""
+    return interpolate(machine.matmul, flops) * efficiency(machine, dim)
+
+
+def op_seconds(machine, op, k: float = 1.0) -> float:
+    """t of one counted op, its work scaled by ``k`` (the module docstring's compute formula)."""
+    if op.name in VIEWS:
+        return machine.view_s
+    host, flops, cold = machine.op_s + machine.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
+    if "scaled_dot_product" in op.name and machine.attention_Fps:
+        attention = interpolate(machine.attention_Fps, op.dim or 256)
+        return host + flops / attention + cold / interpolate(machine.cold_Bps, 64)
+    if flops:
+        return host + flops / rate(machine, flops, op.dim) + cold / interpolate(machine.cold_Bps, op.dim or 64)
+    moved = (op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps
+    return host + max(moved, op.elements * k * machine.elementwise.get(op.name, 0.0))
+
+
+def seconds(machine, ops, scale=lambda op: 1.0) -> float:
+    """Seconds of a list of ops on one thread, each op's work scaled by ``scale(op)``."""
+    return sum(op_seconds(machine, op, scale(op)) for op in ops)
+
+
+def comm_parts(machine, family: str, nbytes: float, n: int, gloo: float | None = None) -> tuple[float, float]:
+    """(t_gloo, the link's wait or 0) of one call (the module docstring's communication
+    formula); ``gloo``: gloo's seconds given rather than its α-β's. gloo's part is work on the
+    cores, the link's a wait off them (``labkit.Link`` sleeps it off)."""
+    own = machine.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
+    if not machine.link_alpha_beta:
+        return own, 0.0
+    if family != "send":
+        own += machine.join_s * (n - 1) / max(1, machine.engines - 1)
+    alpha, beta = machine.link_alpha_beta
+    return own, AlphaBeta(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n) + machine.sleep_s
+
+
+def comm_seconds(machine, family: str, nbytes: float, n: int, gloo: float | None = None) -> float:
+    """t_call: the longer of the call's two parts."""
+    return max(comm_parts(machine, family, nbytes, n, gloo))
+
+
+def simulator(programs, machine):
+    """The simulator on ``machine``'s shared cores (the module docstring's last paragraph), each
+    posted call preceded by its host cost on the issuing thread."""
+    from .des import Compute, Issue, Sim
+    posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
+              for prog in programs]
+    return Sim(posted, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s,
+               links=bool(machine.link_alpha_beta))
+
+
+def interpolate(rows, x: float) -> float:
+    """The value of (x, y) ``rows`` at ``x``, linear in log x between rows, flat beyond them."""
+    rows = sorted(rows)
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return rows[-1][1]
