@@ -83,8 +83,8 @@ def main() -> None:
     torch.set_num_threads(1)
     measure = importlib.import_module("labkit.plan.measure")
     probes, _ = measure._alone(0.2, None)
-    dram, cold = measure._shared(0.2)           # one process: its share is the whole bus
-    machine = Machine(cores=1.0, **probes, dram_Bps=dram, cold_Bps=cold)
+    dram = measure._shared(0.2)                 # one process: its share is the whole bus
+    machine = Machine(cores=1.0, **probes, dram_Bps=dram)
     print(f"host {machine.op_s * 1e6:.1f} µs/op, {machine.view_s * 1e6:.1f} µs/view; cache "
           f"{machine.cache_bytes / 2 ** 20:.0f} MiB")
     print(f"{'model':>16} {'rows':>4} | {'forward ms':>17} | {'backward ms':>17} | {'optimizer ms':>17}")

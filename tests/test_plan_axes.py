@@ -18,7 +18,7 @@ SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
 
 def _machine() -> Machine:
     return Machine(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
-                   step_s=1e-3, comm={f: (20e-6, 1e9) for f in FAMILIES}, comm_load=0.25, engines=4)
+                   comm={f: (20e-6, 1e9) for f in FAMILIES}, engines=4)
 
 
 def per_rank(events, world: int) -> list[tuple[int, set]]:

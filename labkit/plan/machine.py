@@ -5,9 +5,10 @@ per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :cl
 is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines
 (matmuls of a few sizes and two shapes, an elementwise loop, tiny autograd ops, collectives of
 a few sizes, one message with its sender busy and idle, a step of a trivial model at two
-micro-batch counts). It takes no model and runs no strategy the planner predicts; :func:`labkit.plan.simulate` prices any model's counted operations
-(:mod:`labkit.plan.work`) with it. With an emulated link (``lab.link``) the link's α and β
-are the machine's too: a call takes the link's time or gloo's, whichever is longer.
+micro-batch counts). It takes no model and runs no strategy the planner predicts;
+:func:`labkit.plan.simulate` prices any model's counted operations (:mod:`labkit.plan.work`)
+with it, by the formulas of :mod:`labkit.plan.price`. With an emulated link (``lab.link``)
+the link's α and β are the machine's too: a call takes the link's time or gloo's, whichever is longer.
 
     >>> machine = labkit.plan.measure(lab)
     >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
@@ -22,6 +23,9 @@ from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure 
 from .price import VIEWS  # noqa: F401  (work and measure read it here)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "link")
+"""Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
+step_s, a residual of the simulator rather than a measurement)."""
 
 
 def _link(value) -> AlphaBeta:
@@ -57,15 +61,10 @@ class Machine:
     products going round N weights of 1 MiB; the largest N whose product stays nearer its
     in-cache time than its cold one."""
     dram_Bps: float = 5e9
-    """Bytes per second an elementwise op streams from and to memory beyond the cache: each
-    engine's share, since the engines share the memory bus and a step runs on all of them at
-    once. Measured: add_ on 64 MiB tensors on every engine at once, the median."""
-    cold_Bps: tuple = ((1, 5e9),)
-    """(smallest dimension, bytes/s) rows: how fast a matrix product reads operands that are not
-    in the cache (a weight read once a step), interpolated in log dimension; a product of few
-    rows hides less of it behind arithmetic; each engine's share, as ``dram_Bps``. Measured:
-    16×512×512 and 64×512×512 products going round 128 MiB of weights, against one weight
-    again, on every engine at once, the median."""
+    """Bytes per second an op streams from and to memory beyond the cache (an elementwise op's
+    operands, a product's weights read once a step): each engine's share, since the engines
+    share the memory bus and a step runs on all of them at once. Measured: add_ on 64 MiB
+    tensors on every engine at once, the median."""
     elementwise: dict = field(default_factory=dict)
     """aten op name → seconds per output element of an op whose arithmetic, not its bytes,
     bounds it (GELU's erf, SiLU's exp, softmax). Measured: each op of a fixed list on a
@@ -74,11 +73,6 @@ class Machine:
     """aten op name → host seconds a call of that kind takes beyond ``op_s`` whatever its size
     (its kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list
     on a 4×4 tensor, less an add on the same tensor."""
-    attention_Fps: tuple = ()
-    """(query length, FLOP/s) rows of torch's CPU scaled-dot-product attention kernels
-    (forward and backward), which tile and exponentiate rather than run a GEMM, interpolated in
-    log length (a short sequence fills fewer tiles). Measured: causal attention on 4×4×T×32
-    queries, forward and backward, at T = 32, 64 and 256 (empty: priced as a product)."""
     op_s: float = 5e-6
     """Host seconds per aten op (dispatch, autograd bookkeeping). Measured: forward and backward
     of a chain of one-element ops, divided by the ops counted."""
@@ -87,23 +81,18 @@ class Machine:
     moved). Measured: view, t and transpose of a small tensor that needs a gradient, the median."""
     action_s: float = 1e-4
     """Host seconds the executor adds per action (a forward or backward of a micro-batch):
-    hooks, recording, Python. Measured: a trivial model's step at 1 and 8 micro-batches."""
+    hooks, recording, Python. Measured: a trivial model's step at 8 micro-batches against 1,
+    per extra action, less the host and arithmetic of the ops those actions counted."""
     call_s: float = 0.0
     """Host seconds the issuing thread spends posting one labkit.comm call (bookkeeping, gloo's
     post; on an emulated link the departure stamp too). Measured: the thread's CPU time
     around posting a 32 KiB isend and irecv."""
-    step_s: float = 1e-3
-    """Host seconds per step outside the actions (barrier, zero_grad, bookkeeping). Same run."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
     """family → :class:`~labkit.plan.hardware.AlphaBeta`, the cluster planner's type, with α per ring
     step (``per_step``: gloo sends each step as a message) and β bytes/s per rank: a call of S
     bytes on n ranks takes steps(n)·α + bus(n)·S/β. An (α, β) pair is read as such an AlphaBeta.
     Measured: each family at three sizes on every engine (a send as half a ping-pong's round
     trip); on an emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
-    comm_load: float = 0.5
-    """Cores one rank's transfer keeps busy while in flight (gloo copies and reduces on the
-    CPU); 0 on a machine whose links run beside compute. Measured: matmuls while an all-reduce
-    runs beside them on every engine, against without."""
     wake_s: float = 0.0
     """Seconds a point-to-point message waits for its sender's process to get a core when the
     sender went on computing after posting it and every core is taken: gloo delivers a message
@@ -121,10 +110,6 @@ class Machine:
     collective on an emulated link pays first, to agree on its start (``labkit.comm.calls._join``);
     a group of n pays it in proportion to its ring steps, n − 1. Measured: the median of
     such all-reduces, each after a barrier."""
-    sleep_s: float = 0.0
-    """Seconds a thread that sleeps until a time wakes after it (the kernel's timer slack and
-    wake-up): a call on an emulated link that ends by sleeping off the link's time ends that
-    much late. Measured: 1 ms sleeps on one engine, the median overshoot."""
     matmul_half_dim: float = 0.0
     """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
     of few rows, or a weight gradient summed over them), the form the cluster planner gives a
@@ -132,13 +117,13 @@ class Machine:
     64×256×256 one, the same FLOPs."""
     engines: int = 1
     """Engines the measurement ran on."""
-    link: str = ""
-    """The emulated link the lab ran on ("" for gloo as it is)."""
     link_alpha_beta: tuple = ()
     """(α seconds per message, β bytes/s per rank) of that link, as it imposes them: a call takes
     the link's time or gloo's own (``comm``), whichever is longer (labkit.Link)."""
 
     def __post_init__(self):
+        if not self.engines >= 1:
+            raise ValueError(f"Machine.engines={self.engines!r} must be >= 1")
         if not self.cores > 0:
             raise ValueError(f"Machine.cores={self.cores!r} must be > 0")
         if not self.matmul or any(len(r) != 2 or r[1] <= 0 for r in self.matmul):
@@ -148,9 +133,6 @@ class Machine:
             raise ValueError(f"Machine.comm lacks {missing}; give an AlphaBeta (or α seconds, β bytes/s) for each of "
                              f"{FAMILIES}")
         object.__setattr__(self, "comm", {f: _link(v) for f, v in self.comm.items()})
-        rows = self.attention_Fps       # one rate, as earlier machines saved it: every length
-        object.__setattr__(self, "attention_Fps", ((256, float(rows)),) if isinstance(rows, (int, float)) and rows
-                           else tuple(tuple(r) for r in rows or ()))
 
     # -- prices: labkit.plan.price's formulas on this machine ---------------------------------
     def efficiency(self, dim: float) -> float:
@@ -180,8 +162,12 @@ class Machine:
     def load(cls, path) -> "Machine":
         with open(path) as f:
             d = json.load(f)
+        gone = sorted(set(d) & set(DELETED))
+        if gone:
+            raise ValueError(f"{path} was measured by an earlier labkit: {gone} are no longer part of a Machine "
+                             "(they did not make the planner's held-out predictions better); measure it again with "
+                             "labkit.plan.measure(lab)")
         d["matmul"] = tuple(tuple(r) for r in d["matmul"])
-        d["cold_Bps"] = tuple(tuple(r) for r in d.get("cold_Bps", ((1, 5e9),)))
         d["link_alpha_beta"] = tuple(d.get("link_alpha_beta", ()))
         return cls(**d)
 
@@ -189,17 +175,12 @@ class Machine:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {c.alpha * 1e6:.0f} µs{' a step' if c.per_step else ''} β {c.beta / 1e9:.2f} GB/s"
                          for k, c in self.comm.items())
-        return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; memory "
-                f"{self.memory_Bps / 1e9:.1f} GB/s in a cache of {self.cache_bytes / 2 ** 20:.0f} MiB, "
-                f"{self.dram_Bps / 1e9:.1f} GB/s beyond it, a product's cold operands at "
-                + ", ".join(f"{b / 1e9:.1f}" for _, b in self.cold_Bps) + " GB/s (by its rows); attention "
-                + ", ".join(f"{f / 1e9:.0f}" for _, f in self.attention_Fps) + " GFLOP/s (by its length); a "
-                f"product of smallest dimension d at d/(d + {self.matmul_half_dim:.1f}); host {self.op_s * 1e6:.1f} µs/op (more for "
-                f"{sum(v > 0 for v in self.setup_s.values())} kinds of op), {self.view_s * 1e6:.1f} µs/view, "
-                f"{self.action_s * 1e6:.0f} µs/action, "
-                f"{self.call_s * 1e6:.0f} µs/call, "
-                f"{self.step_s * 1e3:.2f} ms/step; {comm}; a transfer takes {self.comm_load:.2f} core; a message "
-                f"waits {self.wake_s * 1e6:.0f} µs for a busy sender, {self.cross_s * 1e6:.0f} µs crossing another; a "
-                f"start stamp {self.join_s * 1e6:.0f} µs; a sleep wakes {self.sleep_s * 1e6:.0f} µs late"
-                + (f"; link {self.link}" if self.link else "") + ")")
-
+        link = (f"; link α {self.link_alpha_beta[0] * 1e6:.0f} µs β {self.link_alpha_beta[1] / 1e6:.0f} MB/s"
+                if self.link_alpha_beta else "")
+        return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; a product of smallest "
+                f"dimension d at d/(d + {self.matmul_half_dim:.1f}); memory {self.memory_Bps / 1e9:.1f} GB/s in a "
+                f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it; host "
+                f"{self.op_s * 1e6:.1f} µs/op (more for {sum(v > 0 for v in self.setup_s.values())} kinds of op), "
+                f"{self.view_s * 1e6:.1f} µs/view, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
+                f"µs/call; {comm}; a message waits {self.wake_s * 1e6:.0f} µs for a busy sender, "
+                f"{self.cross_s * 1e6:.0f} µs crossing another; a start stamp {self.join_s * 1e6:.0f} µs{link})")

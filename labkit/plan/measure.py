@@ -3,11 +3,10 @@
 Each number is the median of a few timed runs: matmuls of a
 few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
 the host cost per op; the same product on every engine at once for the cores they share; the
-four families of collectives at three sizes (or the emulated link's α and β); one message
-delivered while its sender computes, against while it waits, for the wait for a core; an
-all-reduce beside a product for the cores a transfer takes; a trivial model's step at 1 and 8
-micro-batches for the executor's host costs per action and per step. No model of the user's
-and no strategy it will predict runs.
+four families of collectives at four sizes (the emulated link's α and β are known); one
+message delivered while its sender computes, against while it waits, for the wait for a core;
+a trivial model's step at 1 and 8 micro-batches for the executor's host cost per action. No
+model of the user's and no strategy it will predict runs.
 """
 from __future__ import annotations
 
@@ -37,11 +36,8 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
-    rate and the cache's size, elementwise and setup costs, attention, host cost per op and per
-    view, a sleep's lateness) and the CPUs it may use. The rates beyond the cache are
-    :func:`_shared`'s."""
-    import time
-
+    rate and the cache's size, elementwise and setup costs, host cost per op and per view) and
+    the CPUs it may use. The rate beyond the cache is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
 
@@ -58,7 +54,7 @@ def _alone(seconds: float, rank_only: int | None = 0):
     table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
              for m, k, n in MATMUL_SHAPES]
     memory = _stream(1, seconds / 2)
-    cache, _ = _cache(seconds)
+    cache = _cache(seconds)
     elementwise = {name: _loop(lambda f=f, x=torch.randn(1024, 512): f(x), seconds / 8) / (1024 * 512)
                    for name, f in ELEMENTWISE.items()}
     w = torch.ones(1, requires_grad=True)
@@ -81,14 +77,8 @@ def _alone(seconds: float, rank_only: int | None = 0):
     tiny = torch.randn(4, 4)
     base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
     setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
-    late = []
-    for _ in range(max(9, int(seconds * 100))):       # 1 ms sleeps: how late the thread wakes
-        t0 = time.perf_counter()
-        time.sleep(1e-3)
-        late.append(time.perf_counter() - t0 - 1e-3)
     return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "view_s": view_s, "matmul_half_dim": half,
-            "cache_bytes": cache, "elementwise": elementwise, "setup_s": setup,
-            "attention_Fps": _attention(seconds), "sleep_s": max(0.0, median(late))}, len(os.sched_getaffinity(0))
+            "cache_bytes": cache, "elementwise": elementwise, "setup_s": setup}, len(os.sched_getaffinity(0))
 
 
 def _stream(mib: int, seconds: float) -> float:
@@ -98,54 +88,29 @@ def _stream(mib: int, seconds: float) -> float:
     return 3 * x.numel() * 4 / _loop(lambda: x.add_(y), seconds, chunks=3)
 
 
-def _shared(seconds: float) -> tuple[float, tuple]:
-    """On every engine at once: (bytes/s of add_ on 64 MiB tensors, the cold rows of
-    :func:`_cache`), what each gets of the memory bus it shares with the others."""
-    return _stream(64, seconds / 2), _cache(seconds, knee=False)[1]
+def _shared(seconds: float) -> float:
+    """On every engine at once: bytes/s of add_ on 64 MiB tensors, what each gets of the memory
+    bus it shares with the others."""
+    return _stream(64, seconds / 2)
 
 
-def _cache(seconds: float, knee: bool = True) -> tuple[float, tuple]:
-    """(bytes of weights that products keep in the cache, (rows, bytes/s) of reading one that is
-    not). Products of ``rows``×512 by 512×512 weights go round N weights of 1 MiB; from N = 1
-    to 128 a product's time climbs from hot to cold; the cache holds the largest N whose time
-    is nearer hot than cold. The cold read rate, at 16 and at 64 rows (a product of few rows
-    hides less of it behind arithmetic): 1 MiB / (cold − hot). Each time is the median of
-    five, each taken beside the hot one, so a change of the host's load meets both."""
+def _cache(seconds: float) -> float:
+    """Bytes of weights that products keep in the cache. Products of 64×512 by 512×512 weights
+    go round N weights of 1 MiB; from N = 1 to 128 a product's time climbs from hot to cold;
+    the cache holds the largest N whose time is nearer hot than cold. Each time is the median
+    of five, each taken beside the hot one, so a change of the host's load meets both."""
     import torch
-    weights = [torch.randn(512, 512) for _ in range(128)]
+    weights, a = [torch.randn(512, 512) for _ in range(128)], torch.randn(64, 512)
 
-    def extra(rows: int, n: int) -> float:
+    def extra(n: int) -> float:
         """Seconds a product going round n weights takes beyond one going round one."""
-        a = torch.randn(rows, 512)
-
         def timed(k):
             turn = iter(range(1 << 62))
             return _loop(lambda: a @ weights[next(turn) % k], seconds / 40, chunks=1)
         return median(timed(n) - timed(1) for _ in range(5))
-    cold = {rows: extra(rows, 128) for rows in (16, 64)}
-    warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(64, n) < cold[64] / 2] if knee else []
-    rates = tuple((rows, (1 << 20) / max(t, 1e-9)) for rows, t in cold.items())
-    return float(max(warm, default=1) << 20), rates
-
-
-def _attention(seconds: float) -> tuple:
-    """(query length, FLOP/s) of torch's CPU scaled-dot-product attention, causal, forward and
-    backward, on 4×4×T×32 queries at T = 32, 64 and 256."""
-    import torch
-    import torch.nn.functional as F
-
-    from .work import _Counter
-    rows = []
-    for t in (32, 64, 256):
-        q, k, v = (torch.randn(4, 4, t, 32, requires_grad=True) for _ in range(3))
-
-        def once():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        counter = _Counter()
-        with counter:
-            once()
-        rows.append((t, sum(op.flops for op in counter.sink) / _loop(once, seconds / 3)))
-    return tuple(rows)
+    cold = extra(128)
+    warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(n) < cold / 2]
+    return float(max(warm, default=1) << 20)
 
 
 def _aten(name):
@@ -175,29 +140,14 @@ SETUP = ELEMENTWISE | {
 """Ops whose kernels take a setup of their own, beyond an add's, each timed on a 4×4 tensor (``Machine.setup_s``)."""
 
 
-def _together(seconds: float, with_comm: bool):
-    """On every engine at once: a 64×512×512 product's rate, with an all-reduce beside it or not."""
-    import time
-
+def _together(seconds: float) -> float:
+    """On every engine at once: a 64×512×512 product's rate."""
     import torch
     import torch.distributed as dist
 
     a, b = torch.randn(64, 512), torch.randn(512, 512)
     dist.barrier()
-    if not with_comm:
-        return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds, chunks=1)
-    buf = torch.zeros(1 << 18)          # 1 MiB: a bucket's size
-    rounds = max(4, int(seconds / 2e-3))     # a fixed count: every rank issues the same calls
-    t0, n = time.perf_counter(), 0
-    for _ in range(rounds):
-        work = dist.all_reduce(buf, async_op=True)
-        while not work.is_completed():
-            a @ b
-            n += 1
-        work.wait()
-    rate = 2.0 * 64 * 512 * 512 * n / (time.perf_counter() - t0)
-    dist.barrier()
-    return rate
+    return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds, chunks=1)
 
 
 def _messages(rounds: int, busy_s: float = 0.03):
@@ -370,19 +320,16 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     world = lab.world_size
     alone, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
     table, half = alone["matmul"], alone["matmul_half_dim"]
-    together = lab.apply(_together, seconds, False)
+    together = lab.apply(_together, seconds)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
     cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
-    shared = lab.apply(_shared, seconds)     # beyond the cache the engines share the memory bus
-    alone["dram_Bps"] = median(d for d, _ in shared)
-    alone["cold_Bps"] = tuple((rows, median(dict(c)[rows] for _, c in shared)) for rows, _ in shared[0][1])
-    comm, link_name, link_ab, load, wake, call_s, cross, join = ({f: (0.0, 1e12) for f in FAMILIES}, "", (), 0.0, 0.0,
-                                                                 0.0, 0.0, 0.0)
+    alone["dram_Bps"] = median(lab.apply(_shared, seconds))     # beyond the cache the engines share the bus
+    comm, link_ab, wake, call_s, cross, join = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0, 0.0, 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
-            link_ab, link_name = link.alpha_beta("intra"), str(link)
+            link_ab = link.alpha_beta("intra")
             lab.link = None
         try:
             per_rank = lab.apply(_comm, seconds)
@@ -396,36 +343,31 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
         call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
-        # each engine's compute thread plus a transfer of load c: world·(1+c) asks on the cores;
-        # without and with the transfer in turn, three times (a change of the host's load meets both)
-        slower = median(sum(lab.apply(_together, seconds / 3, False)) / sum(lab.apply(_together, seconds / 3, True))
-                        for _ in range(3))
-        load = max(0.0, min(1.0, slower * min(world, cores) / world - 1))
-    machine = Machine(cores, **alone, comm=comm, comm_load=load,
-                      wake_s=wake, call_s=call_s, cross_s=cross, join_s=join,
-                      engines=world,
-                      link=link_name, link_alpha_beta=tuple(link_ab))
-    action_s, step_s = _host_costs(lab, machine)
-    return replace(machine, action_s=action_s, step_s=step_s)
+    machine = Machine(cores, **alone, comm=comm, wake_s=wake, call_s=call_s, cross_s=cross, join_s=join,
+                      engines=world, link_alpha_beta=tuple(link_ab))
+    return replace(machine, action_s=_action_s(lab, machine))
 
 
-def _host_costs(lab, machine: Machine) -> tuple[float, float]:
-    """The executor's host seconds per action and per step: a trivial model (one Linear of width
-    8) run at 1 and 8 micro-batches, against the simulator's price of its ops alone."""
+def _action_s(lab, machine: Machine) -> float:
+    """The executor's host seconds per action (a forward or a backward of a micro-batch): a
+    trivial model (width 8, depth 2), each rank's 8 samples stepped in 8 micro-batches and in 1,
+    in turn three times; the extra time per extra action (14), on one engine's share of the
+    cores, less what the extra micro-batches' counted ops cost by themselves (:mod:`.price`).
+    The sync, the optimizer and the step's own bookkeeping are the same at both counts."""
     from ..config import Strategy
     from ..models import mlp
-    from .physical import simulate
+    from . import price
+    from .work import count
 
     model, world = mlp(width=8, depth=2), lab.world_size
-    bare = replace(machine, action_s=0.0, step_s=0.0)
     plans = [Strategy(dp=world, microbatches=m, dp_mode="bucketed") if world > 1 else Strategy(microbatches=m)
              for m in (1, 8)]
-    # 1 and 8 micro-batches in turn, three times (a change of the host's load meets both)
     runs = [[lab.run(s, model=model, batch=8 * world, steps=8, record=True).metrics["step_time_s"] for s in plans]
             for _ in range(3)]
-    measured = [median(r[k] for r in runs) for k in range(2)]
-    simulated = [simulate(s, bare, model=model, batch=8 * world).metrics["step_time_s"] for s in plans]
-    slow = max(1.0, world / machine.cores)            # the engines share the cores
-    action_s = max(0.0, (measured[1] - measured[0]) - (simulated[1] - simulated[0])) / (2 * 7 * slow)
-    step_s = max(0.0, measured[0] - simulated[0] - 2 * action_s * slow) / slow
-    return action_s, step_s
+    extra = median(r[1] - r[0] for r in runs) / max(1.0, world / machine.cores)     # the engines share the cores
+
+    def ops_s(size: int) -> float:
+        w = count(model, size)
+        return sum(price.seconds(machine, p.fwd.ops) + price.seconds(machine, p.bwd.ops)
+                   for p in [w.pre, *w.blocks, w.post])
+    return max(0.0, extra - (8 * ops_s(1) - ops_s(8))) / 14

@@ -47,6 +47,16 @@ def check(strategy, machine: Machine, model) -> None:
         raise TypeError(f"machine must be a labkit.plan.Machine (labkit.plan.measure(lab)), got {type(machine).__name__}")
     if model is None:
         raise ValueError("simulate(strategy, machine, model=...): pass the model to predict (a factory or module)")
+    if strategy.world_size > 1 and machine.engines < 2:
+        raise ValueError(f"simulate: this Machine was measured on {machine.engines} engine, so it holds no timing of a "
+                         f"collective and would price the {strategy.world_size} ranks' communication as free; measure "
+                         "it on a lab of at least 2 engines (labkit.plan.measure(lab) with Lab.start(engines=2))")
+    unmodelled = {k: v for k, v, plain in (("precision", strategy.precision, "fp32"),
+                                            ("recompute", strategy.recompute, "none"),
+                                            ("sync_batchnorm", strategy.sync_batchnorm, False)) if v != plain}
+    if unmodelled:
+        raise ValueError(f"simulate: {unmodelled} is not modelled (the machine's rates are float32's, every "
+                         "activation kept, batch norm local); predict the strategy without it")
     if strategy.tp > 1 and (strategy.tp_mode != "megatron" or strategy.sequence_parallel):
         raise ValueError("simulate: only tp_mode='megatron' without sequence_parallel is modelled (labkit's own "
                          "f and g); use tp_mode='megatron', sequence_parallel=False")
@@ -131,7 +141,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
                     for c in range(s.cp):
                         one = self.zero3(d, p, t, c) if s.zero == 3 else (self.pipeline(d, p, t) if s.pp > 1
                                                                           else self.single(d, t, c))
-                        progs[self.rank(d, p, t, c)] = [Compute(self.m.step_s)] + one
+                        progs[self.rank(d, p, t, c)] = one
         return progs
 
     def rank(self, d: int, p: int, t: int, c: int = 0) -> int:

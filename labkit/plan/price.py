@@ -8,15 +8,14 @@ A step is each rank's program (:mod:`labkit.plan.physical`) run through the simu
 from beyond the cache, output elements E, smallest dimension d), scaled by k (a tensor-parallel
 shard), takes one thread
 
-    t = h + h_op +  k·F / (R(k·F) · d/(d + d½)) + k·C / B_cold(d)             a matrix product
-                    k·F / R_attn(T) + k·C / B_cold                             an attention kernel
+    t = h + h_op +  k·F / (R(k·F) · d/(d + d½)) + k·C / B_dram                 a product (or attention)
                     max(k·(B − C)/B_mem + k·C/B_dram,  k·E · e_op)              anything else
 
 with h the host's cost per op (``op_s``), h_op an op's own kernel setup (``setup_s``), R the
 matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), d½ the shape term
-(``matmul_half_dim``), R_attn torch's attention kernels by query length T, B_mem and B_dram
-the elementwise rates in and beyond the cache, B_cold a product's cold operands by its rows,
-and e_op the seconds per element of an op whose arithmetic bounds it (GELU, exp, softmax).
+(``matmul_half_dim``; an attention kernel's d is its query length), B_mem and B_dram the
+rates in and beyond the cache, and e_op the seconds per element of an op whose arithmetic
+bounds it (GELU, exp, softmax).
 A view (a transpose, a reshape) moves nothing: it costs ``view_s``.
 
 **Communication.** A call of ``family`` moving S bytes (nccl-tests' size) over n ranks costs
@@ -26,16 +25,16 @@ gloo's own work, the α-β of that family measured on the engines (α per ring s
 
 (``steps``: n − 1 for a gather or scatter, 2(n − 1) for an all-reduce, 1 for a send; ``bus``:
 the bytes each rank moves per byte of S). On an emulated link the call also waits off the
-cores for the link's α-β, plus a sleep's lateness, and a collective first agrees on its start
-(``join_s`` per ring step); the call takes the longer of the two:
+cores for the link's α-β, and a collective first agrees on its start (``join_s`` per ring
+step); the call takes the longer of the two:
 
-    t_call = max(t_gloo + join·(n − 1)/(engines − 1),  steps(n)·α_link + bus(n)·S/β_link + sleep)
+    t_call = max(t_gloo + join·(n − 1)/(engines − 1),  steps(n)·α_link + bus(n)·S/β_link)
 
 Posting a call costs the issuing thread ``call_s``.
 
-**Shared cores.** The engines share ``cores`` cores by processor sharing: a running compute
-span asks for one core, a transfer in flight for ``comm_load`` cores per member; when the asks
-exceed the cores every one runs at cores/asks of its speed. A message whose sender is computing
+**Shared cores.** The engines share ``cores`` cores by processor sharing: each running compute
+span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
+link); when the asks exceed the cores every one runs at cores/asks of its speed. A message whose sender is computing
 on full cores waits ``wake_s`` for its thread's turn; two messages crossing between one pair
 each take ``cross_s`` longer (:class:`labkit.plan.des.Sim` runs this).
 """
@@ -65,11 +64,8 @@ def op_seconds(machine, op, k: float = 1.0) -> float:
     if op.name in VIEWS:
         return machine.view_s
     host, flops, cold = machine.op_s + machine.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
-    if "scaled_dot_product" in op.name and machine.attention_Fps:
-        attention = interpolate(machine.attention_Fps, op.dim or 256)
-        return host + flops / attention + cold / interpolate(machine.cold_Bps, 64)
     if flops:
-        return host + flops / rate(machine, flops, op.dim) + cold / interpolate(machine.cold_Bps, op.dim or 64)
+        return host + flops / rate(machine, flops, op.dim) + cold / machine.dram_Bps
     moved = (op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps
     return host + max(moved, op.elements * k * machine.elementwise.get(op.name, 0.0))
 
@@ -89,7 +85,7 @@ def comm_parts(machine, family: str, nbytes: float, n: int, gloo: float | None =
     if family != "send":
         own += machine.join_s * (n - 1) / max(1, machine.engines - 1)
     alpha, beta = machine.link_alpha_beta
-    return own, AlphaBeta(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n) + machine.sleep_s
+    return own, AlphaBeta(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n)
 
 
 def comm_seconds(machine, family: str, nbytes: float, n: int, gloo: float | None = None) -> float:
@@ -103,7 +99,7 @@ def simulator(programs, machine):
     from .des import Compute, Issue, Sim
     posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
               for prog in programs]
-    return Sim(posted, machine.cores, machine.comm_load, machine.wake_s, machine.cross_s,
+    return Sim(posted, machine.cores, 0.0, machine.wake_s, machine.cross_s,
                links=bool(machine.link_alpha_beta))
 
 
