@@ -222,9 +222,8 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
     ``cp`` > 1: on one cp rank's 1/cp of every sequence, attention marked, not counted;
     ``ep`` > 1: the MoE layers' routed experts marked, not counted."""
-    from ..parallel.expert import moe_layers
-    from ..parallel import context
     from ..parallel.blocks import find_blocks
+    from ..parallel.expert import moe_layers
 
     net = build_model(model, 0)
     found = find_blocks(net, blocks)
@@ -233,105 +232,112 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
                          "nn.ModuleList of layers); the planner prices a model block by block")
     x, y = resolve_data(data, net, batch, 0)(0)
     x, y = x[:batch], y[:batch]
-    counter = _Counter()
-    marks = _Marks(counter) if cp > 1 or ep > 1 else None
     if cp > 1:                       # a cp rank's share of the tokens (cp splits the sequence)
         x, y = x[:, :x.shape[1] // cp], y[:, :y.shape[1] // cp]
+    rec = _Recording(net, found, marked=cp > 1 or ep > 1)
     for name, moe in (moe_layers(net) if ep > 1 else []):
-        moe._routed = marks.routed(name, moe)
-    counter.weights = {tuple(p.shape) for p in net.parameters() if p.dim() >= 2}
-    for qual, mod in net.named_modules():
-        if isinstance(mod, nn.Linear):
-            counter.by_storage.setdefault(_storage(mod.weight), qual)
-            counter.by_shape.setdefault(tuple(mod.weight.shape), qual)
-    hooks, where = [], {"piece": "pre"}
-    for qual, mod in net.named_modules():
-        if isinstance(mod, nn.Linear):
-            hooks.append(mod.register_forward_pre_hook(lambda m, a, q=qual: counter.__setattr__("linear", q)))
-            hooks.append(mod.register_forward_hook(lambda m, a, o: counter.__setattr__("linear", "")))
-    pieces: dict = {}
-    outputs: dict = {}
+        moe._routed = rec.marks.routed(name, moe)
+    rec.step(x, y, resolve_loss(loss), optimizer, cp)
+    return rec.work(batch)
 
-    def sink(piece: str, phase: str) -> list:
-        return pieces.setdefault((piece, phase), [])
 
-    def enter(i):
-        def pre(m, a):
-            counter.sink = sink(i, "fwd")
-            if marks is not None:
-                marks.block = i
-        return pre
+class _Recording:
+    """One step of ``net`` under a :class:`_Counter`, each op sunk into the piece it ran in:
+    (block i, "fwd"/"bwd"), ("pre" or "post", phase) outside the blocks, ("opt", "fwd")."""
 
-    def leave(i):
-        def post(m, a, o):
-            counter.sink = sink("post", "fwd")
-            outputs[i] = o[0] if isinstance(o, (tuple, list)) else o
-        return post
+    def __init__(self, net, found, marked: bool):
+        self.net, self.found, self.counter = net, found, _Counter()
+        self.marks = _Marks(self.counter) if marked else None
+        self.pieces, self.outputs = {}, {}
+        self.inside = {id(p) for _, b in found for p in b.parameters()}
 
-    def enter_b(i):
-        def pre(m, g):
-            counter.sink = sink(i, "bwd")
-        return pre
+    def sink(self, piece, phase: str) -> list:
+        return self.pieces.setdefault((piece, phase), [])
 
-    def leave_b(i):
-        def post(m, gi, go):
-            # with an input that needs no gradient torch calls this before the block's own
-            # backward has run: keep charging the block then
-            if any(g is not None for g in gi):
-                counter.sink = sink(i - 1 if i > 0 else "pre", "bwd")
-        return post
+    def watch(self) -> list:
+        """Hooks: each Linear's name while it runs (tp shards by it), each block's entry and exit,
+        forward and backward (which piece the ops go to)."""
+        c, hooks = self.counter, []
+        c.weights = {tuple(p.shape) for p in self.net.parameters() if p.dim() >= 2}
+        for qual, mod in self.net.named_modules():
+            if isinstance(mod, nn.Linear):
+                c.by_storage.setdefault(_storage(mod.weight), qual)
+                c.by_shape.setdefault(tuple(mod.weight.shape), qual)
+                hooks += [mod.register_forward_pre_hook(lambda m, a, q=qual: setattr(c, "linear", q)),
+                          mod.register_forward_hook(lambda m, a, o: setattr(c, "linear", ""))]
+        for i, (_, block) in enumerate(self.found):
+            hooks += [block.register_forward_pre_hook(lambda m, a, i=i: self.enter(i, "fwd")),
+                      block.register_forward_hook(lambda m, a, o, i=i: self.leave_forward(i, o)),
+                      block.register_full_backward_pre_hook(lambda m, g, i=i: self.enter(i, "bwd")),
+                      block.register_full_backward_hook(lambda m, gi, go, i=i: self.leave_backward(i, gi))]
+        return hooks
 
-    for i, (_, block) in enumerate(found):
-        hooks += [block.register_forward_pre_hook(enter(i)), block.register_forward_hook(leave(i)),
-                  block.register_full_backward_pre_hook(enter_b(i)), block.register_full_backward_hook(leave_b(i))]
-    lossfn = resolve_loss(loss)
-    before = context._active
-    for p in net.parameters():          # as the executor keeps them: zeros the backward adds into
-        p.grad = torch.zeros_like(p) if p.requires_grad else None
-    inside = {id(p) for _, b in found for p in b.parameters()}
-    for params in [[p for p in net.parameters() if id(p) not in inside]] + [list(b.parameters()) for _, b in found]:
-        counter.grads.update((_storage(p.grad), j) for j, p in enumerate(params) if p.grad is not None)
-    with counter:
-        counter.sink = sink("pre", "fwd")
-        if cp > 1:                          # attention goes through the stand-in
-            context.activate(marks)
-        try:
-            out = net(x)
-            value = lossfn(out, y)
-            counter.sink = sink("post", "bwd")
-            with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
-                warnings.simplefilter("ignore", UserWarning)
-                value.backward()
-        finally:
-            context.activate(before)
-        for h in hooks:
-            h.remove()
+    def enter(self, i: int, phase: str) -> None:
+        self.counter.sink = self.sink(i, phase)
+        if self.marks is not None and phase == "fwd":
+            self.marks.block = i
+
+    def leave_forward(self, i: int, o) -> None:
+        self.counter.sink = self.sink("post", "fwd")
+        self.outputs[i] = o[0] if isinstance(o, (tuple, list)) else o
+
+    def leave_backward(self, i: int, grads) -> None:
+        # with an input that needs no gradient torch calls this before the block's own
+        # backward has run: keep charging the block then
+        if any(g is not None for g in grads):
+            self.counter.sink = self.sink(i - 1 if i > 0 else "pre", "bwd")
+
+    def step(self, x, y, lossfn, optimizer: str, cp: int) -> None:
+        """Forward, loss, backward and the optimizer's step, as the executor runs them: every
+        gradient already a tensor of zeros, so each backward adds into it."""
+        from ..parallel import context
         from ..training import build_optimizer
-        opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
-        counter.sink = sink("opt", "fwd")
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    linears = {q: (m.in_features, m.out_features) for q, m in net.named_modules() if isinstance(m, nn.Linear)}
-    in_blocks = set()
 
-    def block_work(i: int, name: str, module) -> BlockWork:
+        net, c = self.net, self.counter
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        for params in [[p for p in net.parameters() if id(p) not in self.inside]] + \
+                [list(b.parameters()) for _, b in self.found]:
+            c.grads.update((_storage(p.grad), j) for j, p in enumerate(params) if p.grad is not None)
+        hooks, before = self.watch(), context._active
+        with c:
+            c.sink = self.sink("pre", "fwd")
+            if cp > 1:                          # attention goes through the stand-in
+                context.activate(self.marks)
+            try:
+                value = lossfn(net(x), y)
+                c.sink = self.sink("post", "bwd")
+                with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
+                    warnings.simplefilter("ignore", UserWarning)
+                    value.backward()
+            finally:
+                context.activate(before)
+                for h in hooks:
+                    h.remove()
+            opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
+            c.sink = self.sink("opt", "fwd")
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+    def work(self, batch: int) -> ModelWork:
+        linears = {q: (m.in_features, m.out_features) for q, m in self.net.named_modules() if isinstance(m, nn.Linear)}
+        works = [self.block(i, name, module, linears) for i, (name, module) in enumerate(self.found)]
+        ops = lambda piece, phase: Ops(self.pieces.get((piece, phase), []))       # noqa: E731
+        in_blocks = {q for w in works for q in w.linears}
+        outside = [p.numel() for p in self.net.parameters() if id(p) not in self.inside]
+        pre = BlockWork("pre", ops("pre", "fwd"), ops("pre", "bwd"), outside, 0,
+                        {q: v for q, v in linears.items() if q not in in_blocks})
+        post = BlockWork("post", ops("post", "fwd"), ops("post", "bwd"), [], 0, {})
+        return ModelWork(batch, works, pre, post, ops("opt", "fwd"), sum(p.numel() for p in self.net.parameters()))
+
+    def block(self, i: int, name: str, module, linears: dict) -> BlockWork:
         quals = {f"{name}.{q}" if q else name for q, m in module.named_modules() if isinstance(m, nn.Linear)}
-        in_blocks.update(quals)
-        o = outputs.get(i)
-        return BlockWork(name, Ops(pieces.get((i, "fwd"), [])), Ops(pieces.get((i, "bwd"), [])),
+        o, marks = self.outputs.get(i), self.marks
+        return BlockWork(name, Ops(self.pieces.get((i, "fwd"), [])), Ops(self.pieces.get((i, "bwd"), [])),
                          [p.numel() for p in module.parameters()], 0 if o is None else o[0].numel(),
                          {q: linears[q] for q in quals}, marks.shapes.get(i, []) if marks else [],
                          marks.moe.get(i, []) if marks else [],
                          [".experts." in f".{q}" for q, _ in module.named_parameters()])
-
-    works = [block_work(i, n, b) for i, (n, b) in enumerate(found)]
-    outside = [p.numel() for p in net.parameters() if id(p) not in inside]
-    rest = {q: v for q, v in linears.items() if q not in in_blocks}
-    pre = BlockWork("pre", Ops(pieces.get(("pre", "fwd"), [])), Ops(pieces.get(("pre", "bwd"), [])), outside, 0, rest)
-    post = BlockWork("post", Ops(pieces.get(("post", "fwd"), [])), Ops(pieces.get(("post", "bwd"), [])), [],
-                     0, {})
-    n_params = sum(p.numel() for p in net.parameters())
-    return ModelWork(batch, works, pre, post, Ops(pieces.get(("opt", "fwd"), [])), n_params)
 
 
 def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
