@@ -195,7 +195,8 @@ def ablation(rows: list[dict], target: float) -> list[str]:
         return (f"{'':>34} {label:>16} {100 * errs[len(errs) // 2]:>11.1f}% {100 * errs[-1]:>5.0f}% "
                 f"{sum(e <= target for e in errs):>6}")
     lines.append(line("(all on)", _errors(held)))
-    lines += [line(t, _errors(held, t)) for t in held[0]["without"]]
+    common = [t for t in held[0]["without"] if all(t in r["without"] for r in held)]
+    lines += [line(t, _errors(held, t)) for t in common]
     return lines
 
 
@@ -209,7 +210,15 @@ def main() -> None:
     p.add_argument("--remeasure", action="store_true",
                    help="measure the machine again just before each case (a host whose load drifts)")
     p.add_argument("--json")
+    p.add_argument("--pool", nargs="+", metavar="JSON",
+                   help="print the tables of the rows of these saved runs (--json) together, running nothing: "
+                        "rounds on a loaded host pooled")
     args = p.parse_args()
+    if args.pool:
+        rows = [r for path in args.pool for r in json.load(open(path))["rows"]]
+        print(f"{len(args.pool)} rounds pooled")
+        print(summarise(rows, args.engines))
+        return
     link = None
     if args.link:
         bw, lat = (float(x) for x in args.link.split(","))
