@@ -85,7 +85,7 @@ def main() -> None:
     probes, _ = measure._alone(0.2, None)
     dram = measure._shared(0.2)                 # one process: its share is the whole bus
     machine = Machine(cores=1.0, **probes, dram_Bps=dram)
-    print(f"host {machine.op_s * 1e6:.1f} µs/op, {machine.view_s * 1e6:.1f} µs/view; cache "
+    print(f"host {machine.op_s * 1e6:.1f} µs/op; cache "
           f"{machine.cache_bytes / 2 ** 20:.0f} MiB")
     print(f"{'model':>16} {'rows':>4} | {'forward ms':>17} | {'backward ms':>17} | {'optimizer ms':>17}")
     print(f"{'':>16} {'':>4} | {'meas':>5} {'pred':>5} {'ratio':>5} | {'meas':>5} {'pred':>5} {'ratio':>5} | "

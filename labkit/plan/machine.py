@@ -23,7 +23,7 @@ from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure 
 from .price import VIEWS  # noqa: F401  (work and measure read it here)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "link")
+DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link")
 """Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
 step_s, a residual of the simulator rather than a measurement)."""
 
@@ -74,11 +74,9 @@ class Machine:
     (its kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list
     on a 4×4 tensor, less an add on the same tensor."""
     op_s: float = 5e-6
-    """Host seconds per aten op (dispatch, autograd bookkeeping). Measured: forward and backward
-    of a chain of one-element ops, divided by the ops counted."""
-    view_s: float = 0.0
-    """Host seconds per aten call that makes a view (a transpose, a reshape, a detach: no bytes
-    moved). Measured: view, t and transpose of a small tensor that needs a gradient, the median."""
+    """Host seconds per aten op (dispatch, autograd bookkeeping; a view the op makes rides on it).
+    Measured: forward and backward of a chain of one-element ops, divided by the ops counted
+    that are not views."""
     action_s: float = 1e-4
     """Host seconds the executor adds per action (a forward or backward of a micro-batch):
     hooks, recording, Python. Measured: a trivial model's step at 8 micro-batches against 1,
@@ -181,6 +179,6 @@ class Machine:
                 f"dimension d at d/(d + {self.matmul_half_dim:.1f}); memory {self.memory_Bps / 1e9:.1f} GB/s in a "
                 f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it; host "
                 f"{self.op_s * 1e6:.1f} µs/op (more for {sum(v > 0 for v in self.setup_s.values())} kinds of op), "
-                f"{self.view_s * 1e6:.1f} µs/view, {self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
+                f"{self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
                 f"µs/call; {comm}; a message waits {self.wake_s * 1e6:.0f} µs for a busy sender, "
                 f"{self.cross_s * 1e6:.0f} µs crossing another; a start stamp {self.join_s * 1e6:.0f} µs{link})")

@@ -16,7 +16,8 @@ matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), d½ the
 (``matmul_half_dim``; an attention kernel's d is its query length), B_mem and B_dram the
 rates in and beyond the cache, and e_op the seconds per element of an op whose arithmetic
 bounds it (GELU, exp, softmax).
-A view (a transpose, a reshape) moves nothing: it costs ``view_s``.
+A view (a transpose, a reshape) moves nothing and costs nothing of its own: its host call is
+part of the ``op_s`` of the ops around it, as measured.
 
 **Communication.** A call of ``family`` moving S bytes (nccl-tests' size) over n ranks costs
 gloo's own work, the α-β of that family measured on the engines (α per ring step):
@@ -46,7 +47,7 @@ from .hardware import AlphaBeta
 
 VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
                    "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk"))
-"""aten ops that make a view or take metadata: no arithmetic and no bytes, a host call (``view_s``)."""
+"""aten ops that make a view or take metadata: no arithmetic and no bytes; their host call is in ``op_s``."""
 
 
 def efficiency(machine, dim: float) -> float:
@@ -62,7 +63,7 @@ def rate(machine, flops: float, dim: float = 0) -> float:
 def op_seconds(machine, op, k: float = 1.0) -> float:
     """t of one counted op, its work scaled by ``k`` (the module docstring's compute formula)."""
     if op.name in VIEWS:
-        return machine.view_s
+        return 0.0
     host, flops, cold = machine.op_s + machine.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
     if flops:
         return host + flops / rate(machine, flops, op.dim) + cold / machine.dram_Bps
