@@ -89,7 +89,7 @@ class Machine:
     """family → :class:`~labkit.plan.hardware.AlphaBeta`, the cluster planner's type, with α per ring
     step (``per_step``: gloo sends each step as a message) and β bytes/s per rank: a call of S
     bytes on n ranks takes steps(n)·α + bus(n)·S/β. An (α, β) pair is read as such an AlphaBeta.
-    Measured: each family at three sizes on every engine (a send as half a ping-pong's round
+    Measured: each family at four sizes on every engine (a send as half a ping-pong's round
     trip); on an emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
     wake_s: float = 0.0
     """Seconds a point-to-point message waits for its sender's process to get a core when the
@@ -116,8 +116,9 @@ class Machine:
     engines: int = 1
     """Engines the measurement ran on."""
     link_alpha_beta: tuple = ()
-    """(α seconds per message, β bytes/s per rank) of that link, as it imposes them: a call takes
-    the link's time or gloo's own (``comm``), whichever is longer (labkit.Link)."""
+    """(α seconds per message, β bytes/s per rank) of the emulated link the lab ran on, as it
+    imposes them (() for gloo as it is): a call takes the link's time or gloo's own (``comm``),
+    whichever is longer (labkit.Link)."""
 
     def __post_init__(self):
         if not self.engines >= 1:
