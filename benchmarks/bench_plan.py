@@ -9,8 +9,8 @@ autograd ops, collectives, a trivial model's host costs; no model of the cases, 
 the cases); then every case (strategies, model widths and depths, micro-batch counts, degrees
 a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
 over ep ranks) is simulated from it and run on the lab, twice.
-The two runs ``measure`` itself takes of a trivial model (its host costs per action and per
-step) are repeated as the in-sample cases; every other case is held out. Prints, per case,
+The two runs ``measure`` itself takes of a trivial model (its host cost per action) are
+repeated as the in-sample cases; every other case is held out. Prints, per case,
 the measured step time (median of the two runs), the predicted, their ratio, the second run
 over the first (how far a measurement predicts itself: the floor under the ratio), and the
 exposed-comm fraction measured/predicted; then how many cases meet the targets (step time
@@ -62,7 +62,7 @@ def _moe(batch: int = 8) -> dict:
 
 
 def in_sample(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
-    """The runs labkit.plan.measure takes itself (its host costs come from them)."""
+    """The runs labkit.plan.measure takes itself (its host cost per action comes from them)."""
     S, n = labkit.Strategy, engines
     spec = {"model": labkit.models.mlp(width=8, depth=2), "batch": 8 * n, "label": "mlp8x2", "in_sample": True}
     return [(f"dp{n} bucketed m{m}", S(dp=n, microbatches=m, dp_mode="bucketed"), spec) for m in (1, 8)]
