@@ -1,6 +1,15 @@
 """Context parallelism in the planner's programs: one attention of a cp rank as ``cp_mode``
 runs it (parallel/context/: the ring's hops under each round's compute, the K/V all-gather,
 Ulysses' all-to-alls), priced from the counted ops of :mod:`.context_work`.
+
+Beside dp and zero, every op is counted on a rank's 1/cp of each sequence, each block cut at
+its attention (:func:`labkit.plan.work.count`'s markers). ring: cp rounds, each round's K/V hop
+posted before its pairs (the executor's own ``block_forward``/``block_backward``, counted per
+(query chunk, key chunk) pair the causal split leaves the rank) and waited after them, backward
+passing dK/dV on as well; allgather: a blocking all-gather of K/V before the attention, a
+reduce-scatter of their gradient after its backward; ulysses: blocking all-to-alls of q, k, v
+to a head split before it and of its output back after (their mirrors in backward). Gradients
+are averaged over dp × cp.
 :class:`ContextPrograms` is a part of :class:`labkit.plan.physical.Builder`.
 """
 from __future__ import annotations

@@ -1,5 +1,12 @@
 """Expert parallelism in the planner's programs: a MoE layer's exchanges over the ep group
 around this rank's experts (parallel/expert/dispatch.py), and the experts' own gradient sync.
+
+Beside dp, per MoE layer: the sizes, dispatch and combine all-to-alls around the rank's own
+compute (sorting, its experts on the rows that arrive, weighting back: ``ExpertParallelMoE``'s
+own code, counted), the rows as the first step's tokens route; with ``ep_overlap="microbatch"``
+two halves whose exchanges travel under each other's experts; the experts' gradients summed
+over their replicas after the dense sync over dp. An all-to-all is priced as gloo runs it: every
+pair's message posted at once, one latency and the busiest member's bytes.
 :class:`ExpertPrograms` is a part of :class:`labkit.plan.physical.Builder`.
 """
 from __future__ import annotations
