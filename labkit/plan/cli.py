@@ -129,8 +129,9 @@ def fits_rule(cluster) -> str:
     """What "fits" means: the usable share of each GPU's memory."""
     from .memory import USABLE_FRACTION
 
-    hbm = cluster.hardware.hbm_bytes / 1e9
-    return (f"fits = at most {100 * USABLE_FRACTION:.0f}% of {hbm:.0f} GB = {USABLE_FRACTION * hbm:.1f} GB per GPU "
+    hbm = cluster.hardware.hbm_bytes
+    return (f"fits = at most {100 * USABLE_FRACTION:.0f}% of {hbm / 1e9:.1f} GB ({hbm / 2 ** 20:.0f} MiB) = "
+            f"{USABLE_FRACTION * hbm / 1e9:.1f} GB per GPU "
             "(the CUDA context, NCCL buffers and allocator fragmentation take the rest)")
 
 

@@ -31,17 +31,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedules(pp: int, model, m: int):
+CHUNKS = (2, 4)
+"""Model chunks per rank the interleaved schedule is tried with (Megatron-LM's usual settings)."""
+
+
+def _schedules(pp: int, model, m: int, chunks=CHUNKS):
     yield "1f1b", 1
     if pp > 1:
         yield from (("gpipe", 1), ("zb-h1", 1))
-        yield from (("interleaved", v) for v in (2, 4) if model.can_split(pp * v) and m % pp == 0)
+        yield from (("interleaved", v) for v in chunks if model.can_split(pp * v) and m % pp == 0)
 
 
 def candidates(model: ModelShape, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
                dp_overlap: bool = True, schedules=None, sequence_parallel=(False,), ep=None,
-               ep_overlap=(True,), cp=None, cp_modes=("ring", "allgather")):
+               ep_overlap=(True,), cp=None, cp_modes=("ring", "allgather"), chunks=CHUNKS):
     """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these).
     A model with experts also tries every ep dividing both dp and its experts, with the
     all-to-all overlap (``ep_overlap``: the settings tried; the model never prices the overlap
@@ -52,7 +56,7 @@ def candidates(model: ModelShape, cluster: Cluster, global_batch: int, zero=(0, 
     for t in ([tp] if tp else tps):
         for c, mode in _context_degrees(model, n // t, cp, cp_modes):
             yield from _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute,
-                               dp_overlap, schedules, sequence_parallel, ep, ep_overlap)
+                               dp_overlap, schedules, sequence_parallel, ep, ep_overlap, chunks)
 
 
 def _context_degrees(model, room: int, cp, modes):
@@ -67,7 +71,7 @@ def _context_degrees(model, room: int, cp, modes):
 
 
 def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute, dp_overlap, schedules,
-            sequence_parallel, ep, ep_overlap):
+            sequence_parallel, ep, ep_overlap, chunks):
     """The candidates of one (tp, cp) pair: every pp, micro-batch size, schedule and knob."""
     for p in ([pp] if pp else _divisors(n // (t * c))):
         d = n // (t * c * p)
@@ -75,7 +79,7 @@ def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, 
             continue
         for mbs in (b for b in microbatch_sizes if global_batch % (d * b) == 0):
             for (schedule, v), z, rc, sp, (e, overlap) in product(
-                    _schedules(p, model, global_batch // (d * mbs)), zero if d * c > 1 else (0,), recompute,
+                    _schedules(p, model, global_batch // (d * mbs), chunks), zero if d * c > 1 else (0,), recompute,
                     sequence_parallel if t > 1 else (False,), _expert_degrees(model, d, ep, ep_overlap)):
                 if schedules is None or schedule in schedules:
                     yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,

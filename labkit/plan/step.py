@@ -2,7 +2,8 @@
 
 Compute: each stage's FLOPs per micro-batch (Narayanan et al. 2021, §5.1: a GPT layer's
 forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation one more forward,
-selective the attention core again; the logits 2·b·s·h·V on the last stage), over tp, each
+selective the attention core again (a Decoder: torchtitan's op policy, wk, wo, w3 and the
+memory-bound work again); the logits 2·b·s·h·V on the last stage), over tp, each
 GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
 memory-bound work at HBM bandwidth.
 
@@ -42,7 +43,8 @@ from dataclasses import dataclass, field, replace
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
-from .memory import fits, gb, kv_width, layer_activation_bytes, memory_breakdown, replica_groups, stage_kinds
+from .model import Decoder
+from .memory import fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, stage_kinds
 from .simulation import simulate_scale
 
 ADAM_BYTES_PER_PARAM = 32
@@ -85,9 +87,9 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
 
 def elementwise_time(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (norms, activations, softmax, dropout,
-    residuals): each activation Korthikanti et al. count written once and read once at HBM
-    bandwidth, 2 × their no-recompute bytes (what each tp rank touches); backward twice that."""
-    return 2 * layer_activation_bytes(model, replace(s, recompute="none"), kind) / cluster.hardware.hbm_bandwidth
+    residuals): each activation the layer writes (:func:`~labkit.plan.memory.layer_written_bytes`)
+    written once and read once at HBM bandwidth, 2 × those bytes (what each tp rank touches); backward twice that."""
+    return 2 * layer_written_bytes(model, s, kind) / cluster.hardware.hbm_bandwidth
 
 
 @dataclass
@@ -130,8 +132,9 @@ def layer_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: s
     b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b + cp_b
     if s.recompute == "full":
         b += f
-    elif s.recompute == "selective":        # the attention core again
-        b += core_f
+    elif s.recompute == "selective":        # the attention core again, or torchtitan's op policy
+        b += gemm_s(model.selective_flops(kind, tokens), groups[0][2]) \
+            + (memory_bound if isinstance(model, Decoder) else 0.0)
     again = s.recompute == "full"
     return f, b, gemm_w, ep_f + ep_b + (ep_f if again else 0.0), cp_f + cp_b + (cp_f if again else 0.0)
 
