@@ -193,14 +193,11 @@ def test_cli_bad_input_is_a_message_and_exit_2(extra, message, capsys):
 
 
 def test_a_cluster_strategy_becomes_the_labkit_strategy_that_runs_it():
-    from labkit.plan.layout import ClusterStrategy
-    from labkit.plan.search import lab_strategy
-
-    s = lab_strategy(ClusterStrategy(dp=2, pp=2, tp=2, zero=1, microbatch_size=2, schedule="interleaved", chunks=2,
-                                     recompute="selective", dp_overlap=True), global_batch=16)
+    s = ClusterStrategy(dp=2, pp=2, tp=2, zero=1, microbatch_size=2, schedule="interleaved", chunks=2,
+                        recompute="selective", dp_mode="overlap").to_strategy(global_batch=16)
     assert (s.dp, s.pp, s.tp, s.zero, s.schedule, s.chunks) == (2, 2, 2, 1, "interleaved", 2)
     assert s.microbatches == 4 and s.recompute == "selective" and s.dp_mode == "overlap"
-    assert lab_strategy(ClusterStrategy(dp=4), global_batch=8).dp_mode == "bucketed"
+    assert ClusterStrategy(dp=4).to_strategy(global_batch=8).dp_mode == "bucketed"
 
 
 def test_search_verify_runs_the_top_strategies_on_the_lab(lab2):
@@ -388,7 +385,7 @@ def test_search_turns_to_cp_for_a_long_sequence_and_leaves_short_ones_alone():
 def test_zero3_prefetches_the_forwards_all_gathers_behind_the_forward():
     from labkit.plan.step import exposed_dp_sync, stage_costs
 
-    s = ClusterStrategy(dp=64, zero=3, dp_overlap=True)
+    s = ClusterStrategy(dp=64, zero=3, dp_mode="overlap")
     c = stage_costs(plan.Decoder(**DENSE, seq=4096), Cluster(nodes=8), s)
     gather_fwd = c.dp_sync / 3                # all-gather forward, all-gather backward, reduce-scatter
     expected = max(0.0, gather_fwd - c.fwd[0]) + max(0.0, 2 * gather_fwd - c.bwd[0])
@@ -434,7 +431,7 @@ def test_ep_prices_four_all_to_alls_per_moe_layer_on_the_groups_link(nodes, dp, 
     hw = cluster.hardware
     d = min(2048 / tp, tokens * 2 / 8)
     expert_f = 2 * tokens * 2 * 3 * 1024 * 2048 / tp / (hw.peak_flops * hw.gemm_max_efficiency * d / (d + hw.gemm_half_dim))
-    hidden = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep, ep_overlap=True)
+    hidden = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep, ep_overlap="microbatch")
     f, b, _, exposed, _ = layer_times(moe, cluster, hidden, "moe", 0.0)
     assert (f - f1, b - b1) == pytest.approx((max(0, 2 * a2a - expert_f), max(0, 2 * a2a - 2 * expert_f)))
     p = predict(moe, cluster, 64, hidden)
@@ -450,7 +447,7 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
     with pytest.raises(ValueError, match="ep=3 must divide dp=8"):
         ClusterStrategy(dp=8, ep=3)
     with pytest.raises(ValueError, match="ep=1 has none"):
-        ClusterStrategy(dp=8, ep_overlap=True)
+        ClusterStrategy(dp=8, ep_overlap="microbatch")
     with pytest.raises(ValueError, match="experts=0"):
         predict(ModelShape(layers=24, hidden=2048, heads=16), cluster, 64, ClusterStrategy(dp=8, ep=8))
     with pytest.raises(ValueError, match="experts=8"):

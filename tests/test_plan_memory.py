@@ -45,5 +45,36 @@ def test_torchtitans_70b_runs_out_of_memory_at_batch_2_with_selective_checkpoint
     # docs/performance.md @0413364, footnote 1: batch 2 with selective AC is an OOM, batch 1 ran
     model, cluster = _model("llama2-70b", 4096), Cluster.of(64, "a100")
     fits = [predict(model, cluster, 64 * b, ClusterStrategy(dp=64, zero=3, microbatch_size=b, recompute="selective",
-                                                             dp_overlap=True)).fits for b in (1, 2)]
+                                                             dp_mode="overlap")).fits for b in (1, 2)]
     assert fits == [True, False]
+
+
+# -- one vocabulary: Strategy's names and choices ------------------------------------------------
+
+def test_cluster_strategy_speaks_strategys_names_and_refuses_what_it_does_not_price():
+    import dataclasses
+
+    import labkit
+    from labkit.plan.layout import PRICED, strategy_choices
+
+    shared = {f.name for f in dataclasses.fields(labkit.Strategy)} & {f.name for f in dataclasses.fields(ClusterStrategy)}
+    assert {"dp_mode", "ep_overlap", "schedule", "cp_mode", "recompute", "chunks", "sequence_parallel"} <= shared
+    assert all(set(priced) <= set(strategy_choices(name)) for name, priced in PRICED.items())
+    for field, value in (("schedule", "zbv"), ("cp_mode", "ulysses"), ("dp_mode", "naive")):
+        with pytest.raises(ValueError, match=f"{field}='{value}' runs on the lab .* not priced at scale"):
+            ClusterStrategy(**{field: value})
+    with pytest.raises(ValueError, match="dp_mode='sometimes' is unknown"):
+        ClusterStrategy(dp_mode="sometimes")
+    # every shared field goes across as it is, the micro-batch count follows from the batch
+    s = ClusterStrategy(dp=2, pp=2, cp=2, tp=2, ep=2, ep_overlap="microbatch", cp_mode="allgather", zero=1,
+                        microbatch_size=2, recompute="full", dp_mode="ddp")
+    lab = s.to_strategy(global_batch=16)
+    assert all(getattr(lab, n) == getattr(s, n) for n in shared) and lab.microbatches == 4
+
+
+def test_the_boolean_spellings_warn_and_mean_the_same():
+    with pytest.warns(FutureWarning, match="dp_mode='overlap'"):
+        old = ClusterStrategy(dp=8, dp_overlap=True)
+    assert old == ClusterStrategy(dp=8, dp_mode="overlap") and old.overlaps_dp
+    with pytest.warns(FutureWarning, match="ep_overlap='microbatch'"):
+        assert ClusterStrategy(dp=8, ep=2, ep_overlap=True).ep_overlap == "microbatch"

@@ -92,7 +92,7 @@ def compare(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
     result = []
     for row in rows():
         p = best_at(row["model"], row["cluster"], row["batch"], dp=row["dp"], pp=row["pp"], tp=row["tp"],
-                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_overlap=False,
+                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_mode="bucketed",
                     schedules=("1f1b", "interleaved"))
         err = (p.tflops_per_gpu - row["published_tflops"]) / row["published_tflops"] if p else float("nan")
         result.append({**row, "prediction": p, "predicted_tflops": p.tflops_per_gpu if p else float("nan"),
@@ -172,7 +172,7 @@ def compare_memory() -> list[dict]:
     out = []
     for name, gpus, seq, batch, ac, gib in TORCHTITAN_H100_MEMORY:
         p = predict(_model(name, seq), Cluster.of(gpus, "h100"), gpus * batch,
-                    ClusterStrategy(dp=gpus, zero=3, microbatch_size=batch, recompute="selective", dp_overlap=True))
+                    ClusterStrategy(dp=gpus, zero=3, microbatch_size=batch, recompute="selective", dp_mode="overlap"))
         out.append({"config": f"{name}, {gpus} H100, FSDP dp{gpus}, seq {seq}, batch {batch}/GPU, AC {ac}",
                     "published_gib": gib, "predicted_gib": p.memory["total"] / GiB,
                     "ratio": p.memory["total"] / GiB / gib, "prediction": p})
@@ -212,7 +212,7 @@ def compare_llama() -> list[dict]:
         # the planner places
         p = min((predict(model, cluster, dp * per_dp, s) for s in candidates(
             model, cluster, dp * per_dp, zero=(2,), dp=dp, pp=pp, tp=tp, cp=cp, cp_modes=("allgather",),
-            recompute=("none",), schedules=("interleaved",), sequence_parallel=(True,), dp_overlap=True,
+            recompute=("none",), schedules=("interleaved",), sequence_parallel=(True,), dp_mode="overlap",
             chunks=(LLAMA3_CHUNKS,))),
             key=lambda p: p.step_time_s)
         predicted = p.mfu * cluster.hardware.peak_flops / 1e12
@@ -224,7 +224,7 @@ def compare_llama() -> list[dict]:
         model, cluster = _model(name, seq), Cluster.of(64, "a100")
         rc = {"none": "none", "full": "full"}.get(ac, "selective")
         p = predict(model, cluster, 64 * batch, ClusterStrategy(dp=64, zero=3, microbatch_size=batch, recompute=rc,
-                                                                  dp_overlap=True))
+                                                                  dp_mode="overlap"))
         predicted = p.throughput_tokens_s / cluster.gpus
         out.append({"source": "torchtitan docs/performance.md", "row": i, "model": name,
                     "config": f"64 A100, FSDP (zero=3) dp64, seq {seq}, batch {batch}/GPU, AC {ac}",

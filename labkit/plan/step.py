@@ -64,7 +64,7 @@ def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: f
         return 0.0, 0.0
     link = cluster.link(s.ep * s.pp * s.cp * s.tp)
     a2a = link.seconds("all_to_all", 2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep)
-    if not s.ep_overlap:
+    if s.ep_overlap == "none":
         return 2 * a2a, 2 * a2a
     return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
 
@@ -219,14 +219,14 @@ class Prediction:
 
 
 def exposed_dp_sync(c: StageCosts, s: ClusterStrategy, last: list[float]) -> float:
-    """Seconds of the dp traffic left exposed. Without ``dp_overlap`` all of it. With it, the
+    """Seconds of the dp traffic left exposed. With dp_mode "bucketed" all of it. Overlapped, the
     gradients' reduction hides behind the last micro-batch's backward (DDP's buckets, FSDP's
     reduce-scatters), ``last`` the backward part the gradients appear in; ZeRO-3's traffic is
     three equal passes over the weights (all-gather for forward, all-gather for backward,
     reduce-scatter), and the forward's all-gathers are prefetched behind the first
     micro-batch's forward, layer by layer, as FSDP2 does in both passes (Zhao et al. 2023,
     "PyTorch FSDP", §3.3.3 and §4.1: forward and backward prefetching)."""
-    if not s.dp_overlap:
+    if not s.overlaps_dp:
         return c.dp_sync
     first_stage = range(0, s.pp * s.chunks, s.pp)          # this rank's chunks on pipeline rank 0
     tail_bwd = sum(last[g] for g in first_stage)
