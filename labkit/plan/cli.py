@@ -158,6 +158,9 @@ def _one(args, model, cluster) -> int:
     print(f"memory per GPU {p.memory_gb_per_gpu:.1f} GB (weights {m['weights'] / 1e9:.1f}, gradients "
           f"{m['gradients'] / 1e9:.1f}, optimizer {m['optimizer'] / 1e9:.1f}, activations {m['activations'] / 1e9:.1f})"
           f" — {'fits' if p.fits else 'DOES NOT FIT'}; {fits_rule(cluster)}")
+    tiers = p.parts["bytes_by_tier"]
+    print(f"bytes a GPU sends a step: {tiers['intra'] / 1e9:.1f} GB inside a node (NVLink), "
+          f"{tiers['inter'] / 1e9:.1f} GB across nodes")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(p.summary(), f, indent=1)

@@ -110,6 +110,9 @@ class ClusterStrategy:
         if self.dp_shard and (self.dp % self.dp_shard or self.zero == 0):
             raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} shards ZeRO inside groups of dp ranks: it "
                              f"must divide dp={self.dp} and needs zero ≥ 1 (got zero={self.zero})")
+        if self.dp_shard and self.ep > 1:
+            raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} with ep={self.ep}: HSDP is priced for "
+                             "dense weights only; use ep=1, or dp_shard=0")
         if self.dp % self.ep:
             raise ValueError(f"ClusterStrategy.ep={self.ep} must divide dp={self.dp}: experts are spread over dp "
                              f"ranks; use an ep dividing {self.dp}")

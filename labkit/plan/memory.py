@@ -170,9 +170,10 @@ def replica_groups(model, s: ClusterStrategy) -> list[dict]:
 
 def model_state_bytes(s: ClusterStrategy, groups: dict) -> tuple[float, float, float]:
     """Weights, gradients and optimizer state of one rank's ``groups`` (module docstring), each
-    sharded by ZeRO over its replicas."""
+    sharded by ZeRO over its replicas (over the dp_shard·cp of them in its HSDP group)."""
     def part(per_param: float, stage: int) -> float:
-        return per_param * sum(n / (ranks if s.zero >= stage else 1) for ranks, n in groups.items())
+        return per_param * sum(n / (ranks * s.shard_group // s.replicas if s.zero >= stage else 1)
+                               for ranks, n in groups.items())
     return part(2, 3), part(2, 2), part(12, 1)
 
 

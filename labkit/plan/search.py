@@ -46,18 +46,22 @@ def _schedules(pp: int, model, m: int, chunks=CHUNKS):
 def candidates(model: ModelShape, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
                microbatch_sizes=MICROBATCH_SIZES, recompute=PRICED["recompute"], dp=None, pp=None, tp=None,
                dp_mode: str = "overlap", schedules=None, sequence_parallel=(False,), ep=None,
-               ep_overlaps=("microbatch",), cp=None, cp_modes=PRICED["cp_mode"], chunks=CHUNKS):
+               ep_overlaps=("microbatch",), cp=None, cp_modes=PRICED["cp_mode"], chunks=CHUNKS, dp_shards=None):
     """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these).
     A model with experts also tries every ep dividing both dp and its experts, with the
     all-to-all overlap (``ep_overlaps``: the ep_overlap settings tried; the model never prices
-    the overlap slower, so by default only "microbatch"). ``cp_modes``: the context-parallel modes tried for cp > 1."""
+    the overlap slower, so by default only "microbatch"). ``cp_modes``: the context-parallel
+    modes tried for cp > 1. ``dp_shards``: the HSDP shard degrees tried with ZeRO (default: ZeRO
+    over all of dp, and HSDP with its shard group filling one node, where that is a proper
+    divisor of dp)."""
     n = cluster.gpus
     tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
            and model.heads % t == 0 and model.hidden % t == 0]
     for t in ([tp] if tp else tps):
         for c, mode in _context_degrees(model, n // t, cp, cp_modes):
             yield from _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute,
-                               dp_mode, schedules, sequence_parallel, ep, ep_overlaps, chunks)
+                               dp_mode, schedules, sequence_parallel, ep, ep_overlaps, chunks, dp_shards,
+                               cluster.gpus_per_node)
 
 
 def _context_degrees(model, room: int, cp, modes):
@@ -72,7 +76,7 @@ def _context_degrees(model, room: int, cp, modes):
 
 
 def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute, dp_mode, schedules,
-            sequence_parallel, ep, ep_overlaps, chunks):
+            sequence_parallel, ep, ep_overlaps, chunks, dp_shards, node):
     """The candidates of one (tp, cp) pair: every pp, micro-batch size, schedule and knob."""
     for p in ([pp] if pp else _divisors(n // (t * c))):
         d = n // (t * c * p)
@@ -82,10 +86,23 @@ def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, 
             for (schedule, v), z, rc, sp, (e, overlap) in product(
                     _schedules(p, model, global_batch // (d * mbs), chunks), zero if d * c > 1 else (0,), recompute,
                     sequence_parallel if t > 1 else (False,), _expert_degrees(model, d, ep, ep_overlaps)):
-                if schedules is None or schedule in schedules:
+                if schedules is not None and schedule not in schedules:
+                    continue
+                for shard in _shard_degrees(d, p * c * t, node, z, e, dp_shards):
                     yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,
                                           chunks=v, recompute=rc, dp_mode=dp_mode, sequence_parallel=sp,
-                                          ep=e, ep_overlap=overlap, cp=c, cp_mode=mode)
+                                          ep=e, ep_overlap=overlap, cp=c, cp_mode=mode, dp_shard=shard)
+
+
+def _shard_degrees(dp: int, span: int, node: int, zero: int, ep: int, dp_shards):
+    """dp_shard values for ``dp`` replicas ``span`` GPUs apart: 0 (ZeRO over all of dp) and, with
+    ZeRO and ep = 1, HSDP whose shard group fills a node (or each of ``dp_shards``)."""
+    if zero == 0 or ep > 1:
+        return (0,)
+    if dp_shards is not None:
+        return tuple(d for d in dp_shards if d == 0 or dp % d == 0)
+    fill = node // span if node % span == 0 else 0
+    return (0, fill) if 1 < fill < dp and dp % fill == 0 else (0,)
 
 
 def _expert_degrees(model, dp: int, ep, ep_overlaps):

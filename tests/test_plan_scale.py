@@ -1,5 +1,5 @@
-"""Memory per GPU at scale: the count by hand on a small case, every published run fits, and the
-count against torchtitan's published peaks (pure arithmetic, no engines)."""
+"""The planner at scale: memory by hand on a small case, every published run fits, the count
+against torchtitan's published peaks, one strategy vocabulary, HSDP priced per tier (no engines)."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +78,54 @@ def test_the_boolean_spellings_warn_and_mean_the_same():
     assert old == ClusterStrategy(dp=8, dp_mode="overlap") and old.overlaps_dp
     with pytest.warns(FutureWarning, match="ep_overlap='microbatch'"):
         assert ClusterStrategy(dp=8, ep=2, ep_overlap=True).ep_overlap == "microbatch"
+
+
+# -- HSDP: ZeRO inside a shard group, all-reduce across its replicas, bytes per tier --------------
+
+def test_hsdp_shards_model_states_over_its_group_and_prices_each_tier():
+    from labkit.plan import ModelShape
+    from labkit.plan.hardware import bus_factor
+    from labkit.plan.step import stage_costs
+
+    model, cluster = ModelShape(layers=24, hidden=2048, heads=16), Cluster(nodes=4)      # 32 A100s
+    n = model.rank_params(1)[0]                                                         # pp=1, tp=1
+    hsdp = ClusterStrategy(dp=32, zero=3, dp_shard=8, recompute="full")
+    mem, flat = memory_breakdown(model, hsdp, 32), memory_breakdown(model, ClusterStrategy(dp=32, zero=3), 32)
+    assert mem["optimizer"] == pytest.approx(12 * n / 8) and flat["optimizer"] == pytest.approx(12 * n / 32)
+    # reduce-scatter and two all-gathers of 2n inside the node (NVLink), the shard's all-reduce across
+    hw = cluster.hardware
+    inside = 2 * n * 7 / 8 / hw.nvlink.beta + hw.nvlink.alpha
+    across = 2 * (2 * n / 8) * 3 / 4 / hw.ib.beta + hw.ib.alpha
+    assert stage_costs(model, cluster, hsdp).dp_sync == pytest.approx(3 * inside + across)
+    tiers = predict(model, cluster, 32, hsdp).parts["bytes_by_tier"]
+    assert tiers["intra"] == pytest.approx(3 * bus_factor("all_gather", 8) * 2 * n)
+    assert tiers["inter"] == pytest.approx(bus_factor("all_reduce", 4) * 2 * n / 8)     # ring: 2(n−1)/n·S
+    flat_tiers = predict(model, cluster, 32, ClusterStrategy(dp=32, zero=3)).parts["bytes_by_tier"]
+    assert flat_tiers == pytest.approx({"intra": 0.0, "inter": 3 * bus_factor("all_gather", 32) * 2 * n})
+    with pytest.raises(ValueError, match="dp_shard=3 .* must divide dp=32"):
+        ClusterStrategy(dp=32, zero=3, dp_shard=3)
+
+
+def test_tp_bytes_stay_inside_a_node_and_pp_bytes_cross_it():
+    from labkit.plan import ModelShape
+    from labkit.plan.hardware import bus_factor
+
+    model = ModelShape(layers=8, hidden=2048, heads=16, seq=1024)
+    act = 2 * 1024 * 2048                                                # bf16 b·s·h, one micro-batch
+    one = predict(model, Cluster(nodes=1), 8, ClusterStrategy(dp=1, tp=8)).parts["bytes_by_tier"]
+    assert one == pytest.approx({"intra": 4 * 8 * 8 * bus_factor("all_reduce", 8) * act, "inter": 0.0})
+    # tp=4 inside each 4-GPU node, pp=2 across the two: 8 micro-batches, 4 layers a rank
+    two = predict(model, Cluster(nodes=2, gpus_per_node=4), 8, ClusterStrategy(pp=2, tp=4)).parts["bytes_by_tier"]
+    assert two == pytest.approx({"intra": 4 * 4 * 8 * bus_factor("all_reduce", 4) * act, "inter": 2 * 8 * act / 4})
+
+
+def test_the_search_tries_hsdp_and_ranks_it_above_zero3_across_nodes():
+    from labkit.plan import search
+
+    model, cluster = _model("llama3-8b", 8192), Cluster.of(64, "a100")
+    ranked = search(model, cluster, 64, tp=1, pp=1, zero=(3,), recompute=("full",), microbatch_sizes=(1,),
+                    dp_mode="bucketed").ranked
+    assert [p.strategy.dp_shard for p in ranked] == [8, 0]               # a node's 8 GPUs shard, 8 replicas
+    hsdp, flat = ranked
+    assert hsdp.parts["bytes_by_tier"]["inter"] < flat.parts["bytes_by_tier"]["inter"] / 10
+    assert hsdp.memory["total"] > flat.memory["total"]                   # the price: states over 8, not 64
