@@ -199,11 +199,11 @@ class ClusterStrategy:
         """The labkit.Strategy that runs this: every field of the same name, and the micro-batch
         count for ``global_batch``. ValueError (Strategy's own) where the lab cannot run it."""
         shared = {f.name for f in fields(Strategy)} & {f.name for f in fields(self)}
-        extra = [n for n in ("dp_shard",) if getattr(self, n) and n not in shared]
-        if extra:
-            raise ValueError(f"ClusterStrategy.{extra[0]}={getattr(self, extra[0])} has no labkit.Strategy field to "
-                             "run it with; run it without, or price it only")
-        return Strategy(**{n: getattr(self, n) for n in shared}, microbatches=self.microbatches(global_batch))
+        if self.dp_shard and "dp_shard" not in shared:
+            raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} has no labkit.Strategy field to run it with; "
+                             "run it without, or price it only")
+        kept = {n: getattr(self, n) for n in shared if n != "dp_shard" or self.dp_shard}   # 0: Strategy's default
+        return Strategy(**kept, microbatches=self.microbatches(global_batch))
 
     def label(self) -> str:
         extra = (f" v{self.chunks}" if self.chunks > 1 else "") + (" sp" if self.sequence_parallel else "")
