@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from labkit.plan import Cluster, ClusterStrategy, Decoder, predict
-from labkit.plan.memory import memory_breakdown
+from labkit.plan.memory import memory_breakdown, rank_memory
 from labkit.plan.published import compare, compare_llama, compare_memory, _model
 
 
@@ -21,8 +21,10 @@ def test_memory_is_the_hand_count_on_a_small_decoder():
     loss = 128 * (4 * 256 + 12 * 1000) / 2                                # final norm out; 12 bytes a logit
     totals = [2 * n + 2 * n + 12 * n / 2 + in_flight[r] * 2 * per_layer + (loss if r == 1 else 0)
               for r, n in enumerate(params)]                              # bf16 w, g; optimizer over dp=2
+    ranks = rank_memory(model, s, global_batch=8)
+    assert [r["total"] for r in ranks] == pytest.approx(totals)
     mem = memory_breakdown(model, s, global_batch=8)
-    assert mem["rank"] == 1 and mem["total"] == pytest.approx(max(totals))
+    assert totals[1] > totals[0] and mem["total"] == pytest.approx(totals[1])         # the last rank: its loss
     assert mem["optimizer"] == pytest.approx(12 * params[1] / 2)
 
 

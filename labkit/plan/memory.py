@@ -202,9 +202,9 @@ def stage_kinds(model, stages: int) -> list[dict]:
     return [model.kinds(first, n) for first, n in zip(accumulate([0] + counts), counts)]
 
 
-def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -> dict:
-    """Bytes per GPU on the pipeline rank that needs the most: weights, gradients, optimizer,
-    activations, total (module docstring), and which pipeline rank that is ("rank")."""
+def rank_memory(model: ModelShape, s: ClusterStrategy, global_batch: int) -> list[dict]:
+    """Bytes per GPU on each pipeline rank: weights, gradients, optimizer, activations, total
+    (module docstring)."""
     m = s.microbatches(global_batch)
     logits = loss_bytes(model, s) * (m if s.schedule == "gpipe" and s.pp > 1 else 1)
     kinds = stage_kinds(model, s.pp * s.chunks)
@@ -221,8 +221,13 @@ def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -
             + (max(stage_layer[r::s.pp]) if s.recompute != "none" else 0.0) + gathered_kv_bytes(model, s) \
             + (logits if r == s.pp - 1 else 0.0)
         ranks.append({"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts,
-                      "total": weights + grads + optimizer + acts, "rank": r})
-    return max(ranks, key=lambda mem: mem["total"])
+                      "total": weights + grads + optimizer + acts})
+    return ranks
+
+
+def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -> dict:
+    """:func:`rank_memory` of the pipeline rank that needs the most."""
+    return max(rank_memory(model, s, global_batch), key=lambda mem: mem["total"])
 
 
 def fits(total_bytes: float, hbm_bytes: float) -> bool:
