@@ -351,11 +351,12 @@ def test_13_cp_divides_memory_the_ring_overlaps_and_the_modes_send_the_formula()
 
 
 def test_09_cp_divides_activations_and_the_long_context_row_is_predicted():
-    """09's text: activations per GPU fall as 1/cp; the Llama 3 CP16 row is predicted (all-gather cp)
+    """09's text: activations per GPU fall as 1/cp and only cp = 16 fits; the Llama 3 CP16 row is predicted (all-gather cp)
     beside the other published rows, and the notebook ends with its two checked questions."""
     nb, v = notebook("09_plan_at_scale")
     acts = v["activations_gb"]           # JSON keys
     assert acts["1"] / acts["4"] == pytest.approx(4, rel=0.02) and acts["4"] / acts["16"] == pytest.approx(4, rel=0.02)
+    assert v["fits"] == {"1": False, "4": False, "16": True}          # only the paper's cp = 16 fits, as it ran
     long = v["long_context"]
     assert long["error"] == long["error"] and long["cp_mode"] == "allgather"      # a number, not NaN
     last = [c.source for c in nb.cells if c.cell_type == "code"][-2]

@@ -46,11 +46,11 @@ def test_json_that_is_a_folder_is_refused_first(tmp_path, capsys):
 
 
 def test_one_strategy_that_does_not_fit_exits_1_and_says_what_fits_means(capsys):
-    rc, out, _ = plan(GPT3 + ONE, capsys)
+    rc, out, _ = plan(GPT3 + ONE[:-1] + ["2"], capsys)          # two sequences a micro-batch
     assert rc == 1 and "DOES NOT FIT" in out
-    assert "fits = at most 92% of 80 GB = 73.6 GB per GPU" in out
-    rc, out, _ = plan(GPT3 + ONE + ["--recompute", "full"], capsys)
-    assert rc == 0 and "— fits;" in out and "73.6 GB" in out
+    assert "fits = at most 92% of 85.9 GB (81920 MiB) = 79.0 GB per GPU" in out
+    rc, out, _ = plan(GPT3 + ONE[:-1] + ["2", "--recompute", "full"], capsys)
+    assert rc == 0 and "— fits;" in out and "79.0 GB" in out
 
 
 def test_the_readme_example_fits(capsys, tmp_path):

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from .layout import CP_MODES, RECOMPUTE, SCHEDULES
+from .layout import strategy_choices
 
 POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "gpus", "gpus_per_node", "global_batch", "tp", "pp", "dp",
             "microbatch_size", "chunks", "top", "cp", "ep")
@@ -45,15 +45,20 @@ def add_parser(subparsers) -> None:
     for name in ("tp", "pp", "dp"):
         one.add_argument(f"--{name}", type=int)
     one.add_argument("--microbatch-size", type=int, default=1)
-    one.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    one.add_argument("--recompute", choices=strategy_choices("recompute"), default="none")
     one.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    one.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    one.add_argument("--schedule", choices=strategy_choices("schedule"), default="1f1b")
     one.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
     one.add_argument("--sequence-parallel", action="store_true")
     one.add_argument("--cp", type=int, default=1, help="context-parallel degree (dp·pp·cp·tp = GPUs)")
-    one.add_argument("--cp-mode", choices=CP_MODES, default="ring")
-    one.add_argument("--ep", type=int, default=1,
-                     help="expert-parallel degree (dividing dp and the experts; the all-to-alls overlapped)")
+    one.add_argument("--cp-mode", choices=strategy_choices("cp_mode"), default="ring")
+    one.add_argument("--dp-mode", choices=strategy_choices("dp_mode"), default="bucketed",
+                     help="bucketed: gradients reduced after backward; overlap/ddp: under it")
+    one.add_argument("--dp-shard", type=int, default=0,
+                     help="HSDP: ZeRO inside groups of this many dp ranks, replicated across them (0: all of dp)")
+    one.add_argument("--ep", type=int, default=1, help="expert-parallel degree (dividing dp and the experts)")
+    one.add_argument("--ep-overlap", choices=strategy_choices("ep_overlap"), default=None,
+                     help="with --ep > 1: 'microbatch' (the default there) hides the all-to-alls, 'none' exposes them")
     p.add_argument("--top", type=int, default=10, help="strategies to list when ranking (≥ 1)")
     p.add_argument("--json", help="write the prediction (one strategy) or the ranking here")
     p.add_argument("--validate", action="store_true", help="compare with Megatron-LM SC21 Table 1 and exit")
@@ -129,8 +134,9 @@ def fits_rule(cluster) -> str:
     """What "fits" means: the usable share of each GPU's memory."""
     from .memory import USABLE_FRACTION
 
-    hbm = cluster.hardware.hbm_bytes / 1e9
-    return (f"fits = at most {100 * USABLE_FRACTION:.0f}% of {hbm:.0f} GB = {USABLE_FRACTION * hbm:.1f} GB per GPU "
+    hbm = cluster.hardware.hbm_bytes
+    return (f"fits = at most {100 * USABLE_FRACTION:.0f}% of {hbm / 1e9:.1f} GB ({hbm / 2 ** 20:.0f} MiB) = "
+            f"{USABLE_FRACTION * hbm / 1e9:.1f} GB per GPU "
             "(the CUDA context, NCCL buffers and allocator fragmentation take the rest)")
 
 
@@ -143,7 +149,8 @@ def _one(args, model, cluster) -> int:
     s = ClusterStrategy(dp=args.dp, pp=args.pp, tp=args.tp, zero=args.zero, microbatch_size=args.microbatch_size,
                         schedule=args.schedule, chunks=args.chunks, recompute=args.recompute,
                         sequence_parallel=args.sequence_parallel, cp=args.cp, cp_mode=args.cp_mode, ep=args.ep,
-                        ep_overlap=args.ep > 1)
+                        ep_overlap=args.ep_overlap or ("microbatch" if args.ep > 1 else "none"), dp_mode=args.dp_mode,
+                        dp_shard=args.dp_shard)
     p = predict(model, cluster, args.global_batch, s)
     m = p.memory
     print(f"{s.label()} on {cluster.gpus}× {cluster.hardware.name}, global batch {args.global_batch}")
@@ -151,6 +158,9 @@ def _one(args, model, cluster) -> int:
     print(f"memory per GPU {p.memory_gb_per_gpu:.1f} GB (weights {m['weights'] / 1e9:.1f}, gradients "
           f"{m['gradients'] / 1e9:.1f}, optimizer {m['optimizer'] / 1e9:.1f}, activations {m['activations'] / 1e9:.1f})"
           f" — {'fits' if p.fits else 'DOES NOT FIT'}; {fits_rule(cluster)}")
+    tiers = p.parts["bytes_by_tier"]
+    print(f"bytes a GPU sends a step: {tiers['intra'] / 1e9:.1f} GB inside a node (NVLink), "
+          f"{tiers['inter'] / 1e9:.1f} GB across nodes")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(p.summary(), f, indent=1)

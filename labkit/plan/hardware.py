@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 GB = 1e9
 GiB = 2 ** 30
+MiB = 2 ** 20
 
 
 def require_whole(owner, fields, minimum: int = 1) -> None:
@@ -71,6 +72,8 @@ class Hardware:
     peak_flops: float
     """Dense bf16 tensor-core FLOP/s (no sparsity)."""
     hbm_bytes: float
+    """Bytes of HBM the driver offers (nvidia-smi's memory.total): a GPU sold as "80 GB" has
+    80 GiB of HBM (HBM stacks come in binary sizes), 85.5–85.9·10⁹ bytes, not 80·10⁹."""
     nvlink: AlphaBeta
     """Inside a node (tensor parallelism is placed here)."""
     ib: AlphaBeta
@@ -94,24 +97,25 @@ class Hardware:
         return self.gemm_max_efficiency * d / (d + self.gemm_half_dim)
 
 
-# A100 SXM4 80GB in a DGX A100: 312 TFLOP/s dense bf16, 80 GB HBM2e at 2.0 TB/s (NVIDIA A100 datasheet);
+# A100 SXM4 80GB in a DGX A100: 312 TFLOP/s dense bf16, 80 GiB HBM2e (nvidia-smi: 81920 MiB) at
+# 2.0 TB/s (NVIDIA A100 datasheet);
 # NVLink 3: 600 GB/s both directions = 300 GB/s each way, nccl-tests busbw ~230 GB/s;
 # 8× HDR InfiniBand 200 Gb/s per node = 25 GB/s per GPU, ~22 GB/s achieved (DGX A100 user
 # guide; nccl-tests results NVIDIA publishes). Latencies: NCCL small-message all-reduce
 # ~10 µs inside a node, ~20 µs across nodes.
-A100 = Hardware(name="A100 80GB", peak_flops=312e12, hbm_bytes=80 * GB, hbm_bandwidth=2.0e12,
+A100 = Hardware(name="A100 80GB", peak_flops=312e12, hbm_bytes=81920 * MiB, hbm_bandwidth=2.0e12,
                 nvlink=AlphaBeta(beta=230 * GB, alpha=10e-6), ib=AlphaBeta(beta=22 * GB, alpha=20e-6))
 
-# H100 SXM5 in a DGX H100: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity), 80 GB HBM3 at
-# 3.35 TB/s (NVIDIA H100 datasheet); NVLink 4: 900 GB/s both directions = 450 GB/s each way, ~360 GB/s
+# H100 SXM5 in a DGX H100: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity), 80 GiB HBM3
+# (nvidia-smi on an "H100 80GB HBM3": 81559 MiB) at 3.35 TB/s (NVIDIA H100 datasheet); NVLink 4: 900 GB/s both directions = 450 GB/s each way, ~360 GB/s
 # busbw; 8× NDR 400 Gb/s per node = 50 GB/s per GPU, ~45 GB/s achieved (DGX H100 guide).
-H100 = Hardware(name="H100 SXM", peak_flops=989e12, hbm_bytes=80 * GB, hbm_bandwidth=3.35e12,
+H100 = Hardware(name="H100 SXM", peak_flops=989e12, hbm_bytes=81559 * MiB, hbm_bandwidth=3.35e12,
                 nvlink=AlphaBeta(beta=360 * GB, alpha=8e-6), ib=AlphaBeta(beta=45 * GB, alpha=15e-6),
                 gemm_max_efficiency=0.70, gemm_half_dim=256.0)
 
-# H200 SXM: the same GH100 compute as H100 (989 TFLOP/s dense bf16) with 141 GB HBM3e at
-# 4.8 TB/s (NVIDIA H200 product brief); the same NVLink 4 and NDR fabric in a DGX H200.
-H200 = Hardware(name="H200", peak_flops=989e12, hbm_bytes=141 * GB, hbm_bandwidth=4.8e12,
+# H200 SXM: the same GH100 compute as H100 (989 TFLOP/s dense bf16) with 141 GB HBM3e
+# (nvidia-smi: 143771 MiB) at 4.8 TB/s (NVIDIA H200 product brief); the same NVLink 4 and NDR fabric in a DGX H200.
+H200 = Hardware(name="H200", peak_flops=989e12, hbm_bytes=143771 * MiB, hbm_bandwidth=4.8e12,
                 nvlink=AlphaBeta(beta=360 * GB, alpha=8e-6), ib=AlphaBeta(beta=45 * GB, alpha=15e-6),
                 gemm_max_efficiency=0.72, gemm_half_dim=256.0)
 
@@ -203,6 +207,10 @@ class ModelShape:
 
     def attention_core_flops(self, tokens: int) -> float:
         return 4 * tokens * self.seq * self.hidden
+
+    def selective_flops(self, kind: str, tokens: int) -> float:
+        """Forward FLOPs recomputed under Megatron's selective recomputation: the attention core."""
+        return self.attention_core_flops(tokens)
 
     def model_flops(self, tokens: int) -> float:
         """6·N·tokens (PaLM, Chowdhery et al. 2022, appendix B, without the attention term)."""

@@ -1,23 +1,50 @@
-"""A strategy on a cluster: the degrees and knobs the planner ranks, and where they land.
+"""A strategy on a cluster: :class:`labkit.Strategy`'s vocabulary, plus what only a cluster needs.
 
-:class:`ClusterStrategy` is the at-scale twin of :class:`labkit.Strategy`: it adds what only
-matters at scale (micro-batch size, recomputation, sequence parallelism) and keeps tp and
-zero analytic. Ranks are laid out as labkit's grid lays them out, ``arange(world).view(dp,
-pp, cp, tp)``, tp innermost (Megatron's order), so a tp group is consecutive GPUs of one node
-and a cp group the cp·tp GPUs around it.
+:class:`ClusterStrategy` shares every name and choice it has in common with
+:class:`labkit.Strategy` (``dp_mode``, ``schedule``, ``cp_mode``, ``ep_overlap``, ``recompute``,
+…; the choices are read from Strategy's own fields) and adds what only matters at scale: the
+micro-batch size (at scale the batch is fixed by the recipe and the size is the knob;
+``Strategy.microbatches`` = global batch / (dp · microbatch_size)) and ``dp_shard`` (HSDP). The
+planner prices a subset of Strategy's choices (:data:`PRICED`); another one is refused by name.
+:meth:`ClusterStrategy.to_strategy` is the lab's Strategy that runs it, field for field.
+
+Ranks are laid out as labkit's grid lays them out, ``arange(world).view(dp, pp, cp, tp)``, tp
+innermost (Megatron's order), so a tp group is consecutive GPUs of one node and a cp group the
+cp·tp GPUs around it; a dp_shard group is dp_shard consecutive dp ranks, pp·cp·tp GPUs apart.
 
     >>> s = ClusterStrategy(dp=8, pp=16, tp=8, microbatch_size=1, recompute="full")
     >>> s.check(ModelShape(layers=96, hidden=12288, heads=96), Cluster(nodes=128), global_batch=1536)
+    >>> s.to_strategy(global_batch=1536).microbatches
+    192
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import InitVar, asdict, dataclass, fields
 
+from ..config import Strategy
 from .hardware import Cluster, ModelShape, require_whole
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-CP_MODES = ("ring", "allgather")
-RECOMPUTE = ("none", "selective", "full")
+PRICED = {
+    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
+    "cp_mode": ("ring", "allgather"),
+    "dp_mode": ("bucketed", "overlap", "ddp"),
+    "ep_overlap": ("none", "microbatch"),
+    "recompute": ("none", "selective", "full"),
+}
+"""Of Strategy's choices, those the planner prices (zbv, Ulysses and the naive per-tensor
+all-reduce are run by the lab and not priced at scale)."""
+
+OVERLAPPED_DP_MODES = ("overlap", "ddp")
+"""dp modes whose gradient reduction runs under the backward (the others reduce after it)."""
+
+REMOVAL = "2027-03-01"
+"""When the deprecated boolean spellings (dp_overlap=, ep_overlap=True/False) go."""
+
+
+def strategy_choices(name: str) -> tuple:
+    """Strategy's choices for field ``name`` (one definition, in :mod:`labkit.config`)."""
+    return Strategy.__dataclass_fields__[name].metadata["choices"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,25 +55,34 @@ class ClusterStrategy:
     pp: int = 1
     tp: int = 1
     zero: int = 0
-    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp."""
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
+    (over dp_shard with HSDP)."""
     microbatch_size: int = 1
-    """Sequences per micro-batch on one pipeline (the micro-batch count follows from the batch)."""
+    """Sequences per micro-batch on one pipeline (only at scale: Strategy counts micro-batches,
+    global_batch / (dp · microbatch_size) of them)."""
     schedule: str = "1f1b"
     chunks: int = 1
     """Model chunks per pipeline rank (interleaved only)."""
     recompute: str = "none"
-    """Activation recomputation: "none", "selective" (attention core) or "full" (every layer)."""
+    """Activation recomputation: "none", "selective" (a GPT: the attention core; a Decoder:
+    torchtitan's op policy) or "full" (every layer)."""
     sequence_parallel: bool = False
     """Megatron-style sequence parallelism in the tp group (Korthikanti et al. 2022)."""
-    dp_overlap: bool = False
-    """Gradient all-reduce overlapped with the last micro-batch's backward (DDP buckets);
-    Megatron-LM in 2021 reduced after backward, so the published table uses False."""
+    dp_mode: str = "bucketed"
+    """Strategy's dp modes: "bucketed" reduces the gradients after backward (Megatron-LM in
+    2021, so the published table's default here); "overlap" and "ddp" under the last
+    micro-batch's backward."""
+    dp_shard: int = 0
+    """HSDP: ZeRO (zero ≥ 1) inside groups of dp_shard consecutive dp ranks, replicated across
+    the dp / dp_shard groups (torchtitan's data_parallel_shard_degree, FSDP's HYBRID_SHARD);
+    0 means dp_shard = dp (ZeRO over all of dp·cp)."""
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts split over ep dp ranks (the ranks
     ``pp·tp`` apart, so the group spans ep·pp·tp consecutive GPUs), tokens sent to them and
     back by two all-to-alls per layer and pass (DeepSeek-V3, Megatron-Core)."""
-    ep_overlap: bool = False
-    """The all-to-alls hidden behind the experts' compute (DeepSeek-V3's two-micro-batch overlap)."""
+    ep_overlap: str = "none"
+    """"microbatch": the all-to-alls hidden behind the experts' compute (DeepSeek-V3's
+    two-micro-batch overlap)."""
     cp: int = 1
     """Context-parallel degree: every sequence cut over cp ranks (two chunks each, i and
     2·cp−1−i, so causal attention costs every rank the same); the weights are replicated
@@ -55,26 +91,54 @@ class ClusterStrategy:
     """How attention reaches the other chunks' keys and values: "ring" (K/V blocks passed one
     hop per round under the round's attention, Liu et al. 2023) or "allgather" (K/V gathered
     before attention, exposed; the Llama 3 paper, §3.3.2)."""
+    dp_overlap: InitVar[bool | None] = None
+    """Deprecated: dp_mode="overlap" (True) or "bucketed" (False)."""
 
-    def __post_init__(self):
+    def __post_init__(self, dp_overlap):
+        self._deprecated(dp_overlap)
         require_whole(self, ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"))
+        require_whole(self, ("dp_shard",), minimum=0)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ClusterStrategy.zero={self.zero!r} must be 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"ClusterStrategy.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"ClusterStrategy.recompute={self.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
-        if self.cp_mode not in CP_MODES:
-            raise ValueError(f"ClusterStrategy.cp_mode={self.cp_mode!r} is unknown; use one of {', '.join(CP_MODES)}")
+        for name, priced in PRICED.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in strategy_choices(name):
+                raise ValueError(f"ClusterStrategy.{name}={value!r} is unknown; use one of {', '.join(priced)}")
+            if value not in priced:
+                raise ValueError(f"ClusterStrategy.{name}={value!r} runs on the lab (labkit.Strategy) but is not "
+                                 f"priced at scale; use one of {', '.join(priced)}")
+        if self.dp_shard and (self.dp % self.dp_shard or self.zero == 0):
+            raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} shards ZeRO inside groups of dp ranks: it "
+                             f"must divide dp={self.dp} and needs zero ≥ 1 (got zero={self.zero})")
+        if self.dp_shard and self.ep > 1:
+            raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} with ep={self.ep}: HSDP is priced for "
+                             "dense weights only; use ep=1, or dp_shard=0")
         if self.dp % self.ep:
             raise ValueError(f"ClusterStrategy.ep={self.ep} must divide dp={self.dp}: experts are spread over dp "
                              f"ranks; use an ep dividing {self.dp}")
-        if self.ep_overlap and self.ep == 1:
-            raise ValueError("ClusterStrategy.ep_overlap=True hides the experts' all-to-alls, and ep=1 has none; "
-                             "use ep > 1, or ep_overlap=False")
+        if self.ep_overlap != "none" and self.ep == 1:
+            raise ValueError(f"ClusterStrategy.ep_overlap={self.ep_overlap!r} hides the experts' all-to-alls, and "
+                             "ep=1 has none; use ep > 1, or ep_overlap='none'")
         if (self.chunks > 1) != (self.schedule == "interleaved" and self.pp > 1):
             raise ValueError(f"ClusterStrategy.chunks={self.chunks} with schedule={self.schedule!r}, pp={self.pp}: "
                              "chunks ≥ 2 goes with schedule='interleaved' and pp > 1, chunks=1 otherwise")
+
+    def _deprecated(self, dp_overlap) -> None:
+        """The boolean spellings of dp_mode and ep_overlap, warned and translated."""
+        old = {"dp_overlap": dp_overlap, "ep_overlap": self.ep_overlap if isinstance(self.ep_overlap, bool) else None}
+        for name, value in old.items():
+            if value is None:
+                continue
+            new = ("dp_mode", "overlap" if value else "bucketed") if name == "dp_overlap" else \
+                ("ep_overlap", "microbatch" if value else "none")
+            warnings.warn(f"ClusterStrategy({name}={value}) is deprecated and goes on {REMOVAL}: write "
+                          f"{new[0]}={new[1]!r} (labkit.Strategy's name)", FutureWarning, stacklevel=4)
+            object.__setattr__(self, *new)
+
+    @property
+    def overlaps_dp(self) -> bool:
+        """Whether the gradient reduction runs under the backward (dp_mode "overlap" or "ddp")."""
+        return self.dp_mode in OVERLAPPED_DP_MODES
 
     @property
     def gpus(self) -> int:
@@ -82,8 +146,13 @@ class ClusterStrategy:
 
     @property
     def replicas(self) -> int:
-        """Ranks holding the same weights: dp·cp (the gradient all-reduce's and ZeRO's group)."""
+        """Ranks holding the same weights: dp·cp (the gradient reduction's group)."""
         return self.dp * self.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks ZeRO shards over: dp_shard·cp with HSDP, else all dp·cp replicas."""
+        return (self.dp_shard or self.dp) * self.cp
 
     def tokens(self, seq: int) -> int:
         """Tokens of one micro-batch on one rank: microbatch_size · seq / cp."""
@@ -126,10 +195,21 @@ class ClusterStrategy:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_strategy(self, global_batch: int) -> Strategy:
+        """The labkit.Strategy that runs this: every field of the same name, and the micro-batch
+        count for ``global_batch``. ValueError (Strategy's own) where the lab cannot run it."""
+        shared = {f.name for f in fields(Strategy)} & {f.name for f in fields(self)}
+        if self.dp_shard and "dp_shard" not in shared:
+            raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} has no labkit.Strategy field to run it with; "
+                             "run it without, or price it only")
+        kept = {n: getattr(self, n) for n in shared if n != "dp_shard" or self.dp_shard}   # 0: Strategy's default
+        return Strategy(**kept, microbatches=self.microbatches(global_batch))
+
     def label(self) -> str:
         extra = (f" v{self.chunks}" if self.chunks > 1 else "") + (" sp" if self.sequence_parallel else "")
-        ep = f" ep{self.ep}" + (" a2a-overlap" if self.ep_overlap else "") if self.ep > 1 else ""
+        ep = f" ep{self.ep}" + (" a2a-overlap" if self.ep_overlap != "none" else "") if self.ep > 1 else ""
+        hsdp = f" shard{self.dp_shard}" if self.dp_shard and self.dp_shard < self.dp else ""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         mode = f" cp:{self.cp_mode}" if self.cp > 1 else ""
-        return (f"dp{self.dp} pp{self.pp}{cp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
+        return (f"dp{self.dp}{hsdp} pp{self.pp}{cp} tp{self.tp} z{self.zero} mbs{self.microbatch_size} "
                 f"{self.schedule}{extra} rc:{self.recompute}{ep}{mode}")

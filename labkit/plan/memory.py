@@ -15,18 +15,27 @@ s sequence, b micro-batch size, h hidden, a heads, t tensor-parallel degree:
       + sequence parallel     s·b·h·34 / t
     full recompute            2·s·b·h   (the layer's input; / t with sequence parallel)
 
-A Llama-family :class:`~labkit.plan.model.Decoder` is counted the same way, tensor by tensor,
-with FlashAttention (Dao et al. 2022), which keeps no s×s scores (so "selective" saves nothing
-more), no dropout, and what autograd saves for its layers (16-bit, in units of s·b·h; a·d the
-query width, kv·d the key/value width, f the MLP width):
+A Llama-family :class:`~labkit.plan.model.Decoder` is counted tensor by tensor, as what its
+backward reads (16-bit, in units of s·b·h; a·d the query width, kv·d the key/value width, f
+the MLP width), with FlashAttention (Dao et al. 2022: no s×s scores kept, so Megatron's
+"selective" has nothing left to drop) and no dropout:
 
-    attention       4 (two RMSNorm inputs' first, q/k/v input) + (4·a·d + 4·kv·d)/h / t
-                    (q, k, v, the attention output)
-    SwiGLU MLP      4 (second norm input, gate/up input) + 8·f/h / t (gate, up, silu(gate), product)
-    MoE MLP         4 + 4·k + 8·E/h (norm, routed copies of each token in and out, fp32 router
-                    scores) + 8·(k·f_e + f_shared)/h / t
+    attention       2 (the norm's output: the q/k/v GEMMs' input; an RMSNorm's gradient needs
+                    only its output and 1/rms) + (4·a·d + 4·kv·d)/h / t (q, k, v, the attention
+                    output, which is also the o GEMM's input)
+    SwiGLU MLP      2 (the norm's output) + 6·f/h / t (gate and up: the SwiGLU's derivative;
+                    their product: the down GEMM's input)
+    MoE MLP         2 + 4·k + 8·E/h (norm, routed copies of each token in and out, fp32 router
+                    scores) + 6·(k·f_e + f_shared)/h / t
 
-with sequence parallelism dividing every term by t, and full recomputation keeping 2 (/ t).
+with sequence parallelism dividing every term by t. Eager autograd keeps more (the norms'
+inputs and fp32 internals, silu(gate)); Megatron-Core's fused kernels and Meta's "we
+proactively deallocate tensors that will not be used for future computation" (Llama 3,
+§3.3.2) keep this. ``recompute="selective"`` on a Decoder is torchtitan's op-level policy
+(``_save_list``: every aten.mm output but every second one, and attention's output; the rest
+recomputed, for a Llama layer wk, wo and w3): the layer input 2, wq, wv and attention outputs
+(4·a·d + 2·kv·d)/h, w1's 2·f/h and w2's 2 (an MoE layer's MLP keeps its count above);
+``"full"`` keeps the layer input, 2 (/ t).
 
 Expert parallelism (``ep`` > 1) keeps 1/ep of each MoE layer's routed experts on a GPU; ZeRO
 shards those over the dp/ep ranks that hold the same experts (Megatron-Core's expert-data-
@@ -48,8 +57,8 @@ forward before each backward); zb-h1 min(m, p); interleaved a warm-up of 2(p −
 (v − 1)·p (micro-batch, chunk) forwards, taken in groups of p micro-batches per chunk, then one
 forward before each backward (Megatron's get_num_warmup_microbatches; all m·v forwards first
 when that is no fewer) — for uniform chunks and m ≥ 2p, (1 + (p−1)/(p·v)) times p micro-batches
-on the first rank (Korthikanti et al., §4.2.3). Full recomputation re-materialises one layer at
-a time in backward, so one layer's full activations come on top.
+on the first rank (Korthikanti et al., §4.2.3). Recomputation (full or selective) re-materialises
+one layer at a time in backward, so one layer's activations without it come on top.
 """
 from __future__ import annotations
 
@@ -86,16 +95,31 @@ def decoder_activation_bytes(model: Decoder, s: ClusterStrategy, kind: str) -> f
     sbh = s.tokens(model.seq) * h
     if s.recompute == "full":
         return 2 * sbh / (t if s.sequence_parallel else 1)
-    replicated = 8.0
-    split = (4 * model.heads * model.head_dim + 4 * model.kv_heads * model.head_dim) / h
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    op_policy = s.recompute == "selective"
+    replicated = 4.0                                                  # two norm outputs, or input and w2's output
+    split = (4 * q + (2 if op_policy else 4) * kv) / h
     if kind == "moe":
         replicated += 4 * model.top_k + 8 * model.experts / h
-        split += 8 * (model.top_k * model.expert_ffn + model.shared_ffn) / h
+        split += 6 * (model.top_k * model.expert_ffn + model.shared_ffn) / h
     else:
-        split += 8 * model.ffn_hidden / h
+        split += (2 if op_policy else 6) * model.ffn_hidden / h
     if s.sequence_parallel:
         return sbh * (replicated + split) / t
     return sbh * (replicated + split / t)
+
+
+def layer_written_bytes(model, s: ClusterStrategy, kind: str = "dense") -> float:
+    """Bytes one layer's forward writes for one micro-batch, each tensor once (what its memory-
+    bound work moves): Korthikanti et al.'s no-recompute count for a GPT; for a Decoder what it
+    keeps with the norms' inputs and silu(gate) written too, 8 + (4·a·d + 4·kv·d)/h + 8·f/h."""
+    plain = replace(s, recompute="none")
+    if not isinstance(model, Decoder):
+        return layer_activation_bytes(model, plain, kind)
+    f = model.top_k * model.expert_ffn + model.shared_ffn if kind == "moe" else model.ffn_hidden
+    tokens = s.tokens(model.seq)
+    norm_inputs = 4 * tokens * model.hidden / (s.tp if s.sequence_parallel else 1)
+    return layer_activation_bytes(model, plain, kind) + norm_inputs + 2 * tokens * f / s.tp
 
 
 def kv_width(model) -> int:
@@ -146,10 +170,30 @@ def replica_groups(model, s: ClusterStrategy) -> list[dict]:
 
 def model_state_bytes(s: ClusterStrategy, groups: dict) -> tuple[float, float, float]:
     """Weights, gradients and optimizer state of one rank's ``groups`` (module docstring), each
-    sharded by ZeRO over its replicas."""
+    sharded by ZeRO over its replicas (over the dp_shard·cp of them in its HSDP group)."""
     def part(per_param: float, stage: int) -> float:
-        return per_param * sum(n / (ranks if s.zero >= stage else 1) for ranks, n in groups.items())
+        return per_param * sum(n / (ranks * s.shard_group // s.replicas if s.zero >= stage else 1)
+                               for ranks, n in groups.items())
     return part(2, 3), part(2, 2), part(12, 1)
+
+
+def loss_bytes(model, s: ClusterStrategy) -> float:
+    """The last stage's output layer and loss, for one micro-batch (freed by the loss's backward,
+    I for zb-h1): the final norm's output (the output GEMM's input) and what the cross-entropy
+    holds per logit at its peak. Megatron's vocab-parallel cross-entropy keeps the fp32 softmax,
+    4 bytes a logit (Korthikanti et al. 2022's output-layer count); torch's cross-entropy on fp32 logits
+    (torchtitan's and Hugging Face's loss), in the log-softmax's backward, its saved fp32 output,
+    the incoming fp32 gradient and the outgoing one: 12 (the bf16 logits freed before it)."""
+    per_logit = 12 if isinstance(model, Decoder) else 4
+    return s.tokens(model.seq) * (4 * model.hidden + per_logit * model.vocab) / s.tp
+
+
+def gathered_layer_bytes(model, s: ClusterStrategy) -> float:
+    """ZeRO-3: the 16-bit weights gathered at once, the layer computing and the one prefetched
+    (FSDP's unit is a layer; Zhao et al. 2023, §3.3)."""
+    if s.zero < 3:
+        return 0.0
+    return 2 * 2 * max(model.kind_params(k) for k in model.kinds(0, model.layers)) / s.tp
 
 
 def stage_kinds(model, stages: int) -> list[dict]:
@@ -158,15 +202,11 @@ def stage_kinds(model, stages: int) -> list[dict]:
     return [model.kinds(first, n) for first, n in zip(accumulate([0] + counts), counts)]
 
 
-def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -> dict:
-    """Bytes per GPU on the pipeline rank that needs the most: weights, gradients, optimizer,
-    activations, total (module docstring)."""
+def rank_memory(model: ModelShape, s: ClusterStrategy, global_batch: int) -> list[dict]:
+    """Bytes per GPU on each pipeline rank: weights, gradients, optimizer, activations, total
+    (module docstring)."""
     m = s.microbatches(global_batch)
-    # the output layer's logits and their softmax (Korthikanti eq. for the last stage): fp32
-    # logits of s·b·V/t and a bf16 copy, freed by the loss's backward (I for zb-h1): held for one
-    # micro-batch at a time, GPipe's m
-    logits = 4 * s.tokens(model.seq) * model.hidden * (1 + model.vocab / model.hidden) / s.tp
-    logits *= m if s.schedule == "gpipe" and s.pp > 1 else 1
+    logits = loss_bytes(model, s) * (m if s.schedule == "gpipe" and s.pp > 1 else 1)
     kinds = stage_kinds(model, s.pp * s.chunks)
     per_kind = {k: (layer_activation_bytes(model, s, k), layer_activation_bytes(model, replace(s, recompute="none"), k))
                 for k in {k for stage in kinds for k in stage}}
@@ -175,13 +215,19 @@ def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -
     ranks = []
     for r, groups in enumerate(replica_groups(model, s)):
         weights, grads, optimizer = model_state_bytes(s, groups)
+        weights += gathered_layer_bytes(model, s)
         chunks = stage_acts[r::s.pp]          # rank r holds stages r, r + p, …
         acts = max(sum(n * a for n, a in zip(h, chunks)) for h in held(s.schedule, s.pp, m, s.chunks, r)) \
-            + (max(stage_layer[r::s.pp]) if s.recompute == "full" else 0.0) + gathered_kv_bytes(model, s) \
+            + (max(stage_layer[r::s.pp]) if s.recompute != "none" else 0.0) + gathered_kv_bytes(model, s) \
             + (logits if r == s.pp - 1 else 0.0)
         ranks.append({"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": acts,
                       "total": weights + grads + optimizer + acts})
-    return max(ranks, key=lambda mem: mem["total"])
+    return ranks
+
+
+def memory_breakdown(model: ModelShape, s: ClusterStrategy, global_batch: int) -> dict:
+    """:func:`rank_memory` of the pipeline rank that needs the most."""
+    return max(rank_memory(model, s, global_batch), key=lambda mem: mem["total"])
 
 
 def fits(total_bytes: float, hbm_bytes: float) -> bool:

@@ -214,6 +214,16 @@ class Decoder:
     def logit_forward_flops(self, tokens: int) -> float:
         return 2 * tokens * self.hidden * self.vocab
 
+    def selective_flops(self, kind: str, tokens: int) -> float:
+        """Forward FLOPs recomputed in backward under ``recompute="selective"``, torchtitan's op
+        policy (:mod:`labkit.plan.memory`): wk, wo and w3 again, an MoE layer's whole MLP."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = 2 * tokens * (h * kv + q * h)
+        if kind == "dense":
+            return attention + 2 * tokens * h * self.ffn_hidden
+        return attention + 2 * tokens * (h * self.experts + 3 * h * self.shared_ffn
+                                         + self.top_k * 3 * h * self.expert_ffn)
+
     def model_flops(self, tokens: int) -> float:
         """6·N_active·tokens + 12·L·(a·d)·s·tokens (module docstring), N_active without the input table."""
         n = self.active_params - self.embedding_params
@@ -221,14 +231,14 @@ class Decoder:
 
     def hardware_flops(self, global_batch: int, recompute: str) -> float:
         """FLOPs the GPUs execute per step: model FLOPs, plus one more forward of every layer
-        under full recomputation, or of the attention core under selective."""
+        under full recomputation, or what :meth:`selective_flops` counts under selective."""
         tokens = global_batch * self.seq
         flops = self.model_flops(tokens)
         if recompute == "full":
             flops += sum(n * sum(g[0] for g in self.gemms(k, tokens, 1))
                          for k, n in self.kinds(0, self.layers).items())
         elif recompute == "selective":
-            flops += self.layers * self.attention_core_flops(tokens)
+            flops += sum(n * self.selective_flops(k, tokens) for k, n in self.kinds(0, self.layers).items())
         return flops
 
     def describe(self, ep: int = 1) -> str:

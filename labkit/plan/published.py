@@ -1,7 +1,8 @@
 """Published tables to check the planner against, row by row.
 
     $ labkit plan --published sc21        # Megatron-LM SC21 Table 1 (GPT, A100), also --validate
-    $ labkit plan --published llama       # Llama 3 Table 4 (405B, H100) and torchtitan's A100 table
+    $ labkit plan --published llama       # Llama 3 Table 4 (405B, H100), torchtitan's A100 table and
+                                          # its published peak memory
     $ python -m labkit.plan.published llama
 
 Every row is predicted with the hardware presets' datasheet figures and the GEMM efficiency
@@ -27,23 +28,29 @@ Published: TFLOP/s per GPU and BF16 MFU, model FLOPs (no recomputation), so the 
 stage: CP16 over 131,072-token sequences, with the paper's all-gather context parallelism
 (§3.3.2: K and V all-gathered, then attention on the local query chunks, the chunks load
 balanced; "the all-gather communication latency is exposed on the critical path"), priced
-as ``cp_mode="allgather"``. Memory: counted under Megatron's interleaved schedule (labkit's),
-these rows do not fit: with 16 micro-batches and pp = 16 the first half of the ranks run every
-forward before a backward, so a rank of 8 layers holds 16 × 8 of them (rank 0 has one layer
-fewer). The paper ran its own schedule (§3.3.2: N contiguous micro-batches set between DFS and
-BFS, stage inputs and outputs freed early) without its in-flight count, so the planner reports
-the over-count rather than guess it away.
+as ``cp_mode="allgather"``. Chunks: one layer each (:data:`LLAMA3_CHUNKS`). Memory, on the
+ranks that hold the most: under the interleaved schedule every rank runs 2(p − r − 1) + (v − 1)·p
+chunk forwards before its first backward (all m·v at 16 micro-batches), so rank 1 holds 141 (at
+32 micro-batches) or 128 layer-micro-batches; each layer keeps what its backward reads (the
+paper: "we proactively deallocate tensors that will not be used for future computation"), with
+sequence parallelism 27.75·s·b·h/t bytes (:mod:`labkit.plan.memory`); and an H100 "80 GB" has
+81559 MiB. So the rows fit, as they ran.
 
 **torchtitan.** Source: pytorch/torchtitan ``docs/performance.md`` at commit
 0413364 ("Llama 3 performance numbers", "Llama 2 performance numbers"): FSDP2 (ZeRO-3) over
 64 A100 80 GB, local batch 1 or 2, Llama 3 at sequence 8192 and Llama 2 at 4096, bf16, no
 torch.compile, tokens per second per GPU ("WPS"). The network of that cluster is not stated;
 the A100 preset (DGX A100, 200 Gb/s HDR per GPU) is used. torchtitan's selective checkpointing
-has no planner twin (torchtitan ``activation_checkpoint.py``): "layer" recomputes every second
-layer in full, "op" keeps the outputs of the matmuls but every second one, of attention and of
-the reduce-scatters, and recomputes the rest (for a Llama layer wk, wo and w3 and the
-elementwise ops). Those rows are predicted with the planner's "selective" (the attention core
-again), other work than the run recomputed, and memory counted as keeping more.
+is the planner's ``recompute="selective"`` for a Decoder when it is "op" (``_save_list``: the
+outputs of the matmuls but every second one, of attention and of the reduce-scatters; the rest
+recomputed, for a Llama layer wk, wo and w3 and the elementwise ops); "layer" (every second
+layer recomputed in full) has no twin and is priced as "op".
+
+**Memory checked.** torchtitan ``docs/performance.md`` at commit d4c86e3 publishes the peak
+memory of Llama 3.1 8B under FSDP, local batch 2, sequence 8192, selective op checkpointing,
+eager (Tables 1 and 3, "FSDP" rows, H100 96 GB): 82.4 GiB on 8 GPUs, 67.0 GiB on 128. That
+figure is torch's ``reserved_bytes.all.peak`` (torchtitan ``metrics.py``): the allocator's
+cache on top of the peak of live tensors the planner counts (:func:`compare_memory`).
 """
 from __future__ import annotations
 
@@ -85,7 +92,7 @@ def compare(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
     result = []
     for row in rows():
         p = best_at(row["model"], row["cluster"], row["batch"], dp=row["dp"], pp=row["pp"], tp=row["tp"],
-                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_overlap=False,
+                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_mode="bucketed",
                     schedules=("1f1b", "interleaved"))
         err = (p.tflops_per_gpu - row["published_tflops"]) / row["published_tflops"] if p else float("nan")
         result.append({**row, "prediction": p, "predicted_tflops": p.tflops_per_gpu if p else float("nan"),
@@ -124,6 +131,11 @@ LLAMA3_TABLE4 = (
     (16384, 8, 16, 16, 8, 131072, 16, 380, 0.38),
 )
 
+LLAMA3_CHUNKS = 8
+"""One layer a chunk: 126 layers on pp = 16 ranks with "one Transformer layer fewer each from the
+first and the last stages ... the first model chunk on the first stage has only the embedding"
+(§3.3.2) is 128 one-layer slots, 8 on each rank, two of them holding no layer."""
+
 # torchtitan docs/performance.md @0413364, 64 A100: (model, sequence, local batch, activation
 # checkpointing, tokens/s per GPU, MFU as published).
 TORCHTITAN_A100 = (
@@ -142,13 +154,47 @@ def _model(name: str, seq: int) -> Decoder:
     return Decoder(seq=seq, name=name, **{"kv_heads": 8, "vocab": 128256, **MODELS[name]})
 
 
+# torchtitan docs/performance.md @d4c86e3, Tables 1 and 3, "FSDP" rows (no compile, no Float8):
+# (model, GPUs, sequence, local batch, activation checkpointing, peak reserved GiB).
+TORCHTITAN_H100_MEMORY = (
+    ("llama3-8b", 8, 8192, 2, "selective op", 82.4),
+    ("llama3-8b", 128, 8192, 2, "selective op", 67.0),
+)
+
+
+def compare_memory() -> list[dict]:
+    """The planner's peak per GPU against torchtitan's published peaks: {"config", "published_gib",
+    "predicted_gib", "ratio", "prediction"} per row."""
+    from .hardware import GiB
+    from .layout import ClusterStrategy
+    from .step import predict
+
+    out = []
+    for name, gpus, seq, batch, ac, gib in TORCHTITAN_H100_MEMORY:
+        p = predict(_model(name, seq), Cluster.of(gpus, "h100"), gpus * batch,
+                    ClusterStrategy(dp=gpus, zero=3, microbatch_size=batch, recompute="selective", dp_mode="overlap"))
+        out.append({"config": f"{name}, {gpus} H100, FSDP dp{gpus}, seq {seq}, batch {batch}/GPU, AC {ac}",
+                    "published_gib": gib, "predicted_gib": p.memory["total"] / GiB,
+                    "ratio": p.memory["total"] / GiB / gib, "prediction": p})
+    return out
+
+
+def table_memory(rows: list[dict]) -> str:
+    lines = [f"{'memory per GPU (torchtitan docs/performance.md @d4c86e3)':<72} {'published':>9} {'predicted':>9}"]
+    for r in rows:
+        lines.append(f"{r['config']:<72} {r['published_gib']:>5.1f} GiB {r['predicted_gib']:>5.1f} GiB "
+                     f"({100 * (r['ratio'] - 1):+.0f}%: live tensors against the allocator's reserved peak)")
+    return "\n".join(lines)
+
+
 def _note(p, *extra: str) -> str:
     """The dp traffic left exposed, ``extra`` remarks, and a memory count above what the run had."""
     from .memory import USABLE_FRACTION
 
     over = [] if p.fits else [f"{p.memory_gb_per_gpu:.0f} GB > {100 * USABLE_FRACTION:.0f}% of "
-                              f"{p.cluster.hardware.hbm_bytes / 1e9:.0f} GB: the run fit, the planner over-counts"]
-    return "; ".join([f"dp comm exposed {p.parts['dp_comm_s']:.1f} s of {p.step_time_s:.1f} s", *extra, *over])
+                              f"{p.cluster.hardware.hbm_bytes / 1e9:.1f} GB: the run fit, the planner over-counts"]
+    return "; ".join([f"dp comm exposed {p.parts['dp_comm_s']:.1f} s of {p.step_time_s:.1f} s",
+                      f"{p.memory_gb_per_gpu:.0f} GB a GPU", *extra, *over])
 
 
 def compare_llama() -> list[dict]:
@@ -166,7 +212,8 @@ def compare_llama() -> list[dict]:
         # the planner places
         p = min((predict(model, cluster, dp * per_dp, s) for s in candidates(
             model, cluster, dp * per_dp, zero=(2,), dp=dp, pp=pp, tp=tp, cp=cp, cp_modes=("allgather",),
-            recompute=("none",), schedules=("interleaved",), sequence_parallel=(True,), dp_overlap=True)),
+            recompute=("none",), schedules=("interleaved",), sequence_parallel=(True,), dp_mode="overlap",
+            chunks=(LLAMA3_CHUNKS,))),
             key=lambda p: p.step_time_s)
         predicted = p.mfu * cluster.hardware.peak_flops / 1e12
         out.append({"source": "Llama 3 paper, Table 4", "row": i, "model": "llama3-405b", "metric": "TFLOP/s per GPU",
@@ -177,14 +224,14 @@ def compare_llama() -> list[dict]:
         model, cluster = _model(name, seq), Cluster.of(64, "a100")
         rc = {"none": "none", "full": "full"}.get(ac, "selective")
         p = predict(model, cluster, 64 * batch, ClusterStrategy(dp=64, zero=3, microbatch_size=batch, recompute=rc,
-                                                                  dp_overlap=True))
+                                                                  dp_mode="overlap"))
         predicted = p.throughput_tokens_s / cluster.gpus
         out.append({"source": "torchtitan docs/performance.md", "row": i, "model": name,
                     "config": f"64 A100, FSDP (zero=3) dp64, seq {seq}, batch {batch}/GPU, AC {ac}",
                     "metric": "tokens/s per GPU", "published": tps, "prediction": p, "predicted": predicted,
                     "error": (predicted - tps) / tps,
-                    "note": _note(p, *(["torchtitan's selective recomputes other work than the planner's"]
-                                       if rc == "selective" else []))})
+                    "note": _note(p, *(["torchtitan's 'layer' recomputes every second layer in full, priced "
+                                        "as 'op'"] if ac == "selective layer" else []))})
     return out
 
 
@@ -212,6 +259,7 @@ def main(which: str = "llama") -> int:
         print(table(compare()))
     elif which == "llama":
         print(table_llama(compare_llama()))
+        print(table_memory(compare_memory()))
     else:
         raise ValueError(f"published table {which!r} is unknown; use 'sc21' or 'llama'")
     return 0

@@ -13,11 +13,12 @@ of the ranking; a model that fits no strategy gives a result whose table says so
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from itertools import product
 
 from .hardware import Cluster, ModelShape
-from .layout import RECOMPUTE, ClusterStrategy
+from .layout import PRICED, ClusterStrategy
 from .step import Prediction, predict
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -31,28 +32,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedules(pp: int, model, m: int):
+CHUNKS = (2, 4)
+"""Model chunks per rank the interleaved schedule is tried with (Megatron-LM's usual settings)."""
+
+
+def _schedules(pp: int, model, m: int, chunks=CHUNKS):
     yield "1f1b", 1
     if pp > 1:
         yield from (("gpipe", 1), ("zb-h1", 1))
-        yield from (("interleaved", v) for v in (2, 4) if model.can_split(pp * v) and m % pp == 0)
+        yield from (("interleaved", v) for v in chunks if model.can_split(pp * v) and m % pp == 0)
 
 
 def candidates(model: ModelShape, cluster: Cluster, global_batch: int, zero=(0, 1, 2, 3),
-               microbatch_sizes=MICROBATCH_SIZES, recompute=RECOMPUTE, dp=None, pp=None, tp=None,
-               dp_overlap: bool = True, schedules=None, sequence_parallel=(False,), ep=None,
-               ep_overlap=(True,), cp=None, cp_modes=("ring", "allgather")):
+               microbatch_sizes=MICROBATCH_SIZES, recompute=PRICED["recompute"], dp=None, pp=None, tp=None,
+               dp_mode: str = "overlap", schedules=None, sequence_parallel=(False,), ep=None,
+               ep_overlaps=("microbatch",), cp=None, cp_modes=PRICED["cp_mode"], chunks=CHUNKS, dp_shards=None):
     """Every placeable ClusterStrategy (degrees fixed where given; ``schedules``: only these).
     A model with experts also tries every ep dividing both dp and its experts, with the
-    all-to-all overlap (``ep_overlap``: the settings tried; the model never prices the overlap
-    slower, so by default only on). ``cp_modes``: the context-parallel modes tried for cp > 1."""
+    all-to-all overlap (``ep_overlaps``: the ep_overlap settings tried; the model never prices
+    the overlap slower, so by default only "microbatch"). ``cp_modes``: the context-parallel
+    modes tried for cp > 1. ``dp_shards``: the HSDP shard degrees tried with ZeRO (default: ZeRO
+    over all of dp, and HSDP with its shard group filling one node, where that is a proper
+    divisor of dp)."""
     n = cluster.gpus
     tps = [t for t in _divisors(n) if t <= cluster.gpus_per_node and t & (t - 1) == 0
            and model.heads % t == 0 and model.hidden % t == 0]
     for t in ([tp] if tp else tps):
         for c, mode in _context_degrees(model, n // t, cp, cp_modes):
             yield from _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute,
-                               dp_overlap, schedules, sequence_parallel, ep, ep_overlap)
+                               dp_mode, schedules, sequence_parallel, ep, ep_overlaps, chunks, dp_shards,
+                               cluster.gpus_per_node)
 
 
 def _context_degrees(model, room: int, cp, modes):
@@ -66,8 +75,8 @@ def _context_degrees(model, room: int, cp, modes):
             yield c, mode
 
 
-def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute, dp_overlap, schedules,
-            sequence_parallel, ep, ep_overlap):
+def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, recompute, dp_mode, schedules,
+            sequence_parallel, ep, ep_overlaps, chunks, dp_shards, node):
     """The candidates of one (tp, cp) pair: every pp, micro-batch size, schedule and knob."""
     for p in ([pp] if pp else _divisors(n // (t * c))):
         d = n // (t * c * p)
@@ -75,20 +84,33 @@ def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, 
             continue
         for mbs in (b for b in microbatch_sizes if global_batch % (d * b) == 0):
             for (schedule, v), z, rc, sp, (e, overlap) in product(
-                    _schedules(p, model, global_batch // (d * mbs)), zero if d * c > 1 else (0,), recompute,
-                    sequence_parallel if t > 1 else (False,), _expert_degrees(model, d, ep, ep_overlap)):
-                if schedules is None or schedule in schedules:
+                    _schedules(p, model, global_batch // (d * mbs), chunks), zero if d * c > 1 else (0,), recompute,
+                    sequence_parallel if t > 1 else (False,), _expert_degrees(model, d, ep, ep_overlaps)):
+                if schedules is not None and schedule not in schedules:
+                    continue
+                for shard in _shard_degrees(d, p * c * t, node, z, e, dp_shards):
                     yield ClusterStrategy(dp=d, pp=p, tp=t, zero=z, microbatch_size=mbs, schedule=schedule,
-                                          chunks=v, recompute=rc, dp_overlap=dp_overlap, sequence_parallel=sp,
-                                          ep=e, ep_overlap=overlap, cp=c, cp_mode=mode)
+                                          chunks=v, recompute=rc, dp_mode=dp_mode, sequence_parallel=sp,
+                                          ep=e, ep_overlap=overlap, cp=c, cp_mode=mode, dp_shard=shard)
 
 
-def _expert_degrees(model, dp: int, ep, ep_overlap):
+def _shard_degrees(dp: int, span: int, node: int, zero: int, ep: int, dp_shards):
+    """dp_shard values for ``dp`` replicas ``span`` GPUs apart: 0 (ZeRO over all of dp) and, with
+    ZeRO and ep = 1, HSDP whose shard group fills a node (or each of ``dp_shards``)."""
+    if zero == 0 or ep > 1:
+        return (0,)
+    if dp_shards is not None:
+        return tuple(d for d in dp_shards if d == 0 or dp % d == 0)
+    fill = node // span if node % span == 0 else 0
+    return (0, fill) if 1 < fill < dp and dp % fill == 0 else (0,)
+
+
+def _expert_degrees(model, dp: int, ep, ep_overlaps):
     """(ep, ep_overlap) pairs for ``dp`` replicas: ep=1 alone for a dense model (or ``ep`` given)."""
     experts = getattr(model, "experts", 0)
     for e in ([ep] if ep else [e for e in _divisors(dp) if experts and experts % e == 0] or [1]):
         if dp % e == 0:
-            for overlap in (ep_overlap if e > 1 else (False,)):
+            for overlap in (ep_overlaps if e > 1 else ("none",)):
                 yield e, overlap
 
 
@@ -156,7 +178,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, top: int | No
     """Rank every placeable strategy that fits by predicted step time (fastest first).
 
     ``limits`` narrow the candidates (zero=, microbatch_sizes=, recompute=, dp=, pp=, tp=, schedules=,
-    sequence_parallel=, dp_overlap=).
+    sequence_parallel=, dp_mode=, ep_overlaps=, chunks=, dp_shards=).
     ``verify=lab``: then run the ``top`` fastest (default 3) on the lab for ``steps`` steps each,
     the GPT built by ``labkit.models.gpt`` on seeded random tokens, and keep the measured step
     time beside the predicted one (``.verified``, and a column of ``.table()``). The lab must
@@ -173,6 +195,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, top: int | No
     # sequence parallelism (Korthikanti et al. 2022) came after the GPT runs the GPT path
     # reproduces; a Decoder's candidates try it beside plain tp
     limits.setdefault("sequence_parallel", (False,) if isinstance(model, ModelShape) else (False, True))
+    _deprecated_limits(limits)
     ranked, skipped = [], 0
     for s in candidates(model, cluster, global_batch, **limits):
         p = predict(model, cluster, global_batch, s)
@@ -191,15 +214,18 @@ def search(model: ModelShape, cluster: Cluster, global_batch: int, top: int | No
     return result
 
 
-def lab_strategy(s: ClusterStrategy, global_batch: int):
-    """The labkit.Strategy that runs ``s``: the same degrees, stage, schedule and recomputation;
-    Megatron's tp; the dp gradients reduced after backward, or overlapped with it."""
-    from ..config import Strategy
+def _deprecated_limits(limits: dict) -> None:
+    """search(dp_overlap=bool) and search(ep_overlap=(bool, …)): warned, and read as Strategy's names."""
+    from .layout import REMOVAL
 
-    return Strategy(dp=s.dp, pp=s.pp, tp=s.tp, zero=s.zero, schedule=s.schedule, chunks=s.chunks,
-                    microbatches=global_batch // (s.dp * s.microbatch_size), recompute=s.recompute,
-                    sequence_parallel=s.sequence_parallel, dp_mode="overlap" if s.dp_overlap else "bucketed",
-                    ep=s.ep, ep_overlap="microbatch" if s.ep_overlap else "none")
+    if "dp_overlap" in limits:
+        limits["dp_mode"] = "overlap" if limits.pop("dp_overlap") else "bucketed"
+        warnings.warn(f"search(dp_overlap=…) is deprecated and goes on {REMOVAL}: write dp_mode='overlap' or "
+                      "'bucketed' (labkit.Strategy's name)", FutureWarning, stacklevel=3)
+    if "ep_overlap" in limits:
+        limits["ep_overlaps"] = tuple("microbatch" if o else "none" for o in limits.pop("ep_overlap"))
+        warnings.warn(f"search(ep_overlap=…) is deprecated and goes on {REMOVAL}: write ep_overlaps=('microbatch',) "
+                      "or ('none',)", FutureWarning, stacklevel=3)
 
 
 def verify_one(lab, model: ModelShape, global_batch: int, s: ClusterStrategy, steps: int) -> dict:
@@ -209,7 +235,7 @@ def verify_one(lab, model: ModelShape, global_batch: int, s: ClusterStrategy, st
     from ..data.text import RandomTokens
 
     try:
-        strategy = lab_strategy(s, global_batch)
+        strategy = s.to_strategy(global_batch)
         run = lab.run(strategy, model=models.gpt(n_layer=model.layers, n_head=model.heads, n_embd=model.hidden,
                                                  block_size=model.seq, vocab_size=model.vocab),
                       data=RandomTokens(model.vocab, global_batch, model.seq), loss="cross_entropy",

@@ -4,7 +4,7 @@
 replicas are alike): the schedule's action lists (:func:`build_schedule`) priced by the stage
 costs it hands over (:class:`labkit.plan.step.StageCosts`: FLOPs and α-β), each message taking the
 point-to-point time, and the dp gradient all-reduce as one call, issued before the rank's last
-backward with ``dp_overlap`` (so it runs beside it) or after the schedule without.
+backward when ``overlaps_dp`` (dp_mode "overlap" or "ddp": so it runs beside it) or after the schedule without.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def simulate_scale(prediction, c, max_microbatches: int | None = None) -> Timeli
         sync = Issue(("dp", r), (r,), c.dp_sync, "allreduce", f"gradients (dp={s.dp})") if s.dp > 1 else None
         prog = []
         for k, a in enumerate(actions):
-            if sync and s.dp_overlap and backwards and k == backwards[-1]:
+            if sync and s.overlaps_dp and backwards and k == backwards[-1]:
                 prog.append(sync)
             if a.op in KINDS:
                 prog.append(Compute(seconds[a.op][a.stage], KINDS[a.op], str(a), a.microbatch))
@@ -44,7 +44,7 @@ def simulate_scale(prediction, c, max_microbatches: int | None = None) -> Timeli
                 prog += [Issue(key, (a.peer, r), c.p2p, "recv", str(a), peer=a.peer, microbatch=a.microbatch,
                                ordered=False), Wait(key)]
         if sync:
-            prog += ([] if s.dp_overlap else [sync]) + [Wait(("dp", r))]
+            prog += ([] if s.overlaps_dp else [sync]) + [Wait(("dp", r))]
         prog.append(Compute(c.optimizer, "optimizer", "optimizer"))
         programs.append(prog)
     events = Sim(programs, cores=float(s.pp)).run()

@@ -2,7 +2,8 @@
 
 Compute: each stage's FLOPs per micro-batch (Narayanan et al. 2021, §5.1: a GPT layer's
 forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation one more forward,
-selective the attention core again; the logits 2·b·s·h·V on the last stage), over tp, each
+selective the attention core again (a Decoder: torchtitan's op policy, wk, wo, w3 and the
+memory-bound work again); the logits 2·b·s·h·V on the last stage), over tp, each
 GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
 memory-bound work at HBM bandwidth.
 
@@ -21,7 +22,10 @@ the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBan
   of the core; Liu et al. 2023), 2·S/cp and twice the attention in backward.
 * dp: gradients all-reduced over dp·cp (a routed expert's over its dp·cp/ep replicas); ZeRO 1/2
   move the same bytes as reduce-scatter + all-gather, ZeRO-3 gathers the weights again for
-  backward: 1.5× (Rajbhandari et al. 2020, §7). Full recomputation repeats a forward's calls.
+  backward: 1.5× (Rajbhandari et al. 2020, §7); HSDP (``dp_shard``) reduce-scatters and gathers
+  inside its shard group and all-reduces the shard across the replicas, each on its own tier
+  (:mod:`labkit.plan.traffic`, which also counts every axis's bytes per tier: ``parts
+  ["bytes_by_tier"]``). Full recomputation repeats a forward's calls.
 
 Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
 Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
@@ -42,8 +46,10 @@ from dataclasses import dataclass, field, replace
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
-from .memory import fits, gb, kv_width, layer_activation_bytes, memory_breakdown, replica_groups, stage_kinds
+from .model import Decoder
+from .memory import fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, stage_kinds
 from .simulation import simulate_scale
+from .traffic import bytes_by_tier, dp_calls
 
 ADAM_BYTES_PER_PARAM = 32
 """HBM traffic of one mixed-precision Adam update per parameter: read fp32 weight, momentum,
@@ -62,7 +68,7 @@ def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: f
         return 0.0, 0.0
     link = cluster.link(s.ep * s.pp * s.cp * s.tp)
     a2a = link.seconds("all_to_all", 2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep)
-    if not s.ep_overlap:
+    if s.ep_overlap == "none":
         return 2 * a2a, 2 * a2a
     return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
 
@@ -85,9 +91,9 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
 
 def elementwise_time(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (norms, activations, softmax, dropout,
-    residuals): each activation Korthikanti et al. count written once and read once at HBM
-    bandwidth, 2 × their no-recompute bytes (what each tp rank touches); backward twice that."""
-    return 2 * layer_activation_bytes(model, replace(s, recompute="none"), kind) / cluster.hardware.hbm_bandwidth
+    residuals): each activation the layer writes (:func:`~labkit.plan.memory.layer_written_bytes`)
+    written once and read once at HBM bandwidth, 2 × those bytes (what each tp rank touches); backward twice that."""
+    return 2 * layer_written_bytes(model, s, kind) / cluster.hardware.hbm_bandwidth
 
 
 @dataclass
@@ -97,12 +103,13 @@ class StageCosts:
     fwd: list[float]
     bwd: list[float]
     p2p: float                   # one activation (or gradient) hop between neighbour stages
-    dp_sync: float               # gradient all-reduce (or ZeRO's reduce-scatter + all-gather)
+    dp_sync: float               # gradient all-reduce (or ZeRO's reduce-scatter + all-gather; HSDP's two tiers)
     optimizer: float
     tp_comm: float = 0.0         # of fwd + bwd, the part that is tp all-reduces (one micro-batch, one stage)
     ep_comm: float = 0.0         # of fwd + bwd, the exposed expert all-to-alls (one micro-batch, heaviest stage)
     cp_comm: float = 0.0         # of fwd + bwd, the exposed context-parallel K/V traffic (one micro-batch, one stage)
     bwd_weight: list[float] = field(default_factory=list)   # of bwd, the weight-gradient GEMMs (W)
+    dp_gather_fwd: float = 0.0   # of dp_sync, ZeRO-3's all-gathers before the forward
 
     @property
     def bwd_input(self) -> list[float]:
@@ -130,8 +137,9 @@ def layer_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: s
     b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b + cp_b
     if s.recompute == "full":
         b += f
-    elif s.recompute == "selective":        # the attention core again
-        b += core_f
+    elif s.recompute == "selective":        # the attention core again, or torchtitan's op policy
+        b += gemm_s(model.selective_flops(kind, tokens), groups[0][2]) \
+            + (memory_bound if isinstance(model, Decoder) else 0.0)
     again = s.recompute == "full"
     return f, b, gemm_w, ep_f + ep_b + (ep_f if again else 0.0), cp_f + cp_b + (cp_f if again else 0.0)
 
@@ -155,15 +163,14 @@ def stage_costs(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> Stag
     if s.pp > 1:
         pp_link = cluster.link(s.pp * s.cp * s.tp)
         p2p = pp_link.seconds("send", act_bytes / s.tp, 2) + tp_link.seconds("all_gather", act_bytes, s.tp)
-    # dense gradients over dp·cp, each routed expert's over its dp·cp/ep replicas; ZeRO-3: 1.5×
-    dp_link, groups = cluster.link(s.gpus), max(replica_groups(model, s), key=lambda g: sum(g.values()))
-    dp_sync = sum(dp_link.seconds("all_reduce", 2 * n, ranks) for ranks, n in groups.items()) \
-        * (1.5 if s.zero >= 3 else 1.0)
-    optimizer = ADAM_BYTES_PER_PARAM * sum(n / (ranks if s.zero >= 1 else 1) for ranks, n in groups.items()) \
-        / hw.hbm_bandwidth
+    # dense gradients over dp·cp, each routed expert's over its dp·cp/ep replicas (traffic.dp_calls)
+    calls, groups = dp_calls(model, s), max(replica_groups(model, s), key=lambda g: sum(g.values()))
+    dp_sync = sum(c.seconds(cluster) for c in calls)
+    optimizer = ADAM_BYTES_PER_PARAM * sum(n / (ranks * s.shard_group // s.replicas if s.zero >= 1 else 1)
+                                           for ranks, n in groups.items()) / hw.hbm_bandwidth
     return StageCosts(per_stage(0, logit_f), per_stage(1, 2 * logit_f), p2p, dp_sync, optimizer,
                       tp_comm=max(model.stage_layers(stages)) * 4 * tp_ar, ep_comm=max(per_stage(3)), cp_comm=max(per_stage(4)),
-                      bwd_weight=per_stage(2, logit_f))
+                      bwd_weight=per_stage(2, logit_f), dp_gather_fwd=sum(c.seconds(cluster) for c in calls if c.forward))
 
 
 def rank_work(c: StageCosts, s: ClusterStrategy, p2p: bool = True) -> list[float]:
@@ -216,20 +223,19 @@ class Prediction:
 
 
 def exposed_dp_sync(c: StageCosts, s: ClusterStrategy, last: list[float]) -> float:
-    """Seconds of the dp traffic left exposed. Without ``dp_overlap`` all of it. With it, the
+    """Seconds of the dp traffic left exposed. With dp_mode "bucketed" all of it. Overlapped, the
     gradients' reduction hides behind the last micro-batch's backward (DDP's buckets, FSDP's
-    reduce-scatters), ``last`` the backward part the gradients appear in; ZeRO-3's traffic is
-    three equal passes over the weights (all-gather for forward, all-gather for backward,
-    reduce-scatter), and the forward's all-gathers are prefetched behind the first
+    reduce-scatters), ``last`` the backward part the gradients appear in; ZeRO-3's all-gathers
+    for the forward (:func:`~labkit.plan.traffic.dp_calls`) are prefetched behind the first
     micro-batch's forward, layer by layer, as FSDP2 does in both passes (Zhao et al. 2023,
     "PyTorch FSDP", §3.3.3 and §4.1: forward and backward prefetching)."""
-    if not s.dp_overlap:
+    if not s.overlaps_dp:
         return c.dp_sync
     first_stage = range(0, s.pp * s.chunks, s.pp)          # this rank's chunks on pipeline rank 0
     tail_bwd = sum(last[g] for g in first_stage)
     if s.zero < 3:
         return max(0.0, c.dp_sync - tail_bwd)
-    gather_fwd = c.dp_sync / 3
+    gather_fwd = c.dp_gather_fwd
     head_fwd = sum(c.fwd[g] for g in first_stage)
     return max(0.0, gather_fwd - head_fwd) + max(0.0, c.dp_sync - gather_fwd - tail_bwd)
 
@@ -250,7 +256,8 @@ def predict(model: ModelShape, cluster: Cluster, global_batch: int, strategy: Cl
     ideal = m * max(rank_work(c, strategy, p2p=False))
     parts = {"pipeline_s": pipe, "compute_s": ideal, "bubble_and_p2p_s": pipe - ideal, "dp_comm_s": dp_exposed,
              "optimizer_s": c.optimizer, "tp_comm_s": m * c.tp_comm * strategy.chunks,
-             "gemm_efficiency": gemm_efficiency(model, cluster, strategy), "microbatches": m}
+             "gemm_efficiency": gemm_efficiency(model, cluster, strategy), "microbatches": m,
+             "bytes_by_tier": bytes_by_tier(model, cluster, strategy, m)}
     if strategy.ep > 1:
         parts["ep_comm_s"] = m * c.ep_comm * strategy.chunks
     if strategy.cp > 1:
