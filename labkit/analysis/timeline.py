@@ -255,7 +255,7 @@ def _trace_spans(table: EventTable, offsets: dict[int, float]) -> list[dict]:
     return [{"name": e["name"] or e["kind"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": tid,
              "ts": t, "dur": d,
              "args": {k: e[k] for k in ("stream", "kind", "step", "microbatch", "bytes", "peer", "group", "waited",
-                                "posted", "moved")
+                                "posted", "moved", "tier")
                       if k in e}}
             for e, tid, t, d in zip(rows, tids, ts, dur)]
 
@@ -295,6 +295,6 @@ def _from_saved(trace: dict) -> EventTable:
         event = {"rank": e["pid"], "stream": a["stream"], "kind": a["kind"], "name": e["name"],
                  "step": a["step"], "microbatch": a.get("microbatch"), "start": start,
                  "end": start + e["dur"] * 1e-6, "bytes": a.get("bytes") or 0, "peer": a.get("peer")}
-        event.update({k: a[k] for k in ("group", "waited", "posted", "moved") if a.get(k) is not None})
+        event.update({k: a[k] for k in ("group", "waited", "posted", "moved", "tier") if a.get(k) is not None})
         events.append(event)
     return EventTable.from_dicts(events)
