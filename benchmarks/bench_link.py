@@ -1,6 +1,6 @@
 """Incast on the emulated link: the parameter server against the ring, and a skewed all-to-all.
 
-    .venv/bin/python benchmarks/bench_link.py                     # 2, 4 and 8 engines, ~4 minutes
+    .venv/bin/python benchmarks/bench_link.py                     # 2, 4 and 8 engines, ~4 minutes a run
     .venv/bin/python benchmarks/bench_link.py --engines 4 --runs 3 --mib 1 8
 
 1. ``labkit.collectives`` ring and parameter-server all-reduce of 1–8 MiB on
@@ -71,7 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--mib", type=float, nargs="+", default=[1, 2, 4, 8], help="all-reduce sizes, MiB")
-    p.add_argument("--mbps", type=float, default=10.0, help="the link's bandwidth, MB/s per direction")
+    p.add_argument("--mbps", type=float, default=4.0, help="the link's bandwidth, MB/s per direction")
     p.add_argument("--latency-ms", type=float, default=0.0)
     p.add_argument("--runs", type=int, default=1, help="the whole measurement, repeated")
     p.add_argument("--repeats", type=int, default=1, help="all-reduces per point (the best is kept)")

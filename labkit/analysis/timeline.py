@@ -61,6 +61,9 @@ class Timeline:
         self.title = title
         # any object with dp/pp/tp (a Strategy, a ParallelDims) becomes the rank grid
         self.grid = Grid.of(grid)
+        self.gpus_per_node: int | None = None
+        """Engines per node of the run's emulated link (labkit.Link), so lanes name each rank's
+        node; None: one node, or not known."""
 
     # --- the events -----------------------------------------------------------------------
 
@@ -113,7 +116,9 @@ class Timeline:
         return self._subset(self.table["step"] == s)
 
     def _subset(self, mask) -> "Timeline":
-        return Timeline(self.table.select(mask), self.world_size, self.title, self.grid)
+        part = Timeline(self.table.select(mask), self.world_size, self.title, self.grid)
+        part.gpus_per_node = self.gpus_per_node
+        return part
 
     def step_durations(self) -> dict[int, float]:
         """Each step's duration: the latest end over all ranks."""
