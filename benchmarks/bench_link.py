@@ -19,7 +19,6 @@ of the two for its formula to show.
 from __future__ import annotations
 
 import argparse
-import time
 
 import labkit
 from labkit.comm import collectives
@@ -29,24 +28,6 @@ def all_reduce_seconds(lab, algorithm: str, numel: int, repeats: int) -> float:
     """The slowest rank's best time of ``repeats`` all-reduces."""
     return max(min(r["seconds"]) for r in lab.apply(collectives.demo, algorithm, numel, repeats=repeats,
                                                     check=False))
-
-
-def skewed_all_to_all(numel: int) -> float:
-    """Every rank sends its ``numel`` float32 values to rank 0 (an all-to-all of uneven splits);
-    seconds on this rank."""
-    import torch
-    import torch.distributed as dist
-
-    from labkit import comm
-
-    n, me = dist.get_world_size(), comm.rank()
-    x = torch.ones(numel, 1)
-    out = torch.empty(numel * n if me == 0 else 0, 1)
-    into = [numel] * n if me == 0 else [0] * n
-    dist.barrier()
-    t0 = time.perf_counter()
-    comm.all_to_all_single(out, x, output_split_sizes=into, input_split_sizes=[numel] + [0] * (n - 1))
-    return time.perf_counter() - t0
 
 
 def measure(n: int, link: labkit.Link, sizes_mib, repeats: int) -> list[dict]:
@@ -61,7 +42,7 @@ def measure(n: int, link: labkit.Link, sizes_mib, repeats: int) -> list[dict]:
                    "ps": all_reduce_seconds(lab, "ps", numel, repeats),
                    "ring_ab": collectives.predict("ring", S, n, link.latency, link.bandwidth),
                    "ps_ab": collectives.predict("ps", S, n, link.latency, link.bandwidth)}
-            row["a2a"] = max(lab.apply(skewed_all_to_all, numel))
+            row["a2a"] = max(r["seconds"] for r in lab.apply(collectives.incast_demo, numel))
             row["a2a_ab"] = (n - 1) * link.latency + (n - 1) * S / link.bandwidth
             rows.append(row)
     return rows

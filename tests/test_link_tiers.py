@@ -10,7 +10,6 @@ allows), as in tests/test_link.py.
 from __future__ import annotations
 
 import sys
-import time
 
 import cloudpickle
 import matplotlib.pyplot as plt
@@ -20,6 +19,7 @@ import labkit
 from labkit.analysis.metrics import step_metrics
 from labkit.analysis.table import EventTable
 from labkit.analysis.timeline import Timeline
+from labkit.comm import collectives
 from labkit.comm.emulate import LinkClock
 from labkit.link import Link
 from labkit.view.grid import ParallelDims, draw_grid
@@ -165,26 +165,11 @@ def test_a_ring_counts_each_message_on_the_tier_it_crosses(two_nodes):
         assert crosses == (rank in (1, 3))
 
 
-def _skewed_all_to_all(numel: int) -> float:
-    import torch
-    import torch.distributed as dist
-
-    from labkit import comm
-
-    n, me = dist.get_world_size(), comm.rank()
-    x, out = torch.ones(numel, 1), torch.empty(numel * n if me == 0 else 0, 1)
-    dist.barrier()
-    t0 = time.perf_counter()
-    comm.all_to_all_single(out, x, output_split_sizes=[numel] * n if me == 0 else [0] * n,
-                           input_split_sizes=[numel] + [0] * (n - 1))
-    return time.perf_counter() - t0
-
-
 def test_an_all_to_all_into_one_rank_lasts_its_inbound_bytes_on_every_rank(lab4):
     link = Link(bandwidth=20e6)
     lab4.link = link
     try:
-        took = lab4.apply(_skewed_all_to_all, 250_000)            # 1 MB from each rank to rank 0
+        took = [r["seconds"] for r in lab4.apply(collectives.incast_demo, 250_000)]   # 1 MB each to rank 0
     finally:
         lab4.link = None
     # rank 0 takes in 3 MB: 150 ms on its link; a sender's own 1 MB alone would be 50 ms
