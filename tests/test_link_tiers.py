@@ -79,7 +79,7 @@ def test_the_timeline_hatches_comm_between_nodes_and_names_each_lanes_node():
 
 
 def test_the_grid_names_each_ranks_node():
-    fig = draw_grid(ParallelDims(dp=2, tp=2), gpus_per_node=2)
+    fig = draw_grid(labkit.Strategy(dp=2, tp=2), gpus_per_node=2)
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert sum("node 0" in t for t in texts) == 2 and sum("node 1" in t for t in texts) == 2
     assert "node" not in " ".join(t.get_text() for t in draw_grid(ParallelDims(dp=2, tp=2)).axes[0].texts)

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from ..grid import ParallelDims  # what draw_grid draws, here for notebooks to import beside it
+from ..grid import Grid, ParallelDims  # what draw_grid draws, here for notebooks to import beside it
 from .timeline import _new_figure
 
 NODE_EDGES = ("#000000", "#CC3311", "#0077BB", "#EE7733")
@@ -23,10 +23,12 @@ def draw_grid(dims: ParallelDims, ax=None, gpus_per_node: int | None = None):
     differ in colour crosses nodes (its bytes take the slower link).
 
     >>> draw_grid(ParallelDims(dp=2, pp=2))
-    >>> draw_grid(ParallelDims(dp=2, tp=2), gpus_per_node=2)     # tp inside each node
+    >>> draw_grid(labkit.Strategy(dp=2, tp=2), gpus_per_node=2)   # tp inside each node
     """
     from matplotlib.patches import FancyBboxPatch
 
+    if not isinstance(dims, ParallelDims):      # a Strategy: its degrees
+        dims = Grid.of(dims)
 
     if ax is None:
         _, ax = _new_figure((1.2 + 2.2 * dims.pp, 0.8 + 1.3 * dims.dp * dims.tp))
