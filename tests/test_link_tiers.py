@@ -95,6 +95,22 @@ def test_an_all_to_all_is_priced_by_its_busiest_member():
     assert clock.exchange_seconds(3e6, 4, "intra") == pytest.approx(3e-3 + 0.3)
 
 
+def test_messages_arriving_at_once_share_the_receivers_side_and_only_they_do():
+    second = 10_000 / 1e6                                            # 10 kB at 1 MB/s
+    clock = LinkClock(Link(bandwidth=1e6), 0)
+    assert [clock.arrive(r, 10_000, 0.0) for r in (1, 2, 3)] == pytest.approx([second, 2 * second, 3 * second])
+    # waited for in another order than they left: the early one still ends at its own time
+    clock = LinkClock(Link(bandwidth=1e6), 0)
+    assert clock.arrive(1, 10_000, 5.0) == pytest.approx(5.0 + second)
+    assert clock.arrive(2, 10_000, 0.0) == pytest.approx(second)
+    # a gap too short for a message: it goes after the stretch that follows
+    assert clock.arrive(3, 10_000, 5.0 + 0.5 * second) == pytest.approx(5.0 + 2 * second)
+    # messages between nodes and inside one take different links
+    two = LinkClock(TWO_NODES, 0)
+    assert two.arrive(1, 4_000, 0.0) == pytest.approx(4_000 / 400e6)
+    assert two.arrive(2, 4_000, 0.0) == pytest.approx(4_000 / 20e6)
+
+
 # -- on engines: 2 nodes of 2 -------------------------------------------------------------------
 @pytest.fixture
 def two_nodes(lab4):

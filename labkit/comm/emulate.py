@@ -23,10 +23,15 @@ or a copy engine would leave the compute free.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import threading
 import time
+
+
+INBOUND_KEPT = 256
+"""Busy stretches of a receiving side remembered (a step's messages, many times over)."""
 
 
 class LinkClock:
@@ -35,6 +40,7 @@ class LinkClock:
     def __init__(self, link, rank: int):
         self.link, self.rank = link, rank
         self.free: dict[tuple[str, str], float] = {}     # (tier, "tx" | "rx") → busy until
+        self.inbound: dict[str, list] = {}     # tier → the receiving side's busy (start, end), by start
         self._lock = threading.Lock()     # calls come from the main thread and autograd's
 
     def collective(self, op: str, nbytes: int, ranks: list[int], now: float) -> tuple[str, float, float]:
@@ -45,6 +51,7 @@ class LinkClock:
         with self._lock:
             start = max(now, self.free.get((tier, "tx"), 0.0), self.free.get((tier, "rx"), 0.0))
             self.free[(tier, "tx")] = self.free[(tier, "rx")] = start + cost
+            self._hold_inbound(tier, start, start + cost)
         return tier, start, cost
 
     def exchange_seconds(self, busiest: float, n: int, tier: str) -> float:
@@ -58,6 +65,7 @@ class LinkClock:
         with self._lock:
             for side in ("tx", "rx"):
                 self.free[(tier, side)] = max(self.free.get((tier, side), 0.0), start + cost)
+            self._hold_inbound(tier, start, start + cost)
         return start + cost
 
     def depart(self, dst: int, nbytes: int, now: float) -> tuple[float, float]:
@@ -71,12 +79,28 @@ class LinkClock:
 
     def arrive(self, src: int, nbytes: int, departed: float) -> float:
         """The deadline of a message from ``src`` that left at ``departed``: the receiving side
-        takes it once free, for α + S/β (cut-through: it cannot end before it was sent)."""
+        takes it in its first free stretch of α + S/β from then (cut-through: it cannot end
+        before it was sent). Messages arriving at once take it one after another; one that
+        left earlier than a message this rank waited for first still takes its own time."""
         tier = self.link.tier([self.rank, src])
+        cost = self.link.seconds("send", nbytes, 2, tier)
         with self._lock:
-            start = max(departed, self.free.get((tier, "rx"), 0.0))
-            end = self.free[(tier, "rx")] = start + self.link.seconds("send", nbytes, 2, tier)
-        return end
+            start = departed
+            for b0, b1 in self.inbound.get(tier, ()):      # by start: step past each overlap
+                if b0 >= start + cost:
+                    break
+                start = max(start, b1)
+            self._hold_inbound(tier, start, start + cost)
+            self.free[(tier, "rx")] = max(self.free.get((tier, "rx"), 0.0), start + cost)
+        return start + cost
+
+    def _hold_inbound(self, tier: str, start: float, end: float) -> None:
+        """Mark the receiving side of ``tier`` busy from ``start`` to ``end`` (the latest
+        INBOUND_KEPT stretches are kept: a message never left so long ago)."""
+        busy = self.inbound.setdefault(tier, [])
+        bisect.insort(busy, (start, end))
+        if len(busy) > INBOUND_KEPT:
+            del busy[0]
 
 
 class Joined:
