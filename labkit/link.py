@@ -35,7 +35,11 @@ class Link:
     """Each rank's link, as the α-β model sees it: a message of S bytes costs α + S/β.
 
     Bandwidths are per rank and per direction (a rank sends and receives at once, each at
-    β), the convention of NVIDIA's and the IBTA's per-direction figures.
+    β), the convention of NVIDIA's and the IBTA's per-direction figures. Each direction is
+    shared: messages leaving one rank at once leave one after another, and so do messages
+    arriving at one rank (incast: a parameter server takes in n-1 tensors in (n-1)·S/β; an
+    all-to-all lasts as long as its busiest member's bytes). :meth:`tier` says which link a
+    group's bytes cross (``run.metrics["bytes_sent_by_tier"]`` counts them).
     """
 
     bandwidth: float

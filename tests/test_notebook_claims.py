@@ -149,6 +149,21 @@ def test_04_on_the_emulated_link_times_follow_the_bytes():
     assert v["fit_beta_emulated"] == pytest.approx(50e6, rel=0.2)
 
 
+def test_04_incast_lasts_the_busiest_receivers_time_and_only_dp_crosses_nodes():
+    """04's text: in the all-to-all into rank 0 every rank, senders included, takes about rank
+    0's (n−1)·(α + S/β); on two nodes of two with dp=2 × tp=2, each rank sent exactly its
+    parameters' bytes between nodes per step (the gradient all-reduce, n = 2) and the tp
+    all-reduces inside."""
+    _, v = notebook("04_communication")
+    for took in v["incast_seconds"]:
+        # lower bound: the link's; upper: one exchange of 240 ms, the barrier's skew and the
+        # lab's own per-call time on top (the server's single phase gets 1.10 above)
+        assert 0.99 * v["incast_predicted"] <= took <= 1.2 * v["incast_predicted"], v["incast_seconds"]
+    if "tiers" in v:              # 4 engines or more
+        for rank, (intra, inter) in enumerate(zip(v["tiers"]["intra"], v["tiers"]["inter"])):
+            assert inter == v["tier_parameter_bytes"][rank] and intra > 0, v["tiers"]
+
+
 # -- the claims of notebooks 07, 08, 10 and 11 (each checked on the notebook's own run) ------------
 def test_07_tp_pays_in_exposed_comm():
     """07's text: at both widths TP leaves a larger share of its step in exposed comm than PP.
@@ -485,6 +500,7 @@ CLAIMS = {
     "04_communication": [
         ('On the emulated link time follows those bytes: t', test_04_on_the_emulated_link_times_follow_the_bytes),
         ('On raw gloo the same runs need not follow the by', 'hedged'),
+        ('`labkit.Link(gpus_per_node=2, inter_bandwidth=..', 'method'),
         ('`Strategy(compression=...)` shrinks each gradien', 'method'),
         ('Same model, data and seed for every run below; o', 'method'),
         ('On a GPU that is cheap next to a slow network; o', 'hedged'),

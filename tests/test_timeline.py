@@ -189,7 +189,7 @@ def _draws(text, renderer) -> bool:
 def test_columns_and_pandas_hold_the_schema():
     tl = Timeline(two_rank_run())
     assert list(tl.table.columns) == ["rank", "stream", "kind", "name", "step", "microbatch",
-                                      "start", "end", "bytes", "peer", "group", "waited", "posted", "moved"]
+                                      "start", "end", "bytes", "peer", "group", "waited", "posted", "moved", "tier"]
     assert set(tl.table["group"]) == {""} and np.isnan(tl.table["waited"]).all()    # optional: not given
     assert tl.table["microbatch"].dtype.kind == "i" and tl.table["start"].dtype.kind == "f"
     assert tl.events == two_rank_run()                      # the dicts as given, None kept

@@ -57,6 +57,10 @@ Span = tuple[float, float]
 from .events import SEND_KINDS, WAIT_KINDS  # noqa: E402
 from .table import EventTable, union_lengths  # noqa: E402
 
+TIERS = ("intra", "inter")
+"""An emulated link's tiers (:meth:`labkit.Link.tier`): inside a node, between nodes. With one,
+every comm event carries its ``tier`` and the metrics add ``bytes_sent_by_tier``: {tier: the
+mean bytes per step each rank sent over it}."""
 FRACTION_KEYS = ("comm_fraction", "exposed_comm_fraction", "overlap_fraction", "bubble_fraction",
                  "schedule_bubble_fraction", "lab_overhead_fraction")
 
@@ -170,6 +174,12 @@ def table_entries(table: EventTable, world_size: int) -> dict[int, tuple[float, 
         "lab_overhead_fraction": np.maximum(0.0, t - cx - schedule) * per_t,
         "bytes_sent": sent.astype(np.int64),
     }
+    tier = table["tier"][mine]
+    if (tier != "").any():          # on an emulated link: what crossed each tier (bytes_sent_by_tier)
+        for name in TIERS:
+            columns[f"bytes_{name}"] = np.bincount(
+                group, np.where(np.isin(kind, list(SEND_KINDS)) & (tier == name), table["bytes"][mine], 0),
+                minlength=groups).astype(np.int64)
     rows = {k: v.tolist() for k, v in columns.items()}
     out = {}
     for i, s in enumerate(steps.tolist()):
@@ -226,6 +236,9 @@ def combine_steps(entries: list[tuple[float, list[dict]]], world_size: int, glob
     bytes_sent = [_mean([m["bytes_sent"] for m in rows]) for rows in per_rank]
     out["bytes_sent"] = bytes_sent
     out["bytes_sent_total"] = sum(bytes_sent)
+    if per_rank and all(f"bytes_{TIERS[0]}" in m for rows in per_rank for m in rows):
+        out["bytes_sent_by_tier"] = {name: [_mean([m[f"bytes_{name}"] for m in rows]) for rows in per_rank]
+                                     for name in TIERS}
     out["peak_activation_bytes"] = (list(peak_activation_bytes) if peak_activation_bytes
                                     is not None else [0] * world_size)
     return out

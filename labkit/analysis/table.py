@@ -20,6 +20,7 @@ equal length, in the schema's order (docs/design.md, "Events"):
     waited      float64   optional: when the caller waited on an async call (NaN: unknown)
     posted      float64   optional: when a send was posted, where ``start`` is later (NaN: at start)
     moved       float64   optional: on an emulated link, when gloo had moved a collective's bytes
+    tier        str       optional: on an emulated link, "intra" (inside a node) or "inter" ("")
     =========== ========= ==================================================
 
 The optional columns are what the step graph (labkit.analysis.graph, labkit.plan.whatif) needs
@@ -42,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 COLUMNS = ("rank", "stream", "kind", "name", "step", "microbatch", "start", "end", "bytes", "peer")
-OPTIONAL = {"group": "", "waited": float("nan"), "posted": float("nan"), "moved": float("nan")}
+OPTIONAL = {"group": "", "waited": float("nan"), "posted": float("nan"), "moved": float("nan"), "tier": ""}
 """Columns an event may carry beyond the schema's ten, with the value that stands for none."""
 ALL_COLUMNS = COLUMNS + tuple(OPTIONAL)
 _INT32 = ("rank", "step", "microbatch", "peer")
@@ -61,7 +62,7 @@ def _column(name: str, values) -> np.ndarray:
         return np.array([int(v or 0) for v in values], dtype=np.int64)
     if name in ("waited", "posted", "moved"):
         return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
-    if name in ("name", "group"):
+    if name in ("name", "group", "tier"):
         out = np.empty(len(values), dtype=object)
         out[:] = ["" if v is None else str(v) for v in values]
         return out
@@ -124,8 +125,9 @@ class EventTable:
             cols[c] = [None if v == _NONE_AS else v for v in cols[c]]
         rows = [dict(zip(COLUMNS, row)) for row in zip(*(cols[c] for c in COLUMNS))]
         for k, row in enumerate(rows):
-            if cols["group"][k]:
-                row["group"] = cols["group"][k]
+            for text in ("group", "tier"):
+                if cols[text][k]:
+                    row[text] = cols[text][k]
             for instant in ("waited", "posted", "moved"):
                 if cols[instant][k] == cols[instant][k]:          # not NaN
                     row[instant] = cols[instant][k]

@@ -61,6 +61,9 @@ class Timeline:
         self.title = title
         # any object with dp/pp/tp (a Strategy, a ParallelDims) becomes the rank grid
         self.grid = Grid.of(grid)
+        self.gpus_per_node: int | None = None
+        """Engines per node of the run's emulated link (labkit.Link), so lanes name each rank's
+        node; None: one node, or not known."""
 
     # --- the events -----------------------------------------------------------------------
 
@@ -113,7 +116,9 @@ class Timeline:
         return self._subset(self.table["step"] == s)
 
     def _subset(self, mask) -> "Timeline":
-        return Timeline(self.table.select(mask), self.world_size, self.title, self.grid)
+        part = Timeline(self.table.select(mask), self.world_size, self.title, self.grid)
+        part.gpus_per_node = self.gpus_per_node
+        return part
 
     def step_durations(self) -> dict[int, float]:
         """Each step's duration: the latest end over all ranks."""
@@ -255,7 +260,7 @@ def _trace_spans(table: EventTable, offsets: dict[int, float]) -> list[dict]:
     return [{"name": e["name"] or e["kind"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": tid,
              "ts": t, "dur": d,
              "args": {k: e[k] for k in ("stream", "kind", "step", "microbatch", "bytes", "peer", "group", "waited",
-                                "posted", "moved")
+                                "posted", "moved", "tier")
                       if k in e}}
             for e, tid, t, d in zip(rows, tids, ts, dur)]
 
@@ -295,6 +300,6 @@ def _from_saved(trace: dict) -> EventTable:
         event = {"rank": e["pid"], "stream": a["stream"], "kind": a["kind"], "name": e["name"],
                  "step": a["step"], "microbatch": a.get("microbatch"), "start": start,
                  "end": start + e["dur"] * 1e-6, "bytes": a.get("bytes") or 0, "peer": a.get("peer")}
-        event.update({k: a[k] for k in ("group", "waited", "posted", "moved") if a.get(k) is not None})
+        event.update({k: a[k] for k in ("group", "waited", "posted", "moved", "tier") if a.get(k) is not None})
         events.append(event)
     return EventTable.from_dicts(events)

@@ -41,9 +41,10 @@ def _check_tensor(op: str, tensor, name: str) -> None:
 
 
 def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nbytes: int, call,
-           async_op: bool, watch: bool = True, size: int = 0, deadline=None):
+           async_op: bool, watch: bool = True, size: int = 0, deadline=None, busiest: int = 0):
     """Issue ``call`` as labkit's ``op``; ``size``: the collective's size for an emulated link
-    (:meth:`Link.seconds`); ``deadline``: a point-to-point call's own (see isend/irecv)."""
+    (:meth:`Link.seconds`); ``deadline``: a point-to-point call's own (see isend/irecv);
+    ``busiest``: an all-to-all's bytes in this rank's busier direction (:class:`.emulate.Joined`)."""
     ctx = context()
     if op != "barrier":
         _check_tensor(op, tensor, name)
@@ -55,6 +56,8 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
              "shape": tuple(tensor.shape) if tensor is not None else (),
              "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "-", "peer": peer,
              "step": ctx.recorder.step, "microbatch": microbatch, "bytes": nbytes, "state": "issued"}
+    if ctx.link is not None:        # the tier the bytes cross (bytes_sent_by_tier, the timeline)
+        entry["tier"] = ctx.link.link.tier(ranks if peer is None or op not in ("send", "recv") else [ctx.rank, peer])
     ctx.flight.append(entry)
     if ctx.comm_stream is not None:
         ctx.comm_stream.wait_stream(torch.cuda.current_stream())
@@ -71,7 +74,7 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     else:
         start = ctx.recorder.mark()
         if ctx.link is not None and op in LINK_OPS:
-            deadline = _join(ctx, entry, LINK_OPS[op], size, ranks, group)
+            deadline = _join(ctx, entry, LINK_OPS[op], size, ranks, group, busiest)
         work = _guard(ctx, entry, call)
     # A blocking call ends when its wait returns; only an async one needs gloo's thread to
     # note its completion (a Python callback there doubled a small blocking call's cost).
@@ -89,13 +92,14 @@ def _issue(op: str, tensor: torch.Tensor, group, name: str, peer, microbatch, nb
     return handle
 
 
-def _join(ctx: CommContext, entry: dict, op: str, size: int, ranks: list[int], group) -> Joined:
-    """Post this rank's start on the emulated link (a MAX all-reduce of one number, ahead of the
-    payload): the collective's deadline is the latest member's start plus its α-β time."""
+def _join(ctx: CommContext, entry: dict, op: str, size: int, ranks: list[int], group, busiest: int = 0) -> Joined:
+    """Post this rank's start on the emulated link (a MAX all-reduce of [start, busiest bytes],
+    ahead of the payload): the collective's deadline is the latest member's start plus its α-β
+    time, an all-to-all's from its busiest member's bytes."""
     tier, start, cost = ctx.link.collective(op, size, ranks, time.perf_counter())
-    stamp = torch.tensor([start], dtype=torch.float64)
+    stamp = torch.tensor([start, float(busiest)], dtype=torch.float64)
     work = _guard(ctx, entry, lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group, async_op=True))
-    return Joined(ctx.link, work, stamp, tier, cost)
+    return Joined(ctx.link, work, stamp, tier, cost, len(ranks))
 
 
 # labkit's op names → the link's (a barrier only aligns ranks: it moves no payload)
@@ -159,16 +163,26 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     """Send the i-th slice of ``tensor`` (rows, ``input_split_sizes[i]`` of them) to the group's
     i-th rank and receive its slice for us into ``output`` (``output_split_sizes``; None: equal).
     The bytes are those that leave this rank: every slice but our own. On an emulated link the
-    exchange is priced by this rank's whole input (the link's pairwise all-to-all time)."""
-    rows = len(tensor) if tensor.dim() else 0
-    row_bytes = tensor[0].numel() * tensor.element_size() if rows else 0
+    exchange takes as long as its busiest member's bytes, sent or received (a rank that every
+    token is routed to is the bottleneck, as in expert parallelism)."""
+    n = _group_size(group)
     me = dist.get_group_rank(group, context().rank) if group is not None else context().rank
-    own = input_split_sizes[me] if input_split_sizes is not None else rows // _group_size(group)
-    nbytes = row_bytes * (rows - own)
-    return _issue("all_to_all", tensor, group, name, None, None, nbytes,
+    sent = _slice_bytes(tensor, input_split_sizes, me, n)
+    received = _slice_bytes(output, output_split_sizes, me, n)
+    rows = len(tensor) if tensor.dim() else 0
+    return _issue("all_to_all", tensor, group, name, None, None, sent,
                   lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
                                                  group=group, async_op=True), async_op,
-                  size=rows * row_bytes)
+                  size=rows * (tensor[0].numel() * tensor.element_size() if rows else 0),
+                  busiest=max(sent, received))
+
+
+def _slice_bytes(tensor, split_sizes, me: int, n: int) -> int:
+    """Bytes of ``tensor``'s rows outside this rank's own slice (what crosses the link)."""
+    rows = len(tensor) if tensor.dim() else 0
+    row_bytes = tensor[0].numel() * tensor.element_size() if rows else 0
+    own = split_sizes[me] if split_sizes is not None else rows // n
+    return row_bytes * (rows - own)
 
 
 def broadcast(tensor, src: int, group=None, name="", async_op=False):

@@ -231,6 +231,27 @@ def demo(algorithm: str, numel: int, ranks: int | None = None, repeats: int = 1,
     return out
 
 
+def incast_demo(numel: int, root: int = 0) -> dict:
+    """One rank's part of an all-to-all in which every rank sends its ``numel`` float32 values to
+    global rank ``root`` and nothing elsewhere (expert parallelism's all-to-all when every token
+    picks one expert). Every rank of the world calls it. ``root`` takes in (n-1) of them while
+    each other rank sends one: on an emulated link the exchange lasts the busiest receiver's
+    time, (n-1)·(α + S/β), on every member. Returns this rank's seconds and bytes each way."""
+    import time
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    x = torch.ones(numel, 1)
+    out = torch.empty(numel * n if me == root else 0, 1)
+    into = [numel if me == root else 0] * n
+    sizes = [numel if r == root else 0 for r in range(n)]
+    dist.barrier()
+    t0 = time.perf_counter()
+    comm.all_to_all_single(out, x, output_split_sizes=into, input_split_sizes=sizes)
+    took = time.perf_counter() - t0
+    return {"rank": me, "seconds": took, "sent": 0 if me == root else 4 * numel,
+            "received": 4 * numel * (n - 1) if me == root else 0}
+
+
 def _values(numel: int, rank: int, seed: int, values: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1009 + rank)
     if values == "int":

@@ -181,6 +181,8 @@ def _record(ctx, entry, start, end):
     for instant in ("waited", "moved"):
         if event is not None and isinstance(entry.get(instant), float):
             event[instant] = entry[instant]
+    if event is not None and "tier" in entry:           # on an emulated link: "intra" or "inter"
+        event["tier"] = entry["tier"]
 
 
 def _guard(ctx: CommContext, entry: dict, call):

@@ -278,6 +278,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
         title = f"emulated link {link}" if link is not None else None     # shown on every timeline
         run = Run(s, [], Timeline([], lab.world_size, title=title, grid=s), {}, spec.batch, ranks=lab.ranks)
         run.link = link
+        run.timeline.gpus_per_node = getattr(link, "gpus_per_node", None)      # lanes name each rank's node
         run.parameter_bytes = [b["parameter_bytes"] for b in built]
         run.first_step = plan.first if plan is not None else 0
         if restored is not None:

@@ -53,6 +53,8 @@ TOUCH_S = 50e-6
 AGGREGATE_ABOVE = 32
 EDGELESS_ABOVE = 20_000
 MAX_HEIGHT_IN = 12.0
+# Comm between emulated nodes (labkit.Link's "inter" tier): cross-hatched over the kind's colour.
+INTER_HATCH, INTER_EDGE, INTER_LABEL = "xx", "#222222", "between nodes (hatched)"
 LANE_IN = 0.45
 # Heatmap states, in drawing order (0, 1, 2), and time bins across the axis.
 # A pipeline action's name as torch spells it: stage, op, micro-batch ("0RECV_B3").
@@ -99,7 +101,8 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     if ax is None:      # into a given Axes the aggregated view draws its lanes only
         ax, heat_ax = _axes(len(lanes), aggregate, figsize)
     _draw_lanes(ax, [name for _, name in lanes])
-    key = key_for(_draw_spans(ax, table, shift, [r for r, _ in lanes], extent if labels else None))
+    written, crossed = _draw_spans(ax, table, shift, [r for r, _ in lanes], extent if labels else None)
+    key = key_for(written)
     for boundary in sorted(offsets.values())[1:]:  # step "all": where each step starts
         ax.axvline(boundary * 1e3, color="#444444", linestyle="--", linewidth=0.8)
     ax.set_xlim(0, extent or 1.0)
@@ -107,7 +110,7 @@ def plot_timeline(tl: Timeline, ax=None, step=None, figsize=None, labels: bool =
     if critical_path:
         from .paths import outline_path
         outline_path(ax, tl, step, [r for r, _ in lanes])
-    _legend(ax, set(np.unique(shown_kinds(table["kind"], table["name"])).tolist()), key)
+    _legend(ax, set(np.unique(shown_kinds(table["kind"], table["name"])).tolist()), key, crossed)
     if heat_ax is not None:
         from .heatmap import draw_heatmap
         draw_heatmap(heat_ax, table, shift, shown, extent, tl)
@@ -129,9 +132,13 @@ def _axes(lanes: int, heat: bool, figsize):
     return ax, heat_ax
 
 
-def _legend(ax, kinds: set, key: str | None) -> None:
-    """The kinds drawn, in the palette's order; above them the key to the "F3", "←B0" labels drawn."""
-    legend = ax.legend(handles=_legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.01, 1),
+def _legend(ax, kinds: set, key: str | None, crossed: bool = False) -> None:
+    """The kinds drawn, in the palette's order; above them the key to the "F3", "←B0" labels
+    drawn; and, where comm crossed nodes on a two-tier link, the hatching that marks it."""
+    handles = _legend_handles(kinds)
+    if crossed:
+        handles.append(Patch(facecolor="white", hatch=INTER_HATCH, edgecolor=INTER_EDGE, label=INTER_LABEL))
+    legend = ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1),
                        fontsize="small", frameon=False, title=key,
                        title_fontsize="x-small", alignment="left")
     if key:
@@ -187,9 +194,12 @@ def _shown_ranks(tl: Timeline, ranks, stage) -> list[int]:
 
 
 def _rank_name(tl: Timeline, rank: int) -> str:
-    """ "rank 5", or "rank 5 dp1 pp1" with a grid (axes of degree 1 left out)."""
+    """ "rank 5", or "rank 5 dp1 pp1" with a grid (axes of degree 1 left out), and "node 2"
+    where the run's emulated link has several nodes (``Timeline.gpus_per_node``)."""
     coords = tl.coords(rank)
     parts = [f"{axis}{i}" for axis, i in coords.items() if getattr(tl.grid, axis, 1) > 1]
+    if tl.gpus_per_node is not None and tl.world_size > tl.gpus_per_node:
+        parts.append(f"node {rank // tl.gpus_per_node}")
     return " ".join([f"rank {rank}"] + parts)
 
 
@@ -235,9 +245,11 @@ def _draw_lanes(ax, names: list[str]) -> None:
                   color="#DDDDDD", linewidth=0.8)
 
 
-def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: float | None) -> set[str]:
-    """Every span of the lanes' ranks, one PolyCollection per kind; labels where they fit.
-    Returns the pipeline labels ("F3", "←B0") written, so the caller keys what it drew."""
+def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: float | None) -> tuple[set[str], bool]:
+    """Every span of the lanes' ranks, one PolyCollection per kind; labels where they fit; comm
+    that crossed nodes (``tier`` "inter" on an emulated two-tier link) hatched over its colour.
+    Returns the pipeline labels ("F3", "←B0") written, so the caller keys what it drew, and
+    whether any span crossed nodes."""
     index = np.full(int(max(lane_ranks, default=0)) + 1, -1)
     index[lane_ranks] = np.arange(len(lane_ranks))
     rank = table["rank"]
@@ -257,9 +269,11 @@ def _draw_spans(ax, table: EventTable, shift, lane_ranks: list[int], extent: flo
         ax.add_collection(bars)
         if kind == "wait":
             ax.add_artist(_hatching(bars))
-    if extent:
-        return _draw_labels(ax, t, x0, width, y, rows, extent)
-    return set()
+    crossed = t["tier"] == "inter"
+    if crossed.any():
+        bars = _bars(x0[crossed], width[crossed], y[crossed], height[crossed], "inter")
+        ax.add_artist(_hatching(bars, INTER_HATCH, INTER_EDGE))
+    return (_draw_labels(ax, t, x0, width, y, rows, extent) if extent else set()), bool(crossed.any())
 
 
 def _bars(x0, width, y, height, kind: str) -> PolyCollection:
@@ -275,11 +289,11 @@ def _bars(x0, width, y, height, kind: str) -> PolyCollection:
                           edgecolors="#777777" if wait else "white", linewidths=edges)
 
 
-def _hatching(bars: PolyCollection) -> PathPatch:
-    """The "//" hatching of wait bars, as one path over all of them: Agg renders the hatch
-    pattern once per path, and per bar it took longer than every other kind drawn."""
+def _hatching(bars: PolyCollection, hatch: str = "//", color: str = "#777777") -> PathPatch:
+    """The hatching of wait bars (or of comm between nodes), as one path over all of them: Agg
+    renders the hatch pattern once per path, and per bar it took longer than every other kind drawn."""
     path = Path.make_compound_path(*bars.get_paths())
-    return PathPatch(path, facecolor="none", edgecolor="#777777", linewidth=0, hatch="//")
+    return PathPatch(path, facecolor="none", edgecolor=color, linewidth=0, hatch=hatch)
 
 
 def _rows(lane, x0, x1, touch: float):
