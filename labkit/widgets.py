@@ -244,7 +244,7 @@ class Dashboard:
 
     def _check(self) -> RunSpec | None:
         """The spec the controls describe, or None after showing why it cannot run."""
-        if getattr(self.lab, "closed", False):     # lab.close() ran (notebook 05 ends with it)
+        if getattr(self.lab, "closed", False):     # lab.close() ran, in any cell
             self._set_problem("the lab is closed: start a new one")
             return None
         try:
@@ -258,7 +258,7 @@ class Dashboard:
 
     def _watch_lab(self, every: float = 0.5) -> None:
         """Show "the lab is closed" as soon as ``lab.close()`` ran, wherever it was called: the
-        status line must not promise a Run that would fail (a notebook's last cell closes it)."""
+        status line must not promise a Run that would fail (a reader closes it when done)."""
         while not self._closing.wait(every):
             if getattr(self.lab, "closed", False):
                 self._check()
