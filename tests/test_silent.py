@@ -337,6 +337,28 @@ def test_dict_inputs_reach_forward_as_keyword_tensors(lab2):
         assert lab2.run(s, model=MaskedLM, **kw).max_diff(labkit.reference(MaskedLM, **kw)) < 1e-5
 
 
+class KeywordBlocks(MaskedLM):
+    """MaskedLM with layers between, so the planner has blocks to price."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__(vocab, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_the_planner_prices_a_model_that_takes_keyword_tensors():
+    machine = labkit.plan.Machine(cores=2.0)
+    for s in (labkit.Strategy(dp=2), labkit.Strategy(dp=2, microbatches=2)):
+        pred = labkit.plan.simulate(s, machine, model=KeywordBlocks, batch=8, data=keyword_batches,
+                                    loss="cross_entropy")
+        assert pred.metrics["step_time_s"] > 0
+
+
 @pytest.mark.slow
 def test_ddp_with_a_parameter_used_on_some_steps_names_it_and_the_modes_that_work(lab2):
     with pytest.raises(labkit.LabError, match=r"dp_mode='ddp': parameter\(s\) \['b.weight', 'b.bias', "
