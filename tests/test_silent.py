@@ -49,6 +49,28 @@ def test_drift_reads_every_rank_copy_under_zero_and_pipelines(lab2):
             assert held[0] | held[1] == set(ref.snapshots[-1][0]["params"]) and not held[0] & held[1]
 
 
+# -- the tolerance: float32 noise, measured against the same run in float64 --------------------------
+@pytest.mark.slow
+def test_cp_with_adamw_differs_from_one_process_by_float32_noise_alone(lab2):
+    """AdamW divides a gradient below its eps by eps: rounding comes out lr-sized. One process in
+    float32 is itself that far from float64, and cp no farther; a 10 % change of lr is not noise."""
+    data = labkit.data.text(batch=8, block_size=16)
+    model = labkit.models.llama(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=data.vocab_size,
+                                n_kv_heads=2)
+    kw = dict(data=data, loss="cross_entropy", batch=8, steps=2, lr=0.01, seed=0, optimizer="adamw")
+    ref = labkit.reference(model, **kw)
+    assert ref.float_noise() > 1e-5 and ref.tolerance == 2 * ref.float_noise()
+    assert lab2.run(labkit.Strategy(cp=2), model=model, **kw).max_diff(ref) <= ref.tolerance
+    nudged = labkit.reference(model, **{**kw, "lr": 0.011}).parameters()
+    assert max((nudged[k] - v).abs().max().item() for k, v in ref.parameters().items()) > ref.tolerance
+
+
+def test_with_sgd_the_tolerance_stays_the_float32_one():
+    ref = labkit.reference(labkit.models.mlp(width=16, depth=3), **SETUP)
+    assert ref.float_noise() < 1e-6 and ref.tolerance == 1e-5
+    assert torch.get_default_dtype() == torch.float32          # the float64 twin leaves it as it was
+
+
 def refused(strategy, model, data=None, loss="mse", match="", batch=8, **extra):
     """``lab.run``'s checks, as they run before any engine is called."""
     with pytest.raises((ValueError, TypeError), match=match):
