@@ -233,6 +233,10 @@ def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2)
     everywhere = dict(kw, data=routed_everywhere)
     run = lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=RoutedStack, **everywhere)
     assert run.max_diff(labkit.reference(RoutedStack, **everywhere)) < 1e-5
+    # one replica reaching what another does not: named (rank, step, unit, fix), engines kept
+    with pytest.raises(labkit.LabError, match=r"rank 1, step 1: reduce_scatter 'fsdp2 reduce-scatter' of the "
+                                              r"root unit \(a\.weight.*rank\(s\) \[1\] got none.*zero_mode='labkit'"):
+        lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=RoutedStack, **kw)
     momentum = dict(kw, optimizer="sgd", momentum=0.9)
     assert lab2.run(labkit.Strategy(dp=2), model=Routed, **momentum).max_diff(
         labkit.reference(Routed, **momentum)) < 1e-5
