@@ -31,7 +31,7 @@ import time
 
 import ipywidgets as W
 
-from .config import Strategy
+from .config import SCHEDULES, Strategy
 from .parallel.build import RunSpec
 from .run.live import LiveRun, LiveRunner, describe_error
 from .run.runner import validate
@@ -279,8 +279,7 @@ class Dashboard:
             c["tp"].options = [1] if tp_off else list(range(1, self.lab.world_size + 1))
             for name in ("tp", "tp_mode", "sequence_parallel"):
                 c[name].disabled = tp_off
-            schedules = [x for x in Strategy.__dataclass_fields__["schedule"].metadata["choices"]
-                         if x != "interleaved" or "interleaved" not in limits]
+            schedules = [x for x in SCHEDULES if x != "interleaved" or "interleaved" not in limits]
             if c["schedule"].value not in schedules:
                 c["schedule"].value = "1f1b"
             c["schedule"].options = schedules
