@@ -282,7 +282,7 @@ def test_a_long_timeline_title_is_broken_to_the_figures_width():
     fig = Figure(figsize=(8, 3), dpi=90)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    text = ("run 12 · dp=2 mb=4 overlap 0.0156 MiB zero=1 bf16 recompute=full · step 2: 21.13 ms · "
+    text = ("run 12 · dp=2 zero=1 mb=4 0.0156 MiB bf16 recompute=full sync_batchnorm=True · step 2: 21.13 ms · "
             "bound by comm on rank 1 (this step)")
     for title, inside in ((text, False), (fit_title(fig, text), True)):
         ax.set_title(title, fontsize="medium")
