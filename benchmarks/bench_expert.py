@@ -9,7 +9,7 @@ steps (balance loss on), for ep = 2 and 4 beside dp = 4, ep = 2 inside each stag
 beside tp = 2, ``ep_overlap`` off and on, top-1 and top-2; beside it the tolerance the tests
 hold them to (a pipeline's reported loss leaves out the balance loss, so only its parameters
 are compared).
-Bytes (GShard, Lepikhin et al. 2020; DeepSeek-V3 §3.2): a rank's dispatch carries each of its
+Bytes (GShard, Lepikhin et al. 2020; DeepSeek-V3, arXiv 2412.19437, §3.2.2): a rank's dispatch carries each of its
 tokens' top_k rows to the experts' ranks; with routing spread evenly, (ep−1)/ep of them leave
 the rank, so one dispatch (and one combine) sends tokens × top_k × hidden × element size ×
 (ep−1)/ep. Measured: the ``bytes`` labkit.comm recorded for each forward dispatch of step 0

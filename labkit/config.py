@@ -179,9 +179,22 @@ class Strategy:
     def _shows(self, f, value) -> bool:
         m = f.metadata
         on = self.axis_on(f.name if m["axis"] == "degrees" else m["axis"])
-        if f.name == "bucket_mb" and self.dp_mode == "naive":
-            return False          # the naive mode has no buckets
+        if not self._averages_by(f.name):
+            return False
         return on and (m["show"] == "axis" or value != f.default)
+
+    def _averages_by(self, name: str) -> bool:
+        """Whether ``dp_mode`` or ``bucket_mb`` is what averages the gradients in this run: with
+        zero > 0 the sharded sync replaces the dp mode; labkit's ZeRO-1/2 still cut buckets of
+        ``bucket_mb``, while ZeRO-3 gathers a block at a time and FSDP2 is torch's own, so a
+        label saying "overlap 1 MiB" there would name something that did not run."""
+        if name == "dp_mode":
+            return self.zero == 0
+        if name == "bucket_mb":
+            if self.zero:
+                return self.zero_mode == "labkit" and self.zero < 3
+            return self.dp_mode != "naive"          # the naive mode has no buckets
+        return True
 
     def check_engines(self, engines: int) -> None:
         """Raise ValueError unless this strategy fits exactly ``engines`` ranks."""

@@ -31,17 +31,18 @@ import time
 
 import ipywidgets as W
 
-from .config import Strategy
+from .config import SCHEDULES, Strategy
 from .parallel.build import RunSpec
 from .run.live import LiveRun, LiveRunner, describe_error
 from .run.runner import validate
 from .view import form
-from .view.canvas import Painter, WidgetFigure, use_ipympl
+from .view.canvas import Painter, WidgetFigure, fit_title, use_ipympl
 from .view.form import STRATEGY_FIELDS
 from .view.status import diff_table, labels, metrics_table, status_html
 from .view.timeline import MAX_HEIGHT_IN
 
 _READ = object()     # Dashboard._choice: read, do not replace
+CONTROL_WIDTH = "240px"
 
 
 class Dashboard:
@@ -118,8 +119,20 @@ class Dashboard:
         unknown = set(values) - set(self.controls)
         if unknown:
             raise KeyError(f"no such control: {sorted(unknown)}; controls are {sorted(self.controls)}")
+        if "model" in values:         # first: what the other controls offer depends on it
+            form.check_offered("model", values["model"], self.controls["model"])
+            self._holding = True
+            try:
+                self.controls["model"].value = values["model"]
+            finally:
+                self._holding = False
+            self._fit_to_model()
         for name, value in values.items():
-            form.check_offered(name, value, self.controls[name])
+            try:
+                form.check_offered(name, value, self.controls[name])
+            except ValueError as exc:       # not offered for this model: say why
+                why = self._limits.get({"tp": "tp", "schedule": "interleaved"}.get(name, ""))
+                raise ValueError(f"{exc}; {why}" if why else str(exc)) from None
         self._holding = True
         try:
             for name, value in values.items():
@@ -182,7 +195,8 @@ class Dashboard:
 
     # -- building -----------------------------------------------------------------------------
     def _build_controls(self, s: Strategy, steps: int, auto: bool) -> None:
-        style = {"description_width": "100px"}
+        # 240 px a control: three groups side by side in a notebook on a 1024 px screen
+        style = {"description_width": "96px"}
         c = form.build_controls(s, self.lab.world_size)
         c.update({
             "steps": W.IntSlider(value=steps, min=1, max=20, description="steps per run"),
@@ -191,7 +205,7 @@ class Dashboard:
         })
         for name, w in c.items():
             if name != "auto":
-                w.style, w.layout.width = style, "270px"
+                w.style, w.layout.width = style, CONTROL_WIDTH
             w.observe(self._changed, names="value")
             w.add_class(f"labkit-{name}")            # stable handles for browser tests
         self.controls = c
@@ -209,8 +223,11 @@ class Dashboard:
         self.path_box.add_class("labkit-critical-path")
         self.path_box.observe(lambda _change: self._redraw(), names="value")
         self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="120px"))
-        self.status = W.HTML(layout=W.Layout(min_width="400px"))
+        self.status = W.HTML(layout=W.Layout(min_width="360px", flex="1 1 360px"))
         self.status.add_class("labkit-status")
+        # per group, what this model cannot run and why (form.model_limits), under its title
+        self.notes = {axis: W.HTML(layout=W.Layout(width=CONTROL_WIDTH)) for _, axis in form.GROUPS}
+        self._fit_to_model()
 
     def _build_views(self, plot: str) -> None:
         interactive = use_ipympl(plot)
@@ -227,24 +244,63 @@ class Dashboard:
         self.tabs.set_title(1, "Compare")
 
     def _layout(self) -> W.Widget:
+        """Two fixed rows (buttons and the status; the run's model and options), then the
+        groups, three a row at 1024 px, so nothing wraps mid-row and the timeline starts high."""
         c = self.controls
-        group = lambda title, *names: W.VBox([W.HTML(f"<b>{title}</b>")] + [c[n] for n in names])  # noqa: E731
-        panel = W.HBox([group(title, *names) for title, names in form.groups()],
+        axis_of = dict(form.GROUPS)
+
+        def group(title, names):
+            return W.VBox([W.HTML(f"<b>{title}</b>"), self.notes[axis_of[title]]] + [c[n] for n in names],
+                          layout=W.Layout(width=CONTROL_WIDTH, margin="0 12px 6px 0"))
+        panel = W.HBox([group(title, names) for title, names in form.groups()],
                        layout=W.Layout(flex_flow="row wrap"))
-        bar = W.HBox([self.run_button, self.stop_button, self.pin_button, c["model"], c["steps"], c["auto"],
-                      self.path_box], layout=W.Layout(flex_flow="row wrap"))
-        return W.VBox([bar, W.HBox([self.progress, self.status]), panel, self.tabs], layout=W.Layout(width="100%"))
+        buttons = W.HBox([self.run_button, self.stop_button, self.pin_button, self.progress, self.status],
+                         layout=W.Layout(align_items="center"))
+        options = W.HBox([c["model"], c["steps"], c["auto"], self.path_box], layout=W.Layout(flex_flow="row wrap"))
+        return W.VBox([buttons, options, panel, self.tabs], layout=W.Layout(width="100%"))
+
+    def _fit_to_model(self) -> None:
+        """Offer only what the chosen model can run (tp without a tp_plan, interleaved on
+        blocks no stage count divides: the dashboard has no control for either fix), and say
+        why beside the group; the bucket slider gets the model's largest gradient as a hint."""
+        from .run.runner import model_for_checks
+
+        try:
+            limits = form.model_limits(model_for_checks(self.model, self.seed), self.lab.world_size)
+        except Exception:             # a model the checks cannot read: the status line says why on Run
+            limits = {}
+        self._limits = limits
+        c, held = self.controls, self._holding
+        self._holding = True          # the changes below are the dashboard's, not a reader's
+        try:
+            tp_off = "tp" in limits
+            if tp_off and c["tp"].value > 1:      # its ranks go to dp: the lab's engines stay used
+                c["dp"].value, c["tp"].value = c["dp"].value * c["tp"].value, 1
+            c["tp"].options = [1] if tp_off else list(range(1, self.lab.world_size + 1))
+            for name in ("tp", "tp_mode", "sequence_parallel"):
+                c[name].disabled = tp_off
+            schedules = [x for x in SCHEDULES if x != "interleaved" or "interleaved" not in limits]
+            if c["schedule"].value not in schedules:
+                c["schedule"].value = "1f1b"
+            c["schedule"].options = schedules
+        finally:
+            self._holding = held
+        notes = {"tp": limits.get("tp"), "pp": limits.get("interleaved"), "dp": limits.get("bucket")}
+        for axis, note in self.notes.items():
+            note.value = f"<small style='color:#666'>{notes[axis]}</small>" if notes.get(axis) else ""
 
     # -- checking and submitting (notebook thread) ------------------------------------------------
     def _changed(self, change) -> None:
         if self._holding or change.get("old") == change.get("new"):
             return
+        if change.get("owner") is self.controls["model"]:
+            self._fit_to_model()
         if self._check() is not None and self.controls["auto"].value and change["owner"] is not self.controls["auto"]:
             self.run()
 
     def _check(self) -> RunSpec | None:
         """The spec the controls describe, or None after showing why it cannot run."""
-        if getattr(self.lab, "closed", False):     # lab.close() ran (notebook 05 ends with it)
+        if getattr(self.lab, "closed", False):     # lab.close() ran, in any cell
             self._set_problem("the lab is closed: start a new one")
             return None
         try:
@@ -258,7 +314,7 @@ class Dashboard:
 
     def _watch_lab(self, every: float = 0.5) -> None:
         """Show "the lab is closed" as soon as ``lab.close()`` ran, wherever it was called: the
-        status line must not promise a Run that would fail (a notebook's last cell closes it)."""
+        status line must not promise a Run that would fail (a reader closes it when done)."""
         while not self._closing.wait(every):
             if getattr(self.lab, "closed", False):
                 self._check()
@@ -337,7 +393,7 @@ class Dashboard:
                 ax.set_title("run again with other settings to compare", fontsize="medium")
                 continue
             live.run.timeline.plot(ax=ax)
-            ax.set_title(f"{label} — {ax.get_title()}", fontsize="medium")
+            ax.set_title(fit_title(view.fig, f"{label} — {ax.get_title()}"), fontsize="medium")
             right = max(right, ax.get_xlim()[1])
         view.axes[0].set_xlim(0, right or 1.0)
         view.axes[0].set_xlabel("")
@@ -362,7 +418,7 @@ def redraw_timeline(view: WidgetFigure, timeline, step: int, title: str, critica
     # y given: the title sits at the top edge, not above the measured boxes of every tick
     # label (there are none on top, and measuring them each redraw is slow)
     # "this step": the metrics table gives the median over the run's steps, which can differ
-    ax.set_title(f"{title} · {ax.get_title()} (this step)", fontsize="medium", y=1.0)
+    ax.set_title(fit_title(view.fig, f"{title} · {ax.get_title()} (this step)"), fontsize="medium", y=1.0)
     view.show()
 
 

@@ -1,8 +1,8 @@
 """The playground in a real JupyterLab, driven by headless Chromium through Playwright.
 
 Starts ``jupyter lab`` on a free port (a copy of the notebook in a temp folder, so autosave
-never writes outputs into the repository), runs every cell but the last (``lab.close()``),
-moves the micro-batch slider with the keyboard, and checks that the ipympl timeline redrew and
+never writes outputs into the repository), runs all its cells as a trainer does (the last is
+``# lab.close()``, commented, so Run All leaves the playground open), moves the micro-batch slider with the keyboard, and checks that the ipympl timeline redrew and
 the metrics text changed. Screenshots land in tests/artifacts/ (git-ignored).
 
 Needs Debian's ``chromium`` at /usr/bin/chromium (``.ci/run`` installs it); skips without it.
@@ -157,10 +157,9 @@ def _drive(page, address: str) -> None:
     if news.count():
         news.first.click()
     code_cells = len(page.evaluate(CELLS_STATE))
-    # Every cell but the last (lab.close()): select the last cell, run all above it.
-    page.evaluate(f"() => {{ {PANEL}.content.activeCellIndex = {PANEL}.content.widgets.length - 1; "
-                  "window.jupyterapp.commands.execute('notebook:run-all-above'); }")
-    _poll(page, "the notebook's cells to run", lambda: _cells_ran(page, code_cells - 1), timeout=300)
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")     # Run All
+    _poll(page, "the notebook's cells to run", lambda: _cells_ran(page, code_cells), timeout=300)
+    assert "closed" not in _status(page), _status(page)       # Run All must not close the playground
     before_run = _poll(page, "a finished run in the status line", lambda: _last_done_run(page), timeout=120)
     page.locator(".labkit-timeline").scroll_into_view_if_needed()
     before_pixels = _poll(page, "the ipympl timeline canvas", lambda: page.evaluate(CANVAS_PIXELS), timeout=60)
@@ -183,13 +182,11 @@ def _drive(page, address: str) -> None:
 
 
 def _close_lab(page) -> None:
-    """Run the last cell (lab.close()), then shut the kernel down: no engines left behind."""
+    """Run ``lab.close()`` in the kernel (the notebook's last cell holds it commented), then
+    shut the kernel down: no engines left behind."""
     try:
-        page.evaluate(f"() => {{ {PANEL}.content.activeCellIndex = {PANEL}.content.widgets.length - 1; "
-                      "window.jupyterapp.commands.execute('notebook:run-cell'); }")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and page.evaluate(CELLS_STATE)[-1]["count"] is None:
-            page.wait_for_timeout(500)
+        page.evaluate(f"async () => {{ const k = {PANEL}.sessionContext.session.kernel; "
+                      "await k.requestExecute({code: 'lab.close()'}).done; }")
         page.evaluate(f"async () => {{ await {PANEL}.sessionContext.shutdown(); }}")
     except Exception as exc:          # the server's own shutdown stops the kernel anyway
         print(f"closing the notebook's lab: {exc}", file=sys.stderr)

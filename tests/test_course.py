@@ -84,8 +84,20 @@ class ClosingLab:
         raise AssertionError("the dashboard reached the engines")
 
 
+def test_playground_run_all_leaves_the_lab_open():
+    """05's last cell holds ``lab.close()`` commented: Run All, the room's first action, must not
+    close the playground under the dashboard (tests/test_browser.py drives that Run All)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "05_playground.ipynb"
+    code = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert code[-1].lstrip().startswith("# lab.close()")
+    assert not any(line.strip().startswith("lab.close()") for cell in code for line in cell.splitlines())
+
+
 def test_dashboard_shows_a_closed_lab_without_a_click():
-    """Notebook 05 ends with lab.close(): the status line says so at once, and Run goes off."""
+    """A reader who runs lab.close() sees the status line say so at once, and Run goes off."""
     import time
 
     from labkit.widgets import Dashboard

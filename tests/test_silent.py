@@ -49,6 +49,28 @@ def test_drift_reads_every_rank_copy_under_zero_and_pipelines(lab2):
             assert held[0] | held[1] == set(ref.snapshots[-1][0]["params"]) and not held[0] & held[1]
 
 
+# -- the tolerance: float32 noise, measured against the same run in float64 --------------------------
+@pytest.mark.slow
+def test_cp_with_adamw_differs_from_one_process_by_float32_noise_alone(lab2):
+    """AdamW divides a gradient below its eps by eps: rounding comes out lr-sized. One process in
+    float32 is itself that far from float64, and cp no farther; a 10 % change of lr is not noise."""
+    data = labkit.data.text(batch=8, block_size=16)
+    model = labkit.models.llama(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=data.vocab_size,
+                                n_kv_heads=2)
+    kw = dict(data=data, loss="cross_entropy", batch=8, steps=2, lr=0.01, seed=0, optimizer="adamw")
+    ref = labkit.reference(model, **kw)
+    assert ref.float_noise() > 1e-5 and ref.tolerance == 2 * ref.float_noise()
+    assert lab2.run(labkit.Strategy(cp=2), model=model, **kw).max_diff(ref) <= ref.tolerance
+    nudged = labkit.reference(model, **{**kw, "lr": 0.011}).parameters()
+    assert max((nudged[k] - v).abs().max().item() for k, v in ref.parameters().items()) > ref.tolerance
+
+
+def test_with_sgd_the_tolerance_stays_the_float32_one():
+    ref = labkit.reference(labkit.models.mlp(width=16, depth=3), **SETUP)
+    assert ref.float_noise() < 1e-6 and ref.tolerance == 1e-5
+    assert torch.get_default_dtype() == torch.float32          # the float64 twin leaves it as it was
+
+
 def refused(strategy, model, data=None, loss="mse", match="", batch=8, **extra):
     """``lab.run``'s checks, as they run before any engine is called."""
     with pytest.raises((ValueError, TypeError), match=match):
@@ -211,6 +233,10 @@ def test_adamw_skips_what_backward_never_reached_in_every_dp_mode_and_zero(lab2)
     everywhere = dict(kw, data=routed_everywhere)
     run = lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=RoutedStack, **everywhere)
     assert run.max_diff(labkit.reference(RoutedStack, **everywhere)) < 1e-5
+    # one replica reaching what another does not: named (rank, step, unit, fix), engines kept
+    with pytest.raises(labkit.LabError, match=r"rank 1, step 1: reduce_scatter 'fsdp2 reduce-scatter' of the "
+                                              r"root unit \(a\.weight.*rank\(s\) \[1\] got none.*zero_mode='labkit'"):
+        lab2.run(labkit.Strategy(dp=2, zero=3, zero_mode="fsdp2"), model=RoutedStack, **kw)
     momentum = dict(kw, optimizer="sgd", momentum=0.9)
     assert lab2.run(labkit.Strategy(dp=2), model=Routed, **momentum).max_diff(
         labkit.reference(Routed, **momentum)) < 1e-5
@@ -335,6 +361,28 @@ def test_dict_inputs_reach_forward_as_keyword_tensors(lab2):
     kw = dict(data=keyword_batches, loss="cross_entropy", batch=8, steps=2, lr=0.1, seed=0)
     for s in (labkit.Strategy(dp=2), labkit.Strategy(dp=2, microbatches=2, dp_mode="overlap")):
         assert lab2.run(s, model=MaskedLM, **kw).max_diff(labkit.reference(MaskedLM, **kw)) < 1e-5
+
+
+class KeywordBlocks(MaskedLM):
+    """MaskedLM with layers between, so the planner has blocks to price."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__(vocab, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_the_planner_prices_a_model_that_takes_keyword_tensors():
+    machine = labkit.plan.Machine(cores=2.0)
+    for s in (labkit.Strategy(dp=2), labkit.Strategy(dp=2, microbatches=2)):
+        pred = labkit.plan.simulate(s, machine, model=KeywordBlocks, batch=8, data=keyword_batches,
+                                    loss="cross_entropy")
+        assert pred.metrics["step_time_s"] > 0
 
 
 @pytest.mark.slow

@@ -251,3 +251,41 @@ def test_the_dashboard_describes_a_strategy_to_the_sliders_precision():
 
     assert "0.0156 MiB" in _describe(labkit.Strategy(dp=2, bucket_mb=0.015625))
     assert "0.25 MiB" in _describe(labkit.Strategy(dp=2, bucket_mb=0.25))
+
+
+def test_controls_the_playgrounds_model_cannot_run_are_not_offered_and_say_why():
+    """The MLP has no tp_plan and 15 blocks (no pp·chunks of 2 engines divides them): tp and
+    interleaved are off, with the reason beside their group; the GPT offers both again."""
+    dash = Dashboard(NoEngines(), model=labkit.models.mlp(width=256, depth=8), batch=64, auto=False, plot="image")
+    try:
+        c = dash.controls
+        assert list(c["tp"].options) == [1] and c["tp"].disabled and "interleaved" not in c["schedule"].options
+        assert "no tp_plan" in dash.notes["tp"].value and "15 blocks" in dash.notes["pp"].value
+        assert "largest gradient 0.25 MiB" in dash.notes["dp"].value
+        with pytest.raises(ValueError, match="offers 1; tp > 1: this model has no tp_plan"):
+            dash.set(tp=2)
+        dash.set(model="gpt", dp=1, tp=2)                 # a model with a plan: offered again
+        assert not c["tp"].disabled and "interleaved" in c["schedule"].options and dash.status_text == "ready"
+        assert dash.notes["tp"].value == ""
+        dash.set(model="mlp")                             # back: tp's ranks return to dp, still runnable
+        assert (c["dp"].value, c["tp"].value) == (2, 1) and dash.status_text == "ready"
+    finally:
+        dash.close()
+
+
+def test_a_long_timeline_title_is_broken_to_the_figures_width():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from labkit.view.canvas import fit_title
+
+    fig = Figure(figsize=(8, 3), dpi=90)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    text = ("run 12 · dp=2 zero=1 mb=4 0.0156 MiB bf16 recompute=full sync_batchnorm=True · step 2: 21.13 ms · "
+            "bound by comm on rank 1 (this step)")
+    for title, inside in ((text, False), (fit_title(fig, text), True)):
+        ax.set_title(title, fontsize="medium")
+        fig.canvas.draw()
+        box = ax.title.get_window_extent()
+        assert bool(box.x0 >= 0 and box.x1 <= fig.bbox.width) is inside

@@ -109,6 +109,16 @@ def test_impossible_sharding_names_the_field(kwargs, field):
         labkit.Strategy(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, label", [
+    (dict(zero=3, zero_mode="fsdp2"), "dp=2 zero=3 fsdp2 mb=1"),      # torch's sync: no dp mode, no buckets
+    (dict(zero=2, zero_mode="fsdp2"), "dp=2 zero=2 fsdp2 mb=1"),
+    (dict(zero=3), "dp=2 zero=3 mb=1"),                               # a unit per block, not buckets
+    (dict(zero=2, bucket_mb=0.5), "dp=2 zero=2 mb=1 0.5 MiB"),        # ZeRO-2's buckets, no dp mode
+])
+def test_a_sharded_run_is_labelled_by_what_averaged_its_gradients(kwargs, label):
+    assert labkit.Strategy(dp=2, **kwargs).label() == label
+
+
 def test_unknown_optimizer_is_refused_before_engines():
     spec = RunSpec(labkit.Strategy(dp=2, zero=1), odd_model, odd_data, batch=24, optimizer="lamb")
     with pytest.raises(ValueError, match="optimizer='lamb'"):

@@ -1,6 +1,6 @@
 """Pure tests of the zero-bubble schedules (ZB-H1, ZB-V): action lists and their simulation.
 
-Figures checked, for equal F, I and W costs T (Qi et al. 2023, "Zero Bubble Pipeline
+Figures checked, for equal F, I and W costs T (Qi et al., ICLR 2024, "Zero Bubble Pipeline
 Parallelism", arXiv 2401.10241; and the authors' summary table, huggingface.co/spaces/sail/
 pipeline-parallelism-with-controllable-memory, description2.md: bubble rate 1F1B (p-1)/m,
 ZB1P (p-1)/3m, ZBV 0; activation memory 1x for all three):

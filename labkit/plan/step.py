@@ -14,7 +14,7 @@ the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBan
 * pp: b·s·h/t to the neighbour, all-gathered over tp (Megatron's scatter/gather, §4.1).
 * ep: 2 all-to-alls of 2·b·s·k·h (bf16 rows, top_k of each token) a MoE layer in forward and
   2 in backward, on the ep·pp·cp·tp consecutive GPUs; ``ep_overlap`` exposes only what the
-  routed experts' GEMMs of the same pass do not hide (DeepSeek-V3, §3.2.2).
+  routed experts' GEMMs of the same pass do not hide (DeepSeek-V3's prefilling, arXiv 2412.19437).
 * cp: K and V of the whole sequence (S = 2·b·s·kv width, bf16) on the cp·tp group's link.
   ``"allgather"``: one exposed all-gather in forward, one and a reduce-scatter of the
   gradients in backward (Llama 3, §3.3.2: "the all-gather communication latency is exposed on
@@ -31,7 +31,7 @@ Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe 
 Σ_r w_r + (m−1)·max_r w_r; interleaved with v chunks (m + (p−1)/v)·max_r w_r (bubble
 (p−1)/(v·m+p−1), Narayanan et al. 2021 §2.2). zb-h1 splits backward into I (the input
 gradient: everything but W) and W (the weight-gradient GEMMs, 24·b·s·h²/t a layer, and the
-logits' half), and fills 1F1B's bubble with W: 2·(p−1)·W less (Qi et al. 2023, arXiv
+logits' half), and fills 1F1B's bubble with W: 2·(p−1)·W less (Qi et al., ICLR 2024, arXiv
 2401.10241, §3.1: a bubble of (p−1)(F+I−W) against (p−1)(F+I+W)). Then the exposed dp
 traffic and the optimizer step at HBM bandwidth.
 

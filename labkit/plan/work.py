@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from ..training import build_model, resolve_data, resolve_loss
+from ..training import build_model, call_model, resolve_data, resolve_loss
 from .machine import VIEWS
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -217,6 +217,10 @@ def _ops(fn) -> list:
     return counter.sink
 
 
+def _rows(x, fn):
+    return {k: fn(v) for k, v in x.items()} if isinstance(x, dict) else fn(x)
+
+
 def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None,
           cp: int = 1, ep: int = 1) -> ModelWork:
     """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
@@ -231,9 +235,9 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
         raise ValueError(f"count: {type(net).__name__} has no blocks (an nn.Sequential's children or an "
                          "nn.ModuleList of layers); the planner prices a model block by block")
     x, y = resolve_data(data, net, batch, 0)(0)
-    x, y = x[:batch], y[:batch]
+    x, y = _rows(x, lambda v: v[:batch]), y[:batch]      # a dict of inputs: each of its tensors
     if cp > 1:                       # a cp rank's share of the tokens (cp splits the sequence)
-        x, y = x[:, :x.shape[1] // cp], y[:, :y.shape[1] // cp]
+        x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
     rec = _Recording(net, found, marked=cp > 1 or ep > 1)
     for name, moe in (moe_layers(net) if ep > 1 else []):
         moe._routed = rec.marks.routed(name, moe)
@@ -305,7 +309,7 @@ class _Recording:
             if cp > 1:                          # attention goes through the stand-in
                 context.activate(self.marks)
             try:
-                value = lossfn(net(x), y)
+                value = lossfn(call_model(net, x), y)   # a dict as keyword tensors, as lab.run
                 c.sink = self.sink("post", "bwd")
                 with warnings.catch_warnings():     # block 0's input needs no gradient: torch says so, and it is fine
                     warnings.simplefilter("ignore", UserWarning)

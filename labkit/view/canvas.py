@@ -8,6 +8,7 @@ newest timeline is drawn.
 from __future__ import annotations
 
 import io
+import textwrap
 import threading
 
 import ipywidgets as W
@@ -102,6 +103,18 @@ class WidgetFigure:
                         tuple(ax.get_title(loc).count("\n") + bool(ax.get_title(loc))
                               for loc in ("left", "center", "right"))))
         return tuple(key)
+
+
+def fit_title(fig, text: str, fontsize="medium") -> str:
+    """``text`` broken into lines that fit ``fig``'s width: a centred title wider than its
+    figure is cut off on both sides (a run's label and the step's time make a long one). An
+    average character of matplotlib's sans-serif is taken as 0.6 of the font size."""
+    from matplotlib.font_manager import FontProperties
+
+    points = FontProperties(size=fontsize).get_size_in_points()
+    per_line = max(20, int(0.95 * fig.get_figwidth() * 72 / (0.6 * points)))
+    return "\n".join(part for line in text.split("\n")
+                     for part in textwrap.wrap(line, per_line, break_on_hyphens=False) or [""])
 
 
 class Painter:

@@ -61,6 +61,32 @@ def check_offered(name: str, value, control) -> None:
         raise ValueError(f"dash.set({name}={value!r}): the {name} control goes from {low:g} to {high:g}")
 
 
+def model_limits(built, world_size: int, chunks_max: int = 4) -> dict[str, str]:
+    """{axis: why} for what the dashboard cannot run on ``built`` (a model, read for its
+    structure only), each a sentence the panel shows beside that axis's controls; its keys:
+    "tp" (no tensor plan, and the dashboard cannot pass ``tp_plan=``), "interleaved" (no
+    pp·chunks of this lab splits the blocks into equal stages, and ``split_at`` has no
+    control), "bucket" (a hint: below the largest gradient, every bucket holds one tensor)."""
+    from ..parallel.blocks import find_blocks
+    from ..parallel.tensor.plan import resolve_plan
+
+    limits = {}
+    try:
+        resolve_plan(built)
+    except ValueError:
+        limits["tp"] = "tp > 1: this model has no tp_plan (lab.run(..., tp_plan=...) takes one; the gpt choice has one)"
+    blocks = len(find_blocks(built))
+    splits = [pp * c for pp in range(2, world_size + 1) if world_size % pp == 0 for c in range(2, chunks_max + 1)]
+    if not any(blocks % n == 0 for n in splits):
+        limits["interleaved"] = (f"interleaved: not offered: this model's {blocks} blocks split into no "
+                                 "pp·chunks equal stages here (lab.run takes split_at=...)")
+    largest = max((p.numel() * p.element_size() for p in built.parameters()), default=0)
+    if largest:
+        limits["bucket"] = (f"largest gradient {largest / 2**20:.3g} MiB: below it, buckets mostly hold one "
+                            "tensor each, and smaller sizes change little")
+    return limits
+
+
 def model_choices(model, data, loss, batch: int) -> dict:
     """{label: (model, data, loss)} for the dashboard's model control: the model given (if any,
     or "mlp" / "gpt" by name), the MLP on synthetic data, and a small GPT on text."""

@@ -1,7 +1,7 @@
 """Expert parallelism by hand: dispatch, local experts, combine; and the experts' own sync.
 
 One MoE layer on one rank of an ep group of ``ep`` ranks, holding experts
-``[i·E/ep, (i+1)·E/ep)`` (GShard, Lepikhin et al. 2020, §2.2; DeepSeek-V3 §3.2):
+``[i·E/ep, (i+1)·E/ep)`` (GShard, Lepikhin et al. 2020, §2.2; DeepSeek-V3, arXiv 2412.19437, §3.2.2):
 
 1. the router runs on this rank's tokens (the layer's own ``forward``); each (token, choice)
    pair is one row to send, sorted by expert, so rows bound for one rank are contiguous and,
@@ -18,12 +18,12 @@ both exchanges appear on the timeline forward and backward. Nothing is dropped (
 factor): the result is the single-process layer's, up to float32 summation order.
 
 With ``Strategy(ep_overlap="microbatch")`` the layer's tokens are cut into two micro-batches
-that take turns (DeepSeek-V3 §3.2.2, its two-micro-batch overlap; Megatron-Core's "EP A2A
-overlap"): micro-batch B's dispatch is in flight while A's experts compute, and A's combine
-while B's experts compute; a shared expert, which needs no exchange, runs while both
-dispatches travel. The exchanges are issued async (:class:`_Start` / :class:`_Wait`),
-and their backward is the same pattern reversed: autograd runs the later micro-batch's nodes
-first, so one micro-batch's gradient all-to-all travels under the other's expert backward.
+that take turns (DeepSeek-V3's prefilling, arXiv 2412.19437: two micro-batches of similar
+work; Megatron-Core's "EP A2A overlap"): micro-batch B's dispatch is in flight while A's
+experts compute, and A's combine while B's experts compute; a shared expert, which needs no
+exchange, runs while both dispatches travel. The exchanges are issued async
+(:class:`_Start` / :class:`_Wait`), and their backward is the same pattern reversed: autograd
+runs the later micro-batch's nodes first, so one micro-batch's gradient all-to-all travels under the other's expert backward.
 
 Gradients: a rank's expert gradient sums what every sender of its ep group contributed, so
 summing it over the dp/ep ranks that hold the same experts and dividing by dp gives the
@@ -167,7 +167,7 @@ class Routing:
             send, recv = mine[:, m].sum(1).tolist(), counts[:, m].sum(1).tolist()
             arrived, box = _start(xs.index_select(0, token), send, recv, self.ep_group, f"{name} dispatch mb{m}")
             plans.append((send, recv, arrived, box))
-        # the shared expert needs no exchange: it runs while both dispatches travel (DeepSeek-V3 §3.2.2)
+        # the shared expert needs no exchange: it runs while both dispatches travel
         shared = self.shared(whole) if self.shared is not None else None
         combined = []
         for m, (send, recv, arrived, box) in enumerate(plans):

@@ -255,7 +255,7 @@ def ideal_bubble(schedule: str, stages: int, microbatches: int, chunks: int = 1)
 
     GPipe and 1F1B: (p-1)/(m+p-1) (GPipe, arXiv 1811.06965; 1F1B saves memory, not bubble).
     Interleaved with v chunks per rank: (p-1)/(v*m+p-1) (Megatron-LM, arXiv 2104.04473).
-    The zero-bubble schedules, with equal F, I and W costs T (Qi et al. 2023, arXiv
+    The zero-bubble schedules, with equal F, I and W costs T (Qi et al., ICLR 2024, arXiv
     2401.10241), are simulated, since their bubble depends on m's range:
     ZB-H1 for m >= p: each rank idles (p-1)(T_F + T_B - T_W) = (p-1)T against 3mT of work
     (paper §2.1, Figure 3), so (p-1)/(3m+p-1). ZB-V for m >= 2p-1: no rank idles between its

@@ -1,6 +1,6 @@
 """A stage's backward split in two: ``I`` (input gradient, now) and ``W`` (weight gradients, later).
 
-Zero-bubble schedules (Qi et al. 2023, arXiv 2401.10241, §2) need the gradient w.r.t. a
+Zero-bubble schedules (Qi et al., ICLR 2024, arXiv 2401.10241, §2) need the gradient w.r.t. a
 stage's input at once, since the upstream stage waits for it, while the weight gradients can
 wait to fill an idle slot. Both come from one autograd graph, so the split is:
 

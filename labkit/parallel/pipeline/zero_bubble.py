@@ -1,4 +1,4 @@
-"""Zero-bubble compute orders: ZB-H1 and ZB-V (Qi et al. 2023, "Zero Bubble Pipeline
+"""Zero-bubble compute orders: ZB-H1 and ZB-V (Qi et al., ICLR 2024, "Zero Bubble Pipeline
 Parallelism", arXiv 2401.10241).
 
 Each backward splits in two: ``I``, the gradient w.r.t. the stage input, which the upstream

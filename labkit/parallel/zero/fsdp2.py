@@ -16,13 +16,23 @@ timed, flight-logged and bounded by the lab's timeout like every labkit call. On
 issues its all-gathers synchronously (there are no streams to overlap on), so its prefetch
 changes the order of gathers but hides less than the hand-built one, whose gathers are
 asynchronous gloo work.
+
+FSDP2 reduce-scatters only the gradients backward produced on each rank, so a parameter that
+some replicas reach and others do not (a route taken by one replica's rows) gives the ranks
+reduce-scatters of different sizes, and gloo aborts the process. Before each reduce-scatter the
+ranks compare its size (a few bytes, kept off the timeline, as the executor's bookkeeping); a
+difference raises :class:`~labkit.errors.CommMismatch` on every rank, naming the rank, the
+step, the unit and the fix, and the engines stay alive.
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from ... import comm
+from ...errors import CommMismatch
 from ..blocks import find_blocks
 from ..data.sync import GradSync
 
@@ -36,11 +46,45 @@ class LabkitAllGather(DefaultAllGather):
 
 
 class LabkitReduceScatter(DefaultReduceScatter):
-    """FSDP2's reduce-scatter, issued through labkit.comm (torch's op: it divides around it)."""
+    """FSDP2's reduce-scatter, issued through labkit.comm (torch's op: it divides around it),
+    once every rank has the same size to send (:func:`same_size_everywhere`)."""
+
+    def __init__(self, unit: str = "root"):
+        self.unit = unit               # which fully_shard unit: "block layers.0", "root (a, b)"
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        same_size_everywhere(input_tensor.numel(), group, self.unit)
         comm.reduce_scatter(output_tensor, input_tensor, group, name="fsdp2 reduce-scatter", op=op)
         return None
+
+
+def same_size_everywhere(numel: int, group, unit: str) -> None:
+    """Raise CommMismatch on every rank unless every rank of ``group`` reduce-scatters
+    ``numel`` elements: gloo would abort the process on a size that differs."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([numel]), group=group)
+    sizes = [int(t) for t in sizes]
+    if len(set(sizes)) == 1:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    short = [r for r, n in zip(ranks, sizes) if n < max(sizes)]
+    ctx = comm.context()
+    raise CommMismatch(
+        f"rank {ctx.rank}, step {ctx.recorder.step}: reduce_scatter 'fsdp2 reduce-scatter' of {unit}: the ranks "
+        f"would send {dict(zip(ranks, sizes))} gradient elements. torch's fully_shard reduce-scatters only the "
+        f"gradients backward produced on each rank, and rank(s) {short} got none this step for some of these "
+        "parameters while another rank did (a parameter only some replicas' rows reach); gloo would abort "
+        "the process. Use zero_mode='labkit' (it sends a zero for a gradient a replica lacks, "
+        "and skips a parameter no replica reached, as one process does), or make every replica reach "
+        "the same parameters each step")
+
+
+def _root_unit(model: nn.Module, blocks: list) -> str:
+    """The root unit in words: the parameters no block holds (an embedding, a head)."""
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    names = [n for n, p in model.named_parameters() if id(p) not in inside]
+    shown = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
+    return f"the root unit ({shown})" if names else "the root unit"
 
 
 class FSDP2Sync(GradSync):
@@ -70,9 +114,10 @@ class FSDP2Sync(GradSync):
         for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard)
-        for module in blocks + [model]:
+        units = [(b, f"block {n}") for n, b in named if b in blocks] + [(model, _root_unit(model, blocks))]
+        for module, unit in units:
             module.set_custom_all_gather(LabkitAllGather())
-            module.set_custom_reduce_scatter(LabkitReduceScatter())
+            module.set_custom_reduce_scatter(LabkitReduceScatter(unit))
         k = self.prefetch
         for i, block in enumerate(blocks):
             if k:
