@@ -1,8 +1,10 @@
 """The rank grid: which ranks form the data-, pipeline-, context- and tensor-parallel groups.
 
-Ranks are laid out as ``arange(world).view(dp, pp, cp, tp)`` (tp innermost, then cp, as
-Megatron does, so tensor-parallel peers are neighbours on one node and a ring of context-
-parallel ranks stays close; with cp = 1 it is the ``view(dp, pp, tp)`` of before). This module
+Ranks are laid out as ``arange(world).view(dp, pp, cp, tp)``: tp varies fastest, then cp, then
+pp, then dp (tensor-parallel peers are neighbours on one node, as Megatron places them, and a
+ring of context-parallel ranks stays close; Megatron and torchtitan put pp outermost, dp
+inside it, where labkit keeps dp outermost: a pipeline's stages are consecutive ranks).
+With engines filling nodes in rank order, the axes that vary fastest stay inside a node. This module
 is the one place that turns a rank into its coordinates and back. It imports no torch and
 nothing of labkit, so the engine (:mod:`labkit.engine.grid` builds torch process groups from
 a :class:`ParallelDims`), the timeline and its views (:class:`Grid`) and the planner
@@ -128,21 +130,37 @@ class ParallelDims:
         cp = 1, the dp groups)."""
         return self._groups("dc")
 
+    def dp_runs(self, size: int) -> list[list[int]]:
+        """Runs of ``size`` consecutive ranks of each dp group (``size`` divides dp): the ep
+        groups, and zero's shard groups under HSDP (``Strategy.dp_shard``)."""
+        self._check_divides_dp(size)
+        return [ranks[i:i + size] for ranks in self.dp_groups() for i in range(0, self.dp, size)]
+
+    def dp_strides(self, size: int) -> list[list[int]]:
+        """The dp ranks at the same place in each run of :meth:`dp_runs`: the replicas of one
+        run's piece (expert-dp groups; HSDP's replicate groups)."""
+        self._check_divides_dp(size)
+        return [ranks[i::size] for ranks in self.dp_groups() for i in range(size)]
+
     def ep_groups(self, ep: int) -> list[list[int]]:
         """Runs of ``ep`` consecutive ranks of each dp group: one MoE layer's experts are spread
         over a run, and its all-to-alls stay inside it."""
         self._check_ep(ep)
-        return [ranks[i:i + ep] for ranks in self.dp_groups() for i in range(0, self.dp, ep)]
+        return self.dp_runs(ep)
 
     def expert_dp_groups(self, ep: int) -> list[list[int]]:
         """The dp ranks holding the same experts (the same place in each ep run): dp/ep replicas
         that average those experts' gradients."""
         self._check_ep(ep)
-        return [ranks[i::ep] for ranks in self.dp_groups() for i in range(ep)]
+        return self.dp_strides(ep)
 
     def _check_ep(self, ep: int) -> None:
         if ep < 1 or self.dp % ep:
             raise ValueError(f"ep={ep} must divide dp={self.dp}")
+
+    def _check_divides_dp(self, size: int) -> None:
+        if size < 1 or self.dp % size:
+            raise ValueError(f"a run of {size} dp ranks must divide dp={self.dp}")
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last rank of each pipeline (Megatron's embedding group): with a tied
@@ -166,7 +184,7 @@ class Grid(ParallelDims):
         """The grid of anything with dp, pp and tp (and maybe cp, ep): a Strategy, a ParallelDims."""
         if grid is None:
             return None
-        return cls(grid.dp, grid.pp, grid.tp, getattr(grid, "cp", 1), getattr(grid, "ep", 1))
+        return cls(dp=grid.dp, pp=grid.pp, tp=grid.tp, cp=getattr(grid, "cp", 1), ep=getattr(grid, "ep", 1))
 
     def place(self, rank: int) -> dict[str, int]:
         """Every axis's index of ``rank``: {"dp", "pp", "tp"} and, where the grid has them, "cp"

@@ -26,6 +26,7 @@ import psutil
 
 from .. import engine
 from ..config import Strategy
+from ..grid import ParallelDims
 from ..errors import ControllerDiedError, EngineDiedError, EngineNotAnsweringError, LabError
 from ..link import Link
 from ..parallel.build import RunSpec
@@ -513,18 +514,21 @@ class Lab:
         self._say(f"labkit: local cluster restarted ({time.monotonic() - t0:.0f} s)")
         return self
 
-    def ensure_groups(self, dp: int, pp: int, tp: int, cp: int = 1) -> list[bool]:
-        """The engines' process groups for these degrees; a change of degrees starts on a fresh
-        store. Returns, per rank, whether its groups were built anew.
+    def ensure_groups(self, grid, *degrees: int) -> list[bool]:
+        """The engines' process groups for ``grid``: a :class:`~labkit.grid.ParallelDims`, a
+        Strategy (its grid), or the degrees ``dp, pp, tp, cp``. A change of grid starts on a
+        fresh store. Returns, per rank, whether its groups were built anew.
 
         Re-initialising costs well under a second and drops every old group and its sockets,
         so any number of changes in a row starts from the same clean state.
         """
+        dims = grid if isinstance(grid, ParallelDims) else grid.grid() if hasattr(grid, "grid") \
+            else ParallelDims(grid, *degrees)
         self._ready("ensure_groups")        # after a failure: free blocked ranks, fresh store
-        if self._groups_key is not None and self._groups_key != (dp, pp, tp, cp):
+        if self._groups_key is not None and self._groups_key != dims:
             self._init_distributed()
-        rebuilt = self.apply(engine.ensure_groups, dp, pp, tp, cp)
-        self._groups_key = (dp, pp, tp, cp)
+        rebuilt = self.apply(engine.ensure_groups, dims)
+        self._groups_key = dims
         return rebuilt
 
     # -- training ---------------------------------------------------------------------------
