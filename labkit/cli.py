@@ -43,7 +43,7 @@ def _add_flag(p, f) -> None:
     elif f.type.startswith("tuple"):
         p.add_argument(flag, type=int, nargs="*", default=f.default, metavar="BLOCK", help=help_text)
     else:
-        kind = {"int": int, "float": float, "str": str}[f.type]
+        kind = {"int": int, "float": float, "str": str}[f.type.removesuffix(" | None")]   # None: the default
         p.add_argument(flag, type=kind, choices=m["choices"], default=f.default, help=help_text)
 
 

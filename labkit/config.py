@@ -106,6 +106,10 @@ class Strategy:
                              label="{}", show="changed")
     prefetch: int = setting(0, "zero=3: blocks whose all-gather is issued ahead (the forward overlap).",
                             axis="zero", control=("int", 0, 2), label="prefetch={}", show="changed")
+    dp_shard: int | None = setting(None, "HSDP: ZeRO shards inside runs of dp_shard consecutive dp ranks, the runs "
+                                         "replicas whose gradients are all-reduced (FSDP's HYBRID_SHARD); None: "
+                                         "shard over the whole dp group.", axis="zero",
+                                   label="dp_shard={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,
                             control="choice", label="{}")
     microbatches: int = setting(1, "Micro-batches per step; each rank's share of the batch is split into this many.",
