@@ -43,8 +43,17 @@ def _add_flag(p, f) -> None:
     elif f.type.startswith("tuple"):
         p.add_argument(flag, type=int, nargs="*", default=f.default, metavar="BLOCK", help=help_text)
     else:
-        kind = {"int": int, "float": float, "str": str}[f.type.removesuffix(" | None")]   # None: the default
+        kind = {"int": int, "float": float, "str": str}[f.type.removesuffix(" | None")]
+        if f.type.endswith(" | None"):          # --dp-shard none: the field's None
+            kind = _or_none(kind)
         p.add_argument(flag, type=kind, choices=m["choices"], default=f.default, help=help_text)
+
+
+def _or_none(kind):
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+    parse.__name__ = kind.__name__         # argparse names the type in its error
+    return parse
 
 
 def strategy_from_args(args) -> Strategy:
