@@ -146,3 +146,12 @@ def test_hsdp_with_tp_and_pp_equals_one_process():
     lab8 = lab_with(8)
     run(lab8, dp=4, tp=2, zero=3, dp_shard=2)
     run(lab8, dp=4, pp=2, zero=1, dp_shard=2, microbatches=2)
+
+
+def test_hsdp_saves_and_resumes_exactly(lab4, tmp_path):
+    """A checkpoint from HSDP's ZeRO-3 resumed under HSDP's ZeRO-1: one step each, two in all."""
+    common = dict(model=model, data=data, batch=24, lr=0.01, seed=3, optimizer="adamw")
+    lab4.run(labkit.Strategy(dp=4, zero=3, dp_shard=2), steps=1, checkpoint=tmp_path, **common)
+    resumed = lab4.run(labkit.Strategy(dp=4, zero=1, dp_shard=2), steps=1, resume=tmp_path, **common)
+    assert resumed.first_step == 1
+    assert resumed.max_diff(reference()) <= 1e-5
