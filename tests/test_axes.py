@@ -100,20 +100,27 @@ def data(step):
     return torch.randn(24, 13, generator=g), torch.randn(24, 5, generator=g)
 
 
-_ref = []
+def tp_model():
+    """The same shape with a width tp = 2 splits (38), and its Megatron plan (column then row)."""
+    net = nn.Sequential(nn.Linear(13, 38), nn.Tanh(), nn.Linear(38, 29), nn.ReLU(), nn.Linear(29, 5))
+    net.tp_plan = {"0": "colwise", "2": "rowwise"}
+    return net
 
 
-def reference():
-    if not _ref:
-        _ref.append(labkit.reference(model, data=data, batch=24, steps=STEPS, lr=0.01, seed=3, optimizer="adamw"))
-    return _ref[0]
+_refs = {}
 
 
-def run(lab, **strategy):
+def reference(net=model):
+    if net not in _refs:
+        _refs[net] = labkit.reference(net, data=data, batch=24, steps=STEPS, lr=0.01, seed=3, optimizer="adamw")
+    return _refs[net]
+
+
+def run(lab, net=model, **strategy):
     s = labkit.Strategy(bucket_mb=0.002, **strategy)
-    result = lab.run(s, model=model, data=data, batch=24, steps=STEPS, lr=0.01, seed=3, optimizer="adamw")
-    assert result.max_diff(reference()) <= 1e-5
-    assert result.losses == pytest.approx(reference().losses, abs=1e-5)
+    result = lab.run(s, model=net, data=data, batch=24, steps=STEPS, lr=0.01, seed=3, optimizer="adamw")
+    assert result.max_diff(reference(net)) <= 1e-5
+    assert result.losses == pytest.approx(reference(net).losses, abs=1e-5)
     return result
 
 
@@ -144,7 +151,8 @@ def test_hsdp_zero1_and_zero2_equal_one_process(lab4):
 def test_hsdp_with_tp_and_pp_equals_one_process():
     from conftest import lab_with
     lab8 = lab_with(8)
-    run(lab8, dp=4, tp=2, zero=3, dp_shard=2)
+    run(lab8, tp_model, dp=4, tp=2, zero=3, dp_shard=2)
+    run(lab8, tp_model, dp=4, tp=2, zero=2, dp_shard=2, zero_mode="fsdp2")
     run(lab8, dp=4, pp=2, zero=1, dp_shard=2, microbatches=2)
 
 
