@@ -21,18 +21,21 @@ def add_strategy_flags(p: argparse.ArgumentParser) -> None:
     """One flag per Strategy field, from its metadata (``--dp-mode``, ``--error-feedback``, …),
     in one help section per axis of the registry (its degree first), then how stages compute."""
     for name, group_fields in strategy_sections():
-        group = p.add_argument_group(f"{name} axis" if name != "compute" else "compute")
+        group = p.add_argument_group(f"{name} axis" if name not in ("compute", "grid") else name)
         for f in group_fields:
             _add_flag(group, f)
 
 
 def strategy_sections() -> list[tuple[str, list]]:
-    """(axis name, its Strategy fields) for every axis of the registry, then "compute"."""
+    """(axis name, its Strategy fields) for every axis of the registry, then "compute", then
+    "grid" (where the axes' ranks sit: ``order``)."""
     from .parallel.axes import AXES
 
     every = strategy_fields()
     names = [a.NAME for a in AXES] + ["compute"]
-    return [(name, [f for f in every if f.name == name or f.metadata["axis"] == name]) for name in names]
+    sections = [(name, [f for f in every if f.name == name or f.metadata["axis"] == name]) for name in names]
+    placed = {f.name for _, fs in sections for f in fs}
+    return sections + [("grid", [f for f in every if f.name not in placed])]
 
 
 def _add_flag(p, f) -> None:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from .parallel import context as _context
 from .parallel import expert as _expert
 from .parallel import zero as _zero
+from .grid import ORDER, check_order
 from .parallel.axes import AXES, grid_of
 from .parallel.axes import check_strategy as _check_axes
 from .parallel.data import COMPRESSIONS, DP_MODES
@@ -74,6 +75,9 @@ class Strategy:
                       axis="degrees", control="degree", label="pp={}")
     tp: int = setting(1, "Tensor-parallel degree: each layer's matrices split over tp ranks (Megatron-LM).",
                       axis="degrees", control="degree", label="tp={}")
+    order: str = setting(ORDER, "Rank order, the fastest-varying axis first: the default keeps tp (then cp) inside a "
+                                "node, as ranks fill nodes in order; 'dp,cp,pp,tp' puts tp across nodes on purpose "
+                                "(labkit.grid).", axis="degrees", label="order={}", show="changed")
     ep: int = setting(1, "Expert-parallel degree: each MoE layer's experts split over ep consecutive dp ranks, "
                          "tokens sent to them and back by all-to-all (DeepSeek-V3, Megatron-Core); divides dp "
                          "and takes no ranks of its own.", axis="degrees", label="ep={}")
@@ -155,6 +159,10 @@ class Strategy:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         for check in AXIS_CHECKS:
             check(self)
+        try:
+            check_order(self.order)
+        except ValueError as error:
+            raise ValueError(f"Strategy.{error}") from None
 
     @property
     def world_size(self) -> int:

@@ -29,7 +29,8 @@ STEPS = 2
 # -- the registry drives the rest ------------------------------------------------------------------
 def test_every_strategy_field_belongs_to_one_axis_or_to_compute():
     sections = strategy_sections()
-    assert [name for name, _ in sections] == [a.NAME for a in axes.AXES] + ["compute"]
+    assert [name for name, _ in sections] == [a.NAME for a in axes.AXES] + ["compute", "grid"]
+    assert [f.name for f in sections[-1][1]] == ["order"]
     placed = [f.name for _, fs in sections for f in fs]
     assert sorted(placed) == sorted(f.name for f in strategy_fields())      # each once
     for a in axes.AXES:
@@ -59,6 +60,21 @@ def test_groups_come_from_the_axes():
     kinds = dict(axes.grid_groups(ParallelDims(dp=2, cp=2)))
     assert kinds["cp"] == [[0, 1], [2, 3]] and kinds["dp_cp"] == [[0, 1, 2, 3]]
     assert labkit.Strategy(dp=2, tp=2, zero=1).grid() == ParallelDims(dp=2, tp=2)
+
+
+def test_order_puts_an_axis_where_asked():
+    """The default keeps tp fastest (neighbours on a node); 'dp,cp,pp,tp' makes it the slowest."""
+    default, across = ParallelDims(dp=2, tp=2, pp=2), ParallelDims(dp=2, tp=2, pp=2, order="dp,cp,pp,tp")
+    assert default.tp_groups()[0] == [0, 1] and across.tp_groups()[0] == [0, 4]
+    assert across.dp_groups()[0] == [0, 1] and across.pp_groups()[0] == [0, 2]
+    for dims in (default, across, ParallelDims(dp=2, cp=2, tp=2, order="pp,dp,tp,cp")):
+        seen = sorted(dims.rank_of(d, p, t, c) for d in range(dims.dp) for p in range(dims.pp)
+                      for t in range(dims.tp) for c in range(dims.cp))
+        assert seen == list(range(dims.world_size))                        # one rank per cell
+        assert all(dims.rank_of(*dims.coords(r), dims.cp_index(r)) == r for r in range(dims.world_size))
+    assert labkit.Strategy(dp=2, tp=2, order="dp,cp,pp,tp").grid() == ParallelDims(dp=2, tp=2, order="dp,cp,pp,tp")
+    with pytest.raises(ValueError, match=r"Strategy\.order='tp,dp'"):
+        labkit.Strategy(order="tp,dp")
 
 
 def test_hsdp_groups_are_runs_and_strides_of_dp():
@@ -135,6 +151,12 @@ def test_hsdp_equals_one_process_and_holds_half_the_model(lab4):
         assert max(held) <= 0.55 * whole, (zero_mode, held, whole)
     kinds = {e["kind"] for e in hsdp.timeline.events if e["stream"] == "comm"}
     assert {"allgather", "reduce_scatter"} <= kinds
+
+
+def test_tp_across_the_order_equals_one_process(lab4):
+    """tp the slowest axis (ranks 0 and 2 split a layer) computes what one process does."""
+    result = run(lab4, tp_model, dp=2, tp=2, order="dp,cp,pp,tp")
+    assert result.timeline.grid.tp_groups() == [[0, 2], [1, 3]]
 
 
 def test_hsdp_zero1_and_zero2_equal_one_process(lab4):

@@ -13,7 +13,7 @@ one group per axis). Adding an axis is its package, its line here, its tests and
 >>> [axis.NAME for axis in AXES]
 ['tp', 'cp', 'pp', 'dp', 'zero', 'ep']
 >>> grid_of(type("S", (), dict(dp=2, pp=1, cp=1, tp=2))())
-ParallelDims(dp=2, pp=1, tp=2, cp=1)
+ParallelDims(dp=2, pp=1, tp=2, cp=1, order='tp,cp,pp,dp')
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def axis(name: str):
 
 def grid_of(s) -> ParallelDims:
     """The rank grid a strategy needs: the degree of every axis that takes ranks of its own."""
-    return ParallelDims(**{a.NAME: getattr(s, a.NAME) for a in AXES if a.TAKES_RANKS})
+    degrees = {a.NAME: getattr(s, a.NAME) for a in AXES if a.TAKES_RANKS}
+    return ParallelDims(**degrees, order=getattr(s, "order", ParallelDims.order))
 
 
 def grid_groups(dims: ParallelDims) -> list[tuple[str, list[list[int]]]]:
