@@ -18,17 +18,45 @@ from .config import Strategy, strategy_fields
 
 
 def add_strategy_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per Strategy field, from its metadata (``--dp-mode``, ``--error-feedback``, …)."""
-    for f in strategy_fields():
-        flag, m = "--" + f.name.replace("_", "-"), f.metadata
-        help_text = m["doc"] + (f" (default {f.default!r})" if f.default != () else "")
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.type.startswith("tuple"):
-            p.add_argument(flag, type=int, nargs="*", default=f.default, metavar="BLOCK", help=help_text)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type]
-            p.add_argument(flag, type=kind, choices=m["choices"], default=f.default, help=help_text)
+    """One flag per Strategy field, from its metadata (``--dp-mode``, ``--error-feedback``, …),
+    in one help section per axis of the registry (its degree first), then how stages compute."""
+    for name, group_fields in strategy_sections():
+        group = p.add_argument_group(f"{name} axis" if name not in ("compute", "grid") else name)
+        for f in group_fields:
+            _add_flag(group, f)
+
+
+def strategy_sections() -> list[tuple[str, list]]:
+    """(axis name, its Strategy fields) for every axis of the registry, then "compute", then
+    "grid" (where the axes' ranks sit: ``order``)."""
+    from .parallel.axes import AXES
+
+    every = strategy_fields()
+    names = [a.NAME for a in AXES] + ["compute"]
+    sections = [(name, [f for f in every if f.name == name or f.metadata["axis"] == name]) for name in names]
+    placed = {f.name for _, fs in sections for f in fs}
+    return sections + [("grid", [f for f in every if f.name not in placed])]
+
+
+def _add_flag(p, f) -> None:
+    flag, m = "--" + f.name.replace("_", "-"), f.metadata
+    help_text = m["doc"] + (f" (default {f.default!r})" if f.default != () else "")
+    if f.type == "bool":
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+    elif f.type.startswith("tuple"):
+        p.add_argument(flag, type=int, nargs="*", default=f.default, metavar="BLOCK", help=help_text)
+    else:
+        kind = {"int": int, "float": float, "str": str}[f.type.removesuffix(" | None")]
+        if f.type.endswith(" | None"):          # --dp-shard none: the field's None
+            kind = _or_none(kind)
+        p.add_argument(flag, type=kind, choices=m["choices"], default=f.default, help=help_text)
+
+
+def _or_none(kind):
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+    parse.__name__ = kind.__name__         # argparse names the type in its error
+    return parse
 
 
 def strategy_from_args(args) -> Strategy:

@@ -8,11 +8,9 @@ Each field is declared once, with :func:`setting`: its docstring, its axis, its 
 how a control or a run label shows it. The CLI's flags (:func:`labkit.cli`), the dashboard's
 controls and run labels (:meth:`Strategy.label`) are derived from that metadata, so a new
 field is one declaration here. Each axis checks its own fields in its own package
-(``labkit.parallel.data.check_strategy``, ``labkit.parallel.pipeline.check_strategy``,
-``labkit.parallel.tensor.axis.check_strategy``, ``labkit.parallel.zero.check_strategy``,
-``labkit.parallel.expert.check_strategy``, ``labkit.parallel.context.check_strategy``,
-``labkit.parallel.check_compute``);
-``Strategy.__post_init__`` calls them in turn (torchtitan: "configs live near their owner").
+(``labkit/parallel/<axis>/axis.py``); ``Strategy.__post_init__`` calls every axis of the
+registry (:data:`labkit.parallel.axes.AXES`) in turn, then the compute rule
+(``labkit.parallel.check_compute``) (torchtitan: "configs live near their owner").
 
 >>> Strategy(dp=2, dp_mode="bucketed", bucket_mb=0.5).world_size
 2
@@ -24,15 +22,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from .parallel import context as _context
-from .parallel import data as _data
 from .parallel import expert as _expert
-from .parallel import pipeline as _pipeline
 from .parallel import zero as _zero
+from .grid import ORDER, check_order
+from .parallel.axes import AXES, grid_of
+from .parallel.axes import check_strategy as _check_axes
 from .parallel.data import COMPRESSIONS, DP_MODES
 from .parallel.pipeline.schedules import SCHEDULES
 from .parallel import PRECISIONS, RECOMPUTE_MODES, check_compute
 from .parallel.tensor.axis import TP_MODES
-from .parallel.tensor.axis import check_strategy as _check_tensor
 
 __all__ = ["Strategy", "setting", "strategy_fields", "SCHEDULES", "DP_MODES", "COMPRESSIONS", "TP_MODES"]
 
@@ -63,9 +61,8 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"Strategy.{name}={value!r} must be a whole number ≥ 1")
 
 
-# Each axis's own rule, called in this order by Strategy.__post_init__.
-AXIS_CHECKS = (_pipeline.check_strategy, _data.check_strategy, _check_tensor, _zero.check_strategy,
-               _expert.check_strategy, _context.check_strategy, check_compute)
+# Each axis's own rule in registry order, then how every stage computes: Strategy.__post_init__.
+AXIS_CHECKS = (_check_axes, check_compute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +75,9 @@ class Strategy:
                       axis="degrees", control="degree", label="pp={}")
     tp: int = setting(1, "Tensor-parallel degree: each layer's matrices split over tp ranks (Megatron-LM).",
                       axis="degrees", control="degree", label="tp={}")
+    order: str = setting(ORDER, "Rank order, the fastest-varying axis first: the default keeps tp (then cp) inside a "
+                                "node, as ranks fill nodes in order; 'dp,cp,pp,tp' puts tp across nodes on purpose "
+                                "(labkit.grid).", axis="degrees", label="order={}", show="changed")
     ep: int = setting(1, "Expert-parallel degree: each MoE layer's experts split over ep consecutive dp ranks, "
                          "tokens sent to them and back by all-to-all (DeepSeek-V3, Megatron-Core); divides dp "
                          "and takes no ranks of its own.", axis="degrees", label="ep={}")
@@ -110,6 +110,10 @@ class Strategy:
                              label="{}", show="changed")
     prefetch: int = setting(0, "zero=3: blocks whose all-gather is issued ahead (the forward overlap).",
                             axis="zero", control=("int", 0, 2), label="prefetch={}", show="changed")
+    dp_shard: int | None = setting(None, "HSDP: ZeRO shards inside runs of dp_shard consecutive dp ranks, the runs "
+                                         "replicas whose gradients are all-reduced (FSDP's HYBRID_SHARD); None: "
+                                         "shard over the whole dp group.", axis="zero",
+                                   label="dp_shard={}", show="changed")
     schedule: str = setting("1f1b", "Pipeline schedule, used when pp > 1.", axis="pp", choices=SCHEDULES,
                             control="choice", label="{}")
     microbatches: int = setting(1, "Micro-batches per step; each rank's share of the batch is split into this many.",
@@ -155,16 +159,27 @@ class Strategy:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         for check in AXIS_CHECKS:
             check(self)
+        try:
+            check_order(self.order)
+        except ValueError as error:
+            raise ValueError(f"Strategy.{error}") from None
 
     @property
     def world_size(self) -> int:
-        """Ranks this strategy needs: dp * pp * cp * tp."""
-        return self.dp * self.pp * self.cp * self.tp
+        """Ranks this strategy needs: the product of the degrees of the axes that take ranks of
+        their own (dp * pp * cp * tp; ep and zero live inside dp)."""
+        return self.grid().world_size
+
+    def grid(self):
+        """The rank grid this strategy lays out (:class:`labkit.grid.ParallelDims`)."""
+        return grid_of(self)
 
     def axis_on(self, axis: str) -> bool:
-        """Whether ``axis`` ("dp", "pp", "tp", "ep", "zero", "degrees") does anything here."""
-        return {"dp": self.dp > 1, "pp": self.pp > 1, "tp": self.tp > 1, "ep": self.ep > 1, "cp": self.cp > 1,
-                "zero": self.zero > 0}.get(axis, True)
+        """Whether ``axis`` (an axis of the registry: "dp", "pp", "tp", "cp", "ep", "zero"; or
+        "degrees", "compute") does anything here: a degree above 1, or zero > 0."""
+        if axis not in {a.NAME for a in AXES}:
+            return True
+        return getattr(self, axis) > (0 if axis == "zero" else 1)
 
     def label(self) -> str:
         """The settings that matter for these degrees, short: "dp=2 pp=2 1f1b mb=4 overlap 1 MiB"."""

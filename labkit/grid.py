@@ -1,8 +1,14 @@
 """The rank grid: which ranks form the data-, pipeline-, context- and tensor-parallel groups.
 
-Ranks are laid out as ``arange(world).view(dp, pp, cp, tp)`` (tp innermost, then cp, as
-Megatron does, so tensor-parallel peers are neighbours on one node and a ring of context-
-parallel ranks stays close; with cp = 1 it is the ``view(dp, pp, tp)`` of before). This module
+By default ranks are laid out as ``arange(world).view(dp, pp, cp, tp)``: tp varies fastest, then
+cp, then pp, then dp (tensor-parallel peers are neighbours on one node, as Megatron places them,
+and a ring of context-parallel ranks stays close; Megatron and torchtitan put pp outermost, dp
+inside it, where labkit keeps dp outermost: a pipeline's stages are consecutive ranks). With
+engines filling nodes in rank order, the axes that vary fastest stay inside a node.
+``order`` (``Strategy.order``) changes that on purpose: ``"dp,cp,pp,tp"`` makes dp the fastest
+and tp the slowest, so on two nodes the tp groups cross them (what that costs is the lesson).
+Every group lists its ranks by the axis's index (stage 0 first), which with any order is also
+their rank order along one axis. This module
 is the one place that turns a rank into its coordinates and back. It imports no torch and
 nothing of labkit, so the engine (:mod:`labkit.engine.grid` builds torch process groups from
 a :class:`ParallelDims`), the timeline and its views (:class:`Grid`) and the planner
@@ -23,11 +29,23 @@ average those experts' gradients).
 ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1, 2, 3]])
 >>> Grid(dp=2, pp=2, ep=2).place(3)
 {'dp': 1, 'pp': 1, 'tp': 0, 'ep': 1}
+>>> ParallelDims(dp=2, tp=2).tp_groups(), ParallelDims(dp=2, tp=2, order="dp,cp,pp,tp").tp_groups()
+([[0, 1], [2, 3]], [[0, 2], [1, 3]])
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+
+
+ORDER = "tp,cp,pp,dp"      # Megatron's tp innermost; labkit keeps dp outermost
+
+
+def check_order(order) -> None:
+    """Raise ValueError unless ``order`` names tp, cp, pp and dp once each, fastest first."""
+    if not isinstance(order, str) or sorted(order.split(",")) != sorted(ORDER.split(",")):
+        raise ValueError(f"order={order!r} must name tp, cp, pp and dp once each, separated by commas, the "
+                         f"fastest-varying first (the default {ORDER!r}; 'dp,cp,pp,tp' puts tp across nodes)")
 
 
 @dataclass(frozen=True)
@@ -39,10 +57,13 @@ class ParallelDims:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    order: str = ORDER
+    """The axes from the fastest-varying rank index to the slowest (``"tp,cp,pp,dp"``)."""
 
     def __post_init__(self):
         if min(self.dp, self.pp, self.tp, self.cp) < 1:
             raise ValueError(f"degrees must be ≥ 1, got dp={self.dp} pp={self.pp} tp={self.tp} cp={self.cp}")
+        check_order(self.order)
 
     @property
     def world_size(self) -> int:
@@ -60,21 +81,30 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    def strides(self) -> dict[str, int]:
+        """How far apart two ranks are whose index differs by one along each axis: 1 for the
+        fastest axis of :attr:`order`, the product of the faster axes' degrees for the others."""
+        strides, stride = {}, 1
+        for axis in self.order.split(","):
+            strides[axis] = stride
+            stride *= getattr(self, axis)
+        return strides
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp index, pp stage, tp index) of ``rank``; its cp index is :meth:`cp_index`."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a grid of {self.world_size}")
-        dp_i, rest = divmod(rank, self.pp * self.cp * self.tp)
-        pp_i, rest = divmod(rest, self.cp * self.tp)
-        return dp_i, pp_i, rest % self.tp
+        step = self.strides()
+        return rank // step["dp"] % self.dp, rank // step["pp"] % self.pp, rank // step["tp"] % self.tp
 
     def cp_index(self, rank: int) -> int:
         """Which slice of every sequence ``rank`` holds (its place in its cp ring)."""
         self.coords(rank)
-        return rank // self.tp % self.cp
+        return rank // self.strides()["cp"] % self.cp
 
     def rank_of(self, dp: int, pp: int, tp: int = 0, cp: int = 0) -> int:
-        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+        step = self.strides()
+        return dp * step["dp"] + pp * step["pp"] + cp * step["cp"] + tp * step["tp"]
 
     def expert_replica_groups(self, ep: int) -> list[list[int]]:
         """Every rank holding the same experts: their dp replicas (:meth:`expert_dp_groups`)
@@ -128,21 +158,37 @@ class ParallelDims:
         cp = 1, the dp groups)."""
         return self._groups("dc")
 
+    def dp_runs(self, size: int) -> list[list[int]]:
+        """Runs of ``size`` consecutive ranks of each dp group (``size`` divides dp): the ep
+        groups, and zero's shard groups under HSDP (``Strategy.dp_shard``)."""
+        self._check_divides_dp(size)
+        return [ranks[i:i + size] for ranks in self.dp_groups() for i in range(0, self.dp, size)]
+
+    def dp_strides(self, size: int) -> list[list[int]]:
+        """The dp ranks at the same place in each run of :meth:`dp_runs`: the replicas of one
+        run's piece (expert-dp groups; HSDP's replicate groups)."""
+        self._check_divides_dp(size)
+        return [ranks[i::size] for ranks in self.dp_groups() for i in range(size)]
+
     def ep_groups(self, ep: int) -> list[list[int]]:
         """Runs of ``ep`` consecutive ranks of each dp group: one MoE layer's experts are spread
         over a run, and its all-to-alls stay inside it."""
         self._check_ep(ep)
-        return [ranks[i:i + ep] for ranks in self.dp_groups() for i in range(0, self.dp, ep)]
+        return self.dp_runs(ep)
 
     def expert_dp_groups(self, ep: int) -> list[list[int]]:
         """The dp ranks holding the same experts (the same place in each ep run): dp/ep replicas
         that average those experts' gradients."""
         self._check_ep(ep)
-        return [ranks[i::ep] for ranks in self.dp_groups() for i in range(ep)]
+        return self.dp_strides(ep)
 
     def _check_ep(self, ep: int) -> None:
         if ep < 1 or self.dp % ep:
             raise ValueError(f"ep={ep} must divide dp={self.dp}")
+
+    def _check_divides_dp(self, size: int) -> None:
+        if size < 1 or self.dp % size:
+            raise ValueError(f"a run of {size} dp ranks must divide dp={self.dp}")
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last rank of each pipeline (Megatron's embedding group): with a tied
@@ -166,7 +212,8 @@ class Grid(ParallelDims):
         """The grid of anything with dp, pp and tp (and maybe cp, ep): a Strategy, a ParallelDims."""
         if grid is None:
             return None
-        return cls(grid.dp, grid.pp, grid.tp, getattr(grid, "cp", 1), getattr(grid, "ep", 1))
+        return cls(dp=grid.dp, pp=grid.pp, tp=grid.tp, cp=getattr(grid, "cp", 1), order=getattr(grid, "order", ORDER),
+                   ep=getattr(grid, "ep", 1))
 
     def place(self, rank: int) -> dict[str, int]:
         """Every axis's index of ``rank``: {"dp", "pp", "tp"} and, where the grid has them, "cp"

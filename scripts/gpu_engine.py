@@ -20,7 +20,7 @@ def drive(lab, spec, setup=engine.setup_run):
     events (waits split), per-step wall times of the slowest rank."""
     ship_by_value(spec.model, spec.data, spec.loss)
     s = spec.strategy
-    lab.apply(engine.ensure_groups, s.dp, s.pp, s.tp)
+    lab.apply(engine.ensure_groups, s.grid())
     lab.apply(setup, spec)
     losses, events, walls = [], [], []
     for step in range(spec.steps):

@@ -56,7 +56,7 @@ class FakeLab:
     def hold(self, what):
         yield self
 
-    def ensure_groups(self, dp, pp, tp, cp=1):
+    def ensure_groups(self, *grid):
         raise Touched("ensure_groups")
 
     def _ready(self):

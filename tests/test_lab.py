@@ -60,11 +60,12 @@ def test_the_controller_keeps_no_answers_and_steps_report_cpu_time(lab2):
 
 def test_groups_survive_a_change_of_mode_and_rebuild_for_new_degrees(lab2):
     from labkit import engine
+    from labkit.grid import ParallelDims
     model = labkit.models.mlp(width=16, depth=2)
     lab2.run(labkit.Strategy(dp=2, dp_mode="naive"), model=model, batch=8, steps=1)
-    assert lab2.apply(engine.ensure_groups, 2, 1, 1) == [False, False]
+    assert lab2.apply(engine.ensure_groups, ParallelDims(2, 1, 1)) == [False, False]
     lab2.run(labkit.Strategy(dp=2, dp_mode="ddp", bucket_mb=0.5, microbatches=2), model=model, batch=8, steps=1)
-    assert lab2.apply(engine.ensure_groups, 2, 1, 1) == [False, False]
+    assert lab2.apply(engine.ensure_groups, ParallelDims(2, 1, 1)) == [False, False]
 
 
 def _live_on_engines(lab):

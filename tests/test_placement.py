@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit import engine
+from labkit.engine import state as engine
 from labkit.session.ranks import assign_ranks
 from labkit.engine.placement import RANK_SOURCES, check_device_map, choose_device, rank_from_env
 

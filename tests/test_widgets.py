@@ -15,6 +15,7 @@ from torch import nn
 
 import labkit
 from labkit import engine
+from labkit.grid import ParallelDims
 from labkit.widgets import Dashboard
 
 MODEL = labkit.models.mlp(width=32, depth=3)
@@ -136,7 +137,7 @@ def test_changes_during_a_run_coalesce_and_stop_ends_at_a_step_boundary(lab2):
 
 @pytest.mark.slow
 def test_a_change_of_degrees_rebuilds_the_groups(lab2):
-    lab2.apply(engine.ensure_groups, 1, 2, 1)
+    lab2.apply(engine.ensure_groups, ParallelDims(1, 2, 1))
     dash = Dashboard(lab2, model=MODEL, batch=32, steps=1, plot="image",
                      strategy=labkit.Strategy(dp=2, dp_mode="naive"))
     dash.run()

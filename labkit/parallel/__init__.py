@@ -1,5 +1,6 @@
 """How a model is spread over ranks: the builder and the executor, then one subpackage per axis
-(data, pipeline, tensor, zero)."""
+(tensor, context, pipeline, data, zero, expert), each with an ``axis.py`` that the registry
+(:mod:`.axes`) lists in the order the axes apply."""
 
 # How every stage computes, whatever the degrees: the choices of Strategy.precision
 # (labkit.parallel.precision) and Strategy.recompute (labkit.parallel.recompute). Kept here,

@@ -1,19 +1,21 @@
 """A run on one rank: the spec that travels from the notebook, and the one builder that
 composes the axes into a job, in one commented order.
 
-Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → compile → FSDP):
+Order of composition (picotron: TP → PP → DP; torchtitan: TP → AC → compile → FSDP). The
+axes themselves, and the order their hooks run in, are the registry :data:`.axes.AXES`:
 
 1. the model, built under the run's seed (so every rank starts from the reference's weights):
    whole, or, for a model too big to build whole on every engine, on ``meta`` with only this
-   rank's pieces materialised, the same values (:mod:`.materialize`, ``RunSpec.init``); its
-   batch norms synced over dp when ``Strategy.sync_batchnorm`` asks;
-2. the tensor-parallel split (``tp == 1``: the model as it is), then the expert-parallel one
-   (``ep > 1``: each MoE layer keeps this rank's experts and routes by all-to-all, :mod:`.expert`);
+   rank's pieces materialised, the same values (:mod:`.materialize`, ``RunSpec.init``);
+2. every axis's ``shape_model`` on the whole model, in registry order: tp splits the planned
+   layers, cp routes a transformers model's attention, dp syncs batch norm when asked, ep
+   keeps this rank's experts; and every axis's ``shape_data`` (cp: this rank's tokens);
 3. the pipeline split: which blocks form each stage, and which stages live on this rank
    (``pp == 1``: one stage holding every block);
-4. per stage, the gradient sync over the ranks holding the same blocks (the four dp modes;
-   dp = 1: none; zero > 0: the sharded syncs of :mod:`.zero`), and for a weight tied across
-   the first and last stage, the embedding group's sum (:mod:`.pipeline.tied`);
+4. per stage, the gradient sync, every axis's ``wrap_sync`` in registry order: dp's average
+   over the ranks holding the same blocks (the four modes; dp = 1: none), zero's sharded sync
+   in its place (:mod:`.zero`), ep's experts averaged apart around it; and for a weight tied
+   across the first and last stage, the embedding group's sum (:mod:`.pipeline.tied`);
 5. one :class:`~labkit.parallel.executor.Executor` running this rank's schedule actions, with
    the run's precision (autocast, fp16 loss scaling: :mod:`.precision`) and optimizer (with
    zero: over this rank's shards).
@@ -32,9 +34,7 @@ from torch import nn
 
 from ..training import build_optimizer, resolve_data, resolve_loss
 from ..record.instrument import ActivationMeter, BackwardSpan, instrument_backward, instrument_forward
-from .context.hf import is_hf, route
-from .context.layout import build_context_parallel
-from .data.sync import build_grad_sync
+from .axes import AXES
 from .executor import Executor, Stage, global_batch  # noqa: F401 (global_batch: the one rows check)
 from .pipeline.schedules import build_schedule, global_stage, placement_of
 from .pipeline.stages import PipeChannel, stage_blocks, stage_module
@@ -75,15 +75,11 @@ def build_job(spec: RunSpec, groups, recorder, device, run_id: str | None = None
     """This rank's job for ``spec``, on the groups already built for its degrees."""
     s = spec.strategy
     dp_index, pp_index, tp_index = groups.coords
-    full = build_batchnorm(build_rank_model(spec, groups, device), s, groups)   # 1. under the seed
+    full = build_rank_model(spec, groups, device)                          # 1. under the seed
     data = resolve_data(spec.data, full, spec.batch, spec.seed)           # shaped by the whole model
-    data = build_context_parallel(s, groups, data)        # cp > 1: this rank's tokens, attention across cp
-    if s.cp > 1 and is_hf(full):                          # a transformers model: its attention registry
-        route(full)
-    full = build_tensor_split(full, s, groups, spec.tp_plan)              # 2. tensor parallel
-    if s.ep > 1:                                                          # 2. expert parallel
-        from .expert.dispatch import build_expert_parallel
-        full = build_expert_parallel(full, groups.expert(s.ep), s.ep, s.ep_overlap, groups.tp if s.tp > 1 else None)
+    for axis in AXES:                                                     # 2. tp, cp, dp, ep
+        full = axis.shape_model(full, spec, groups)
+        data = axis.shape_data(data, spec, groups)
     if s.pp == 1:                         # 3. pipeline split: none, the whole model is the stage
         blocks, held = [None], [0]
         stages = [build_stage(full, None, 0, 0, s, groups, recorder, device, spec.blocks)]   # 4. grad sync
@@ -123,24 +119,15 @@ def build_step_optimizer(spec: RunSpec, stages: list[Stage], params: list):
     return build_optimizer(params, spec.lr, spec.momentum, spec.optimizer)
 
 
-def build_tensor_split(model: nn.Module, strategy: Strategy, groups, plan: dict | None = None) -> nn.Module:
-    """Step 2: split the planned layers over the tp group (Megatron's f/g layers or DTensor's
-    ``parallelize_module``); ``tp == 1`` leaves it whole. The model holds the seeded whole
-    weights, so every tp rank cuts its shard from the reference's tensors."""
-    if strategy.tp == 1:
-        return model
-    from .tensor import build_tensor_parallel
-    return build_tensor_parallel(model, strategy.tp_mode, groups.tp, groups.coords[2], strategy.tp, plan,
-                                 sequence_parallel=strategy.sequence_parallel)
+@dataclass
+class StageSync:
+    """What a stage's gradient sync is built over (each axis's ``wrap_sync`` reads it)."""
 
-
-def build_batchnorm(model: nn.Module, strategy: Strategy, groups) -> nn.Module:
-    """Step 1's option: batch norm over the whole global batch when the strategy asks
-    (``Strategy.sync_batchnorm``, parallel/data/batchnorm.py); otherwise the model as it is."""
-    if strategy.sync_batchnorm and strategy.dp > 1:
-        from .data.batchnorm import build_sync_batchnorm
-        build_sync_batchnorm(model, groups.dp)
-    return model
+    group: Any               # the ranks holding the same blocks: dp, or dp × cp
+    size: int
+    has_grads: bool          # False: a stage with no trainable parameters syncs nothing
+    recorder: Any
+    path: str | None         # the dotted name of its repeated blocks (ZeRO-3 and FSDP2 shard them)
 
 
 def my_stages(s: Strategy, pp_index: int) -> list[int]:
@@ -176,21 +163,9 @@ def build_stage(full: nn.Module, blocks: range | None, index: int, chunk: int, s
     # cp ranks hold the same parameters (and a slice of each sequence): they average with dp, and
     # ZeRO shards over them too (Megatron's distributed optimizer over its dp × cp group)
     group, size = (groups.dp_cp, s.dp * s.cp) if s.cp > 1 else (groups.dp, s.dp)
-    if s.zero:   # --- sharding (labkit.parallel.zero): ZeRO-1/2/3 by hand, or torch's FSDP2 ---
-        from .zero.sync import build_zero_sync
-        sync = build_zero_sync(s, group, size if has_grads else 1, recorder, path)
-    else:
-        sync = build_grad_sync(s.dp_mode, group, size if has_grads else 1, s.bucket_mb, s.compression,
-                               s.error_feedback)
-    if s.ep > 1:                      # the experts averaged over their own replicas, the rest over dp
-        from .expert.dispatch import ExpertSync
-        experts = groups.expert(s.ep)
-        sharded = None
-        if s.zero and has_grads:      # ZeRO-1/2: the experts' shards cut over every rank holding them
-            from .zero.sync import Zero1Sync, Zero2Sync
-            kind = Zero2Sync if s.zero == 2 else Zero1Sync
-            sharded = kind(experts.replicas, len(experts.replica_ranks), s.bucket_mb, recorder)
-        sync = ExpertSync(sync, experts, size, sharded, groups.cp if s.cp > 1 else None)
+    stage, sync = StageSync(group, size, has_grads, recorder, path), None
+    for axis in AXES:                                                     # 4. dp, zero, ep
+        sync = axis.wrap_sync(sync, s, groups, stage)
     span = _time_stage(module, blocks is None, path, sync, s, recorder)
     return Stage(index, chunk, module, sync.wrap(module), sync, span)
 

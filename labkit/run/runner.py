@@ -33,9 +33,8 @@ from .relay import relay_warnings
 from ..analysis.clocks import aligned
 from ..analysis.waits import split_waits
 from ..parallel.recompute import check_recompute
-from ..parallel.zero import check_model as check_zero_model
-from ..parallel.expert import check_model as check_expert_model, tokens_per_ep_rank
-from ..parallel.context import check_model as check_context_model
+from ..parallel.axes import check_models as check_axes
+from ..parallel.expert import tokens_per_ep_rank
 
 
 def validate(spec: RunSpec, engines: int):
@@ -66,11 +65,6 @@ def validate(spec: RunSpec, engines: int):
     if spec.data is not None and hasattr(spec.model, "check_data"):
         spec.model.check_data(spec.data)              # a GPT: windows ≤ block_size, ids < vocab_size
     built = model_for_checks(spec.model, spec.seed)
-    if s.tp > 1:
-        from ..parallel.tensor.plan import check_tensor_parallel
-        plan = spec.tp_plan if spec.tp_plan is not None else getattr(spec.model, "tp_plan", None)
-        check_tensor_parallel(s.tp, s.tp_mode, built, plan, s.sequence_parallel,
-                              getattr(spec.data, "block_size", None))
     check_model(built, s)
     warn_dropout(built, s)
     check_blocks(built, s, spec.blocks)              # zero=3/fsdp2: repeated blocks; pp > 1: a chain
@@ -81,14 +75,7 @@ def validate(spec: RunSpec, engines: int):
         warn_ignored_targets(loss, data, s)          # padding (-100) averaged per shard
     warn_router_loss(built, s)                       # a transformers MoE's batch-wide router loss
     check_recompute(built, s.recompute, spec.blocks) # "selective" needs submodules named core
-    check_zero_model(s, built, spec.blocks)          # sharding and a tied weight
-    check_expert_model(s, built)                     # ep > 1: MoE layers whose experts divide by ep
-    check_context_model(s, built, data)              # cp > 1: a sequence that splits, attention that opts in
-    if s.pp > 1:
-        from ..parallel.pipeline.modules import layer_span, unit_count
-        from ..parallel.pipeline.stages import check_split
-        check_split(s, unit_count(built), len(layer_span(built)))
-        _check_tied_split_backward(s, built)
+    check_axes(spec, built, data)                    # each axis's rules on the model (parallel/axes.py)
     check_first_batch(spec, built, data)
     from ..checkpoint import prepare
     return prepare(spec, built)                      # checkpoint=, resume=: the folder, model, optimizer
@@ -185,18 +172,6 @@ def model_for_checks(model, seed: int) -> nn.Module:
         return build_model(model, seed)
 
 
-def _check_tied_split_backward(s: Strategy, built: nn.Module) -> None:
-    """ZB-V puts the first and last stage on rank 0, so a tied embedding and head are one
-    Parameter there, reached by two stages' split backward: not built (it fails on the engines)."""
-    if s.schedule != "zbv":
-        return
-    from ..parallel.pipeline.stages import stage_blocks
-    from ..parallel.pipeline.tied import tied_across_stages
-    if tied_across_stages(built, stage_blocks(built, s)):
-        raise ValueError("Strategy.schedule='zbv' with a weight tied between the first and last stage (a tied "
-                         "embedding and head) is not built; use labkit.models.gpt(tie=False), or another schedule")
-
-
 def measured_steps(steps: int) -> int:
     """The first step warms up (allocations, DDP's bucket set-up): skip it when there are ≥ 3."""
     return 1 if steps >= 3 else 0
@@ -263,7 +238,7 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
     ship_by_value(spec.model, spec.data, spec.loss, getattr(spec.loss, "total", None))   # a token loss's fn
     s = spec.strategy
     with lab.hold(what):
-        rebuilt = lab.ensure_groups(s.dp, s.pp, s.tp, s.cp)
+        rebuilt = lab.ensure_groups(s.grid())
         if on_groups is not None:
             on_groups(rebuilt)
         run_id = uuid.uuid4().hex[:12]

@@ -23,6 +23,11 @@ reduce-scatters of different sizes, and gloo aborts the process. Before each red
 ranks compare its size (a few bytes, kept off the timeline, as the executor's bookkeeping); a
 difference raises :class:`~labkit.errors.CommMismatch` on every rank, naming the rank, the
 step, the unit and the fix, and the engines stay alive.
+
+HSDP (``Strategy.dp_shard``): the mesh is 2-D, ``(replicate, shard)``, one row per run of
+dp_shard ranks, and ``fully_shard(mesh=...)`` shards along a row and all-reduces each shard's
+gradient down a column (torch's own all-reduce: it does not pass through labkit.comm, so the
+timeline shows the gathers and reduce-scatters but not that all-reduce).
 """
 from __future__ import annotations
 
@@ -94,9 +99,10 @@ class FSDP2Sync(GradSync):
     grads_to_none = True           # FSDP2 owns the gradients: none kept between steps (below)
 
     def __init__(self, group, dp: int, bucket_mb: float, recorder, zero: int, prefetch: int,
-                 blocks: str | None = ""):
+                 blocks: str | None = "", replicas=None):
         super().__init__(group, dp, bucket_mb)
         self.recorder, self.reshard, self.prefetch = recorder, zero == 3, prefetch
+        self.replicas = replicas        # HSDP: (replicate group, the runs of ranks that shard alike)
         self.blocks_path = blocks       # labkit.parallel.blocks: "" is a Sequential's children
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -108,7 +114,12 @@ class FSDP2Sync(GradSync):
         super().wrap(model)
         fresh_dtensor_caches()          # a mesh on these ranks may have been used by an earlier run
         device = next(model.parameters()).device
-        mesh = DeviceMesh.from_group(self.group, device_type=device.type)
+        if self.replicas is None:
+            mesh = DeviceMesh.from_group(self.group, device_type=device.type)
+        else:                           # HSDP: replicate × shard
+            replicate, runs = self.replicas
+            mesh = DeviceMesh.from_group([replicate, self.group], device_type=device.type, mesh=runs,
+                                         mesh_dim_names=("replicate", "shard"))
         named = find_blocks(model, self.blocks_path)
         blocks = [b for _, b in named if any(p.requires_grad for p in b.parameters())]
         for block in blocks:

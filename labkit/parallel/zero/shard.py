@@ -11,6 +11,11 @@ The shard is a separate ``nn.Parameter`` of ``padded / dp`` elements: it is what
 optimizer steps, and its ``grad`` is this rank's reduce-scattered slice of the gradient.
 Writing the buffer through a collective bumps only the buffer's version counter, not the
 parameters' (``.data`` views keep their own), so autograd's saved weights stay valid.
+
+Under HSDP (``Strategy.dp_shard``) the unit is sharded over a group of dp_shard ranks and that
+group is one of several replicas: after the reduce-scatter inside the group, each shard's
+gradient is all-reduced over the ranks holding the same shard in the other replicas
+(:meth:`FlatUnit.replicate`), and the mean divides by all of dp.
 """
 from __future__ import annotations
 
@@ -83,6 +88,12 @@ class FlatUnit:
         self.grad_handles = []           # reduce-scatters in flight: (handle, output)
         self.ready = 0                   # members whose gradient exists this micro-batch
         self.sent = False                # its gradients went out at least once this step
+        self.replicas = None             # HSDP: the ranks holding this shard in the other replicas
+
+    def replicate(self, group, count: int) -> None:
+        """HSDP: the unit's shard group is one of ``count`` replicas; ``group`` holds this shard
+        in each of them. The gradient's mean then runs over all ``dp · count`` ranks."""
+        self.replicas, self.divisor = group, self.dp * count
 
     def pieces(self) -> list[tuple[nn.Parameter | None, nn.Parameter]]:
         """This rank's shard cut where its members meet: (member, piece) per member that
@@ -154,7 +165,10 @@ class FlatUnit:
         return flat.numel() * flat.element_size()
 
     def average_grads(self) -> None:
-        """Sum over ranks (and micro-batches) → the mean, as the all-reduce modes divide by dp."""
+        """Sum over ranks (and micro-batches) → the mean, as the all-reduce modes divide by dp;
+        under HSDP the shard's sum over the replicas first."""
+        if self.replicas is not None:
+            comm.all_reduce(self.shard.grad, self.replicas, name=f"all-reduce {self.name} over replicas")
         self.shard.grad.div_(self.divisor)
 
     def shard_bytes(self) -> int:

@@ -30,19 +30,23 @@ from ..data.sync import GradSync, NoSync, make_buckets
 from .shard import FlatUnit, Meter
 
 
-def build_zero_sync(strategy, group, dp: int, recorder, blocks: str | None = None) -> GradSync:
+def build_zero_sync(strategy, group, dp: int, recorder, blocks: str | None = None, replicas=None) -> GradSync:
     """The sync for ``strategy.zero`` / ``zero_mode`` over ``group``; dp = 1 (no parameters): NoSync.
     ``blocks``: the dotted name of the model's repeated blocks (``labkit.parallel.blocks``), the
-    units ZeRO-3 and FSDP2 shard one by one ("" for an ``nn.Sequential``'s children)."""
+    units ZeRO-3 and FSDP2 shard one by one ("" for an ``nn.Sequential``'s children).
+    ``replicas`` (HSDP): ``(group, runs)``: the group holding this rank's shard in every replica
+    of ``group``, and the runs of ranks that shard alike (one per replica, ``group``'s ranks
+    among them); the shards' gradients are all-reduced over the replicas."""
     if dp == 1:
         return NoSync(group, dp, strategy.bucket_mb)
     if strategy.zero_mode == "fsdp2":
         from .fsdp2 import FSDP2Sync
-        return FSDP2Sync(group, dp, strategy.bucket_mb, recorder, strategy.zero, strategy.prefetch, blocks)
+        return FSDP2Sync(group, dp, strategy.bucket_mb, recorder, strategy.zero, strategy.prefetch, blocks,
+                         replicas)
     from .zero3 import Zero3Sync
     kinds = {1: Zero1Sync, 2: Zero2Sync, 3: Zero3Sync}
     sync = kinds[strategy.zero](group, dp, strategy.bucket_mb, recorder, strategy.prefetch)
-    sync.blocks_path = blocks
+    sync.blocks_path, sync.replicas = blocks, replicas
     return sync
 
 
@@ -53,6 +57,7 @@ class Zero1Sync(GradSync):
     # holds the packed gradients of at most this many buckets (DeepSpeed bounds its ZeRO-2
     # buckets, FSDP2 its reduce-scatter buffers, for the same reason).
     MAX_IN_FLIGHT = 2
+    replicas = None           # HSDP: (group, runs) of this shard's replicas (build_zero_sync)
 
     def __init__(self, group, dp: int, bucket_mb: float, recorder, prefetch: int = 0):
         super().__init__(group, dp, bucket_mb)
@@ -64,6 +69,10 @@ class Zero1Sync(GradSync):
     def wrap(self, model: nn.Module) -> nn.Module:
         super().wrap(model)
         self.units = self.build_units(model)
+        if self.replicas is not None:
+            group, runs = self.replicas
+            for unit in self.units:
+                unit.replicate(group, len(runs))
         return model
 
     def build_units(self, model: nn.Module) -> list[FlatUnit]:
