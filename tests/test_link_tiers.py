@@ -86,6 +86,23 @@ def test_the_grid_names_each_ranks_node():
     plt.close("all")
 
 
+def test_the_labs_grid_places_tp_across_nodes_when_the_order_says_so():
+    from types import SimpleNamespace
+
+    lab = SimpleNamespace(world_size=4, link=TWO_NODES)
+    inside = labkit.Lab.grid(lab, labkit.Strategy(dp=2, tp=2))
+    across = labkit.Lab.grid(lab, labkit.Strategy(dp=2, tp=2, order="dp,tp,cp,pp"))
+
+    def nodes_of_tp0(fig):          # the node of each box whose coordinates say tp 0 of replica 0
+        return {t.get_text().split("\n")[1] for t in fig.axes[0].texts if t.get_text().endswith("dp 0, pp 0, tp 0")
+                or t.get_text().endswith("dp 0, pp 0, tp 1")}
+    assert nodes_of_tp0(inside) == {"node 0"}
+    assert nodes_of_tp0(across) == {"node 0", "node 1"}
+    with pytest.raises(ValueError, match="needs 8 ranks"):
+        labkit.Lab.grid(lab, labkit.Strategy(dp=4, tp=2))
+    plt.close("all")
+
+
 def test_an_all_to_all_is_priced_by_its_busiest_member():
     clock = LinkClock(Link(bandwidth=10e6, latency=1e-3), 0)
     # balanced: the busiest sends (n-1)/n of its buffer, as Link.seconds prices it

@@ -305,6 +305,16 @@ class Lab(Recovery):
         return rebuilt
 
     # -- training ---------------------------------------------------------------------------
+    def grid(self, strategy: Strategy, ax=None):
+        """Draw ``strategy``'s rank grid on this lab: each rank's box names its coordinates and,
+        on a two-tier link, the emulated node it sits on (so a group whose boxes differ in
+        colour crosses nodes). Returns the Figure (:func:`labkit.view.grid.draw_grid`)."""
+        from ..view.grid import draw_grid
+
+        if strategy.world_size != self.world_size:
+            raise ValueError(f"grid: {strategy.label()} needs {strategy.world_size} ranks; this lab has {self.world_size}")
+        return draw_grid(strategy, ax=ax, gpus_per_node=getattr(self.link, "gpus_per_node", None))
+
     def run(self, strategy: Strategy, model, data=None, loss="mse", batch: int = 64, steps: int = 5,
             lr: float = 0.1, seed: int = 0, momentum: float = 0.0, record: bool = True,
             on_step: Callable | None = None, snapshots: bool = False, allow_nonfinite: bool = False,
