@@ -123,6 +123,38 @@ def test_a_prediction_has_a_critical_path_too():
     assert len(tl.critical_path()) > 0
 
 
+
+# -- one replay core: the pipeline schedules' model runs on it ----------------------------------------
+def test_an_eager_message_leaves_on_its_senders_post_and_fractions_stay_exact():
+    from fractions import Fraction
+
+    third = Fraction(1, 3)
+    message = Issue("m", (0, 1), third, "send", "m", peer=1, ordered=False, link=0, eager=True)
+    receive = Issue("m", (0, 1), third, "recv", "m", peer=0, ordered=False, link=0, eager=True)
+    late = Sim([[message, Compute(third, "fwd")], [Compute(2 * third, "fwd"), receive, Wait("m")]], cores=2).run()
+    recv = next(e for e in late if e["kind"] == "recv")
+    assert (recv["start"], recv["end"]) == (2 * third, 2 * third)      # there already: taken at once
+    assert all(isinstance(e["end"], Fraction) for e in late)
+    early = Sim([[Compute(third, "fwd"), message], [receive, Wait("m")]], cores=2).run()
+    assert [(e["kind"], e["start"], e["end"]) for e in early if e["rank"] == 1] == [
+        ("wait", 0, third), ("recv", third, 2 * third)]
+
+
+def test_the_schedule_model_is_a_replay_on_the_planners_core(monkeypatch):
+    from labkit.parallel.pipeline.simulate import simulate
+    from labkit.plan import des
+
+    runs = []
+    original = des.Sim.run
+    monkeypatch.setattr(des.Sim, "run", lambda self: runs.append(len(self.programs)) or original(self))
+    events = simulate(build_schedule("1f1b", 3, 4), 1, 2, 0.5)
+    assert runs == [3]
+    assert max(e["end"] for e in events) == 22       # what the model's own loop drew before it ran on the core
+    stuck = [[Issue("x", (1, 0), 1, "recv", "x", ordered=False, eager=True), Wait("x")], []]
+    with pytest.raises(des.Deadlock) as err:
+        Sim(stuck).run()
+    assert err.value.stuck == {0: 1}
+
 # -- bad input -----------------------------------------------------------------------------------
 def ev(rank, kind, start, end, stream=None, **extra):
     from labkit.analysis.events import make_event
