@@ -155,6 +155,21 @@ def test_the_schedule_model_is_a_replay_on_the_planners_core(monkeypatch):
         Sim(stuck).run()
     assert err.value.stuck == {0: 1}
 
+
+def test_a_rebuild_is_refused_where_it_does_not_reach():
+    from types import SimpleNamespace
+
+    for strategy in (labkit.Strategy(pp=2), labkit.Strategy(dp=2, zero=1), labkit.Strategy(dp=2, dp_mode="naive")):
+        run = SimpleNamespace(strategy=strategy, params={}, timeline=labkit.Timeline([]), link=None)
+        with pytest.raises(ValueError, match="plain data parallelism"):
+            labkit.plan.whatif.whatif(run, bucket_mb=1)
+    run = SimpleNamespace(strategy=labkit.Strategy(dp=2), params={}, timeline=labkit.Timeline([]), link=None)
+    with pytest.raises(ValueError, match="kept no parameters"):
+        labkit.plan.whatif.whatif(run, bucket_mb=1)
+    with pytest.raises(ValueError, match="MiB"):
+        labkit.plan.whatif.whatif(run, bucket_mb=0)
+
+
 # -- bad input -----------------------------------------------------------------------------------
 def ev(rank, kind, start, end, stream=None, **extra):
     from labkit.analysis.events import make_event
@@ -220,6 +235,15 @@ def test_a_run_records_what_the_graph_needs_and_replays_itself(lab2):
     same = run.whatif()
     assert same.step_time_s == pytest.approx(same.measured_step_s, rel=0.05)
     with pytest.raises(TypeError, match="labkit.plan.simulate"):
-        run.whatif(bucket_mb=4)
+        run.whatif(microbatches=2)
+    rebuilt = run.whatif(bucket_mb=run.strategy.bucket_mb)    # the run's own buckets, rebuilt: the replay
+    assert rebuilt.step_time_s == pytest.approx(same.step_time_s, rel=1e-6)
+    from labkit.parallel.data import fill_buckets
+    sizes = [(k, t.numel() * 4) for k, t in run.params.items()]
+    small = run.whatif(bucket_mb=0.01)
+    last = small.timeline.step(step).events
+    assert len([e for e in last if e["rank"] == 0 and e["kind"] == "allreduce"]) == \
+        len(fill_buckets(sizes, lambda p: p[1], 0.01 * MB)) > len(comm) // (2 * len(run.timeline.steps))
+    assert "rebuilt" in small.what
     fig = run.timeline.plot(critical_path=True)
     assert "critical path" in fig.axes[0].get_title()

@@ -30,17 +30,22 @@ that :func:`labkit.plan.simulate` runs too) and runs them again:
   without holding the link (``Issue.tail``: the next call may take the link meanwhile). A run on an emulated link cannot be
   replayed on raw gloo (``link=None``): the link hid gloo's own time.
 
-These knobs are exact replays of the measured graph. Knobs that change the graph's shape —
-bucket size, micro-batches, the dp mode, the schedule — are not: predict those with
-:func:`labkit.plan.simulate`, which rebuilds the executor's action lists.
+``link``, ``compute`` and ``straggler`` are exact replays of the measured graph: its nodes and
+edges kept, some re-priced. ``bucket_mb`` changes the graph's shape and **rebuilds** it: the
+executor's own buckets filled again at the new size over the run's parameters, each placed where
+its last gradient was ready and priced from the measured buckets (:mod:`labkit.plan.rebucket`;
+plain data parallelism only). The other knobs that change the shape — micro-batches, the dp
+mode, the schedule, ZeRO — are refused: predict those with :func:`labkit.plan.simulate`, which
+builds the executor's action lists from the model's counted operations and a measured Machine.
 
     >>> fast = run.whatif(link=labkit.Link(bandwidth=200e6, latency=2e-4))
     >>> fast.step_time_s, fast.timeline.bound_by()
+    >>> run.whatif(bucket_mb=0.05).step_time_s           # a rebuild: smaller buckets, leaving sooner
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,6 +53,7 @@ from ..analysis.events import group_ranks
 from ..analysis.graph import COLLECTIVES, EPS, StepGraph
 from ..analysis.timeline import Timeline
 from .des import Compute, Issue, Sim, Wait
+from .rebucket import check as check_rebucket, rebucket
 
 RING_STEPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 1}
 """α's paid per call, by kind; others (all-gather, reduce-scatter, broadcast, all-to-all): n − 1."""
@@ -80,11 +86,13 @@ class WhatIf:
 def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None, **knobs) -> WhatIf:
     """``run``'s steps replayed with ``link`` (a labkit.Link; "same": the run's own), compute
     times ``compute``, and ``straggler``'s compute brought to its peers' median (module
-    docstring)."""
+    docstring); ``bucket_mb``: the gradient buckets rebuilt at that size (labkit.plan.rebucket)."""
+    bucket_mb = knobs.pop("bucket_mb", None)
     if knobs:
         raise TypeError(f"whatif({', '.join(knobs)}=…): these knobs change the step's shape, which a replay "
-                        f"of the measured graph cannot do; predict them with labkit.plan.simulate(strategy, "
-                        f"machine, model=…), which rebuilds the executor's action lists")
+                        f"of the measured graph cannot do (only bucket_mb is rebuilt); predict them with "
+                        f"labkit.plan.simulate(strategy, machine, model=…), which builds the executor's action lists")
+    params = check_rebucket(run, bucket_mb) if bucket_mb is not None else None
     if isinstance(compute, bool) or not isinstance(compute, (int, float)) or not 0 < compute < float("inf"):
         raise ValueError(f"whatif(compute={compute!r}): give the factor on compute time, e.g. 0.1 for ten times "
                          f"faster compute, 1.0 for as measured")
@@ -98,14 +106,19 @@ def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None,
         raise ValueError(f"whatif(straggler={straggler!r}): give a rank from 0 to {tl.world_size - 1}")
     if not tl.steps:
         raise ValueError("whatif: the run holds no events (run it with record=True)")
+    reshape = None
+    if params is not None:
+        def reshape(events, priced):
+            return rebucket(events, params, run.strategy.bucket_mb, bucket_mb, priced)
     replayed = []
     for s in tl.steps:
-        events = replay_step(tl.step(s).events, tl.world_size, measured_link, new_link, compute, straggler)
+        events = replay_step(tl.step(s).events, tl.world_size, measured_link, new_link, compute, straggler, reshape)
         replayed += [dict(e, step=s) for e in events]
     what = ", ".join(w for w in (
         f"link {new_link}" if new_link is not measured_link else "",
         f"compute ×{compute:g}" if compute != 1.0 else "",
-        f"rank {straggler} healed" if straggler is not None else "") if w) or "nothing changed"
+        f"rank {straggler} healed" if straggler is not None else "",
+        f"buckets of {bucket_mb:g} MiB (rebuilt)" if bucket_mb is not None else "") if w) or "nothing changed"
     out = Timeline(replayed, tl.world_size, f"what if {what}", tl.grid)
     batch = getattr(run, "batch", None) or 1
     measured = float(np.median(list(tl.step_durations().values())))
@@ -114,10 +127,22 @@ def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None,
 
 # --- one step --------------------------------------------------------------------------------
 def replay_step(events: list[dict], world_size: int, old_link=None, new_link=None, compute: float = 1.0,
-                straggler: int | None = None) -> list[dict]:
-    """One step's events replayed on :class:`labkit.plan.des.Sim` (module docstring)."""
+                straggler: int | None = None, reshape=None) -> list[dict]:
+    """One step's events replayed on :class:`labkit.plan.des.Sim` (module docstring). ``reshape``:
+    (events, each call's (gloo seconds, excess) by (rank, name)) → (new events, the new calls'
+    prices by (rank, name)), a rebuild of the step's shape before it is replayed."""
     graph = StepGraph(events)
     calls = _calls(graph, old_link, new_link)
+    if reshape is not None:
+        priced = {(e["rank"], e["name"]): (calls[i].seconds, calls[i].tail)
+                  for i, e in enumerate(graph.events) if i in calls}
+        events, prices = reshape(graph.events, priced)
+        graph = StepGraph(events)
+        calls = _calls(graph, old_link, new_link)
+        for i, e in enumerate(graph.events):
+            if i in calls and (e["rank"], e["name"]) in prices:
+                seconds, tail = prices[(e["rank"], e["name"])]
+                calls[i] = replace(calls[i], seconds=seconds, tail=tail)
     scale = _compute_scale(events, world_size, compute, straggler)
     programs = [_program(graph, r, calls, scale[r]) for r in range(world_size)]
     return Sim(programs, cores=float(world_size), links=new_link is not None).run()
