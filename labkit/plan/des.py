@@ -28,6 +28,12 @@ Two messages in opposite directions between the same two ranks, in flight at onc
 that delay is gloo's, so it hides under the link's time as far as that time exceeds gloo's
 own (``Issue.link``).
 
+With ``gloo_queue`` the two run on queues of their own, as :mod:`labkit.comm.emulate` keeps
+them: gloo works through a group's calls in order (the next begins once gloo has moved this
+one's bytes) while each call's link time waits only for its members' links (their
+reservations); a call completes once both are done. Without it a call holds its stream until
+its link time too is through.
+
 On an emulated link (``links=True``) each rank's link is one more resource, as
 :class:`labkit.Link` imposes it: a call takes its poster's link when posted (a collective both
 sides, a message the sending side), once the calls posted before it are through, and a message
@@ -107,6 +113,7 @@ class _Job:
     start: float
     what: object                  # ("compute", rank, item), ("call", key) or ("tail", key)
     until: float = 0.0            # a call's end on its emulated link: wall time, off the cores
+    released: bool = False        # its stream freed for the next call (gloo_queue)
 
 
 @dataclass
@@ -119,6 +126,9 @@ class Sim:
     wake: float = 0
     cross: float = 0
     links: bool = False
+    gloo_queue: bool = False
+    """On an emulated link, whether a collective frees its members' streams once gloo's own work
+    is done, its link time then running on the link's own queue (module docstring)."""
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
@@ -267,6 +277,10 @@ class Sim:
             if j.remaining > 0:
                 left = j.remaining - dt * speed
                 j.remaining = left if left > EPS * max(1.0, j.remaining) else 0.0
+        if self.gloo_queue:
+            for j in self.running:
+                if j.what[0] == "call" and j.remaining == 0 and not j.released:
+                    self._release(j)
         finished = [j for j in self.running if j.remaining == 0 and j.until <= self.t + EPS]
         self.running = [j for j in self.running if j not in finished]
         for j in finished:
@@ -281,9 +295,8 @@ class Sim:
             return
         key = job.what[1]
         if job.what[0] == "call":
-            for m in self.calls[key].group:
-                if self.calls[key].ordered:
-                    self.streams[m].pop(0)               # the stream (and link) free for the next call
+            if not job.released:
+                self._release(job)
             if self.calls[key].tail > 0:                  # the ranks see it complete a tail later
                 self.running.append(_Job(0.0, 0.0, job.start, ("tail", key), self.t + self.calls[key].tail))
                 return
@@ -309,6 +322,14 @@ class Sim:
             else:
                 self.recorded[(key, m)] = event
             self.events.append(event)
+
+    def _release(self, job: _Job) -> None:
+        """The call's stream free for the next call (its link already queued for it)."""
+        job.released = True
+        call = self.calls[job.what[1]]
+        if call.ordered:
+            for m in call.group:
+                self.streams[m].pop(0)
 
     def _deliver(self, key, r: int) -> None:
         """Rank r posts the receive of an eager message that has arrived: it is done at once."""

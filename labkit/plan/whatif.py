@@ -145,7 +145,7 @@ def replay_step(events: list[dict], world_size: int, old_link=None, new_link=Non
                 calls[i] = replace(calls[i], seconds=seconds, tail=tail)
     scale = _compute_scale(events, world_size, compute, straggler)
     programs = [_program(graph, r, calls, scale[r]) for r in range(world_size)]
-    return Sim(programs, cores=float(world_size), links=new_link is not None).run()
+    return Sim(programs, cores=float(world_size), links=new_link is not None, gloo_queue=True).run()
 
 
 @dataclass
@@ -160,7 +160,7 @@ class _Call:
 
 def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
     """Each comm span's call: its key (one per collective or message), members and price."""
-    out, freed = {}, {}                  # freed: a collective's key → when it left its link
+    out, through, link_free = {}, {}, {}      # a collective's key → when gloo was through; a rank's link → free
     for i in np.argsort(graph.start, kind="stable").tolist():
         e = graph.events[i]
         kind = e["kind"]
@@ -178,34 +178,36 @@ def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
         nbytes = max(graph.events[m]["bytes"] for m in rows)
         ranks = group if kind not in COLLECTIVES else (group_ranks(e.get("group", "")) or group)
         old = _link_seconds(old_link, kind, nbytes, ranks)
-        begin = _began(graph, i, rows, freed, old_link is not None)
-        freed[key] = begin + old
-        end = max(graph.end[m] for m in rows)
         new = _link_seconds(new_link, kind, nbytes, ranks)
+        begin = _began(graph, i, rows, through)
+        end = max(graph.end[m] for m in rows)
+        moved = [graph.events[m].get("moved") for m in rows]
+        through[key] = max(moved) if None not in moved else end
         if old_link is None:                     # raw gloo: its time and the new link's run at once
-            seconds, link, tail = end - begin, new, 0.0
-        else:                                    # gloo's own time, if recorded; the rest is the tail
-            moved = [graph.events[m].get("moved") for m in rows]
-            gloo = max(moved) - begin if None not in moved else 0.0
-            seconds, link = max(0.0, gloo), new
-            tail = max(0.0, end - begin - max(seconds, old))
-        for m in rows:
-            out[m] = _Call(key, group, seconds, link, tail, ordered)
+            out.update({m: _Call(key, group, end - begin, new, 0.0, ordered) for m in rows})
+            continue
+        # on the old link: gloo's own part (from when gloo reached the call to when it had moved
+        # the bytes), the link's part (from when every member's link was free), and the rest
+        entered = max(graph.start[m] for m in rows)
+        link_end = max([entered] + [link_free.get(r, 0.0) for r in group]) + old
+        link_free.update({r: link_end for r in group})
+        gloo = through[key] - begin if None not in moved else 0.0
+        tail = max(0.0, end - max(through[key] if None not in moved else begin, link_end))
+        out.update({m: _Call(key, group, max(0.0, gloo), new, tail, ordered) for m in rows})
     return out
 
 
-def _began(graph: StepGraph, i: int, rows, freed: dict, on_link: bool) -> float:
-    """When call i began moving bytes: its last member's entry, and, for a collective, its
-    group's previous call out of the way — on an emulated link once that call left the link
-    (its recorded end can come later: the thread that notes it wakes late), else at its end."""
+def _began(graph: StepGraph, i: int, rows, through: dict) -> float:
+    """When gloo began call i: its last member's entry, and, for a collective, once gloo was
+    through its group's previous call (gloo runs a group's calls in order; ``through``: when it
+    had moved that call's bytes, recorded on an emulated link, else the call's end)."""
     begin = max(graph.start[m] for m in rows)        # a message's spans start once both ends are there
     if graph.kind[i] not in COLLECTIVES or i not in graph.members:
         return float(begin)
     previous = graph.previous.get(i)
     if previous is not None:
         key = ("c", int(min(previous)))
-        before = freed.get(key) if on_link and key in freed else max(graph.end[p] for p in previous)
-        begin = max(begin, before)
+        begin = max(begin, through.get(key, max(graph.end[p] for p in previous)))
     return float(begin)
 
 
@@ -290,7 +292,7 @@ def _program(graph: StepGraph, rank: int, calls: dict[int, _Call], scale: dict) 
             k += 1
         if end - t > EPS:
             prog.append(Compute((end - t) * scale[e["kind"]], e["kind"], e["name"], e.get("microbatch")))
-        cursor = max(cursor, end)
+        cursor = max(cursor, end, t)         # a wait inside the span may have held the rank past its end
     for p in points[k:]:
         point(p)
     return prog
