@@ -159,24 +159,14 @@ class _Call:
 
 
 def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
-    """Each comm span's call: its key (one per collective or message), members and price."""
+    """Each comm span's call: its key (one per collective or message), members and price,
+    priced in the order the calls entered (their last member's start), as their links took them."""
     out, through, link_free = {}, {}, {}      # a collective's key → when gloo was through; a rank's link → free
-    for i in np.argsort(graph.start, kind="stable").tolist():
-        e = graph.events[i]
-        kind = e["kind"]
-        if e["stream"] != "comm" or kind == "wait":
-            continue
-        if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
-            members = graph.members[i]
-            key, group, ordered, rows = ("c", int(min(members))), tuple(sorted(int(graph.rank[m]) for m in members)), \
-                True, members.tolist()
-        elif kind in ("send", "recv") and i in graph.partner:
-            s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
-            key, group, ordered, rows = ("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r]
-        else:                                   # a call alone on its rank (its peers unrecorded)
-            key, group, ordered, rows = ("a", i), (int(graph.rank[i]),), True, [i]
+    calls = _members(graph)
+    for key, group, ordered, rows in sorted(calls, key=lambda c: max(graph.start[m] for m in c[3])):
+        i, kind = rows[0], graph.kind[rows[0]]
         nbytes = max(graph.events[m]["bytes"] for m in rows)
-        ranks = group if kind not in COLLECTIVES else (group_ranks(e.get("group", "")) or group)
+        ranks = group if kind not in COLLECTIVES else (group_ranks(graph.events[i].get("group", "")) or group)
         old = _link_seconds(old_link, kind, nbytes, ranks)
         new = _link_seconds(new_link, kind, nbytes, ranks)
         begin = _began(graph, i, rows, through)
@@ -194,6 +184,27 @@ def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
         gloo = through[key] - begin if None not in moved else 0.0
         tail = max(0.0, end - max(through[key] if None not in moved else begin, link_end))
         out.update({m: _Call(key, group, max(0.0, gloo), new, tail, ordered) for m in rows})
+    return out
+
+
+def _members(graph: StepGraph) -> list[tuple]:
+    """(key, ranks, ordered, rows) of each call in the step: a collective's members, a message's
+    two ends, or a call alone on its rank (its peers unrecorded)."""
+    seen, out = set(), []
+    for i in range(len(graph)):
+        e, kind = graph.events[i], graph.kind[i]
+        if e["stream"] != "comm" or kind == "wait" or i in seen:
+            continue
+        if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
+            members = graph.members[i]
+            call = (("c", int(min(members))), tuple(sorted(int(graph.rank[m]) for m in members)), True, members.tolist())
+        elif kind in ("send", "recv") and i in graph.partner:
+            s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
+            call = (("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r])
+        else:
+            call = (("a", i), (int(graph.rank[i]),), True, [i])
+        seen.update(call[3])
+        out.append(call)
     return out
 
 
