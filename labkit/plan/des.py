@@ -85,9 +85,9 @@ class Issue:
     """The call's time on an emulated link (0: none), a wait off the cores: the call takes the
     longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
     tail: float = 0.0
-    """Wall time after its link time before the call completes on its ranks (a thread's wake-up),
-    its stream and link already free for the next call: a replayed call's measured excess
-    (labkit.plan.whatif)."""
+    """Wall time after its link time before the call completes on this rank (its thread's
+    wake-up), the stream and link already free for the next call: a replayed call's measured
+    excess on that member (labkit.plan.whatif); each member's Issue carries its own."""
     eager: bool = False
     """A message (``ordered=False``, group (sender, receiver)) that leaves on its sender's post
     alone; the receiver takes it when it posts (module docstring)."""
@@ -111,7 +111,7 @@ class _Job:
     remaining: float              # work on the shared cores
     ask: float                    # the cores it asks for while that work remains
     start: float
-    what: object                  # ("compute", rank, item), ("call", key) or ("tail", key)
+    what: object                  # ("compute", rank, item), ("call", key) or ("tail", key, rank)
     until: float = 0.0            # a call's end on its emulated link: wall time, off the cores
     released: bool = False        # its stream freed for the next call (gloo_queue)
 
@@ -294,15 +294,15 @@ class Sim:
                 self.events.append(_event(r, "compute", item.kind, item.name, item.microbatch, job.start, self.t))
             return
         key = job.what[1]
-        if job.what[0] == "call":
-            if not job.released:
-                self._release(job)
-            if self.calls[key].tail > 0:                  # the ranks see it complete a tail later
-                self.running.append(_Job(0.0, 0.0, job.start, ("tail", key), self.t + self.calls[key].tail))
-                return
-        for m in self.calls[key].group:
+        members = self.calls[key].group if job.what[0] == "call" else (job.what[2],)
+        if job.what[0] == "call" and not job.released:
+            self._release(job)
+        for m in members:
             if (key, m) not in self.posts:                 # an eager message before its receive
                 self.arrived.add((key, m))
+                continue
+            if job.what[0] == "call" and self.posts[(key, m)][1].tail > 0:   # this member sees it a tail later
+                self.running.append(_Job(0, 0, job.start, ("tail", key, m), self.t + self.posts[(key, m)][1].tail))
                 continue
             self.done.add((key, m))
             posted, item = self.posts[(key, m)]

@@ -170,20 +170,24 @@ def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
         old = _link_seconds(old_link, kind, nbytes, ranks)
         new = _link_seconds(new_link, kind, nbytes, ranks)
         begin = _began(graph, i, rows, through)
-        end = max(graph.end[m] for m in rows)
         moved = [graph.events[m].get("moved") for m in rows]
-        through[key] = max(moved) if None not in moved else end
+        # gloo is through the call once its first member is; each other member notes it later
+        # (its own thread's wake-up): that lag is the member's own excess
+        done = {m: graph.events[m]["moved"] if None not in moved else graph.end[m] for m in rows}
+        through[key] = min(done.values())
         if old_link is None:                     # raw gloo: its time and the new link's run at once
-            out.update({m: _Call(key, group, end - begin, new, 0.0, ordered) for m in rows})
+            out.update({m: _Call(key, group, through[key] - begin, new, float(graph.end[m] - through[key]), ordered)
+                        for m in rows})
             continue
         # on the old link: gloo's own part (from when gloo reached the call to when it had moved
-        # the bytes), the link's part (from when every member's link was free), and the rest
+        # the bytes), the link's part (from when every member's link was free), and each member's rest
         entered = max(graph.start[m] for m in rows)
         link_end = max([entered] + [link_free.get(r, 0.0) for r in group]) + old
         link_free.update({r: link_end for r in group})
         gloo = through[key] - begin if None not in moved else 0.0
-        tail = max(0.0, end - max(through[key] if None not in moved else begin, link_end))
-        out.update({m: _Call(key, group, max(0.0, gloo), new, tail, ordered) for m in rows})
+        freed = max(through[key] if None not in moved else begin, link_end)
+        out.update({m: _Call(key, group, max(0.0, gloo), new, max(0.0, float(graph.end[m] - freed)), ordered)
+                    for m in rows})
     return out
 
 
