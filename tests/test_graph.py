@@ -116,6 +116,18 @@ def test_replaying_a_step_unchanged_gives_it_back_and_a_new_link_gives_the_run_o
         max(e["end"] for e in run_sim(dp_programs(link=old, compute=0.1))), rel=1e-9)
 
 
+def test_on_the_link_gloo_and_the_link_queue_apart_and_each_member_notes_its_call_itself():
+    """Two calls of one group back to back: a (gloo 1 s, link 3 s), b (gloo 3 s, link 1 s). With
+    gloo_queue b's gloo work starts once gloo is through a, under a's link time (ends 1 + 3),
+    without it once a's link is through too (3 + 3); a member's own tail delays that member alone."""
+    def program(tail):
+        return [Issue("a", (0, 1), 1.0, "allreduce", "a", link=3.0, tail=tail), Issue("b", (0, 1), 3.0, "allreduce",
+                "b", link=1.0), Wait("a"), Wait("b")]
+    ends = {q: {(e["rank"], e["name"]): e["end"] for e in Sim([program(0.0), program(0.5)], cores=2, links=True,
+                                                             gloo_queue=q).run()} for q in (True, False)}
+    assert ends[True][(0, "b")] == pytest.approx(4.0) and ends[False][(0, "b")] == pytest.approx(6.0)
+    assert ends[True][(0, "a")] == pytest.approx(3.0) and ends[True][(1, "a")] == pytest.approx(3.5)
+
 def test_a_prediction_has_a_critical_path_too():
     tl = labkit.Timeline(run_sim(dp_programs(link=labkit.Link(bandwidth=100e6))))
     assert all("group" in e for e in tl.events if e["kind"] == "allreduce")

@@ -28,18 +28,18 @@ Two messages in opposite directions between the same two ranks, in flight at onc
 that delay is gloo's, so it hides under the link's time as far as that time exceeds gloo's
 own (``Issue.link``).
 
-With ``gloo_queue`` the two run on queues of their own, as :mod:`labkit.comm.emulate` keeps
-them: gloo works through a group's calls in order (the next begins once gloo has moved this
-one's bytes) while each call's link time waits only for its members' links (their
-reservations); a call completes once both are done. Without it a call holds its stream until
-its link time too is through.
-
 On an emulated link (``links=True``) each rank's link is one more resource, as
 :class:`labkit.Link` imposes it: a call takes its poster's link when posted (a collective both
 sides, a message the sending side), once the calls posted before it are through, and a message
 takes its receiver's receiving side when it arrives; so a pipeline's gradient sent after a
 backward's buckets waits for all of them to leave. The link's time is a wait off the cores
 (``labkit.Link`` sleeps it off): a call asks for cores only while gloo's own work lasts.
+
+With ``gloo_queue`` gloo's work and the link's time run on queues of their own, as
+:mod:`labkit.comm.emulate` keeps them: gloo works through a group's calls in order (the next
+begins once gloo has moved this one's bytes) while each call's link time waits only for its
+members' links (their reservations); a call completes once both are done. Without it a call
+holds its stream until its link time too is through.
 
 A message may be ``eager`` (a buffered send, as the pipeline schedules' model takes it): it
 leaves on its sender's post alone, and the receiver takes it when it posts its receive.

@@ -19,16 +19,24 @@ that :func:`labkit.plan.simulate` runs too) and runs them again:
 * a call is **re-priced** by the link's α-β: ``steps·α + wire bytes / β`` (2(n−1) steps for
   an all-reduce, n − 1 for all-gather, reduce-scatter, broadcast and all-to-all, one for a
   message; the wire bytes are what the rank put on the wire, ``bytes``: :meth:`labkit.Link.seconds`
-  written per rank). A call measured on an emulated link keeps the part of its own time
-  beyond the old link's and gloo's (the link's wake-up, the members' join), so
-  ``new = max(gloo, α-β(new link)) + max(0, measured − max(gloo, α-β(old link)))``; one measured on raw gloo takes
-  the longer of its measured time and the new link's (gloo's work and the link's wait run at
-  once, as :mod:`labkit.comm.emulate` imposes them). On a link, a collective's gloo time is
-  known from ``moved`` (when gloo had moved the bytes, recorded before the link's wait), so a
-  faster link cannot make a call shorter than gloo made it; the call's excess beyond
-  max(gloo, old link) — the members' join, a thread's wake-up — runs after the link's part
-  without holding the link (``Issue.tail``: the next call may take the link meanwhile). A run on an emulated link cannot be
-  replayed on raw gloo (``link=None``): the link hid gloo's own time.
+  written per rank). Its measured time is cut into three parts, each re-priced by what it
+  depends on, as :mod:`labkit.comm.emulate` composes them:
+
+  - **gloo's own work**, from when gloo reached the call (its last member's entry, once gloo
+    was through the group's previous call: gloo runs a group's calls in order) to when gloo
+    was through it (``moved`` on its first member, recorded before the link's wait; on raw
+    gloo its first member's end). It is work on the cores, kept as measured;
+  - **the link's time**, from when every member's link was free (the calls before it on
+    those links through) for α-β of the old link: replaced by the new link's, on the link's
+    own queue (``Sim(gloo_queue=True)``), so the next call of the group may start gloo's
+    work meanwhile;
+  - **each member's rest**: when that member noted the call beyond both (its thread waking
+    from the link's sleep, a watcher thread noting a reduce-scatter): kept per member
+    (``Issue.tail``), after the call's end on that member only.
+
+  A call then ends at max(gloo, new link) plus its member's rest; a faster link cannot make a
+  call shorter than gloo made it. A run on an emulated link cannot be replayed on raw gloo
+  (``link=None``): the link hid how long gloo's calls would wait on one another.
 
 ``link``, ``compute`` and ``straggler`` are exact replays of the measured graph: its nodes and
 edges kept, some re-priced. ``bucket_mb`` changes the graph's shape and **rebuilds** it: the
