@@ -14,7 +14,7 @@ import pytest
 import labkit
 from labkit.analysis.graph import StepGraph
 from labkit.parallel.pipeline.schedules import build_schedule
-from labkit.plan.des import Compute, Issue, Sim, Wait
+from labkit.analysis.des import Compute, Issue, Sim, Wait
 from labkit.plan.whatif import _link_seconds, replay_step
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -154,7 +154,7 @@ def test_an_eager_message_leaves_on_its_senders_post_and_fractions_stay_exact():
 
 def test_the_schedule_model_is_a_replay_on_the_planners_core(monkeypatch):
     from labkit.parallel.pipeline.simulate import simulate
-    from labkit.plan import des
+    from labkit.analysis import des
 
     runs = []
     original = des.Sim.run

@@ -4,7 +4,7 @@ around this rank's experts (parallel/expert/dispatch.py), and the experts' own g
 """
 from __future__ import annotations
 
-from .des import Compute, Issue, Wait
+from ..analysis.des import Compute, Issue, Wait
 
 
 class ExpertPrograms:

@@ -3,7 +3,7 @@
 ``simulate(strategy, machine, model=, batch=)`` writes each rank's program as the executor
 runs it, prices every piece from the model's own operations (:mod:`labkit.plan.work`) with
 the machine's numbers, and runs the programs through the one simulator
-(:mod:`labkit.plan.des`):
+(:mod:`labkit.analysis.des`):
 
 * data parallelism: forward and backward block by block per micro-batch; the gradients
   per tensor after backward (naive), in buckets after backward (bucketed), or each bucket
@@ -47,7 +47,7 @@ from ..analysis.metrics import step_metrics
 from ..analysis.timeline import Timeline
 from ..grid import ParallelDims
 from .context_programs import ContextPrograms
-from .des import Compute, Issue, Sim, Wait
+from ..analysis.des import Compute, Issue, Sim, Wait
 from .expert_programs import ExpertPrograms
 from .machine import Machine, bus_factor, ring_steps
 

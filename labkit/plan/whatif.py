@@ -1,7 +1,7 @@
 """What if: a measured step replayed with another link, faster compute, or a straggler healed.
 
 ``run.whatif(link=labkit.Link(bandwidth=200e6), compute=1.0, straggler=None)`` turns each
-measured step into the planner's programs (:mod:`labkit.plan.des`, the one event-driven core
+measured step into the planner's programs (:mod:`labkit.analysis.des`, the one event-driven core
 that :func:`labkit.plan.simulate` runs too) and runs them again:
 
 * each rank's **compute spans** keep their measured durations, times ``compute`` (0.1: a
@@ -60,7 +60,7 @@ import numpy as np
 from ..analysis.events import group_ranks
 from ..analysis.graph import COLLECTIVES, EPS, StepGraph
 from ..analysis.timeline import Timeline
-from .des import Compute, Issue, Sim, Wait
+from ..analysis.des import Compute, Issue, Sim, Wait
 from .rebucket import check as check_rebucket, rebucket
 
 RING_STEPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 1}
@@ -136,7 +136,7 @@ def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None,
 # --- one step --------------------------------------------------------------------------------
 def replay_step(events: list[dict], world_size: int, old_link=None, new_link=None, compute: float = 1.0,
                 straggler: int | None = None, reshape=None) -> list[dict]:
-    """One step's events replayed on :class:`labkit.plan.des.Sim` (module docstring). ``reshape``:
+    """One step's events replayed on :class:`labkit.analysis.des.Sim` (module docstring). ``reshape``:
     (events, each call's (gloo seconds, excess) by (rank, name)) → (new events, the new calls'
     prices by (rank, name)), a rebuild of the step's shape before it is replayed."""
     graph = StepGraph(events)

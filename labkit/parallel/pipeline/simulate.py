@@ -4,15 +4,16 @@ Each rank runs its list in order; compute ops take their cost, a RECV waits for 
 SEND. The same lists the executor runs thus draw the ideal timeline, give the predicted
 bubble, and prove a schedule free of deadlock (:mod:`labkit.schedules` builds the lists).
 
-The lists run on the planner's one replay core (:class:`labkit.plan.des.Sim`), each rank on a
-core of its own: a compute op is a :class:`~labkit.plan.des.Compute`, a SEND an eager message
-(it leaves when posted, the sender goes on), a RECV that message's receiving side and a wait
-for it. Messages pair in order per (sender, receiver, direction), as NCCL pairs them.
+The lists run on the one replay core that the planner and ``run.whatif`` run on
+(:class:`labkit.analysis.des.Sim`), each rank on a core of its own: a compute op is a
+:class:`~labkit.analysis.des.Compute`, a SEND an eager message (it leaves when posted, the
+sender goes on), a RECV that message's receiving side and a wait for it. Messages pair in order per (sender, receiver, direction), as NCCL pairs them.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
+from ...analysis.des import Compute, Deadlock, Issue, Sim, Wait
 from ...analysis.events import make_event
 
 COMPUTE_OPS = ("F", "B", "I", "W")
@@ -35,8 +36,6 @@ def simulate(actions_per_rank: list[list], fwd_cost=1.0, bwd_cost=2.0,
     >>> max(e["end"] for e in ev)
     4
     """
-    from ...plan.des import Deadlock, Sim   # the planner's package imports the schedules at import time
-
     cost = {"F": fwd_cost, "B": bwd_cost, "I": bwd_cost / 2, "W": bwd_cost / 2, **(costs or {})}
     zero = 0 * cost["F"]  # keeps Fraction costs exact: a float 0.0 would turn them to floats
     comm_cost = comm_cost or zero
@@ -79,8 +78,6 @@ def _pair(actions_per_rank) -> tuple[dict, dict]:
 
 def _program(r: int, actions, cost: dict, comm_cost, zero, keys: dict) -> list[tuple]:
     """Rank r's items for the replay core, each with the action it came from."""
-    from ...plan.des import Compute, Issue, Wait
-
     out = []
     for a in actions:
         if a.op in COMPUTE_OPS:
