@@ -17,9 +17,11 @@ the rest of the step as measured (:mod:`labkit.plan.whatif`):
   gradient;
 * **its price**: the link's α-β on its bytes, as any replayed call (the new link's, or the
   run's own); gloo's own time the measured buckets' gloo time per byte (gloo's own α is not
-  resolved from one run's few calls: a smaller bucket is charged no extra latency of gloo's);
-  the time a call took beyond its link and gloo (the members' join, a thread's wake-up) the
-  measured buckets' median.
+  resolved from one run's few calls: a smaller bucket is charged no extra latency of gloo's,
+  a larger one saves none); each member's rest (its thread noting the call late) that of the
+  measured bucket holding the last gradient, on that member. A new bucket that is a measured
+  one (the same tensors) keeps that bucket's own measured price, so a rebuild at the run's own
+  size is the plain replay.
 
 Only plain data parallelism is rebuilt (dp > 1, dp_mode bucketed, overlap or ddp, no ZeRO, no
 other axis, no compression): other shapes are refused with what to use instead.
@@ -27,7 +29,6 @@ other axis, no compression): other shapes are refused with what to use instead.
 from __future__ import annotations
 
 import re
-from statistics import median
 
 from ..parallel.data import fill_buckets
 
@@ -54,14 +55,14 @@ def check(run, bucket_mb) -> list[tuple[str, int]]:
 
 def rebucket(events: list[dict], params, old_mb: float, new_mb: float, priced) -> tuple[list[dict], dict]:
     """One step's events with its buckets filled again at ``new_mb``, and each new bucket's
-    (gloo seconds, excess) by (rank, name): ``priced`` maps a measured bucket's (rank, name) to
-    its replayed (gloo seconds, excess) (module docstring)."""
+    (gloo seconds, this member's rest) by (rank, name): ``priced`` maps a measured bucket's
+    (rank, name) to its replayed (gloo seconds, rest) (module docstring)."""
     old = [[name for name, _ in b] for b in fill_buckets(params, lambda p: p[1], old_mb * MiB)]
     new = [[name for name, _ in b] for b in fill_buckets(params, lambda p: p[1], new_mb * MiB)]
     size = dict(params)
     kept = [e for e in events if not _is_bucket(e)]
     out, prices = list(kept), {}
-    per_byte, excess = _rates(events, size, old, priced)
+    per_byte = _per_byte(events, size, old, priced)
     for rank in sorted({e["rank"] for e in events}):
         measured = sorted((e for e in events if e["rank"] == rank and _is_bucket(e)),
                           key=lambda e: int(BUCKET.match(e["name"])[1]))
@@ -82,7 +83,8 @@ def rebucket(events: list[dict], params, old_mb: float, new_mb: float, priced) -
             out.append({**last, "name": name, "bytes": nbytes, "start": start, "end": max(last["end"], start),
                         "waited": max(last.get("waited", last["end"]), start)})
             out[-1].pop("moved", None)
-            prices[(rank, name)] = (per_byte * nbytes, excess)
+            gloo, rest = priced.get((rank, last["name"]), (0.0, 0.0))
+            prices[(rank, name)] = (gloo if bucket == old[home[bucket[-1]]] else per_byte * nbytes, rest)
     return out, prices
 
 
@@ -90,16 +92,14 @@ def _is_bucket(e: dict) -> bool:
     return e["stream"] == "comm" and e["kind"] == "allreduce" and BUCKET.match(e["name"]) is not None
 
 
-def _rates(events, size: dict, old, priced) -> tuple[float, float]:
-    """gloo's own seconds per byte over the step's measured buckets, and their median excess."""
-    gloo, nbytes, excess = 0.0, 0, []
+def _per_byte(events, size: dict, old, priced) -> float:
+    """gloo's own seconds per byte over the step's measured buckets."""
+    gloo, nbytes = 0.0, 0
     for e in events:
         if _is_bucket(e) and (e["rank"], e["name"]) in priced:
-            seconds, tail = priced[(e["rank"], e["name"])]
-            gloo += seconds
+            gloo += priced[(e["rank"], e["name"])][0]
             nbytes += sum(size[n] for n in old[int(BUCKET.match(e["name"])[1])])
-            excess.append(tail)
-    return (gloo / nbytes if nbytes else 0.0), (median(excess) if excess else 0.0)
+    return gloo / nbytes if nbytes else 0.0
 
 
 def _ready(events, rank: int, measured, old, size: dict) -> dict:
