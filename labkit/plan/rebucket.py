@@ -16,12 +16,12 @@ the rest of the step as measured (:mod:`labkit.plan.whatif`):
 * **where it is waited for**: where the rank waited for the measured bucket holding that last
   gradient;
 * **its price**: the link's α-β on its bytes, as any replayed call (the new link's, or the
-  run's own); gloo's own time the measured buckets' gloo time per byte (gloo's own α is not
-  resolved from one run's few calls: a smaller bucket is charged no extra latency of gloo's,
-  a larger one saves none); each member's rest (its thread noting the call late) that of the
-  measured bucket holding the last gradient, on that member. A new bucket that is a measured
-  one (the same tensors) keeps that bucket's own measured price, so a rebuild at the run's own
-  size is the plain replay.
+  run's own); gloo's own time the measured buckets' median gloo time per byte (gloo's own α
+  is not resolved from one run's few calls: a smaller bucket is charged no extra latency of
+  gloo's, a larger one saves none); each member's rest (its thread noting the call late) that
+  of the measured bucket holding the last gradient, on that member. A new bucket that is a
+  measured one (the same tensors) keeps that bucket's own measured price, so a rebuild at the
+  run's own size is the plain replay.
 
 Only plain data parallelism is rebuilt (dp > 1, dp_mode bucketed, overlap or ddp, no ZeRO, no
 other axis, no compression): other shapes are refused with what to use instead.
@@ -29,6 +29,7 @@ other axis, no compression): other shapes are refused with what to use instead.
 from __future__ import annotations
 
 import re
+from statistics import median
 
 from ..parallel.data import fill_buckets
 
@@ -93,13 +94,14 @@ def _is_bucket(e: dict) -> bool:
 
 
 def _per_byte(events, size: dict, old, priced) -> float:
-    """gloo's own seconds per byte over the step's measured buckets."""
-    gloo, nbytes = 0.0, 0
+    """gloo's own seconds per byte: the median over the step's measured buckets (one bucket whose
+    gloo thread was descheduled on a loaded machine does not set the rate of all)."""
+    rates = []
     for e in events:
         if _is_bucket(e) and (e["rank"], e["name"]) in priced:
-            gloo += priced[(e["rank"], e["name"])][0]
-            nbytes += sum(size[n] for n in old[int(BUCKET.match(e["name"])[1])])
-    return gloo / nbytes if nbytes else 0.0
+            nbytes = sum(size[n] for n in old[int(BUCKET.match(e["name"])[1])])
+            rates.append(priced[(e["rank"], e["name"])][0] / nbytes if nbytes else 0.0)
+    return median(rates) if rates else 0.0
 
 
 def _ready(events, rank: int, measured, old, size: dict) -> dict:
