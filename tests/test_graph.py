@@ -127,6 +127,8 @@ def test_on_the_link_gloo_and_the_link_queue_apart_and_each_member_notes_its_cal
                                                              gloo_queue=q).run()} for q in (True, False)}
     assert ends[True][(0, "b")] == pytest.approx(4.0) and ends[False][(0, "b")] == pytest.approx(6.0)
     assert ends[True][(0, "a")] == pytest.approx(3.0) and ends[True][(1, "a")] == pytest.approx(3.5)
+    # a call priced below zero (a recorder's rounding) ends at once instead of never
+    assert Sim([[Issue("c", (0,), -1e-9, "allreduce", "c"), Wait("c")]], links=True, gloo_queue=True).run()
 
 def test_a_prediction_has_a_critical_path_too():
     tl = labkit.Timeline(run_sim(dp_programs(link=labkit.Link(bandwidth=100e6))))

@@ -279,9 +279,9 @@ class Sim:
                 j.remaining = left if left > EPS * max(1.0, j.remaining) else 0.0
         if self.gloo_queue:
             for j in self.running:
-                if j.what[0] == "call" and j.remaining == 0 and not j.released:
+                if j.what[0] == "call" and j.remaining <= 0 and not j.released:
                     self._release(j)
-        finished = [j for j in self.running if j.remaining == 0 and j.until <= self.t + EPS]
+        finished = [j for j in self.running if j.remaining <= 0 and j.until <= self.t + EPS]
         self.running = [j for j in self.running if j not in finished]
         for j in finished:
             self._finish(j)

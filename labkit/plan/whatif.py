@@ -184,7 +184,7 @@ def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
         done = {m: graph.events[m]["moved"] if None not in moved else graph.end[m] for m in rows}
         through[key] = min(done.values())
         if old_link is None:                     # raw gloo: its time and the new link's run at once
-            out.update({m: _Call(key, group, through[key] - begin, new, float(graph.end[m] - through[key]), ordered)
+            out.update({m: _Call(key, group, max(0.0, through[key] - begin), new, float(graph.end[m] - through[key]), ordered)
                         for m in rows})
             continue
         # on the old link: gloo's own part (from when gloo reached the call to when it had moved
