@@ -271,7 +271,8 @@ class Sim:
         work left share the cores (each at most one), the links' waits run on the wall clock."""
         asks = sum(j.ask for j in self.running if j.remaining > 0)
         speed = 1 if asks <= self.cores else self.cores / asks
-        dt = min((j.remaining if speed == 1 else j.remaining / speed) if j.remaining > 0 else max(0, j.until - self.t) for j in self.running)
+        dt = min((j.remaining if speed == 1 else j.remaining / speed) if j.remaining > 0
+                 else max(0, j.until - self.t) for j in self.running)
         self.t += dt
         for j in self.running:
             if j.remaining > 0:

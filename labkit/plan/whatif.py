@@ -184,8 +184,8 @@ def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
         done = {m: graph.events[m]["moved"] if None not in moved else graph.end[m] for m in rows}
         through[key] = min(done.values())
         if old_link is None:                     # raw gloo: its time and the new link's run at once
-            out.update({m: _Call(key, group, max(0.0, through[key] - begin), new, float(graph.end[m] - through[key]), ordered)
-                        for m in rows})
+            gloo = max(0.0, through[key] - begin)
+            out.update({m: _Call(key, group, gloo, new, float(graph.end[m] - through[key]), ordered) for m in rows})
             continue
         # on the old link: gloo's own part (from when gloo reached the call to when it had moved
         # the bytes), the link's part (from when every member's link was free), and each member's rest
@@ -209,7 +209,8 @@ def _members(graph: StepGraph) -> list[tuple]:
             continue
         if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
             members = graph.members[i]
-            call = (("c", int(min(members))), tuple(sorted(int(graph.rank[m]) for m in members)), True, members.tolist())
+            ranks = tuple(sorted(int(graph.rank[m]) for m in members))
+            call = (("c", int(min(members))), ranks, True, members.tolist())
         elif kind in ("send", "recv") and i in graph.partner:
             s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
             call = (("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r])
