@@ -9,10 +9,13 @@ Prints, for a run of local CPU engines:
    micro-batch's forward of that stage lies on the path.
 3. **Coverage**: the path's length against the step, every step of every run above.
 4. **What if**: each case run at 50 MB/s on the emulated link, replayed at 10 and 200 MB/s
-   (``run.whatif(link=…)``), and run again at those links; predicted ÷ measured step time. The
+   (``run.whatif(link=…)``), and run again at those links; predicted ÷ measured step time, the
+   50 MB/s run replayed on its own link, and each real run's spread of step times. The
    cases use a model the project's tests do not (an ordinary ``nn.Module`` with a residual
    block, width 192, five blocks): dp overlap, ZeRO-3, 1F1B, and tp (2 engines) or dp×tp (4).
-   Then from a raw-gloo run to the 50 MB/s link: how far a replay goes without the link's view.
+   Then dp overlap's buckets rebuilt at 0.05 and 1 MiB (``run.whatif(bucket_mb=…)``) against runs
+   at those sizes, and from a raw-gloo run to the 50 MB/s link: how far a replay goes without the
+   link's view.
 5. **Scale**: ``critical_path`` on synthetic 1,024 ranks × 400 spans, seconds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_graph.py            # 2 engines for 4.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from statistics import median
 
 import numpy as np
@@ -97,8 +101,9 @@ def whatif(lab, engines: int) -> None:
         cases["dp×tp"] = labkit.Strategy(dp=2, tp=2)
     tp_plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
     kw = dict(model=Residual, batch=32, steps=4, data=_data, tp_plan=tp_plan)
-    print(f"4. what if, {engines} engines, a residual nn.Module (width 192, 5 blocks): predicted ÷ measured step")
-    print(f"   {'case':<12} {'at 50 MB/s':>11} {'10 MB/s':>20} {'200 MB/s':>20}")
+    print(f"4. what if, {engines} engines, a residual nn.Module (width 192, 5 blocks): predicted ÷ measured step "
+          f"(load {open('/proc/loadavg').read().split()[0]})")
+    print(f"   {'case':<12} {'at 50 MB/s':>11} {'replayed':>9} {'10 MB/s':>20} {'200 MB/s':>20}   real runs' steps, min–max")
     errors = []
     for name, strategy in cases.items():
         runs = {}
@@ -113,9 +118,13 @@ def whatif(lab, engines: int) -> None:
             real = runs[bw].metrics["step_time_s"]
             errors.append(pred / real - 1)
             cells.append(f"{pred * 1e3:6.1f}/{real * 1e3:6.1f} ms {pred / real:5.2f}")
-        print(f"   {name:<12} {base.metrics['step_time_s'] * 1e3:8.1f} ms {cells[0]:>20} {cells[1]:>20}")
+        spread = "  ".join(f"{min(r.timeline.step_durations().values()) * 1e3:.0f}–"
+                           f"{max(r.timeline.step_durations().values()) * 1e3:.0f}" for r in runs.values())
+        print(f"   {name:<12} {base.metrics['step_time_s'] * 1e3:8.1f} ms {base.whatif().step_time_s * 1e3:6.1f} ms "
+              f"{cells[0]:>20} {cells[1]:>20}   {spread}")
     within = sum(abs(e) <= 0.15 for e in errors)
     print(f"   within 15 %: {within}/{len(errors)}; median |error| {median(abs(e) for e in errors):.1%}")
+    rebuckets(lab, cases["dp overlap"], kw)
     lab.link = None
     print("   from raw gloo to the 50 MB/s link (the replay cannot see gloo under a link):")
     for name, strategy in cases.items():
@@ -127,6 +136,20 @@ def whatif(lab, engines: int) -> None:
         pred = raw.whatif(link=labkit.Link(bandwidth=50e6, **LINK)).step_time_s
         print(f"   {name:<12} raw {raw.metrics['step_time_s'] * 1e3:6.1f} ms → predicted {pred * 1e3:6.1f}, "
               f"measured {real * 1e3:6.1f} ms ({pred / real:.2f})")
+
+
+def rebuckets(lab, strategy, kw) -> None:
+    """Part 4b: dp overlap's buckets rebuilt at another size (run.whatif(bucket_mb=…)) against runs at it."""
+    print(f"   buckets rebuilt from {strategy.bucket_mb} MiB at 50 MB/s: predicted / measured step")
+    lab.link = labkit.Link(bandwidth=50e6, **LINK)
+    base = lab.run(strategy, **kw)
+    for mb in (0.05, 1.0):
+        other = replace(strategy, bucket_mb=mb)
+        lab.run(other, **{**kw, "steps": 1})
+        real = lab.run(other, **kw).metrics["step_time_s"]
+        pred = base.whatif(bucket_mb=mb).step_time_s
+        print(f"   bucket_mb={mb:<5} {pred * 1e3:6.1f}/{real * 1e3:6.1f} ms {pred / real:5.2f} "
+              f"(measured at {strategy.bucket_mb}: {base.metrics['step_time_s'] * 1e3:.1f} ms)")
 
 
 def _data(step: int):

@@ -14,7 +14,7 @@ import pytest
 import labkit
 from labkit.analysis.graph import StepGraph
 from labkit.parallel.pipeline.schedules import build_schedule
-from labkit.plan.des import Compute, Issue, Sim, Wait
+from labkit.analysis.des import Compute, Issue, Sim, Wait
 from labkit.plan.whatif import _link_seconds, replay_step
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -116,11 +116,72 @@ def test_replaying_a_step_unchanged_gives_it_back_and_a_new_link_gives_the_run_o
         max(e["end"] for e in run_sim(dp_programs(link=old, compute=0.1))), rel=1e-9)
 
 
+def test_on_the_link_gloo_and_the_link_queue_apart_and_each_member_notes_its_call_itself():
+    """Two calls of one group back to back: a (gloo 1 s, link 3 s), b (gloo 3 s, link 1 s). With
+    gloo_queue b's gloo work starts once gloo is through a, under a's link time (ends 1 + 3),
+    without it once a's link is through too (3 + 3); a member's own tail delays that member alone."""
+    def program(tail):
+        return [Issue("a", (0, 1), 1.0, "allreduce", "a", link=3.0, tail=tail), Issue("b", (0, 1), 3.0, "allreduce",
+                "b", link=1.0), Wait("a"), Wait("b")]
+    ends = {q: {(e["rank"], e["name"]): e["end"] for e in Sim([program(0.0), program(0.5)], cores=2, links=True,
+                                                             gloo_queue=q).run()} for q in (True, False)}
+    assert ends[True][(0, "b")] == pytest.approx(4.0) and ends[False][(0, "b")] == pytest.approx(6.0)
+    assert ends[True][(0, "a")] == pytest.approx(3.0) and ends[True][(1, "a")] == pytest.approx(3.5)
+    # a call priced below zero (a recorder's rounding) ends at once instead of never
+    assert Sim([[Issue("c", (0,), -1e-9, "allreduce", "c"), Wait("c")]], links=True, gloo_queue=True).run()
+
 def test_a_prediction_has_a_critical_path_too():
     tl = labkit.Timeline(run_sim(dp_programs(link=labkit.Link(bandwidth=100e6))))
     assert all("group" in e for e in tl.events if e["kind"] == "allreduce")
     assert all("waited" in e for e in tl.events if e["kind"] == "allreduce")
     assert len(tl.critical_path()) > 0
+
+
+
+# -- one replay core: the pipeline schedules' model runs on it ----------------------------------------
+def test_an_eager_message_leaves_on_its_senders_post_and_fractions_stay_exact():
+    from fractions import Fraction
+
+    third = Fraction(1, 3)
+    message = Issue("m", (0, 1), third, "send", "m", peer=1, ordered=False, link=0, eager=True)
+    receive = Issue("m", (0, 1), third, "recv", "m", peer=0, ordered=False, link=0, eager=True)
+    late = Sim([[message, Compute(third, "fwd")], [Compute(2 * third, "fwd"), receive, Wait("m")]], cores=2).run()
+    recv = next(e for e in late if e["kind"] == "recv")
+    assert (recv["start"], recv["end"]) == (2 * third, 2 * third)      # there already: taken at once
+    assert all(isinstance(e["end"], Fraction) for e in late)
+    early = Sim([[Compute(third, "fwd"), message], [receive, Wait("m")]], cores=2).run()
+    assert [(e["kind"], e["start"], e["end"]) for e in early if e["rank"] == 1] == [
+        ("wait", 0, third), ("recv", third, 2 * third)]
+
+
+def test_the_schedule_model_is_a_replay_on_the_planners_core(monkeypatch):
+    from labkit.parallel.pipeline.simulate import simulate
+    from labkit.analysis import des
+
+    runs = []
+    original = des.Sim.run
+    monkeypatch.setattr(des.Sim, "run", lambda self: runs.append(len(self.programs)) or original(self))
+    events = simulate(build_schedule("1f1b", 3, 4), 1, 2, 0.5)
+    assert runs == [3]
+    assert max(e["end"] for e in events) == 22       # what the model's own loop drew before it ran on the core
+    stuck = [[Issue("x", (1, 0), 1, "recv", "x", ordered=False, eager=True), Wait("x")], []]
+    with pytest.raises(des.Deadlock) as err:
+        Sim(stuck).run()
+    assert err.value.stuck == {0: 1}
+
+
+def test_a_rebuild_is_refused_where_it_does_not_reach():
+    from types import SimpleNamespace
+
+    for strategy in (labkit.Strategy(pp=2), labkit.Strategy(dp=2, zero=1), labkit.Strategy(dp=2, dp_mode="naive")):
+        run = SimpleNamespace(strategy=strategy, params={}, timeline=labkit.Timeline([]), link=None)
+        with pytest.raises(ValueError, match="plain data parallelism"):
+            labkit.plan.whatif.whatif(run, bucket_mb=1)
+    run = SimpleNamespace(strategy=labkit.Strategy(dp=2), params={}, timeline=labkit.Timeline([]), link=None)
+    with pytest.raises(ValueError, match="kept no parameters"):
+        labkit.plan.whatif.whatif(run, bucket_mb=1)
+    with pytest.raises(ValueError, match="MiB"):
+        labkit.plan.whatif.whatif(run, bucket_mb=0)
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -188,6 +249,15 @@ def test_a_run_records_what_the_graph_needs_and_replays_itself(lab2):
     same = run.whatif()
     assert same.step_time_s == pytest.approx(same.measured_step_s, rel=0.05)
     with pytest.raises(TypeError, match="labkit.plan.simulate"):
-        run.whatif(bucket_mb=4)
+        run.whatif(microbatches=2)
+    rebuilt = run.whatif(bucket_mb=run.strategy.bucket_mb)    # the run's own buckets, rebuilt: the replay
+    assert rebuilt.step_time_s == pytest.approx(same.step_time_s, rel=1e-6)
+    from labkit.parallel.data import fill_buckets
+    sizes = [(k, t.numel() * 4) for k, t in run.params.items()]
+    small = run.whatif(bucket_mb=0.01)
+    last = small.timeline.step(step).events
+    assert len([e for e in last if e["rank"] == 0 and e["kind"] == "allreduce"]) == \
+        len(fill_buckets(sizes, lambda p: p[1], 0.01 * MB)) > len(comm) // (2 * len(run.timeline.steps))
+    assert "rebuilt" in small.what
     fig = run.timeline.plot(critical_path=True)
     assert "critical path" in fig.axes[0].get_title()

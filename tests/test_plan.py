@@ -9,7 +9,7 @@ import pytest
 
 from labkit import plan
 from labkit.plan import Cluster, ClusterStrategy, ModelShape, predict, search
-from labkit.plan.des import Compute, Issue, Sim, Wait
+from labkit.analysis.des import Compute, Issue, Sim, Wait
 from labkit.plan.machine import FAMILIES, Machine
 from labkit.plan.memory import held, layer_activation_bytes, memory_breakdown, rank_memory
 from labkit.plan.step import pipeline_time, stage_costs
@@ -741,7 +741,7 @@ def test_find_cycle_finds_a_function_level_cycle_and_none_in_a_chain():
 
 def test_plan_modules_sit_in_no_import_cycle_not_even_inside_functions():
     graph = plan_import_graph()
-    assert "labkit.plan.des" in graph and graph["labkit.plan.step"]       # the scan sees the package
+    assert "labkit.plan.physical" in graph and graph["labkit.plan.step"]       # the scan sees the package
     cycle = find_cycle(graph)
     assert not cycle, "labkit.plan import cycle: " + " → ".join(cycle)
 

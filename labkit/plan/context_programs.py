@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import price
-from .des import Compute, Wait
+from ..analysis.des import Compute, Wait
 
 _COUNTED: dict = {}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 from . import price
-from .des import Compute, Wait
+from ..analysis.des import Compute, Wait
 
 MiB = 1024 * 1024
 

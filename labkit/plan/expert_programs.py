@@ -12,7 +12,7 @@ pair's message posted at once, one latency and the busiest member's bytes.
 from __future__ import annotations
 
 from . import price
-from .des import Compute, Issue, Wait
+from ..analysis.des import Compute, Issue, Wait
 
 
 class ExpertPrograms:

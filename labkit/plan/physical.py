@@ -3,7 +3,7 @@
 ``simulate(strategy, machine, model=, batch=)`` writes each rank's program as the executor
 runs it, prices every piece from the model's own operations (:mod:`labkit.plan.work`) with
 the machine's numbers, and runs the programs through the one simulator
-(:mod:`labkit.plan.des`):
+(:mod:`labkit.analysis.des`):
 
 one piece per axis, as parallel/ runs it: dp and ZeRO (:mod:`.data_programs`), pipelines
 (:mod:`.pipeline_programs`), Megatron tp (:mod:`.tensor_programs`), cp's attention across the
@@ -21,7 +21,7 @@ from ..grid import ParallelDims
 from . import price
 from .context_programs import ContextPrograms
 from .data_programs import DataPrograms
-from .des import Compute, Issue, Wait
+from ..analysis.des import Compute, Issue, Wait
 from .expert_programs import ExpertPrograms
 from .machine import Machine, bus_factor, ring_steps
 from .pipeline_programs import PipelinePrograms

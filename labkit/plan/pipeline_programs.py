@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .des import Compute, Wait
+from ..analysis.des import Compute, Wait
 
 
 class PipelinePrograms:

@@ -1,7 +1,7 @@
 """The planner's prices: what one counted op and one call cost on a measured machine.
 
 A step is each rank's program (:mod:`labkit.plan.physical`) run through the simulator
-(:mod:`labkit.plan.des`); every piece of a program is priced here, from the
+(:mod:`labkit.analysis.des`); every piece of a program is priced here, from the
 :class:`~labkit.plan.machine.Machine`'s measured numbers and nothing else.
 
 **Compute.** An op (:class:`labkit.plan.work.Op`: its FLOPs F, bytes moved B of which C come
@@ -37,7 +37,7 @@ Posting a call costs the issuing thread ``call_s``.
 span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
 link); when the asks exceed the cores every one runs at cores/asks of its speed. A message whose sender is computing
 on full cores waits ``wake_s`` for its thread's turn; two messages crossing between one pair
-each take ``cross_s`` longer (:class:`labkit.plan.des.Sim` runs this).
+each take ``cross_s`` longer (:class:`labkit.analysis.des.Sim` runs this).
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def comm_seconds(machine, family: str, nbytes: float, n: int, gloo: float | None
 def simulator(programs, machine):
     """The simulator on ``machine``'s shared cores (the module docstring's last paragraph), each
     posted call preceded by its host cost on the issuing thread."""
-    from .des import Compute, Issue, Sim
+    from ..analysis.des import Compute, Issue, Sim
     posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
               for prog in programs]
     return Sim(posted, machine.cores, 0.0, machine.wake_s, machine.cross_s,

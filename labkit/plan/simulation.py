@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..analysis.timeline import Timeline
 from ..parallel.pipeline import SPLIT_BACKWARD
 from ..parallel.pipeline.schedules import build_schedule
-from .des import Compute, Issue, Sim, Wait
+from ..analysis.des import Compute, Issue, Sim, Wait
 
 KINDS = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
 

@@ -41,7 +41,7 @@ traffic and the optimizer step at HBM bandwidth.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape

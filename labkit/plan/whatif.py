@@ -1,7 +1,7 @@
 """What if: a measured step replayed with another link, faster compute, or a straggler healed.
 
 ``run.whatif(link=labkit.Link(bandwidth=200e6), compute=1.0, straggler=None)`` turns each
-measured step into the planner's programs (:mod:`labkit.plan.des`, the one event-driven core
+measured step into the planner's programs (:mod:`labkit.analysis.des`, the one event-driven core
 that :func:`labkit.plan.simulate` runs too) and runs them again:
 
 * each rank's **compute spans** keep their measured durations, times ``compute`` (0.1: a
@@ -19,35 +19,49 @@ that :func:`labkit.plan.simulate` runs too) and runs them again:
 * a call is **re-priced** by the link's α-β: ``steps·α + wire bytes / β`` (2(n−1) steps for
   an all-reduce, n − 1 for all-gather, reduce-scatter, broadcast and all-to-all, one for a
   message; the wire bytes are what the rank put on the wire, ``bytes``: :meth:`labkit.Link.seconds`
-  written per rank). A call measured on an emulated link keeps the part of its own time
-  beyond the old link's and gloo's (the link's wake-up, the members' join), so
-  ``new = max(gloo, α-β(new link)) + max(0, measured − max(gloo, α-β(old link)))``; one measured on raw gloo takes
-  the longer of its measured time and the new link's (gloo's work and the link's wait run at
-  once, as :mod:`labkit.comm.emulate` imposes them). On a link, a collective's gloo time is
-  known from ``moved`` (when gloo had moved the bytes, recorded before the link's wait), so a
-  faster link cannot make a call shorter than gloo made it; the call's excess beyond
-  max(gloo, old link) — the members' join, a thread's wake-up — runs after the link's part
-  without holding the link (``Issue.tail``: the next call may take the link meanwhile). A run on an emulated link cannot be
-  replayed on raw gloo (``link=None``): the link hid gloo's own time.
+  written per rank). Its measured time is cut into three parts, each re-priced by what it
+  depends on, as :mod:`labkit.comm.emulate` composes them:
 
-These knobs are exact replays of the measured graph. Knobs that change the graph's shape —
-bucket size, micro-batches, the dp mode, the schedule — are not: predict those with
-:func:`labkit.plan.simulate`, which rebuilds the executor's action lists.
+  - **gloo's own work**, from when gloo reached the call (its last member's entry, once gloo
+    was through the group's previous call: gloo runs a group's calls in order) to when gloo
+    was through it (``moved`` on its first member, recorded before the link's wait; on raw
+    gloo its first member's end). It is work on the cores, kept as measured;
+  - **the link's time**, from when every member's link was free (the calls before it on
+    those links through) for α-β of the old link: replaced by the new link's, on the link's
+    own queue (``Sim(gloo_queue=True)``), so the next call of the group may start gloo's
+    work meanwhile;
+  - **each member's rest**: when that member noted the call beyond both (its thread waking
+    from the link's sleep, a watcher thread noting a reduce-scatter): kept per member
+    (``Issue.tail``), after the call's end on that member only.
+
+  A call then ends at max(gloo, new link) plus its member's rest; a faster link cannot make a
+  call shorter than gloo made it. A run on an emulated link cannot be replayed on raw gloo
+  (``link=None``): the link hid how long gloo's calls would wait on one another.
+
+``link``, ``compute`` and ``straggler`` are exact replays of the measured graph: its nodes and
+edges kept, some re-priced. ``bucket_mb`` changes the graph's shape and **rebuilds** it: the
+executor's own buckets filled again at the new size over the run's parameters, each placed where
+its last gradient was ready and priced from the measured buckets (:mod:`labkit.plan.rebucket`;
+plain data parallelism only). The other knobs that change the shape — micro-batches, the dp
+mode, the schedule, ZeRO — are refused: predict those with :func:`labkit.plan.simulate`, which
+builds the executor's action lists from the model's counted operations and a measured Machine.
 
     >>> fast = run.whatif(link=labkit.Link(bandwidth=200e6, latency=2e-4))
     >>> fast.step_time_s, fast.timeline.bound_by()
+    >>> run.whatif(bucket_mb=0.05).step_time_s           # a rebuild: smaller buckets, leaving sooner
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..analysis.events import group_ranks
 from ..analysis.graph import COLLECTIVES, EPS, StepGraph
 from ..analysis.timeline import Timeline
-from .des import Compute, Issue, Sim, Wait
+from ..analysis.des import Compute, Issue, Sim, Wait
+from .rebucket import check as check_rebucket, rebucket
 
 RING_STEPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 1}
 """α's paid per call, by kind; others (all-gather, reduce-scatter, broadcast, all-to-all): n − 1."""
@@ -80,11 +94,13 @@ class WhatIf:
 def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None, **knobs) -> WhatIf:
     """``run``'s steps replayed with ``link`` (a labkit.Link; "same": the run's own), compute
     times ``compute``, and ``straggler``'s compute brought to its peers' median (module
-    docstring)."""
+    docstring); ``bucket_mb``: the gradient buckets rebuilt at that size (labkit.plan.rebucket)."""
+    bucket_mb = knobs.pop("bucket_mb", None)
     if knobs:
         raise TypeError(f"whatif({', '.join(knobs)}=…): these knobs change the step's shape, which a replay "
-                        f"of the measured graph cannot do; predict them with labkit.plan.simulate(strategy, "
-                        f"machine, model=…), which rebuilds the executor's action lists")
+                        f"of the measured graph cannot do (only bucket_mb is rebuilt); predict them with "
+                        f"labkit.plan.simulate(strategy, machine, model=…), which builds the executor's action lists")
+    params = check_rebucket(run, bucket_mb) if bucket_mb is not None else None
     if isinstance(compute, bool) or not isinstance(compute, (int, float)) or not 0 < compute < float("inf"):
         raise ValueError(f"whatif(compute={compute!r}): give the factor on compute time, e.g. 0.1 for ten times "
                          f"faster compute, 1.0 for as measured")
@@ -98,14 +114,19 @@ def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None,
         raise ValueError(f"whatif(straggler={straggler!r}): give a rank from 0 to {tl.world_size - 1}")
     if not tl.steps:
         raise ValueError("whatif: the run holds no events (run it with record=True)")
+    reshape = None
+    if params is not None:
+        def reshape(events, priced):
+            return rebucket(events, params, run.strategy.bucket_mb, bucket_mb, priced)
     replayed = []
     for s in tl.steps:
-        events = replay_step(tl.step(s).events, tl.world_size, measured_link, new_link, compute, straggler)
+        events = replay_step(tl.step(s).events, tl.world_size, measured_link, new_link, compute, straggler, reshape)
         replayed += [dict(e, step=s) for e in events]
     what = ", ".join(w for w in (
         f"link {new_link}" if new_link is not measured_link else "",
         f"compute ×{compute:g}" if compute != 1.0 else "",
-        f"rank {straggler} healed" if straggler is not None else "") if w) or "nothing changed"
+        f"rank {straggler} healed" if straggler is not None else "",
+        f"buckets of {bucket_mb:g} MiB (rebuilt)" if bucket_mb is not None else "") if w) or "nothing changed"
     out = Timeline(replayed, tl.world_size, f"what if {what}", tl.grid)
     batch = getattr(run, "batch", None) or 1
     measured = float(np.median(list(tl.step_durations().values())))
@@ -114,13 +135,25 @@ def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None,
 
 # --- one step --------------------------------------------------------------------------------
 def replay_step(events: list[dict], world_size: int, old_link=None, new_link=None, compute: float = 1.0,
-                straggler: int | None = None) -> list[dict]:
-    """One step's events replayed on :class:`labkit.plan.des.Sim` (module docstring)."""
+                straggler: int | None = None, reshape=None) -> list[dict]:
+    """One step's events replayed on :class:`labkit.analysis.des.Sim` (module docstring). ``reshape``:
+    (events, each call's (gloo seconds, excess) by (rank, name)) → (new events, the new calls'
+    prices by (rank, name)), a rebuild of the step's shape before it is replayed."""
     graph = StepGraph(events)
     calls = _calls(graph, old_link, new_link)
+    if reshape is not None:
+        priced = {(e["rank"], e["name"]): (calls[i].seconds, calls[i].tail)
+                  for i, e in enumerate(graph.events) if i in calls}
+        events, prices = reshape(graph.events, priced)
+        graph = StepGraph(events)
+        calls = _calls(graph, old_link, new_link)
+        for i, e in enumerate(graph.events):
+            if i in calls and (e["rank"], e["name"]) in prices:
+                seconds, tail = prices[(e["rank"], e["name"])]
+                calls[i] = replace(calls[i], seconds=seconds, tail=tail)
     scale = _compute_scale(events, world_size, compute, straggler)
     programs = [_program(graph, r, calls, scale[r]) for r in range(world_size)]
-    return Sim(programs, cores=float(world_size), links=new_link is not None).run()
+    return Sim(programs, cores=float(world_size), links=new_link is not None, gloo_queue=True).run()
 
 
 @dataclass
@@ -134,53 +167,71 @@ class _Call:
 
 
 def _calls(graph: StepGraph, old_link, new_link) -> dict[int, _Call]:
-    """Each comm span's call: its key (one per collective or message), members and price."""
-    out, freed = {}, {}                  # freed: a collective's key → when it left its link
-    for i in np.argsort(graph.start, kind="stable").tolist():
-        e = graph.events[i]
-        kind = e["kind"]
-        if e["stream"] != "comm" or kind == "wait":
-            continue
-        if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
-            members = graph.members[i]
-            key, group, ordered, rows = ("c", int(min(members))), tuple(sorted(int(graph.rank[m]) for m in members)), \
-                True, members.tolist()
-        elif kind in ("send", "recv") and i in graph.partner:
-            s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
-            key, group, ordered, rows = ("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r]
-        else:                                   # a call alone on its rank (its peers unrecorded)
-            key, group, ordered, rows = ("a", i), (int(graph.rank[i]),), True, [i]
+    """Each comm span's call: its key (one per collective or message), members and price,
+    priced in the order the calls entered (their last member's start), as their links took them."""
+    out, through, link_free = {}, {}, {}      # a collective's key → when gloo was through; a rank's link → free
+    calls = _members(graph)
+    for key, group, ordered, rows in sorted(calls, key=lambda c: max(graph.start[m] for m in c[3])):
+        i, kind = rows[0], graph.kind[rows[0]]
         nbytes = max(graph.events[m]["bytes"] for m in rows)
-        ranks = group if kind not in COLLECTIVES else (group_ranks(e.get("group", "")) or group)
+        ranks = group if kind not in COLLECTIVES else (group_ranks(graph.events[i].get("group", "")) or group)
         old = _link_seconds(old_link, kind, nbytes, ranks)
-        begin = _began(graph, i, rows, freed, old_link is not None)
-        freed[key] = begin + old
-        end = max(graph.end[m] for m in rows)
         new = _link_seconds(new_link, kind, nbytes, ranks)
+        begin = _began(graph, i, rows, through)
+        moved = [graph.events[m].get("moved") for m in rows]
+        # gloo is through the call once its first member is; each other member notes it later
+        # (its own thread's wake-up): that lag is the member's own excess
+        done = {m: graph.events[m]["moved"] if None not in moved else graph.end[m] for m in rows}
+        through[key] = min(done.values())
         if old_link is None:                     # raw gloo: its time and the new link's run at once
-            seconds, link, tail = end - begin, new, 0.0
-        else:                                    # gloo's own time, if recorded; the rest is the tail
-            moved = [graph.events[m].get("moved") for m in rows]
-            gloo = max(moved) - begin if None not in moved else 0.0
-            seconds, link = max(0.0, gloo), new
-            tail = max(0.0, end - begin - max(seconds, old))
-        for m in rows:
-            out[m] = _Call(key, group, seconds, link, tail, ordered)
+            gloo = max(0.0, through[key] - begin)
+            out.update({m: _Call(key, group, gloo, new, float(graph.end[m] - through[key]), ordered) for m in rows})
+            continue
+        # on the old link: gloo's own part (from when gloo reached the call to when it had moved
+        # the bytes), the link's part (from when every member's link was free), and each member's rest
+        entered = max(graph.start[m] for m in rows)
+        link_end = max([entered] + [link_free.get(r, 0.0) for r in group]) + old
+        link_free.update({r: link_end for r in group})
+        gloo = through[key] - begin if None not in moved else 0.0
+        freed = max(through[key] if None not in moved else begin, link_end)
+        out.update({m: _Call(key, group, max(0.0, gloo), new, max(0.0, float(graph.end[m] - freed)), ordered)
+                    for m in rows})
     return out
 
 
-def _began(graph: StepGraph, i: int, rows, freed: dict, on_link: bool) -> float:
-    """When call i began moving bytes: its last member's entry, and, for a collective, its
-    group's previous call out of the way — on an emulated link once that call left the link
-    (its recorded end can come later: the thread that notes it wakes late), else at its end."""
+def _members(graph: StepGraph) -> list[tuple]:
+    """(key, ranks, ordered, rows) of each call in the step: a collective's members, a message's
+    two ends, or a call alone on its rank (its peers unrecorded)."""
+    seen, out = set(), []
+    for i in range(len(graph)):
+        e, kind = graph.events[i], graph.kind[i]
+        if e["stream"] != "comm" or kind == "wait" or i in seen:
+            continue
+        if kind in COLLECTIVES and len(graph.members.get(i, ())) > 1:
+            members = graph.members[i]
+            ranks = tuple(sorted(int(graph.rank[m]) for m in members))
+            call = (("c", int(min(members))), ranks, True, members.tolist())
+        elif kind in ("send", "recv") and i in graph.partner:
+            s, r = (i, graph.partner[i]) if kind == "send" else (graph.partner[i], i)
+            call = (("p", s), (int(graph.rank[s]), int(graph.rank[r])), False, [s, r])
+        else:
+            call = (("a", i), (int(graph.rank[i]),), True, [i])
+        seen.update(call[3])
+        out.append(call)
+    return out
+
+
+def _began(graph: StepGraph, i: int, rows, through: dict) -> float:
+    """When gloo began call i: its last member's entry, and, for a collective, once gloo was
+    through its group's previous call (gloo runs a group's calls in order; ``through``: when it
+    had moved that call's bytes, recorded on an emulated link, else the call's end)."""
     begin = max(graph.start[m] for m in rows)        # a message's spans start once both ends are there
     if graph.kind[i] not in COLLECTIVES or i not in graph.members:
         return float(begin)
     previous = graph.previous.get(i)
     if previous is not None:
         key = ("c", int(min(previous)))
-        before = freed.get(key) if on_link and key in freed else max(graph.end[p] for p in previous)
-        begin = max(begin, before)
+        begin = max(begin, through.get(key, max(graph.end[p] for p in previous)))
     return float(begin)
 
 
@@ -265,7 +316,7 @@ def _program(graph: StepGraph, rank: int, calls: dict[int, _Call], scale: dict) 
             k += 1
         if end - t > EPS:
             prog.append(Compute((end - t) * scale[e["kind"]], e["kind"], e["name"], e.get("microbatch")))
-        cursor = max(cursor, end)
+        cursor = max(cursor, end, t)         # a wait inside the span may have held the rank past its end
     for p in points[k:]:
         point(p)
     return prog

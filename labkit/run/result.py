@@ -142,9 +142,9 @@ class Run:
         """This run's measured steps replayed with another ``link`` (a labkit.Link), compute
         times ``compute`` (0.1: ten times faster), or rank ``straggler``'s compute brought to
         its peers' median: ``.step_time_s``, ``.metrics``, ``.timeline`` (draw it against the
-        run with ``labkit.plan.overlay``). Exact replays of the measured graph; knobs that
-        change its shape (buckets, micro-batches) belong to labkit.plan.simulate
-        (:mod:`labkit.plan.whatif`)."""
+        run with ``labkit.plan.overlay``). Exact replays of the measured graph; ``bucket_mb=``
+        rebuilds plain data parallelism's buckets at that size, and the other knobs that change
+        the step's shape (micro-batches, modes) belong to labkit.plan.simulate (:mod:`labkit.plan.whatif`)."""
         from ..plan.whatif import whatif
         return whatif(self, link, compute, straggler, **knobs)
 

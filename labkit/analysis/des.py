@@ -35,6 +35,18 @@ takes its receiver's receiving side when it arrives; so a pipeline's gradient se
 backward's buckets waits for all of them to leave. The link's time is a wait off the cores
 (``labkit.Link`` sleeps it off): a call asks for cores only while gloo's own work lasts.
 
+With ``gloo_queue`` gloo's work and the link's time run on queues of their own, as
+:mod:`labkit.comm.emulate` keeps them: gloo works through a group's calls in order (the next
+begins once gloo has moved this one's bytes) while each call's link time waits only for its
+members' links (their reservations); a call completes once both are done. Without it a call
+holds its stream until its link time too is through.
+
+A message may be ``eager`` (a buffered send, as the pipeline schedules' model takes it): it
+leaves on its sender's post alone, and the receiver takes it when it posts its receive.
+
+Times keep the type of the programs' numbers: Fractions in, Fractions out (the zeros here are
+integers), so a schedule's bubble comes out exact.
+
 Events come out in labkit's schema (:mod:`labkit.analysis.events`), so metrics and timelines
 read a simulated step as a measured one.
 """
@@ -73,9 +85,12 @@ class Issue:
     """The call's time on an emulated link (0: none), a wait off the cores: the call takes the
     longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
     tail: float = 0.0
-    """Wall time after its link time before the call completes on its ranks (a thread's wake-up),
-    its stream and link already free for the next call: a replayed call's measured excess
-    (labkit.plan.whatif)."""
+    """Wall time after its link time before the call completes on this rank (its thread's
+    wake-up), the stream and link already free for the next call: a replayed call's measured
+    excess on that member (labkit.plan.whatif); each member's Issue carries its own."""
+    eager: bool = False
+    """A message (``ordered=False``, group (sender, receiver)) that leaves on its sender's post
+    alone; the receiver takes it when it posts (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +98,22 @@ class Wait:
     key: object
 
 
+class Deadlock(RuntimeError):
+    """Programs that cannot finish: ``stuck`` maps each unfinished rank to its program position."""
+
+    def __init__(self, message: str, stuck: dict):
+        super().__init__(message)
+        self.stuck = stuck
+
+
 @dataclass
 class _Job:
     remaining: float              # work on the shared cores
     ask: float                    # the cores it asks for while that work remains
     start: float
-    what: object                  # ("compute", rank, item), ("call", key) or ("tail", key)
+    what: object                  # ("compute", rank, item), ("call", key) or ("tail", key, rank)
     until: float = 0.0            # a call's end on its emulated link: wall time, off the cores
+    released: bool = False        # its stream freed for the next call (gloo_queue)
 
 
 @dataclass
@@ -99,18 +123,22 @@ class Sim:
     programs: list
     cores: float = 1.0
     load: float = 0.0
-    wake: float = 0.0
-    cross: float = 0.0
+    wake: float = 0
+    cross: float = 0
     links: bool = False
+    gloo_queue: bool = False
+    """On an emulated link, whether a collective frees its members' streams once gloo's own work
+    is done, its link time then running on the link's own queue (module docstring)."""
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
         n = len(self.programs)
-        self.t, self.pc = 0.0, [0] * n
+        self.t, self.pc = 0, [0] * n
         self.busy = [None] * n                     # the compute job of each rank
         self.streams = [[] for _ in range(n)]      # posted, unfinished calls, in order
         self.posts, self.done, self.calls, self.loose, self.crossed = {}, set(), {}, {}, set()
         self.waited, self.recorded = {}, {}       # (key, rank) → when it reached the Wait; its event
+        self.left, self.arrived = set(), set()     # eager messages sent; (key, receiver) not yet received
         self.running: list[_Job] = []
         self.tx, self.rx, self.reserved = [0.0] * n, [0.0] * n, {}    # each rank's link, busy until (links)
         while True:
@@ -119,11 +147,11 @@ class Sim:
             if not self.running:
                 break
             self._step()
-        stuck = [r for r in range(n) if self.pc[r] < len(self.programs[r])]
+        stuck = {r: self.pc[r] for r in range(n) if self.pc[r] < len(self.programs[r])}
         if stuck:
-            r = stuck[0]
-            raise RuntimeError(f"simulate: deadlock, rank {r} waits at {self.programs[r][self.pc[r]]} "
-                               f"(its stream holds {[c for c in self.streams[r]][:3]})")
+            r = next(iter(stuck))
+            raise Deadlock(f"simulate: deadlock, rank {r} waits at {self.programs[r][self.pc[r]]} "
+                           f"(its stream holds {[c for c in self.streams[r]][:3]})", stuck)
         return self.events
 
     # -- the ranks' threads ------------------------------------------------------------------
@@ -140,12 +168,15 @@ class Sim:
                             self.running.append(self.busy[r])
                     elif isinstance(item, Issue):
                         self._reserve(item, r)
-                        if item.ordered:
-                            self.streams[r].append(item.key)
-                        else:
-                            self.loose.setdefault(item.key, set()).add(r)
                         self.posts[(item.key, r)] = (self.t, item)
                         self.calls.setdefault(item.key, item)
+                        if item.ordered:
+                            self.streams[r].append(item.key)
+                        elif (item.key, r) in self.arrived:      # an eager message already here
+                            self.arrived.remove((item.key, r))
+                            self._deliver(item.key, r)
+                        elif item.key not in self.left:
+                            self.loose.setdefault(item.key, set()).add(r)
                     elif isinstance(item, Wait):
                         self.waited.setdefault((item.key, r), self.t)
                         if (item.key, r) not in self.done:
@@ -158,9 +189,11 @@ class Sim:
     def _start_ready(self) -> None:
         """Start every call whose members have all posted it and hold it at their streams' head."""
         for key, posted in list(self.loose.items()):
-            if posted.issuperset(self.calls[key].group):
+            call = self.calls[key]
+            if posted.issuperset(call.group) or (call.eager and call.group[0] in posted):
                 del self.loose[key]
-                call = self.calls[key]
+                if call.eager:
+                    self.left.add(key)
                 cross = self._crossing(call.group)
                 if cross:
                     self.crossed.add(key)
@@ -200,7 +233,7 @@ class Sim:
         """Seconds a call starting now waits for its links (module docstring): a collective for
         its members' reservations, a message for its sender's and its receiver's receiving side."""
         if not self.links:
-            return 0.0
+            return 0
         if ordered:
             begin = max([self.t] + [self.reserved.pop((key, m)) for m in group])
             for m in group:
@@ -217,7 +250,7 @@ class Sim:
         computing = [self.busy[m] for m in group if self.busy[m] is not None]
         asks = sum(j.ask for j in self.running if j.remaining > 0)
         if not computing or asks + 1 <= self.cores:
-            return 0.0
+            return 0
         speed = min(1.0, self.cores / asks)
         return min(self.wake, min(j.remaining for j in computing) / speed)
 
@@ -230,21 +263,26 @@ class Sim:
             if j.what[1] not in self.crossed:
                 self.crossed.add(j.what[1])
                 j.remaining += self.cross
-        return self.cross if back else 0.0
+        return self.cross if back else 0
 
     # -- time --------------------------------------------------------------------------------
     def _step(self) -> None:
         """Advance to the next end of a job's work or of a call's time on its link: the jobs with
         work left share the cores (each at most one), the links' waits run on the wall clock."""
         asks = sum(j.ask for j in self.running if j.remaining > 0)
-        speed = min(1.0, self.cores / asks) if asks > 0 else 1.0
-        dt = min(j.remaining / speed if j.remaining > 0 else max(0.0, j.until - self.t) for j in self.running)
+        speed = 1 if asks <= self.cores else self.cores / asks
+        dt = min((j.remaining if speed == 1 else j.remaining / speed) if j.remaining > 0
+                 else max(0, j.until - self.t) for j in self.running)
         self.t += dt
         for j in self.running:
             if j.remaining > 0:
                 left = j.remaining - dt * speed
                 j.remaining = left if left > EPS * max(1.0, j.remaining) else 0.0
-        finished = [j for j in self.running if j.remaining == 0 and j.until <= self.t + EPS]
+        if self.gloo_queue:
+            for j in self.running:
+                if j.what[0] == "call" and j.remaining <= 0 and not j.released:
+                    self._release(j)
+        finished = [j for j in self.running if j.remaining <= 0 and j.until <= self.t + EPS]
         self.running = [j for j in self.running if j not in finished]
         for j in finished:
             self._finish(j)
@@ -257,14 +295,16 @@ class Sim:
                 self.events.append(_event(r, "compute", item.kind, item.name, item.microbatch, job.start, self.t))
             return
         key = job.what[1]
-        if job.what[0] == "call":
-            for m in self.calls[key].group:
-                if self.calls[key].ordered:
-                    self.streams[m].pop(0)               # the stream (and link) free for the next call
-            if self.calls[key].tail > 0:                  # the ranks see it complete a tail later
-                self.running.append(_Job(0.0, 0.0, job.start, ("tail", key), self.t + self.calls[key].tail))
-                return
-        for m in self.calls[key].group:
+        members = self.calls[key].group if job.what[0] == "call" else (job.what[2],)
+        if job.what[0] == "call" and not job.released:
+            self._release(job)
+        for m in members:
+            if (key, m) not in self.posts:                 # an eager message before its receive
+                self.arrived.add((key, m))
+                continue
+            if job.what[0] == "call" and self.posts[(key, m)][1].tail > 0:   # this member sees it a tail later
+                self.running.append(_Job(0, 0, job.start, ("tail", key, m), self.t + self.posts[(key, m)][1].tail))
+                continue
             self.done.add((key, m))
             posted, item = self.posts[(key, m)]
             if item.kind == "recv" and job.start > posted + EPS:      # a receive before its sender posted
@@ -273,7 +313,7 @@ class Sim:
             group = item.group if item.ordered and len(item.group) > 1 else None
             # a collective's span runs from this member's post, as labkit.comm records one: a member
             # that came early shows its wait for the others inside the call
-            begin = posted if item.ordered and item.kind not in ("send", "recv") else job.start
+            begin = posted if item.ordered and item.kind not in ("send", "recv") else max(posted, job.start)
             event = _event(m, "comm", item.kind, item.name, item.microbatch, begin, self.t, item.bytes,
                            item.peer, group)
             if item.kind == "send" and job.start > posted + EPS:      # posted before its receiver was
@@ -283,6 +323,22 @@ class Sim:
             else:
                 self.recorded[(key, m)] = event
             self.events.append(event)
+
+    def _release(self, job: _Job) -> None:
+        """The call's stream free for the next call (its link already queued for it)."""
+        job.released = True
+        call = self.calls[job.what[1]]
+        if call.ordered:
+            for m in call.group:
+                self.streams[m].pop(0)
+
+    def _deliver(self, key, r: int) -> None:
+        """Rank r posts the receive of an eager message that has arrived: it is done at once."""
+        self.done.add((key, r))
+        item = self.posts[(key, r)][1]
+        self.recorded[(key, r)] = _event(r, "comm", item.kind, item.name, item.microbatch, self.t, self.t,
+                                         item.bytes, item.peer)
+        self.events.append(self.recorded[(key, r)])
 
 
 def _event(rank, stream, kind, name, microbatch, start, end, nbytes=0, peer=None, group=None) -> dict:
