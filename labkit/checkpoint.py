@@ -221,9 +221,6 @@ def _check_supported(spec, built) -> None:
         raise ValueError(f"checkpoint/resume: parameter {odd[0]!r} is {odd[1]}, and the optimizer state is "
                          "gathered in float32; keep the parameters float32 (Strategy.precision computes in "
                          "bf16 with float32 weights)")
-    if s.ep > 1:
-        raise ValueError(f"checkpoint/resume with Strategy.ep={s.ep} is not built: experts split over ranks "
-                         "have no index map yet; use ep=1 for a run that saves or resumes")
     if s.precision == "fp16":
         raise ValueError("checkpoint/resume with Strategy.precision='fp16': the loss scaler's state is not "
                          "saved, and a skipped step would desynchronise AdamW's step count; use 'bf16' or 'fp32'")

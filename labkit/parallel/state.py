@@ -109,6 +109,7 @@ def parameter_ids(model: nn.Module, layout: Layout, tp_index: int, tp_size: int)
     out = {}
     for prefix, module in model.named_modules():
         dims = getattr(module, "shard_dims", None) or {}
+        experts = _expert_slice(module)
         for name, p in module.named_parameters(recurse=False):
             key = f"{prefix}.{name}" if prefix else name
             ids = layout.ids(key)
@@ -116,9 +117,22 @@ def parameter_ids(model: nn.Module, layout: Layout, tp_index: int, tp_size: int)
                 continue
             if name in dims:
                 ids = ids.chunk(tp_size, dim=dims[name])[tp_index]
+            if experts is not None:
+                ids = ids.chunk(experts[1], dim=0)[experts[0]]
             ids = _dtensor_local(p, ids)
             out[id(p)] = (ids, layout.alias.get(key, key))
     return out
+
+
+def _expert_slice(module) -> tuple | None:
+    """(this rank's index in its ep group, ep) for a transformers sparse block's fused experts
+    under expert parallelism (labkit.parallel.expert.dispatch: each parameter keeps its name
+    and this rank's 1/ep of its rows); None for any other module. labkit's own MoE needs
+    nothing: its experts keep their global names (``experts.5.…``), whole."""
+    from .expert.dispatch import ExpertParallelExperts
+    if not isinstance(module, ExpertParallelExperts):
+        return None
+    return dist.get_group_rank(module.ep_group, dist.get_rank()), module.ep
 
 
 def _dtensor_local(p, ids: torch.Tensor) -> torch.Tensor:
