@@ -214,16 +214,17 @@ def prepare(spec, built) -> Plan | None:
 
 
 def _check_supported(spec, built) -> None:
-    """What a checkpoint does not carry yet, refused by name."""
-    s = spec.strategy
-    odd = next(((n, p.dtype) for n, p in built.named_parameters() if p.dtype != torch.float32), None)
+    """What a checkpoint does not carry, refused by name: a parameter that is not real floating
+    point (the index map gathers values in a float32 or float64 vector). Every floating dtype is
+    saved as it is, not refused and not converted: bf16 and fp16 values are held exactly in the
+    float32 vector, float64 in a float64 one, so a model kept in bf16 resumes bit for bit, its
+    file half the bytes, and a loader gets the dtype the model trained in."""
+    odd = next(((n, p.dtype) for n, p in built.named_parameters()
+                if not p.is_floating_point() or p.is_complex()), None)
     if odd is not None:
-        raise ValueError(f"checkpoint/resume: parameter {odd[0]!r} is {odd[1]}, and the optimizer state is "
-                         "gathered in float32; keep the parameters float32 (Strategy.precision computes in "
-                         "bf16 with float32 weights)")
-    if s.precision == "fp16":
-        raise ValueError("checkpoint/resume with Strategy.precision='fp16': the loss scaler's state is not "
-                         "saved, and a skipped step would desynchronise AdamW's step count; use 'bf16' or 'fp32'")
+        raise ValueError(f"checkpoint/resume: parameter {odd[0]!r} is {odd[1]}, and a checkpoint gathers real "
+                         "floating point values; keep it as a buffer (register_buffer) instead of a "
+                         "parameter, or train without checkpoint= and resume=")
 
 
 # -- a save, driven from the notebook -------------------------------------------------------------
@@ -296,7 +297,8 @@ def _fields(s) -> dict:
 # -- reading a checkpoint in one process --------------------------------------------------------
 def load(path, optimizer: bool = False) -> dict:
     """The model's state dict (its own names, whole tensors) from a checkpoint, in this process;
-    ``optimizer=True``: ``{"model": …, "optim": {name: {state: tensor}}, "step": N}``."""
+    ``optimizer=True``: ``{"model": …, "optim": {name: {state: tensor}}, "step": N}`` (and
+    ``"scaler"``: fp16's loss scale and clean steps, when the run had one)."""
     folder = find(path)
     check_files(folder)
     want: dict = {}
@@ -310,12 +312,14 @@ def load(path, optimizer: bool = False) -> dict:
     model = {k[len("model."):]: v for k, v in want.items() if k.startswith("model.")}
     if not optimizer:
         return model
+    scaler = {k[len("scaler."):]: v for k, v in want.items() if k.startswith("scaler.")}
     optim: dict = {}
     for key, v in want.items():
         if key.startswith("optim."):
             name, _, state = key[len("optim."):].rpartition(".")
             optim.setdefault(name, {})[state] = v
-    return {"model": model, "optim": optim, "step": info(folder)["step"]}
+    out = {"model": model, "optim": optim, "step": info(folder)["step"]}
+    return {**out, "scaler": scaler} if scaler else out
 
 
 @dataclass

@@ -47,11 +47,14 @@ def state_keys(optimizer: str, momentum: float) -> tuple:
 
 class Layout:
     """The whole model's parameters, numbered: ``names`` (a tied weight once),
-    ``shapes``, ``offsets`` into one vector, and ``alias`` (a tied weight's other names →
-    the first)."""
+    ``shapes``, ``dtypes``, ``offsets`` into one vector, and ``alias`` (a tied weight's other
+    names → the first). ``dtype``: the vector's, float32 unless a parameter is float64 (it holds
+    bf16, fp16 and float32 values exactly, so each entry is saved in its parameter's dtype)."""
 
-    def __init__(self, names: list, shapes: list, alias: dict):
+    def __init__(self, names: list, shapes: list, alias: dict, dtypes: list | None = None):
         self.names, self.shapes, self.alias = list(names), [tuple(s) for s in shapes], dict(alias)
+        self.dtypes = [_dtype(d) for d in dtypes] if dtypes else [torch.float32] * len(self.names)
+        self.dtype = torch.float64 if torch.float64 in self.dtypes else torch.float32
         self.offsets, total = {}, 0
         for name, shape in zip(self.names, self.shapes):
             self.offsets[name] = total
@@ -61,7 +64,7 @@ class Layout:
     @classmethod
     def of(cls, model: nn.Module) -> "Layout":
         """From the whole model (built on ``meta`` is enough: only names and shapes are read)."""
-        first, names, shapes, alias = {}, [], [], {}
+        first, names, shapes, alias, dtypes = {}, [], [], {}, []
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in first:
                 alias[name] = first[id(p)]
@@ -69,14 +72,19 @@ class Layout:
             first[id(p)] = name
             names.append(name)
             shapes.append(tuple(p.shape))
-        return cls(names, shapes, alias)
+            dtypes.append(p.dtype)
+        return cls(names, shapes, alias, dtypes)
 
     def to_dict(self) -> dict:
-        return {"names": self.names, "shapes": [list(s) for s in self.shapes], "alias": self.alias}
+        return {"names": self.names, "shapes": [list(s) for s in self.shapes], "alias": self.alias,
+                "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(d["names"], d["shapes"], d["alias"])
+        return cls(d["names"], d["shapes"], d["alias"], d.get("dtypes"))
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.dtypes[self.names.index(name)]
 
     def ids(self, name: str) -> torch.Tensor | None:
         """The numbers of parameter ``name``'s elements, shaped like it (None: not a parameter)."""
@@ -91,6 +99,10 @@ class Layout:
         """A whole vector back into ``{name: tensor}``, each in its parameter's shape."""
         return {n: vector[self.offsets[n]:self.offsets[n] + _numel(s)].view(s).clone()
                 for n, s in zip(self.names, self.shapes)}
+
+
+def _dtype(d) -> torch.dtype:
+    return d if isinstance(d, torch.dtype) else getattr(torch, d)
 
 
 def _numel(shape) -> int:
@@ -213,9 +225,12 @@ def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict
     job, lay = s.job, Layout.from_dict(layout)
     t0 = time.perf_counter()
     model_state = job.full_state_dict()
-    optim_state = gather_optimizer(job, lay, step)
+    optim_state = gather_optimizer(job, lay)
     t1 = time.perf_counter()
     state = {"model": model_state, "optim": optim_state}
+    scaler = scaler_state(job)
+    if scaler:
+        state["scaler"] = scaler
     offered = sum(t.numel() * t.element_size() for t in model_state.values()) + \
         sum(t.numel() * t.element_size() for d in optim_state.values() for t in d.values())
     out = {"rank": s.rank, "gather_s": t1 - t0, "offered_bytes": offered}
@@ -268,22 +283,20 @@ def finish_save(path: str) -> dict:
     return {"rank": rank, "write_s": end - started, "waited_s": waited, "file_bytes": _file_bytes(path, rank)}
 
 
-def gather_optimizer(job, layout: Layout, step: int) -> dict:
-    """``{name: {key: whole tensor}}`` for the names this rank's optimizer touches; every rank
-    joins one all-reduce (max) per state key over the world."""
+def gather_optimizer(job, layout: Layout) -> dict:
+    """``{name: {key: whole tensor}}`` for the names this rank's optimizer touches, each in its
+    parameter's dtype, with AdamW's ``step`` (a 0-d tensor, as torch's own state holds it: a
+    step fp16 skipped, or a parameter no token reached, took fewer); every rank joins one
+    all-reduce (max) per state key over the world."""
     spec = job.spec
     keys = state_keys(spec.optimizer, spec.momentum)
     pairs = optimizer_ids(job, layout)
-    _check_steps(job, pairs, step)
     held = sorted({n for _, _, names in pairs for n in names})
     out: dict = {n: {} for n in held}
     for key in keys:
-        vector = torch.full((layout.total,), float("-inf"))
+        vector = torch.full((layout.total,), float("-inf"), dtype=layout.dtype)
         for p, ids, _ in pairs:
-            state = job.optimizer.state.get(p, {})
-            if state.get(key) is None:
-                raise RuntimeError(f"the optimizer holds no {key!r} for a tensor it steps (no step taken yet?)")
-            local = _local(state[key]).detach().reshape(-1).cpu().float()
+            local = _local(_state_of(job, p, key)).detach().reshape(-1).cpu().to(layout.dtype)
             kept = ids >= 0
             vector[ids[kept]] = local[kept]
         dist.all_reduce(vector, op=dist.ReduceOp.MAX)
@@ -291,18 +304,45 @@ def gather_optimizer(job, layout: Layout, step: int) -> dict:
             if name in out:
                 if torch.isinf(whole).any():
                     raise RuntimeError(f"checkpoint: no rank holds all of {key!r} for parameter {name!r}")
-                out[name][key] = whole
+                out[name][key] = whole.to(layout.dtype_of(name))
+    if spec.optimizer == "adamw":
+        steps = torch.full((len(layout.names),), float("-inf"), dtype=torch.float64)
+        for p, _, names in pairs:
+            for name in names:
+                steps[layout.names.index(name)] = float(_state_of(job, p, "step"))
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        for name in held:
+            out[name]["step"] = torch.tensor(float(steps[layout.names.index(name)]))
     return out
 
 
-def _check_steps(job, pairs, step: int) -> None:
-    """AdamW's bias correction reads its step count: every tensor's must be the run's step
-    (restore sets it so); a skipped step (fp16) would make them differ."""
-    for p, _, names in pairs:
-        taken = job.optimizer.state.get(p, {}).get("step")
-        if taken is not None and int(float(taken)) != step:
-            raise RuntimeError(f"checkpoint at step {step}: the optimizer of {names[0]!r} took {int(float(taken))} "
-                               "steps; a checkpoint needs every update applied (precision='fp16' skips some)")
+def _state_of(job, p, key: str):
+    """``p``'s optimizer state ``key``; zeros (step 0) where it has none yet (no step taken, every
+    step skipped, never reached): torch's optimizers start from exactly those."""
+    state = job.optimizer.state.get(p, {}).get(key)
+    if state is not None:
+        return state
+    return torch.tensor(0.0) if key == "step" else torch.zeros_like(_local(p))
+
+
+def scaler_state(job) -> dict:
+    """fp16's loss scaler, the same on every rank (they agree on each overflow): its scale and
+    the clean steps since it last changed, so a resumed run scales, skips and grows as the run
+    it continues would have. ``{}`` without one."""
+    scaler = job.precision.scaler
+    if scaler is None:
+        return {}
+    saved = scaler.state_dict()
+    return {"scale": torch.tensor(float(saved["scale"])), "growth_tracker": torch.tensor(int(saved["_growth_tracker"]))}
+
+
+def _restore_scaler(job, loaded: dict) -> None:
+    scaler = job.precision.scaler
+    if scaler is None or not loaded:
+        return
+    state = scaler.state_dict()
+    state.update(scale=float(loaded["scale"]), _growth_tracker=int(loaded["growth_tracker"]))
+    scaler.load_state_dict(state)
 
 
 # -- restore ------------------------------------------------------------------------------------
@@ -327,10 +367,14 @@ def restore(path: str, step: int, layout: dict) -> dict:
     keys = state_keys(job.spec.optimizer, job.spec.momentum)
     pairs = optimizer_ids(job, lay)
     touched = sorted({n for _, _, names in pairs for n in names})
-    want = {"model": {n: torch.empty(sh) for n, sh in zip(lay.names, lay.shapes)}}
-    want["model"].update({k: torch.empty(b.shape, dtype=b.dtype) for k, b in _buffers(job.model).items()})
+    saved = _saved_entries(path)
+    want = {"model": {n: saved[f"model.{n}"]() for n in lay.names}}
+    want["model"].update({k: saved[f"model.{k}"]() for k in _buffers(job.model)})
     if keys and touched:
-        want["optim"] = {n: {k: torch.empty(lay.shapes[lay.names.index(n)]) for k in keys} for n in touched}
+        counted = [k for k in keys + ("step",) if f"optim.{touched[0]}.{k}" in saved]
+        want["optim"] = {n: {k: saved[f"optim.{n}.{k}"]() for k in counted} for n in touched}
+    if job.precision.scaler is not None and "scaler.scale" in saved:
+        want["scaler"] = {k: saved[f"scaler.{k}"]() for k in ("scale", "growth_tracker")}
     loaded = read(path, want)
     with torch.no_grad():
         _restore_model(job, lay, _vector(lay, {n: loaded["model"][n] for n in lay.names}), pairs,
@@ -338,11 +382,27 @@ def restore(path: str, step: int, layout: dict) -> dict:
         for k in keys if touched else ():
             _restore_state(job, k, _vector(lay, {n: d[k] for n, d in loaded["optim"].items()}), pairs)
         if job.spec.optimizer == "adamw":
-            from torch.optim.optimizer import _get_scalar_dtype
-            for p, _, _ in pairs:
-                job.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+            _restore_steps(job, pairs, loaded.get("optim", {}), step)
+        _restore_scaler(job, loaded.get("scaler"))
     job.data = FromStep(job.data, step)
     return {"rank": s.rank, "read_s": time.perf_counter() - t0}
+
+
+def _saved_entries(path: str) -> dict:
+    """``{DCP key: a function making an empty tensor of its saved shape and dtype}``."""
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(path).read_metadata()
+    return {k: (lambda m=m: torch.empty(tuple(m.size), dtype=m.properties.dtype))
+            for k, m in md.state_dict_metadata.items() if hasattr(m, "size")}
+
+
+def _restore_steps(job, pairs: list, loaded: dict, step: int) -> None:
+    """AdamW's step count per tensor, as saved (the most of the names a ZeRO shard steps
+    together); ``step`` for a checkpoint that holds none."""
+    from torch.optim.optimizer import _get_scalar_dtype
+    for p, _, names in pairs:
+        taken = max((float(loaded[n]["step"]) for n in names if "step" in loaded.get(n, {})), default=float(step))
+        job.optimizer.state[p]["step"] = torch.tensor(taken, dtype=_get_scalar_dtype())
 
 
 def _buffers(model: nn.Module) -> dict:
@@ -353,10 +413,10 @@ def _buffers(model: nn.Module) -> dict:
 
 def _vector(layout: Layout, tensors: dict) -> torch.Tensor:
     """One whole vector in the layout's numbering from ``{name: tensor}`` (NaN where absent)."""
-    vector = torch.full((layout.total,), float("nan"))
+    vector = torch.full((layout.total,), float("nan"), dtype=layout.dtype)
     for name, t in tensors.items():
         start = layout.offsets[name]
-        vector[start:start + t.numel()] = t.reshape(-1).float()
+        vector[start:start + t.numel()] = t.reshape(-1).to(layout.dtype)
     return vector
 
 
