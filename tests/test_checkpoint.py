@@ -211,7 +211,7 @@ def mixtral():
 
 
 @pytest.mark.parametrize("model, optimizer, momentum", [
-    (lambda: labkit.models.llama(**LLAMA, n_experts=4, top_k=2), "sgd", 0.9), (mixtral, "adamw", 0.0)],
+    (labkit.models.llama(**LLAMA, n_experts=4, top_k=2), "sgd", 0.9), (mixtral, "adamw", 0.0)],
     ids=["labkit-llama-sgd", "mixtral-adamw"])
 def test_moe_models_resume_from_ep_into_a_pipeline_and_back(lab2, tmp_path, model, optimizer, momentum):
     S = labkit.Strategy
