@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .parallel import state as engine_state
+from .parallel import saving as engine_saving, state as engine_state
 
 FORMAT = "labkit-checkpoint/1"
 INFO = "labkit.json"
@@ -228,44 +228,67 @@ def _check_supported(spec, built) -> None:
 
 
 # -- a save, driven from the notebook -------------------------------------------------------------
-def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io: dict) -> list[str]:
+def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io: dict, timeline) -> tuple:
     """After run step ``step``: complete an asynchronous save that has finished, save when one is
-    due (waiting first for one still being written); the checkpoints completed, by path."""
-    done = []
+    due (waiting first for one still being written); the checkpoints completed, by path, and
+    the ``checkpoint`` spans to add to ``timeline`` (:func:`spans`)."""
+    done, drawn = [], []
     if plan.pending is not None and (plan.due(step, spec.steps, stopping) or
-                                     all(lab.apply(engine_state.save_done, plan.pending[0]))):
-        done.append(finish(lab, spec, plan, io))
+                                     all(lab.apply(engine_saving.save_done, plan.pending[0]))):
+        path, ranks = finish(lab, spec, plan, io)
+        done.append(path)
+        drawn += spans(ranks, timeline)
     if plan.due(step, spec.steps, stopping):
-        path = save(lab, spec, plan, plan.first + step + 1, run_id, io)
+        path, ranks = save(lab, spec, plan, plan.first + step + 1, run_id, io)
         done += [path] if path is not None else []
-    return done
+        drawn += spans(ranks, timeline)
+    return done, drawn
 
 
-def finish(lab, spec, plan: Plan, io: dict) -> str:
-    """Wait for the asynchronous save in flight on every rank, then complete it."""
+def spans(ranks: list[dict], timeline) -> list[dict]:
+    """Each rank's ``checkpoint`` spans (labkit.parallel.saving) as timeline events; the writing
+    thread's cut to the steps it ran under (what they hid), the rest after their step's spans."""
+    from .analysis.events import make_event
+    length = timeline.step_durations()
+    out = []
+    for r in ranks:
+        for span in r.pop("spans", []):
+            start, end = span["start"], span["end"]
+            if span["name"] == "checkpoint writing":
+                start, end = max(start, 0.0), min(end, length.get(span["step"], 0.0))
+            if end > start:
+                out.append(make_event(r["rank"], "checkpoint", span["name"], span["step"], start, end))
+    return out
+
+
+def finish(lab, spec, plan: Plan, io: dict) -> tuple:
+    """Wait for the asynchronous save in flight on every rank, then complete it: its path, and
+    each rank's answer (spans included)."""
     tmp, step, ranks = plan.pending
     plan.pending = None
-    written = lab.apply(engine_state.finish_save, tmp)
-    ranks = [{**a, **b} for a, b in zip(ranks, written)]
-    io.setdefault("save", {})[step] = ranks
-    return complete_save(spec, plan, tmp, step, ranks)
+    written = lab.apply(engine_saving.finish_save, tmp)
+    merged = [{**a, **b, "spans": a.get("spans", []) + b.get("spans", [])} for a, b in zip(ranks, written)]
+    io.setdefault("save", {})[step] = [{k: v for k, v in r.items() if k != "spans"} for r in merged]
+    return complete_save(spec, plan, tmp, step, io["save"][step]), merged
 
 
-def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> str | None:
+def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> tuple:
     """Every rank writes the state after global ``step`` into a temporary folder; the metadata
     and ``labkit.json`` complete it; the rename makes it a checkpoint (an older one of the same
-    step is replaced only then). Each rank's costs go to ``io["save"][step]``. Asynchronous
-    (``plan.asynchronous``): the files are written behind the next steps and the save is
-    completed by :func:`finish` (None here)."""
+    step is replaced only then). Each rank's costs go to ``io["save"][step]``. Returns the path
+    and each rank's answer (its spans). Asynchronous (``plan.asynchronous``): the files are
+    written behind the next steps and the save is completed by :func:`finish` (path None
+    here; the staging's spans now, the writing's then)."""
     os.makedirs(plan.root, exist_ok=True)
     tmp = os.path.join(plan.root, f".step_{step:06d}.tmp-{run_id}")
-    ranks = lab.apply(engine_state.save, tmp, step, plan.layout, plan.asynchronous)
+    ranks = lab.apply(engine_saving.save, tmp, step, plan.layout, plan.asynchronous)
     if plan.asynchronous:
-        plan.pending = (tmp, step, ranks)
-        return None
+        plan.pending = (tmp, step, [{k: v for k, v in r.items() if k != "spans"} for r in ranks])
+        return None, ranks
+    plain = [{k: v for k, v in r.items() if k != "spans"} for r in ranks]
     if io is not None:
-        io.setdefault("save", {})[step] = ranks
-    return complete_save(spec, plan, tmp, step, ranks)
+        io.setdefault("save", {})[step] = plain
+    return complete_save(spec, plan, tmp, step, plain), ranks
 
 
 def complete_save(spec, plan: Plan, tmp: str, step: int, ranks: list) -> str:

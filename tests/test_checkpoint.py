@@ -101,6 +101,19 @@ def test_asynchronous_saves_are_written_behind_the_steps_and_resume_exactly(lab2
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]      # every save completed
     for ranks in run.checkpoint_io["save"].values():
         assert all(0 <= r["waited_s"] <= r["write_s"] and r["file_bytes"] > 0 for r in ranks)
+    spans = [e for e in run.timeline.events if e["kind"] == "checkpoint"]
+    length = run.timeline.step_durations()
+    for rank in (0, 1):
+        mine = [e for e in spans if e["rank"] == rank]
+        staged = [e for e in mine if e["name"] == "checkpoint staging"]
+        assert [e["step"] for e in staged] == [0, 1, 2]          # after each step, on its clock
+        for e in staged:
+            work = [w["end"] for w in run.timeline.events if w["rank"] == rank and w["step"] == e["step"]
+                    and w["kind"] != "checkpoint"]
+            assert e["start"] >= max(work)                     # after the step's own spans
+        hidden = [e for e in mine if e["name"] == "checkpoint writing"]
+        assert all(0 <= e["start"] < e["end"] <= length[e["step"]] for e in hidden)     # under a later step
+        assert {e["step"] for e in hidden} <= {1, 2} and all(e["stream"] == "io" for e in mine)
     resumed = train(lab2, labkit.Strategy(pp=2, microbatches=2), 1, resume=tmp_path)
     assert resumed.max_diff(reference(4)) <= 1e-5
 

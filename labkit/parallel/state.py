@@ -21,8 +21,8 @@ result is exact); restoring reads ``vector[index]`` into each local tensor. Opti
 is elementwise and shaped like the tensor it steps (SGD's momentum, AdamW's moments), so
 the same map serves parameters and state.
 
-    >>> save("ckpt/.step_000004.tmp", step=4, layout=layout)      # every rank (lab.apply)
-    >>> restore("ckpt/step_000004", step=4, layout=layout)        # every rank, after setup_run
+    >>> saving.save("ckpt/.step_000004.tmp", step=4, layout=layout)   # every rank (lab.apply)
+    >>> restore("ckpt/step_000004", step=4, layout=layout)            # every rank, after setup_run
 """
 from __future__ import annotations
 
@@ -205,84 +205,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-# -- save ---------------------------------------------------------------------------------------
-def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict:
-    """Write this run's state at ``step`` into ``path`` (every rank calls it: collectives).
-
-    Parameters and buffers come from the job's ``full_state_dict`` (the gathers every strategy
-    already has for ``run.parameters()``); each optimizer state is scattered into a whole
-    vector and maximised over the world (the module docstring). Returns this rank's seconds,
-    the bytes of what it offered and the bytes of the file it wrote.
-
-    ``asynchronous``: the gathers stay in the step loop (they are collectives on the training
-    groups), the writing goes to DCP's ``async_save`` thread, whose own collectives use a
-    group of their own (:func:`_writer_group`), so they never interleave with a step's;
-    :func:`finish_save` waits for it."""
-    from .. import engine
-    import torch.distributed.checkpoint as dcp
-
-    s = engine.session()
-    job, lay = s.job, Layout.from_dict(layout)
-    t0 = time.perf_counter()
-    model_state = job.full_state_dict()
-    optim_state = gather_optimizer(job, lay)
-    t1 = time.perf_counter()
-    state = {"model": model_state, "optim": optim_state}
-    scaler = scaler_state(job)
-    if scaler:
-        state["scaler"] = scaler
-    offered = sum(t.numel() * t.element_size() for t in model_state.values()) + \
-        sum(t.numel() * t.element_size() for d in optim_state.values() for t in d.values())
-    out = {"rank": s.rank, "gather_s": t1 - t0, "offered_bytes": offered}
-    if asynchronous:
-        future = dcp.async_save(state, checkpoint_id=path, process_group=_writer_group())
-        ended: list = []
-        future.add_done_callback(lambda _f: ended.append(time.perf_counter()))
-        _PENDING[path] = (future, t1, ended)
-        return {**out, "handed_off_s": time.perf_counter() - t1}
-    dcp.save(state, checkpoint_id=path)
-    return {**out, "write_s": time.perf_counter() - t1, "file_bytes": _file_bytes(path, s.rank)}
-
-
-_PENDING: dict = {}          # path → (the async save's future, when it was handed off, [when it ended])
-_WRITER: list = []           # [(the default group it was made in, the writer's group)]
-
-
-def _writer_group():
-    """A gloo group over the world for the async writer's collectives, made once per world group
-    (every rank makes it in the same call, as ``new_group`` needs)."""
-    world = dist.distributed_c10d._get_default_group()
-    if not _WRITER or _WRITER[0][0] is not world:
-        _WRITER[:] = [(world, dist.new_group(backend="gloo"))]
-    return _WRITER[0][1]
-
-
-def _file_bytes(path: str, rank: int) -> int:
-    mine = os.path.join(path, f"__{rank}_0.distcp")
-    return os.path.getsize(mine) if os.path.exists(mine) else 0
-
-
-def save_done(path: str) -> bool:
-    """Has this rank's asynchronous save into ``path`` finished (no wait)?"""
-    entry = _PENDING.get(path)
-    return entry is None or entry[0].done()
-
-
-def finish_save(path: str) -> dict:
-    """Wait for this rank's asynchronous save into ``path``; its seconds in the background
-    (``write_s``, from hand-off to the end) and how long this call waited for it (``waited_s``:
-    what the steps in between did not hide)."""
-    from .. import engine
-
-    rank = engine.session().rank
-    future, started, ended = _PENDING.pop(path)
-    t0 = time.perf_counter()
-    future.result()
-    waited = time.perf_counter() - t0
-    end = ended[0] if ended else time.perf_counter()
-    return {"rank": rank, "write_s": end - started, "waited_s": waited, "file_bytes": _file_bytes(path, rank)}
-
-
+# -- save: the state gathered (the writing is labkit.parallel.saving) ----------------------------
 def gather_optimizer(job, layout: Layout) -> dict:
     """``{name: {key: whole tensor}}`` for the names this rank's optimizer touches, each in its
     parameter's dtype, with AdamW's ``step`` (a 0-d tensor, as torch's own state holds it: a

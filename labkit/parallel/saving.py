@@ -1,0 +1,130 @@
+"""Writing a checkpoint, engine side: the state gathered (:mod:`.state`), written with torch's
+distributed checkpoint now or by DCP's ``async_save`` thread behind the next steps, and the
+spans of it each rank's timeline draws.
+
+A save is work the training loop pays for, or hides. Three ``checkpoint`` spans say which, on
+the rank's own step clock (labkit.analysis.events, stream ``io``: neither compute nor comm):
+
+* ``checkpoint save`` / ``checkpoint staging``: after step k, the gathers and the write (or,
+  asynchronous, the gathers and the hand-off, which stages a copy of the state for the
+  thread); on step k's clock after its last span, so the step's length includes it;
+* ``checkpoint writing``: the thread's span, once per later step it overlapped, on that
+  step's clock (the notebook clips it to the step: what the step hid);
+* ``checkpoint wait``: the time the loop waited for the thread at the step boundary where
+  the save completes (what the steps did not hide), after that step's last span.
+
+    >>> save("ckpt/.step_000004.tmp", step=4, layout=layout, asynchronous=True)   # every rank
+    >>> save_done("ckpt/.step_000004.tmp"); finish_save("ckpt/.step_000004.tmp")
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+
+from .state import Layout, gather_optimizer, scaler_state
+
+
+def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict:
+    """Write this run's state at ``step`` into ``path`` (every rank calls it: collectives).
+
+    Parameters and buffers come from the job's ``full_state_dict`` (the gathers every strategy
+    already has for ``run.parameters()``); each optimizer state is scattered into a whole
+    vector and maximised over the world (:mod:`.state`). Returns this rank's seconds, the
+    bytes of what it offered, the bytes of the file it wrote and its ``spans``.
+
+    ``asynchronous``: the gathers stay in the step loop (they are collectives on the training
+    groups), the writing goes to DCP's ``async_save`` thread, whose own collectives use a
+    group of their own (:func:`_writer_group`), so they never interleave with a step's;
+    :func:`finish_save` waits for it."""
+    from .. import engine
+    import torch.distributed.checkpoint as dcp
+
+    s = engine.session()
+    job, lay, clock = s.job, Layout.from_dict(layout), s.recorder
+    t0 = time.perf_counter()
+    model_state = job.full_state_dict()
+    optim_state = gather_optimizer(job, lay)
+    t1 = time.perf_counter()
+    state = {"model": model_state, "optim": optim_state}
+    scaler = scaler_state(job)
+    if scaler:
+        state["scaler"] = scaler
+    offered = sum(t.numel() * t.element_size() for t in model_state.values()) + \
+        sum(t.numel() * t.element_size() for d in optim_state.values() for t in d.values())
+    out = {"rank": s.rank, "gather_s": t1 - t0, "offered_bytes": offered}
+    if asynchronous:
+        future = dcp.async_save(state, checkpoint_id=path, process_group=_writer_group())
+        ended: list = []
+        future.add_done_callback(lambda _f: ended.append(time.perf_counter()))
+        t2 = time.perf_counter()
+        _PENDING[path] = {"future": future, "started": t2, "ended": ended, "steps": {}}
+        return {**out, "handed_off_s": t2 - t1, "spans": [_span(clock, "checkpoint staging", t0, t2)]}
+    dcp.save(state, checkpoint_id=path)
+    t2 = time.perf_counter()
+    return {**out, "write_s": t2 - t1, "file_bytes": _file_bytes(path, s.rank),
+            "spans": [_span(clock, "checkpoint save", t0, t2)]}
+
+
+def _span(clock, name: str, start: float, end: float, step: int | None = None, origin: float | None = None) -> dict:
+    """A span between two host times on a step's clock (the recorder's current step unless given)."""
+    origin = clock.origin if origin is None else origin
+    return {"step": clock.step if step is None else step, "name": name, "start": start - origin, "end": end - origin}
+
+
+_PENDING: dict = {}          # path → the async save: its future, hand-off, [end], {later step: its origin}
+_WRITER: list = []           # [(the default group it was made in, the writer's group)]
+
+
+def _writer_group():
+    """A gloo group over the world for the async writer's collectives, made once per world group
+    (every rank makes it in the same call, as ``new_group`` needs)."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _WRITER or _WRITER[0][0] is not world:
+        _WRITER[:] = [(world, dist.new_group(backend="gloo"))]
+    return _WRITER[0][1]
+
+
+def _file_bytes(path: str, rank: int) -> int:
+    mine = os.path.join(path, f"__{rank}_0.distcp")
+    return os.path.getsize(mine) if os.path.exists(mine) else 0
+
+
+def _seen_step(entry: dict) -> None:
+    """Note the step just run (its clock) while the thread writes: it draws there."""
+    from .. import engine
+    clock = engine.session().recorder
+    entry["steps"].setdefault(clock.step, clock.origin)
+
+
+def save_done(path: str) -> bool:
+    """Has this rank's asynchronous save into ``path`` finished (no wait)? Called after each
+    step while it is in flight."""
+    entry = _PENDING.get(path)
+    if entry is None:
+        return True
+    _seen_step(entry)
+    return entry["future"].done()
+
+
+def finish_save(path: str) -> dict:
+    """Wait for this rank's asynchronous save into ``path``; its seconds in the background
+    (``write_s``, from hand-off to the end), how long this call waited for it (``waited_s``:
+    what the steps in between did not hide) and the ``spans`` of both."""
+    from .. import engine
+
+    s = engine.session()
+    entry = _PENDING.pop(path)
+    _seen_step(entry)
+    t0 = time.perf_counter()
+    entry["future"].result()
+    t1 = time.perf_counter()
+    end = entry["ended"][0] if entry["ended"] else t1
+    started = entry["started"]
+    spans = [_span(s.recorder, "checkpoint writing", started, end, step, origin)
+             for step, origin in entry["steps"].items() if end > origin]
+    if t1 - t0 > 0:
+        spans.append(_span(s.recorder, "checkpoint wait", t0, t1))
+    return {"rank": s.rank, "write_s": end - started, "waited_s": t1 - t0, "file_bytes": _file_bytes(path, s.rank),
+            "spans": spans}
