@@ -249,7 +249,8 @@ def spans(ranks: list[dict], timeline) -> list[dict]:
     """Each rank's ``checkpoint`` spans (labkit.parallel.saving) as timeline events; the writing
     thread's cut to the steps it ran under (what they hid), the rest after their step's spans."""
     from .analysis.events import make_event
-    length = timeline.step_durations()
+    work = timeline.table.select(timeline.table["kind"] != "checkpoint")    # the steps' own spans
+    length = type(timeline)(work, timeline.world_size).step_durations()
     out = []
     for r in ranks:
         for span in r.pop("spans", []):
