@@ -246,15 +246,23 @@ def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io
 
 
 def spans(ranks: list[dict], timeline) -> list[dict]:
-    """Each rank's ``checkpoint`` spans (labkit.parallel.saving) as timeline events; the writing
-    thread's cut to the steps it ran under (what they hid), the rest after their step's spans."""
+    """Each rank's ``checkpoint`` spans (labkit.parallel.saving) as timeline events, on its host's
+    clock as the step's own (labkit.analysis.clocks); the writing thread's cut to the steps it
+    ran under (what they hid), the rest after their step's spans."""
+    from .analysis.clocks import offsets
     from .analysis.events import make_event
     work = timeline.table.select(timeline.table["kind"] != "checkpoint")    # the steps' own spans
     length = type(timeline)(work, timeline.world_size).step_durations()
+    clocks: dict = {}
+    for r in ranks:
+        for span in r.get("spans", []):
+            clocks.setdefault(span["step"], {})[r["rank"]] = span["clock"]
+    shift = {step: offsets(c) for step, c in clocks.items()}
     out = []
     for r in ranks:
         for span in r.pop("spans", []):
-            start, end = span["start"], span["end"]
+            d = shift[span["step"]][r["rank"]]
+            start, end = span["start"] + d, span["end"] + d
             if span["name"] == "checkpoint writing":
                 start, end = max(start, 0.0), min(end, length.get(span["step"], 0.0))
             if end > start:

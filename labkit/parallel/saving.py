@@ -69,8 +69,10 @@ def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict
 
 def _span(clock, name: str, start: float, end: float, step: int | None = None, origin: float | None = None) -> dict:
     """A span between two host times on a step's clock (the recorder's current step unless given)."""
+    from .. import engine
     origin = clock.origin if origin is None else origin
-    return {"step": clock.step if step is None else step, "name": name, "start": start - origin, "end": end - origin}
+    return {"step": clock.step if step is None else step, "name": name, "start": start - origin, "end": end - origin,
+            "clock": {"host": engine.session().host, "origin_s": origin}}
 
 
 _PENDING: dict = {}          # path → the async save: its future, hand-off, [end], {later step: its origin}
