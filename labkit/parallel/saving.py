@@ -23,7 +23,9 @@ import time
 
 import torch.distributed as dist
 
-from .state import Layout, gather_optimizer, scaler_state
+import torch
+
+from .state import Layout, _buffers, _local, _state_of, optimizer_ids, parameter_ids, scaler_state, state_keys
 
 
 def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict:
@@ -44,8 +46,7 @@ def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict
     s = engine.session()
     job, lay, clock = s.job, Layout.from_dict(layout), s.recorder
     t0 = time.perf_counter()
-    model_state = job.full_state_dict()
-    optim_state = gather_optimizer(job, lay)
+    model_state, optim_state = gather_owned(job, lay, s.rank, dist.get_world_size())
     t1 = time.perf_counter()
     state = {"model": model_state, "optim": optim_state}
     scaler = scaler_state(job)
@@ -65,6 +66,97 @@ def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict
     t2 = time.perf_counter()
     return {**out, "write_s": t2 - t1, "file_bytes": _file_bytes(path, s.rank),
             "spans": [_span(clock, "checkpoint save", t0, t2)]}
+
+
+# -- the gather: each entry to the one rank that writes it ------------------------------------------
+def owners(layout: Layout, world: int) -> list[list[str]]:
+    """Per rank, the parameters whose entries it writes: the largest first, each to the rank
+    owning the fewest elements so far, so every rank writes about 1/world of the bytes (the
+    same on every rank: it reads only the layout)."""
+    load, out = [0] * world, [[] for _ in range(world)]
+    for name, shape in sorted(zip(layout.names, layout.shapes), key=lambda ns: -_numel(ns[1])):
+        r = load.index(min(load))
+        out[r].append(name)
+        load[r] += _numel(shape)
+    return [sorted(names, key=layout.names.index) for names in out]
+
+
+def gather_owned(job, layout: Layout, rank: int, world: int) -> tuple[dict, dict]:
+    """``({name: parameter}, {name: {key: state}})`` for the parameters this rank writes
+    (:func:`owners`), whole, each in its parameter's dtype, AdamW's ``step`` beside its
+    moments; buffers from every rank that holds them (DCP writes each once). Every rank
+    scatters what it holds of each owner's parameters into a vector of that owner's elements
+    (−inf elsewhere) and joins a reduce (max) to the owner: the replicas agree, so the result
+    is exact, and no rank holds more than its own share and one owner's vector at a time."""
+    pairs = optimizer_ids(job, layout)
+    held = [(p, ids) for p, ids, _ in pairs]
+    pids = parameter_ids(job.model, layout, job.tp_index, job.spec.strategy.tp)
+    held += [(p, ids.reshape(-1)) for p, (ids, _) in ((p, pids[id(p)]) for p in job.model.parameters()
+                                                       if id(p) in pids) if _local(p).untyped_storage().size()]
+    mine = owners(layout, world)
+    model = _reduce_to_owners(layout, mine, rank, [(_local(p), ids) for p, ids in held])
+    stepped = _stepped(job, layout, pairs)
+    optim: dict = {n: {} for n in mine[rank] if n in stepped}
+    for key in state_keys(job.spec.optimizer, job.spec.momentum):
+        whole = _reduce_to_owners(layout, mine, rank, [(_local(_state_of(job, p, key)), ids) for p, ids, _ in pairs])
+        for name in optim:
+            optim[name][key] = whole[name]
+    if job.spec.optimizer == "adamw":
+        for name in optim:
+            optim[name]["step"] = torch.tensor(stepped[name])
+    model.update({k: b.detach().cpu().clone() for k, b in _buffers(job.model).items()})
+    return model, optim
+
+
+def _reduce_to_owners(layout: Layout, mine: list, rank: int, held: list) -> dict:
+    """``{name: whole tensor}`` of this rank's names: one reduce (max) per owner."""
+    out = {}
+    ends = torch.tensor([layout.offsets[n] + _numel(sh) for n, sh in zip(layout.names, layout.shapes)])
+    for owner, names in enumerate(mine):
+        if not names:
+            continue
+        at, size = {}, 0                   # each name's place in the owner's vector
+        for n in names:
+            at[n], size = size, size + _numel(layout.shapes[layout.names.index(n)])
+        shift = torch.zeros(len(layout.names), dtype=torch.long)      # whole-model number → owner's place
+        member = torch.zeros(len(layout.names), dtype=torch.bool)
+        for n in names:
+            shift[layout.names.index(n)] = at[n] - layout.offsets[n]
+            member[layout.names.index(n)] = True
+        vector = torch.full((size,), float("-inf"), dtype=layout.dtype)
+        for t, ids in held:
+            ids = ids.reshape(-1)
+            kept = ids >= 0
+            name_of = torch.searchsorted(ends, ids[kept], right=True)
+            ours = member[name_of]
+            vector[ids[kept][ours] + shift[name_of[ours]]] = t.detach().reshape(-1)[kept][ours].cpu().to(layout.dtype)
+        dist.reduce(vector, dst=owner, op=dist.ReduceOp.MAX)
+        if owner == rank:
+            for n in names:
+                whole = vector[at[n]:at[n] + _numel(layout.shapes[layout.names.index(n)])]
+                if torch.isinf(whole).any():
+                    raise RuntimeError(f"checkpoint: no rank holds all of parameter {n!r} (or its optimizer state)")
+                out[n] = whole.view(layout.shapes[layout.names.index(n)]).to(layout.dtype_of(n)).clone()
+    return out
+
+
+def _stepped(job, layout: Layout, pairs: list) -> dict:
+    """``{name: AdamW's step count (0 for SGD)}`` of the parameters some rank's optimizer steps:
+    one all-reduce (max) of a number per parameter."""
+    steps = torch.full((len(layout.names),), float("-inf"), dtype=torch.float64)
+    for p, _, names in pairs:
+        taken = float(_state_of(job, p, "step")) if job.spec.optimizer == "adamw" else 0.0
+        for name in names:
+            steps[layout.names.index(name)] = taken
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return {n: float(v) for n, v in zip(layout.names, steps.tolist()) if v != float("-inf")}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _span(clock, name: str, start: float, end: float, step: int | None = None, origin: float | None = None) -> dict:

@@ -4,20 +4,21 @@ distributed checkpoint (DCP), and restore them into a job built under any other 
 What is written is layout-free: every tensor whole, under the model's own ``state_dict`` name
 (``{"model": {name: tensor}, "optim": {name: {"exp_avg": …, "exp_avg_sq": …}}}``), so the
 folder is torch's own (``dcp_to_torch_save`` gives a plain state dict) and any strategy can
-read it. Each rank contributes the entries it holds (a pipeline stage its blocks, a ZeRO rank
-the parameters its shard touches); DCP's planner writes each entry once, on one of the ranks
-holding it, so every rank writes its own ``__{rank}_0.distcp`` file. Sharded saves (DTensor
-pieces resharded by DCP's loader) would skip the gathers below, but labkit's ZeRO shards are
-flat ranges across several parameters, which no DTensor placement describes; whole tensors
-cost one gather per state and give one rule for every layout.
+read it. Each parameter's entries are written by one rank, its owner (the parameters dealt
+out by size, :func:`labkit.parallel.saving.owners`), so every rank writes about 1/world of
+the bytes into its own ``__{rank}_0.distcp``. Sharded saves (DTensor pieces resharded by
+DCP's loader) would skip the gathers, but labkit's ZeRO shards are flat ranges across several
+parameters, which no DTensor placement describes; whole tensors cost one reduce per owner
+and state and give one rule for every layout.
 
 The one rule is an index map. Number every element of the whole model's trainable
 parameters (in ``named_parameters`` order, a tied weight once); each tensor a rank holds,
 the model's own (a Megatron chunk, a DTensor's local shard) or an optimizer's (a ZeRO flat
 shard, padded), is then a tensor of those numbers (−1 for padding), built by the same cuts
-the strategy made. Saving scatters each local state into a whole vector and takes the
-element-wise maximum over ranks (replicas hold equal values, absent elements −inf, so the
-result is exact); restoring reads ``vector[index]`` into each local tensor. Optimizer state
+the strategy made. Saving scatters each local state into a vector of one owner's elements
+and takes the element-wise maximum over ranks at that owner (replicas hold equal values,
+absent elements −inf, so the result is exact); restoring reads ``vector[index]`` of a whole
+vector into each local tensor (every rank reads the whole model's state on resume). Optimizer state
 is elementwise and shaped like the tensor it steps (SGD's momentum, AdamW's moments), so
 the same map serves parameters and state.
 
@@ -26,7 +27,6 @@ the same map serves parameters and state.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -205,40 +205,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-# -- save: the state gathered (the writing is labkit.parallel.saving) ----------------------------
-def gather_optimizer(job, layout: Layout) -> dict:
-    """``{name: {key: whole tensor}}`` for the names this rank's optimizer touches, each in its
-    parameter's dtype, with AdamW's ``step`` (a 0-d tensor, as torch's own state holds it: a
-    step fp16 skipped, or a parameter no token reached, took fewer); every rank joins one
-    all-reduce (max) per state key over the world."""
-    spec = job.spec
-    keys = state_keys(spec.optimizer, spec.momentum)
-    pairs = optimizer_ids(job, layout)
-    held = sorted({n for _, _, names in pairs for n in names})
-    out: dict = {n: {} for n in held}
-    for key in keys:
-        vector = torch.full((layout.total,), float("-inf"), dtype=layout.dtype)
-        for p, ids, _ in pairs:
-            local = _local(_state_of(job, p, key)).detach().reshape(-1).cpu().to(layout.dtype)
-            kept = ids >= 0
-            vector[ids[kept]] = local[kept]
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX)
-        for name, whole in layout.split(vector).items():
-            if name in out:
-                if torch.isinf(whole).any():
-                    raise RuntimeError(f"checkpoint: no rank holds all of {key!r} for parameter {name!r}")
-                out[name][key] = whole.to(layout.dtype_of(name))
-    if spec.optimizer == "adamw":
-        steps = torch.full((len(layout.names),), float("-inf"), dtype=torch.float64)
-        for p, _, names in pairs:
-            for name in names:
-                steps[layout.names.index(name)] = float(_state_of(job, p, "step"))
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        for name in held:
-            out[name]["step"] = torch.tensor(float(steps[layout.names.index(name)]))
-    return out
-
-
+# -- save: what a rank holds (the gather and the writing are labkit.parallel.saving) ---------------
 def _state_of(job, p, key: str):
     """``p``'s optimizer state ``key``; zeros (step 0) where it has none yet (no step taken, every
     step skipped, never reached): torch's optimizers start from exactly those."""
