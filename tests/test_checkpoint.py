@@ -157,6 +157,8 @@ def test_files_are_torchs_and_load_describe_read_them(lab2, tmp_path):
     assert (d.step, d.optimizer) == (3, "adamw")
     assert d.tensors == len(state) + 3 * sum(1 for _ in Net().parameters())
     assert set(d.files) == {"__0_0.distcp", "__1_0.distcp"} and all(v > 0 for v in d.files.values())
+    offered = [r["offered_bytes"] for r in run.checkpoint_io["save"][3]]
+    assert sum(offered) == d.tensor_bytes - 4 * len(state) and max(offered) < 0.6 * sum(offered)  # each entry once
     assert "step 3, saved under dp=2 zero=2" in repr(d)
 
 
