@@ -8,8 +8,11 @@ under, the optimizer). Each save is written under a temporary name (``.step_0000
 and renamed once every rank has written and the metadata is complete, so a save that fails
 leaves the checkpoints before it untouched, and a folder under its final name is always
 whole. ``checkpoint_async=True`` writes behind the next steps and completes the save at a
-later step boundary. The engines' side (what each rank writes and how any strategy reads it
-back) is :mod:`labkit.parallel.state`.
+later step boundary; either way each rank's timeline gets the save's ``checkpoint`` spans
+(:func:`spans`). A run under ``Strategy(precision=...)`` saves its fp32 master weights, and
+fp16's loss scaler beside them (``scaler.scale``, ``scaler.growth_tracker``). The engines'
+side is :mod:`labkit.parallel.state` (what each rank holds, how any strategy reads it back)
+and :mod:`labkit.parallel.saving` (the gather to each entry's owner, and the writing).
 
     >>> run = lab.run(labkit.Strategy(dp=4, zero=1), model, steps=3, checkpoint="ckpt/", checkpoint_every=3)
     >>> run2 = lab.run(labkit.Strategy(dp=2, pp=2), model, steps=3, resume="ckpt/")   # steps 3..5
