@@ -94,22 +94,25 @@ def gather_owned(job, layout: Layout, rank: int, world: int) -> tuple[dict, dict
     held += [(p, ids.reshape(-1)) for p, (ids, _) in ((p, pids[id(p)]) for p in job.model.parameters()
                                                        if id(p) in pids) if _local(p).untyped_storage().size()]
     mine = owners(layout, world)
-    model = _reduce_to_owners(layout, mine, rank, [(_local(p), ids) for p, ids in held])
+    model = _reduce_to_owners(layout, mine, rank, [(_local(p), ids) for p, ids in held], job.device)
     stepped = _stepped(job, layout, pairs)
     optim: dict = {n: {} for n in mine[rank] if n in stepped}
     for key in state_keys(job.spec.optimizer, job.spec.momentum):
-        whole = _reduce_to_owners(layout, mine, rank, [(_local(_state_of(job, p, key)), ids) for p, ids, _ in pairs])
+        whole = _reduce_to_owners(layout, mine, rank, [(_local(_state_of(job, p, key)), ids) for p, ids, _ in pairs],
+                                  job.device)
         for name in optim:
             optim[name][key] = whole[name]
     if job.spec.optimizer == "adamw":
         for name in optim:
             optim[name]["step"] = torch.tensor(stepped[name])
+    model.update({alias: model[first] for alias, first in layout.alias.items() if first in model})  # tied: both names
     model.update({k: b.detach().cpu().clone() for k, b in _buffers(job.model).items()})
     return model, optim
 
 
-def _reduce_to_owners(layout: Layout, mine: list, rank: int, held: list) -> dict:
-    """``{name: whole tensor}`` of this rank's names: one reduce (max) per owner."""
+def _reduce_to_owners(layout: Layout, mine: list, rank: int, held: list, device) -> dict:
+    """``{name: whole tensor}`` of this rank's names: one reduce (max) per owner, on the job's
+    device (NCCL reduces only what is on a GPU)."""
     out = {}
     ends = torch.tensor([layout.offsets[n] + _numel(sh) for n, sh in zip(layout.names, layout.shapes)])
     for owner, names in enumerate(mine):
@@ -130,7 +133,9 @@ def _reduce_to_owners(layout: Layout, mine: list, rank: int, held: list) -> dict
             name_of = torch.searchsorted(ends, ids[kept], right=True)
             ours = member[name_of]
             vector[ids[kept][ours] + shift[name_of[ours]]] = t.detach().reshape(-1)[kept][ours].cpu().to(layout.dtype)
+        vector = vector.to(device)
         dist.reduce(vector, dst=owner, op=dist.ReduceOp.MAX)
+        vector = vector.cpu()
         if owner == rank:
             for n in names:
                 whole = vector[at[n]:at[n] + _numel(layout.shapes[layout.names.index(n)])]
@@ -148,7 +153,9 @@ def _stepped(job, layout: Layout, pairs: list) -> dict:
         taken = float(_state_of(job, p, "step")) if job.spec.optimizer == "adamw" else 0.0
         for name in names:
             steps[layout.names.index(name)] = taken
+    steps = steps.to(job.device)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    steps = steps.cpu()
     return {n: float(v) for n, v in zip(layout.names, steps.tolist()) if v != float("-inf")}
 
 
