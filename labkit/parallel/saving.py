@@ -89,17 +89,20 @@ def gather_owned(job, layout: Layout, rank: int, world: int) -> tuple[dict, dict
     (−inf elsewhere) and joins a reduce (max) to the owner: the replicas agree, so the result
     is exact, and no rank holds more than its own share and one owner's vector at a time."""
     pairs = optimizer_ids(job, layout)
-    held = [(p, ids) for p, ids, _ in pairs]
+    held = [(p, ids) for p, ids, _ in pairs]           # what the optimizer steps (ZeRO: its shards)
     pids = parameter_ids(job.model, layout, job.tp_index, job.spec.strategy.tp)
-    held += [(p, ids.reshape(-1)) for p, (ids, _) in ((p, pids[id(p)]) for p in job.model.parameters()
-                                                       if id(p) in pids) if _local(p).untyped_storage().size()]
+    stepped_here = {id(p) for p, _ in held}
+    held += [(p, pids[id(p)][0]) for p in job.model.parameters()      # and the model's own, frozen ones too
+             if id(p) in pids and id(p) not in stepped_here and _local(p).untyped_storage().size()]
     mine = owners(layout, world)
-    model = _reduce_to_owners(layout, mine, rank, [(_local(p), ids) for p, ids in held], job.device)
+    sizes, routes = _routes(layout, mine, [ids for _, ids in held])
+    model = _reduce_to_owners(layout, mine, sizes, rank, [(_local(p), r) for (p, _), r in zip(held, routes)],
+                              job.device)
     stepped = _stepped(job, layout, pairs)
     optim: dict = {n: {} for n in mine[rank] if n in stepped}
     for key in state_keys(job.spec.optimizer, job.spec.momentum):
-        whole = _reduce_to_owners(layout, mine, rank, [(_local(_state_of(job, p, key)), ids) for p, ids, _ in pairs],
-                                  job.device)
+        values = [(_local(_state_of(job, p, key)), r) for (p, _, _), r in zip(pairs, routes)]    # pairs come first
+        whole = _reduce_to_owners(layout, mine, sizes, rank, values, job.device)
         for name in optim:
             optim[name][key] = whole[name]
     if job.spec.optimizer == "adamw":
@@ -110,38 +113,58 @@ def gather_owned(job, layout: Layout, rank: int, world: int) -> tuple[dict, dict
     return model, optim
 
 
-def _reduce_to_owners(layout: Layout, mine: list, rank: int, held: list, device) -> dict:
-    """``{name: whole tensor}`` of this rank's names: one reduce (max) per owner, on the job's
+def _routes(layout: Layout, mine: list, held: list) -> tuple[list, list]:
+    """Each owner's vector size, and per local tensor (its numbers ``ids``), per owner: which of
+    its elements go there (``src``) and where in the owner's vector (``dst``). Worked out once a
+    save, for the parameters and every optimizer state alike."""
+    index = {n: i for i, n in enumerate(layout.names)}
+    ends = torch.tensor([layout.offsets[n] + _numel(sh) for n, sh in zip(layout.names, layout.shapes)])
+    owner_of = torch.zeros(len(layout.names), dtype=torch.long)
+    shift = torch.zeros(len(layout.names), dtype=torch.long)      # whole-model number → place in its owner's vector
+    sizes = []
+    for owner, names in enumerate(mine):
+        at = 0
+        for n in names:
+            owner_of[index[n]], shift[index[n]] = owner, at - layout.offsets[n]
+            at += _numel(layout.shapes[index[n]])
+        sizes.append(at)
+    routes = []
+    for ids in held:
+        flat = ids.reshape(-1)
+        src = (flat >= 0).nonzero().squeeze(1)
+        name_of = torch.searchsorted(ends, flat[src], right=True)
+        owner = owner_of[name_of]
+        order = owner.argsort(stable=True)
+        src, dst = src[order], (flat[src] + shift[name_of])[order]
+        cut = torch.bincount(owner, minlength=len(mine)).tolist()
+        routes.append(list(zip(src.split(cut), dst.split(cut))))
+    return sizes, routes
+
+
+def _reduce_to_owners(layout: Layout, mine: list, sizes: list, rank: int, values: list, device) -> dict:
+    """``{name: whole tensor}`` of this rank's names: per owner, every rank puts its values where
+    :func:`_routes` says in a vector of −inf and joins a reduce (max) to the owner, on the job's
     device (NCCL reduces only what is on a GPU)."""
     out = {}
-    ends = torch.tensor([layout.offsets[n] + _numel(sh) for n, sh in zip(layout.names, layout.shapes)])
     for owner, names in enumerate(mine):
         if not names:
             continue
-        at, size = {}, 0                   # each name's place in the owner's vector
-        for n in names:
-            at[n], size = size, size + _numel(layout.shapes[layout.names.index(n)])
-        shift = torch.zeros(len(layout.names), dtype=torch.long)      # whole-model number → owner's place
-        member = torch.zeros(len(layout.names), dtype=torch.bool)
-        for n in names:
-            shift[layout.names.index(n)] = at[n] - layout.offsets[n]
-            member[layout.names.index(n)] = True
-        vector = torch.full((size,), float("-inf"), dtype=layout.dtype)
-        for t, ids in held:
-            ids = ids.reshape(-1)
-            kept = ids >= 0
-            name_of = torch.searchsorted(ends, ids[kept], right=True)
-            ours = member[name_of]
-            vector[ids[kept][ours] + shift[name_of[ours]]] = t.detach().reshape(-1)[kept][ours].cpu().to(layout.dtype)
+        vector = torch.full((sizes[owner],), float("-inf"), dtype=layout.dtype)
+        for t, route in values:
+            src, dst = route[owner]
+            vector[dst] = t.detach().reshape(-1)[src.to(t.device)].cpu().to(layout.dtype)
         vector = vector.to(device)
         dist.reduce(vector, dst=owner, op=dist.ReduceOp.MAX)
         vector = vector.cpu()
         if owner == rank:
+            at = 0
             for n in names:
-                whole = vector[at[n]:at[n] + _numel(layout.shapes[layout.names.index(n)])]
+                shape = layout.shapes[layout.names.index(n)]
+                whole = vector[at:at + _numel(shape)]
+                at += _numel(shape)
                 if torch.isinf(whole).any():
                     raise RuntimeError(f"checkpoint: no rank holds all of parameter {n!r} (or its optimizer state)")
-                out[n] = whole.view(layout.shapes[layout.names.index(n)]).to(layout.dtype_of(n)).clone()
+                out[n] = whole.view(shape).to(layout.dtype_of(n)).clone()
     return out
 
 
