@@ -176,6 +176,8 @@ def test_a_failed_run_resumes_from_its_last_complete_checkpoint(lab2, tmp_path):
     run = train(lab2, labkit.Strategy(pp=2, microbatches=2), 3, resume=tmp_path)
     assert run.first_step == 2
     assert run.max_diff(reference(5)) <= 1e-5
+    whole = labkit.checkpoint.describe(tmp_path / "step_000002").tensor_bytes
+    assert all(r["read_bytes"] < 0.75 * whole for r in run.checkpoint_io["load"])    # each stage reads its own
 
 
 # -- experts over ranks (ep) and mixed precision --------------------------------------------------

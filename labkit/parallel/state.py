@@ -17,8 +17,9 @@ the model's own (a Megatron chunk, a DTensor's local shard) or an optimizer's (a
 shard, padded), is then a tensor of those numbers (−1 for padding), built by the same cuts
 the strategy made. Saving scatters each local state into a vector of one owner's elements
 and takes the element-wise maximum over ranks at that owner (replicas hold equal values,
-absent elements −inf, so the result is exact); restoring reads ``vector[index]`` of a whole
-vector into each local tensor (every rank reads the whole model's state on resume). Optimizer state
+absent elements −inf, so the result is exact); restoring reads the whole entries of the
+parameters a rank holds part of (:meth:`Layout.restricted`: a pipeline stage its own blocks)
+and ``vector[index]`` into each local tensor. Optimizer state
 is elementwise and shaped like the tensor it steps (SGD's momentum, AdamW's moments), so
 the same map serves parameters and state.
 
@@ -85,6 +86,21 @@ class Layout:
 
     def dtype_of(self, name: str) -> torch.dtype:
         return self.dtypes[self.names.index(name)]
+
+    def restricted(self, names) -> "Layout":
+        """The same parameters numbered again, only ``names`` (in this layout's order): what
+        one rank holds, so a resume reads no more than that."""
+        keep = [i for i, n in enumerate(self.names) if n in names]
+        return Layout([self.names[i] for i in keep], [self.shapes[i] for i in keep], {},
+                      [self.dtypes[i] for i in keep])
+
+    def renumber(self, ids: torch.Tensor, whole: "Layout") -> torch.Tensor:
+        """``ids`` numbered in ``whole`` → numbered here (−1 stays −1); every id is of a name kept."""
+        ends = torch.tensor([whole.offsets[n] + _numel(sh) for n, sh in zip(whole.names, whole.shapes)])
+        shift = torch.tensor([self.offsets.get(n, 0) - whole.offsets[n] for n in whole.names], dtype=torch.long)
+        out, kept = ids.clone(), ids >= 0
+        out[kept] = ids[kept] + shift[torch.searchsorted(ends, ids[kept], right=True)]
+        return out
 
     def ids(self, name: str) -> torch.Tensor | None:
         """The numbers of parameter ``name``'s elements, shaped like it (None: not a parameter)."""
@@ -257,6 +273,13 @@ def restore(path: str, step: int, layout: dict) -> dict:
     keys = state_keys(job.spec.optimizer, job.spec.momentum)
     pairs = optimizer_ids(job, lay)
     touched = sorted({n for _, _, names in pairs for n in names})
+    pids = parameter_ids(job.model, lay, job.tp_index, job.spec.strategy.tp)
+    local = [p for p in {id(p): p for p in job.model.parameters()}.values()     # ZeRO-3 at rest: in its shards
+             if id(p) in pids and _local(p).untyped_storage().size()]
+    mine = lay.restricted(set(touched) | {pids[id(p)][1] for p in local})     # read no more than this rank holds
+    pairs = [(p, mine.renumber(ids, lay), names) for p, ids, names in pairs]
+    local = {id(p): (p, mine.renumber(pids[id(p)][0], lay)) for p in local}
+    lay = mine
     saved = _saved_entries(path)
     want = {"model": {n: saved[f"model.{n}"]() for n in lay.names}}
     want["model"].update({k: saved[f"model.{k}"]() for k in _buffers(job.model)})
@@ -267,7 +290,7 @@ def restore(path: str, step: int, layout: dict) -> dict:
         want["scaler"] = {k: saved[f"scaler.{k}"]() for k in ("scale", "growth_tracker")}
     loaded = read(path, want)
     with torch.no_grad():
-        _restore_model(job, lay, _vector(lay, {n: loaded["model"][n] for n in lay.names}), pairs,
+        _restore_model(job, _vector(lay, {n: loaded["model"][n] for n in lay.names}), local, pairs,
                        loaded["model"])
         for k in keys if touched else ():
             _restore_state(job, k, _vector(lay, {n: d[k] for n, d in loaded["optim"].items()}), pairs)
@@ -275,7 +298,13 @@ def restore(path: str, step: int, layout: dict) -> dict:
             _restore_steps(job, pairs, loaded.get("optim", {}), step)
         _restore_scaler(job, loaded.get("scaler"))
     job.data = FromStep(job.data, step)
-    return {"rank": s.rank, "read_s": time.perf_counter() - t0}
+    read_bytes = sum(t.numel() * t.element_size() for t in _tensors(want))
+    return {"rank": s.rank, "read_s": time.perf_counter() - t0, "read_bytes": read_bytes}
+
+
+def _tensors(tree: dict):
+    for v in tree.values():
+        yield from _tensors(v) if isinstance(v, dict) else [v]
 
 
 def _saved_entries(path: str) -> dict:
@@ -310,15 +339,12 @@ def _vector(layout: Layout, tensors: dict) -> torch.Tensor:
     return vector
 
 
-def _restore_model(job, layout: Layout, params: torch.Tensor, pairs: list, loaded: dict) -> None:
-    """Each local parameter from the whole vector through its numbers; ZeRO's shards too (a
-    parameter whose flat buffer ZeRO-3 freed is left to the next gather, from those shards)."""
-    pids = parameter_ids(job.model, layout, job.tp_index, job.spec.strategy.tp)
-    for p in {id(p): p for p in job.model.parameters()}.values():
-        local = _local(p)
-        if id(p) not in pids or local.untyped_storage().size() == 0:     # ZeRO-3 at rest
-            continue
-        local.copy_(params[pids[id(p)][0]].view(local.shape).to(local.dtype))
+def _restore_model(job, params: torch.Tensor, local: dict, pairs: list, loaded: dict) -> None:
+    """Each local parameter (``local``: id → (parameter, its numbers)) from the vector; ZeRO's
+    shards too (a parameter whose flat buffer ZeRO-3 freed is left to the next gather, from
+    those shards)."""
+    for p, ids in local.values():
+        _local(p).copy_(params[ids].view(_local(p).shape).to(_local(p).dtype))
     if getattr(job.optimizer, "units", None) is not None:
         for p, ids, _ in pairs:
             _fill(_local(p), params, ids)
