@@ -12,7 +12,7 @@
 2. Cost: an MLP (``--width``, ``--depth``) trained one step under dp4 ZeRO-3 and saved; then
    resumed under dp2×pp2. Per rank: seconds gathering the entries it owns (a reduce per owner),
    seconds writing (``dcp.save``), bytes offered and bytes of its file, against the rank's share of the
-   model state (parameters and both AdamW moments ÷ 4); seconds reading on resume. Against
+   model state (parameters and both AdamW moments ÷ 4); seconds and bytes read on resume. Against
    ``torch.save``/``torch.load`` of the same tensors in this one process. Then the same saves
    with ``checkpoint_async=True``: per rank, the writer's seconds behind the steps and the
    seconds the step loop still waited for it; and the same from the timeline's checkpoint spans.
@@ -101,11 +101,11 @@ def cost(lab, root, width: int, depth: int) -> None:
           f"file {os.path.getsize(plain) / 1e6:.1f} MB")
     print("saved under dp4 ZeRO-3 (its share of the model state per rank: "
           f"{share / 1e6:.1f} MB); resumed under dp2×pp2")
-    print("rank  gather s  write s  offered MB  file MB  read s (resume)")
+    print("rank  gather s  write s  offered MB  file MB  read s  read MB (resume)")
     saves = next(iter(saved.checkpoint_io["save"].values()))
     for s, r in zip(saves, resumed.checkpoint_io["load"]):
         print(f"{s['rank']:>4}  {s['gather_s']:>8.3f}  {s['write_s']:>7.3f}  {s['offered_bytes'] / 1e6:>10.1f}  "
-              f"{s['file_bytes'] / 1e6:>7.1f}  {r['read_s']:>6.3f}")
+              f"{s['file_bytes'] / 1e6:>7.1f}  {r['read_s']:>6.3f}  {r['read_bytes'] / 1e6:>7.1f}")
     print(labkit.checkpoint.describe(root + "/mlp"))
     hidden = lab.run(labkit.Strategy(dp=4, zero=3), steps=3, checkpoint=root + "/async", checkpoint_every=1,
                      checkpoint_async=True, **kw)
