@@ -10,12 +10,12 @@
    ZeRO-3). Printed: the largest parameter difference. (The Llama at lr 1e-3: at 1e-2 AdamW
    turns float reordering into 3–4e-5 already in straight 8-step runs of each strategy alone.)
 2. Cost: an MLP (``--width``, ``--depth``) trained one step under dp4 ZeRO-3 and saved; then
-   resumed under dp2×pp2. Per rank: seconds gathering the whole tensors, seconds writing
-   (``dcp.save``), bytes offered and bytes of its file, against the rank's ZeRO-3 share of the
-   model state (parameters and both AdamW moments ÷ 4); seconds reading on resume. Against
+   resumed under dp2×pp2. Per rank: seconds gathering the entries it owns (a reduce per owner),
+   seconds writing (``dcp.save``), bytes offered and bytes of its file, against the rank's share of the
+   model state (parameters and both AdamW moments ÷ 4); seconds and bytes read on resume. Against
    ``torch.save``/``torch.load`` of the same tensors in this one process. Then the same saves
    with ``checkpoint_async=True``: per rank, the writer's seconds behind the steps and the
-   seconds the step loop still waited for it.
+   seconds the step loop still waited for it; and the same from the timeline's checkpoint spans.
 """
 from __future__ import annotations
 
@@ -101,11 +101,11 @@ def cost(lab, root, width: int, depth: int) -> None:
           f"file {os.path.getsize(plain) / 1e6:.1f} MB")
     print("saved under dp4 ZeRO-3 (its share of the model state per rank: "
           f"{share / 1e6:.1f} MB); resumed under dp2×pp2")
-    print("rank  gather s  write s  offered MB  file MB  read s (resume)")
+    print("rank  gather s  write s  offered MB  file MB  read s  read MB (resume)")
     saves = next(iter(saved.checkpoint_io["save"].values()))
     for s, r in zip(saves, resumed.checkpoint_io["load"]):
         print(f"{s['rank']:>4}  {s['gather_s']:>8.3f}  {s['write_s']:>7.3f}  {s['offered_bytes'] / 1e6:>10.1f}  "
-              f"{s['file_bytes'] / 1e6:>7.1f}  {r['read_s']:>6.3f}")
+              f"{s['file_bytes'] / 1e6:>7.1f}  {r['read_s']:>6.3f}  {r['read_bytes'] / 1e6:>7.1f}")
     print(labkit.checkpoint.describe(root + "/mlp"))
     hidden = lab.run(labkit.Strategy(dp=4, zero=3), steps=3, checkpoint=root + "/async", checkpoint_every=1,
                      checkpoint_async=True, **kw)
@@ -114,6 +114,13 @@ def cost(lab, root, width: int, depth: int) -> None:
     for step, ranks in sorted(hidden.checkpoint_io["save"].items()):
         print(f"step {step}: " + "  ".join(f"r{r['rank']} {r['write_s']:.3f}/{r['waited_s']:.3f}" for r in ranks))
     print(f"step times with async saves: {', '.join(f'{t:.3f}' for t in hidden.step_times)} s")
+    spans = [e for e in hidden.timeline.events if e["kind"] == "checkpoint"]
+    print("the timeline's checkpoint spans, seconds per rank over the 3 saves (staging and wait: the loop "
+          "paid them; writing: under the steps)")
+    for rank in range(4):
+        got = {w: sum(e["end"] - e["start"] for e in spans if e["rank"] == rank and e["name"] == f"checkpoint {w}")
+               for w in ("staging", "writing", "wait")}
+        print(f"r{rank}: " + "  ".join(f"{w} {v:.3f}" for w, v in got.items()))
 
 
 def main() -> None:

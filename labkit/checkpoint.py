@@ -8,8 +8,11 @@ under, the optimizer). Each save is written under a temporary name (``.step_0000
 and renamed once every rank has written and the metadata is complete, so a save that fails
 leaves the checkpoints before it untouched, and a folder under its final name is always
 whole. ``checkpoint_async=True`` writes behind the next steps and completes the save at a
-later step boundary. The engines' side (what each rank writes and how any strategy reads it
-back) is :mod:`labkit.parallel.state`.
+later step boundary; either way each rank's timeline gets the save's ``checkpoint`` spans
+(:func:`spans`). A run under ``Strategy(precision=...)`` saves its fp32 master weights, and
+fp16's loss scaler beside them (``scaler.scale``, ``scaler.growth_tracker``). The engines'
+side is :mod:`labkit.parallel.state` (what each rank holds, how any strategy reads it back)
+and :mod:`labkit.parallel.saving` (the gather to each entry's owner, and the writing).
 
     >>> run = lab.run(labkit.Strategy(dp=4, zero=1), model, steps=3, checkpoint="ckpt/", checkpoint_every=3)
     >>> run2 = lab.run(labkit.Strategy(dp=2, pp=2), model, steps=3, resume="ckpt/")   # steps 3..5
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .parallel import state as engine_state
+from .parallel import saving as engine_saving, state as engine_state
 
 FORMAT = "labkit-checkpoint/1"
 INFO = "labkit.json"
@@ -214,60 +217,90 @@ def prepare(spec, built) -> Plan | None:
 
 
 def _check_supported(spec, built) -> None:
-    """What a checkpoint does not carry yet, refused by name."""
-    s = spec.strategy
-    odd = next(((n, p.dtype) for n, p in built.named_parameters() if p.dtype != torch.float32), None)
+    """What a checkpoint does not carry, refused by name: a parameter that is not real floating
+    point (the index map gathers values in a float32 or float64 vector). Every floating dtype is
+    saved as it is, not refused and not converted: bf16 and fp16 values are held exactly in the
+    float32 vector, float64 in a float64 one, so a model kept in bf16 resumes bit for bit, its
+    file half the bytes, and a loader gets the dtype the model trained in."""
+    odd = next(((n, p.dtype) for n, p in built.named_parameters()
+                if not p.is_floating_point() or p.is_complex()), None)
     if odd is not None:
-        raise ValueError(f"checkpoint/resume: parameter {odd[0]!r} is {odd[1]}, and the optimizer state is "
-                         "gathered in float32; keep the parameters float32 (Strategy.precision computes in "
-                         "bf16 with float32 weights)")
-    if s.ep > 1:
-        raise ValueError(f"checkpoint/resume with Strategy.ep={s.ep} is not built: experts split over ranks "
-                         "have no index map yet; use ep=1 for a run that saves or resumes")
-    if s.precision == "fp16":
-        raise ValueError("checkpoint/resume with Strategy.precision='fp16': the loss scaler's state is not "
-                         "saved, and a skipped step would desynchronise AdamW's step count; use 'bf16' or 'fp32'")
+        raise ValueError(f"checkpoint/resume: parameter {odd[0]!r} is {odd[1]}, and a checkpoint gathers real "
+                         "floating point values; keep it as a buffer (register_buffer) instead of a "
+                         "parameter, or train without checkpoint= and resume=")
 
 
 # -- a save, driven from the notebook -------------------------------------------------------------
-def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io: dict) -> list[str]:
+def after_step(lab, spec, plan: Plan, step: int, stopping: bool, run_id: str, io: dict, timeline) -> tuple:
     """After run step ``step``: complete an asynchronous save that has finished, save when one is
-    due (waiting first for one still being written); the checkpoints completed, by path."""
-    done = []
+    due (waiting first for one still being written); the checkpoints completed, by path, and
+    the ``checkpoint`` spans to add to ``timeline`` (:func:`spans`)."""
+    done, drawn = [], []
     if plan.pending is not None and (plan.due(step, spec.steps, stopping) or
-                                     all(lab.apply(engine_state.save_done, plan.pending[0]))):
-        done.append(finish(lab, spec, plan, io))
+                                     all(lab.apply(engine_saving.save_done, plan.pending[0]))):
+        path, ranks = finish(lab, spec, plan, io)
+        done.append(path)
+        drawn += spans(ranks, timeline)
     if plan.due(step, spec.steps, stopping):
-        path = save(lab, spec, plan, plan.first + step + 1, run_id, io)
+        path, ranks = save(lab, spec, plan, plan.first + step + 1, run_id, io)
         done += [path] if path is not None else []
-    return done
+        drawn += spans(ranks, timeline)
+    return done, drawn
 
 
-def finish(lab, spec, plan: Plan, io: dict) -> str:
-    """Wait for the asynchronous save in flight on every rank, then complete it."""
+def spans(ranks: list[dict], timeline) -> list[dict]:
+    """Each rank's ``checkpoint`` spans (labkit.parallel.saving) as timeline events, on its host's
+    clock as the step's own (labkit.analysis.clocks); the writing thread's cut to the steps it
+    ran under (what they hid), the rest after their step's spans."""
+    from .analysis.clocks import offsets
+    from .analysis.events import make_event
+    work = timeline.table.select(timeline.table["kind"] != "checkpoint")    # the steps' own spans
+    length = type(timeline)(work, timeline.world_size).step_durations()
+    clocks: dict = {}
+    for r in ranks:
+        for span in r.get("spans", []):
+            clocks.setdefault(span["step"], {})[r["rank"]] = span["clock"]
+    shift = {step: offsets(c) for step, c in clocks.items()}
+    out = []
+    for r in ranks:
+        for span in r.pop("spans", []):
+            d = shift[span["step"]][r["rank"]]
+            start, end = span["start"] + d, span["end"] + d
+            if span["name"] == "checkpoint writing":
+                start, end = max(start, 0.0), min(end, length.get(span["step"], 0.0))
+            if end > start:
+                out.append(make_event(r["rank"], "checkpoint", span["name"], span["step"], start, end))
+    return out
+
+
+def finish(lab, spec, plan: Plan, io: dict) -> tuple:
+    """Wait for the asynchronous save in flight on every rank, then complete it: its path, and
+    each rank's answer (spans included)."""
     tmp, step, ranks = plan.pending
     plan.pending = None
-    written = lab.apply(engine_state.finish_save, tmp)
-    ranks = [{**a, **b} for a, b in zip(ranks, written)]
-    io.setdefault("save", {})[step] = ranks
-    return complete_save(spec, plan, tmp, step, ranks)
+    written = lab.apply(engine_saving.finish_save, tmp)
+    merged = [{**a, **b, "spans": a.get("spans", []) + b.get("spans", [])} for a, b in zip(ranks, written)]
+    io.setdefault("save", {})[step] = [{k: v for k, v in r.items() if k != "spans"} for r in merged]
+    return complete_save(spec, plan, tmp, step, io["save"][step]), merged
 
 
-def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> str | None:
+def save(lab, spec, plan: Plan, step: int, run_id: str, io: dict | None = None) -> tuple:
     """Every rank writes the state after global ``step`` into a temporary folder; the metadata
     and ``labkit.json`` complete it; the rename makes it a checkpoint (an older one of the same
-    step is replaced only then). Each rank's costs go to ``io["save"][step]``. Asynchronous
-    (``plan.asynchronous``): the files are written behind the next steps and the save is
-    completed by :func:`finish` (None here)."""
+    step is replaced only then). Each rank's costs go to ``io["save"][step]``. Returns the path
+    and each rank's answer (its spans). Asynchronous (``plan.asynchronous``): the files are
+    written behind the next steps and the save is completed by :func:`finish` (path None
+    here; the staging's spans now, the writing's then)."""
     os.makedirs(plan.root, exist_ok=True)
     tmp = os.path.join(plan.root, f".step_{step:06d}.tmp-{run_id}")
-    ranks = lab.apply(engine_state.save, tmp, step, plan.layout, plan.asynchronous)
+    ranks = lab.apply(engine_saving.save, tmp, step, plan.layout, plan.asynchronous)
     if plan.asynchronous:
-        plan.pending = (tmp, step, ranks)
-        return None
+        plan.pending = (tmp, step, [{k: v for k, v in r.items() if k != "spans"} for r in ranks])
+        return None, ranks
+    plain = [{k: v for k, v in r.items() if k != "spans"} for r in ranks]
     if io is not None:
-        io.setdefault("save", {})[step] = ranks
-    return complete_save(spec, plan, tmp, step, ranks)
+        io.setdefault("save", {})[step] = plain
+    return complete_save(spec, plan, tmp, step, plain), ranks
 
 
 def complete_save(spec, plan: Plan, tmp: str, step: int, ranks: list) -> str:
@@ -299,7 +332,8 @@ def _fields(s) -> dict:
 # -- reading a checkpoint in one process --------------------------------------------------------
 def load(path, optimizer: bool = False) -> dict:
     """The model's state dict (its own names, whole tensors) from a checkpoint, in this process;
-    ``optimizer=True``: ``{"model": …, "optim": {name: {state: tensor}}, "step": N}``."""
+    ``optimizer=True``: ``{"model": …, "optim": {name: {state: tensor}}, "step": N}`` (and
+    ``"scaler"``: fp16's loss scale and clean steps, when the run had one)."""
     folder = find(path)
     check_files(folder)
     want: dict = {}
@@ -313,12 +347,14 @@ def load(path, optimizer: bool = False) -> dict:
     model = {k[len("model."):]: v for k, v in want.items() if k.startswith("model.")}
     if not optimizer:
         return model
+    scaler = {k[len("scaler."):]: v for k, v in want.items() if k.startswith("scaler.")}
     optim: dict = {}
     for key, v in want.items():
         if key.startswith("optim."):
             name, _, state = key[len("optim."):].rpartition(".")
             optim.setdefault(name, {})[state] = v
-    return {"model": model, "optim": optim, "step": info(folder)["step"]}
+    out = {"model": model, "optim": optim, "step": info(folder)["step"]}
+    return {**out, "scaler": scaler} if scaler else out
 
 
 @dataclass

@@ -382,7 +382,7 @@ def test_the_layout_check_fires_on_a_stale_block():
 
 # -- the kind table -------------------------------------------------------------------------------
 DESIGN_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "attention", "optimizer", "allreduce", "reduce_scatter",
-                "allgather", "broadcast", "all_to_all", "send", "recv", "wait", "compress", "decompress")
+                "allgather", "broadcast", "all_to_all", "send", "recv", "wait", "compress", "decompress", "checkpoint")
 
 
 def test_the_kind_table_holds_design_kinds_once_and_every_view_reads_it():

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 STREAMS = ("compute", "comm")
+"""The lanes drawn per rank. A checkpoint's spans are on stream ``io``, drawn on the comm lane
+and counted as neither compute nor comm: time the loop spends saving is the step's, not its
+work's."""
 
 
 class Event(TypedDict):
@@ -91,6 +94,9 @@ _ROWS = (
          waits=True),
     Kind("compress", "compute", "#999933", description="shrinking a bucket before it is sent"),
     Kind("decompress", "compute", "#DDCC77", description="restoring a received bucket"),
+    Kind("checkpoint", "io", "#AA4499",
+         description="a checkpoint: its save or staging and the wait for its writer after a step, "
+                     "the writing thread under the steps it ran beside (labkit.parallel.saving)"),
 )
 KINDS: dict[str, Kind] = {k.name: k for k in _ROWS}
 OTHER_COLOR = "#666666"      # a kind outside the table (user code): drawn, never dropped

@@ -4,29 +4,30 @@ distributed checkpoint (DCP), and restore them into a job built under any other 
 What is written is layout-free: every tensor whole, under the model's own ``state_dict`` name
 (``{"model": {name: tensor}, "optim": {name: {"exp_avg": …, "exp_avg_sq": …}}}``), so the
 folder is torch's own (``dcp_to_torch_save`` gives a plain state dict) and any strategy can
-read it. Each rank contributes the entries it holds (a pipeline stage its blocks, a ZeRO rank
-the parameters its shard touches); DCP's planner writes each entry once, on one of the ranks
-holding it, so every rank writes its own ``__{rank}_0.distcp`` file. Sharded saves (DTensor
-pieces resharded by DCP's loader) would skip the gathers below, but labkit's ZeRO shards are
-flat ranges across several parameters, which no DTensor placement describes; whole tensors
-cost one gather per state and give one rule for every layout.
+read it. Each parameter's entries are written by one rank, its owner (the parameters dealt
+out by size, :func:`labkit.parallel.saving.owners`), so every rank writes about 1/world of
+the bytes into its own ``__{rank}_0.distcp``. Sharded saves (DTensor pieces resharded by
+DCP's loader) would skip the gathers, but labkit's ZeRO shards are flat ranges across several
+parameters, which no DTensor placement describes; whole tensors cost one reduce per owner
+and state and give one rule for every layout.
 
 The one rule is an index map. Number every element of the whole model's trainable
 parameters (in ``named_parameters`` order, a tied weight once); each tensor a rank holds,
 the model's own (a Megatron chunk, a DTensor's local shard) or an optimizer's (a ZeRO flat
 shard, padded), is then a tensor of those numbers (−1 for padding), built by the same cuts
-the strategy made. Saving scatters each local state into a whole vector and takes the
-element-wise maximum over ranks (replicas hold equal values, absent elements −inf, so the
-result is exact); restoring reads ``vector[index]`` into each local tensor. Optimizer state
+the strategy made. Saving scatters each local state into a vector of one owner's elements
+and takes the element-wise maximum over ranks at that owner (replicas hold equal values,
+absent elements −inf, so the result is exact); restoring reads the whole entries of the
+parameters a rank holds part of (:meth:`Layout.restricted`: a pipeline stage its own blocks)
+and ``vector[index]`` into each local tensor. Optimizer state
 is elementwise and shaped like the tensor it steps (SGD's momentum, AdamW's moments), so
 the same map serves parameters and state.
 
-    >>> save("ckpt/.step_000004.tmp", step=4, layout=layout)      # every rank (lab.apply)
-    >>> restore("ckpt/step_000004", step=4, layout=layout)        # every rank, after setup_run
+    >>> saving.save("ckpt/.step_000004.tmp", step=4, layout=layout)   # every rank (lab.apply)
+    >>> restore("ckpt/step_000004", step=4, layout=layout)            # every rank, after setup_run
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -47,11 +48,14 @@ def state_keys(optimizer: str, momentum: float) -> tuple:
 
 class Layout:
     """The whole model's parameters, numbered: ``names`` (a tied weight once),
-    ``shapes``, ``offsets`` into one vector, and ``alias`` (a tied weight's other names →
-    the first)."""
+    ``shapes``, ``dtypes``, ``offsets`` into one vector, and ``alias`` (a tied weight's other
+    names → the first). ``dtype``: the vector's, float32 unless a parameter is float64 (it holds
+    bf16, fp16 and float32 values exactly, so each entry is saved in its parameter's dtype)."""
 
-    def __init__(self, names: list, shapes: list, alias: dict):
+    def __init__(self, names: list, shapes: list, alias: dict, dtypes: list | None = None):
         self.names, self.shapes, self.alias = list(names), [tuple(s) for s in shapes], dict(alias)
+        self.dtypes = [_dtype(d) for d in dtypes] if dtypes else [torch.float32] * len(self.names)
+        self.dtype = torch.float64 if torch.float64 in self.dtypes else torch.float32
         self.offsets, total = {}, 0
         for name, shape in zip(self.names, self.shapes):
             self.offsets[name] = total
@@ -61,7 +65,7 @@ class Layout:
     @classmethod
     def of(cls, model: nn.Module) -> "Layout":
         """From the whole model (built on ``meta`` is enough: only names and shapes are read)."""
-        first, names, shapes, alias = {}, [], [], {}
+        first, names, shapes, alias, dtypes = {}, [], [], {}, []
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in first:
                 alias[name] = first[id(p)]
@@ -69,14 +73,34 @@ class Layout:
             first[id(p)] = name
             names.append(name)
             shapes.append(tuple(p.shape))
-        return cls(names, shapes, alias)
+            dtypes.append(p.dtype)
+        return cls(names, shapes, alias, dtypes)
 
     def to_dict(self) -> dict:
-        return {"names": self.names, "shapes": [list(s) for s in self.shapes], "alias": self.alias}
+        return {"names": self.names, "shapes": [list(s) for s in self.shapes], "alias": self.alias,
+                "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(d["names"], d["shapes"], d["alias"])
+        return cls(d["names"], d["shapes"], d["alias"], d.get("dtypes"))
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.dtypes[self.names.index(name)]
+
+    def restricted(self, names) -> "Layout":
+        """The same parameters numbered again, only ``names`` (in this layout's order): what
+        one rank holds, so a resume reads no more than that."""
+        keep = [i for i, n in enumerate(self.names) if n in names]
+        return Layout([self.names[i] for i in keep], [self.shapes[i] for i in keep], {},
+                      [self.dtypes[i] for i in keep])
+
+    def renumber(self, ids: torch.Tensor, whole: "Layout") -> torch.Tensor:
+        """``ids`` numbered in ``whole`` → numbered here (−1 stays −1); every id is of a name kept."""
+        ends = torch.tensor([whole.offsets[n] + _numel(sh) for n, sh in zip(whole.names, whole.shapes)])
+        shift = torch.tensor([self.offsets.get(n, 0) - whole.offsets[n] for n in whole.names], dtype=torch.long)
+        out, kept = ids.clone(), ids >= 0
+        out[kept] = ids[kept] + shift[torch.searchsorted(ends, ids[kept], right=True)]
+        return out
 
     def ids(self, name: str) -> torch.Tensor | None:
         """The numbers of parameter ``name``'s elements, shaped like it (None: not a parameter)."""
@@ -91,6 +115,10 @@ class Layout:
         """A whole vector back into ``{name: tensor}``, each in its parameter's shape."""
         return {n: vector[self.offsets[n]:self.offsets[n] + _numel(s)].view(s).clone()
                 for n, s in zip(self.names, self.shapes)}
+
+
+def _dtype(d) -> torch.dtype:
+    return d if isinstance(d, torch.dtype) else getattr(torch, d)
 
 
 def _numel(shape) -> int:
@@ -109,6 +137,7 @@ def parameter_ids(model: nn.Module, layout: Layout, tp_index: int, tp_size: int)
     out = {}
     for prefix, module in model.named_modules():
         dims = getattr(module, "shard_dims", None) or {}
+        experts = _expert_slice(module)
         for name, p in module.named_parameters(recurse=False):
             key = f"{prefix}.{name}" if prefix else name
             ids = layout.ids(key)
@@ -116,9 +145,22 @@ def parameter_ids(model: nn.Module, layout: Layout, tp_index: int, tp_size: int)
                 continue
             if name in dims:
                 ids = ids.chunk(tp_size, dim=dims[name])[tp_index]
+            if experts is not None:
+                ids = ids.chunk(experts[1], dim=0)[experts[0]]
             ids = _dtensor_local(p, ids)
             out[id(p)] = (ids, layout.alias.get(key, key))
     return out
+
+
+def _expert_slice(module) -> tuple | None:
+    """(this rank's index in its ep group, ep) for a transformers sparse block's fused experts
+    under expert parallelism (labkit.parallel.expert.dispatch: each parameter keeps its name
+    and this rank's 1/ep of its rows); None for any other module. labkit's own MoE needs
+    nothing: its experts keep their global names (``experts.5.…``), whole."""
+    from .expert.dispatch import ExpertParallelExperts
+    if not isinstance(module, ExpertParallelExperts):
+        return None
+    return dist.get_group_rank(module.ep_group, dist.get_rank()), module.ep
 
 
 def _dtensor_local(p, ids: torch.Tensor) -> torch.Tensor:
@@ -179,116 +221,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-# -- save ---------------------------------------------------------------------------------------
-def save(path: str, step: int, layout: dict, asynchronous: bool = False) -> dict:
-    """Write this run's state at ``step`` into ``path`` (every rank calls it: collectives).
-
-    Parameters and buffers come from the job's ``full_state_dict`` (the gathers every strategy
-    already has for ``run.parameters()``); each optimizer state is scattered into a whole
-    vector and maximised over the world (the module docstring). Returns this rank's seconds,
-    the bytes of what it offered and the bytes of the file it wrote.
-
-    ``asynchronous``: the gathers stay in the step loop (they are collectives on the training
-    groups), the writing goes to DCP's ``async_save`` thread, whose own collectives use a
-    group of their own (:func:`_writer_group`), so they never interleave with a step's;
-    :func:`finish_save` waits for it."""
-    from .. import engine
-    import torch.distributed.checkpoint as dcp
-
-    s = engine.session()
-    job, lay = s.job, Layout.from_dict(layout)
-    t0 = time.perf_counter()
-    model_state = job.full_state_dict()
-    optim_state = gather_optimizer(job, lay, step)
-    t1 = time.perf_counter()
-    state = {"model": model_state, "optim": optim_state}
-    offered = sum(t.numel() * t.element_size() for t in model_state.values()) + \
-        sum(t.numel() * t.element_size() for d in optim_state.values() for t in d.values())
-    out = {"rank": s.rank, "gather_s": t1 - t0, "offered_bytes": offered}
-    if asynchronous:
-        future = dcp.async_save(state, checkpoint_id=path, process_group=_writer_group())
-        ended: list = []
-        future.add_done_callback(lambda _f: ended.append(time.perf_counter()))
-        _PENDING[path] = (future, t1, ended)
-        return {**out, "handed_off_s": time.perf_counter() - t1}
-    dcp.save(state, checkpoint_id=path)
-    return {**out, "write_s": time.perf_counter() - t1, "file_bytes": _file_bytes(path, s.rank)}
+# -- save: what a rank holds (the gather and the writing are labkit.parallel.saving) ---------------
+def _state_of(job, p, key: str):
+    """``p``'s optimizer state ``key``; zeros (step 0) where it has none yet (no step taken, every
+    step skipped, never reached): torch's optimizers start from exactly those."""
+    state = job.optimizer.state.get(p, {}).get(key)
+    if state is not None:
+        return state
+    return torch.tensor(0.0) if key == "step" else torch.zeros_like(_local(p))
 
 
-_PENDING: dict = {}          # path → (the async save's future, when it was handed off, [when it ended])
-_WRITER: list = []           # [(the default group it was made in, the writer's group)]
+def scaler_state(job) -> dict:
+    """fp16's loss scaler, the same on every rank (they agree on each overflow): its scale and
+    the clean steps since it last changed, so a resumed run scales, skips and grows as the run
+    it continues would have. ``{}`` without one."""
+    scaler = job.precision.scaler
+    if scaler is None:
+        return {}
+    saved = scaler.state_dict()
+    return {"scale": torch.tensor(float(saved["scale"])), "growth_tracker": torch.tensor(int(saved["_growth_tracker"]))}
 
 
-def _writer_group():
-    """A gloo group over the world for the async writer's collectives, made once per world group
-    (every rank makes it in the same call, as ``new_group`` needs)."""
-    world = dist.distributed_c10d._get_default_group()
-    if not _WRITER or _WRITER[0][0] is not world:
-        _WRITER[:] = [(world, dist.new_group(backend="gloo"))]
-    return _WRITER[0][1]
-
-
-def _file_bytes(path: str, rank: int) -> int:
-    mine = os.path.join(path, f"__{rank}_0.distcp")
-    return os.path.getsize(mine) if os.path.exists(mine) else 0
-
-
-def save_done(path: str) -> bool:
-    """Has this rank's asynchronous save into ``path`` finished (no wait)?"""
-    entry = _PENDING.get(path)
-    return entry is None or entry[0].done()
-
-
-def finish_save(path: str) -> dict:
-    """Wait for this rank's asynchronous save into ``path``; its seconds in the background
-    (``write_s``, from hand-off to the end) and how long this call waited for it (``waited_s``:
-    what the steps in between did not hide)."""
-    from .. import engine
-
-    rank = engine.session().rank
-    future, started, ended = _PENDING.pop(path)
-    t0 = time.perf_counter()
-    future.result()
-    waited = time.perf_counter() - t0
-    end = ended[0] if ended else time.perf_counter()
-    return {"rank": rank, "write_s": end - started, "waited_s": waited, "file_bytes": _file_bytes(path, rank)}
-
-
-def gather_optimizer(job, layout: Layout, step: int) -> dict:
-    """``{name: {key: whole tensor}}`` for the names this rank's optimizer touches; every rank
-    joins one all-reduce (max) per state key over the world."""
-    spec = job.spec
-    keys = state_keys(spec.optimizer, spec.momentum)
-    pairs = optimizer_ids(job, layout)
-    _check_steps(job, pairs, step)
-    held = sorted({n for _, _, names in pairs for n in names})
-    out: dict = {n: {} for n in held}
-    for key in keys:
-        vector = torch.full((layout.total,), float("-inf"))
-        for p, ids, _ in pairs:
-            state = job.optimizer.state.get(p, {})
-            if state.get(key) is None:
-                raise RuntimeError(f"the optimizer holds no {key!r} for a tensor it steps (no step taken yet?)")
-            local = _local(state[key]).detach().reshape(-1).cpu().float()
-            kept = ids >= 0
-            vector[ids[kept]] = local[kept]
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX)
-        for name, whole in layout.split(vector).items():
-            if name in out:
-                if torch.isinf(whole).any():
-                    raise RuntimeError(f"checkpoint: no rank holds all of {key!r} for parameter {name!r}")
-                out[name][key] = whole
-    return out
-
-
-def _check_steps(job, pairs, step: int) -> None:
-    """AdamW's bias correction reads its step count: every tensor's must be the run's step
-    (restore sets it so); a skipped step (fp16) would make them differ."""
-    for p, _, names in pairs:
-        taken = job.optimizer.state.get(p, {}).get("step")
-        if taken is not None and int(float(taken)) != step:
-            raise RuntimeError(f"checkpoint at step {step}: the optimizer of {names[0]!r} took {int(float(taken))} "
-                               "steps; a checkpoint needs every update applied (precision='fp16' skips some)")
+def _restore_scaler(job, loaded: dict) -> None:
+    scaler = job.precision.scaler
+    if scaler is None or not loaded:
+        return
+    state = scaler.state_dict()
+    state.update(scale=float(loaded["scale"]), _growth_tracker=int(loaded["growth_tracker"]))
+    scaler.load_state_dict(state)
 
 
 # -- restore ------------------------------------------------------------------------------------
@@ -313,22 +273,55 @@ def restore(path: str, step: int, layout: dict) -> dict:
     keys = state_keys(job.spec.optimizer, job.spec.momentum)
     pairs = optimizer_ids(job, lay)
     touched = sorted({n for _, _, names in pairs for n in names})
-    want = {"model": {n: torch.empty(sh) for n, sh in zip(lay.names, lay.shapes)}}
-    want["model"].update({k: torch.empty(b.shape, dtype=b.dtype) for k, b in _buffers(job.model).items()})
+    pids = parameter_ids(job.model, lay, job.tp_index, job.spec.strategy.tp)
+    local = [p for p in {id(p): p for p in job.model.parameters()}.values()     # ZeRO-3 at rest: in its shards
+             if id(p) in pids and _local(p).untyped_storage().size()]
+    mine = lay.restricted(set(touched) | {pids[id(p)][1] for p in local})     # read no more than this rank holds
+    pairs = [(p, mine.renumber(ids, lay), names) for p, ids, names in pairs]
+    local = {id(p): (p, mine.renumber(pids[id(p)][0], lay)) for p in local}
+    lay = mine
+    saved = _saved_entries(path)
+    want = {"model": {n: saved[f"model.{n}"]() for n in lay.names}}
+    want["model"].update({k: saved[f"model.{k}"]() for k in _buffers(job.model)})
     if keys and touched:
-        want["optim"] = {n: {k: torch.empty(lay.shapes[lay.names.index(n)]) for k in keys} for n in touched}
+        counted = [k for k in keys + ("step",) if f"optim.{touched[0]}.{k}" in saved]
+        want["optim"] = {n: {k: saved[f"optim.{n}.{k}"]() for k in counted} for n in touched}
+    if job.precision.scaler is not None and "scaler.scale" in saved:
+        want["scaler"] = {k: saved[f"scaler.{k}"]() for k in ("scale", "growth_tracker")}
     loaded = read(path, want)
     with torch.no_grad():
-        _restore_model(job, lay, _vector(lay, {n: loaded["model"][n] for n in lay.names}), pairs,
+        _restore_model(job, _vector(lay, {n: loaded["model"][n] for n in lay.names}), local, pairs,
                        loaded["model"])
         for k in keys if touched else ():
             _restore_state(job, k, _vector(lay, {n: d[k] for n, d in loaded["optim"].items()}), pairs)
         if job.spec.optimizer == "adamw":
-            from torch.optim.optimizer import _get_scalar_dtype
-            for p, _, _ in pairs:
-                job.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+            _restore_steps(job, pairs, loaded.get("optim", {}), step)
+        _restore_scaler(job, loaded.get("scaler"))
     job.data = FromStep(job.data, step)
-    return {"rank": s.rank, "read_s": time.perf_counter() - t0}
+    read_bytes = sum(t.numel() * t.element_size() for t in _tensors(want))
+    return {"rank": s.rank, "read_s": time.perf_counter() - t0, "read_bytes": read_bytes}
+
+
+def _tensors(tree: dict):
+    for v in tree.values():
+        yield from _tensors(v) if isinstance(v, dict) else [v]
+
+
+def _saved_entries(path: str) -> dict:
+    """``{DCP key: a function making an empty tensor of its saved shape and dtype}``."""
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(path).read_metadata()
+    return {k: (lambda m=m: torch.empty(tuple(m.size), dtype=m.properties.dtype))
+            for k, m in md.state_dict_metadata.items() if hasattr(m, "size")}
+
+
+def _restore_steps(job, pairs: list, loaded: dict, step: int) -> None:
+    """AdamW's step count per tensor, as saved (the most of the names a ZeRO shard steps
+    together); ``step`` for a checkpoint that holds none."""
+    from torch.optim.optimizer import _get_scalar_dtype
+    for p, _, names in pairs:
+        taken = max((float(loaded[n]["step"]) for n in names if "step" in loaded.get(n, {})), default=float(step))
+        job.optimizer.state[p]["step"] = torch.tensor(taken, dtype=_get_scalar_dtype())
 
 
 def _buffers(model: nn.Module) -> dict:
@@ -339,22 +332,19 @@ def _buffers(model: nn.Module) -> dict:
 
 def _vector(layout: Layout, tensors: dict) -> torch.Tensor:
     """One whole vector in the layout's numbering from ``{name: tensor}`` (NaN where absent)."""
-    vector = torch.full((layout.total,), float("nan"))
+    vector = torch.full((layout.total,), float("nan"), dtype=layout.dtype)
     for name, t in tensors.items():
         start = layout.offsets[name]
-        vector[start:start + t.numel()] = t.reshape(-1).float()
+        vector[start:start + t.numel()] = t.reshape(-1).to(layout.dtype)
     return vector
 
 
-def _restore_model(job, layout: Layout, params: torch.Tensor, pairs: list, loaded: dict) -> None:
-    """Each local parameter from the whole vector through its numbers; ZeRO's shards too (a
-    parameter whose flat buffer ZeRO-3 freed is left to the next gather, from those shards)."""
-    pids = parameter_ids(job.model, layout, job.tp_index, job.spec.strategy.tp)
-    for p in {id(p): p for p in job.model.parameters()}.values():
-        local = _local(p)
-        if id(p) not in pids or local.untyped_storage().size() == 0:     # ZeRO-3 at rest
-            continue
-        local.copy_(params[pids[id(p)][0]].view(local.shape).to(local.dtype))
+def _restore_model(job, params: torch.Tensor, local: dict, pairs: list, loaded: dict) -> None:
+    """Each local parameter (``local``: id → (parameter, its numbers)) from the vector; ZeRO's
+    shards too (a parameter whose flat buffer ZeRO-3 freed is left to the next gather, from
+    those shards)."""
+    for p, ids in local.values():
+        _local(p).copy_(params[ids].view(_local(p).shape).to(_local(p).dtype))
     if getattr(job.optimizer, "units", None) is not None:
         for p, ids, _ in pairs:
             _fill(_local(p), params, ids)

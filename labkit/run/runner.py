@@ -268,13 +268,17 @@ def execute(lab, spec: RunSpec, on_step: Callable | None = None, stop: Callable[
             stopping = stop is not None and stop() and step < spec.steps - 1
             if plan is not None and plan.root is not None:     # checkpoint=: due saves, finished async ones
                 from ..checkpoint import after_step
-                run.checkpoints += after_step(lab, spec, plan, step, stopping, run_id, run.checkpoint_io)
+                saved, drawn = after_step(lab, spec, plan, step, stopping, run_id, run.checkpoint_io, run.timeline)
+                run.checkpoints += saved
+                add_events(run, drawn, spec, peak, step)
             if stopping:
                 run.interrupted = True
                 break
         if plan is not None and plan.pending is not None:     # the last asynchronous save, waited for
-            from ..checkpoint import finish
-            run.checkpoints.append(finish(lab, spec, plan, run.checkpoint_io))
+            from ..checkpoint import finish, spans
+            saved, ranks = finish(lab, spec, plan, run.checkpoint_io)
+            run.checkpoints.append(saved)
+            add_events(run, spans(ranks, run.timeline), spec, peak, spec.steps - 1)
         if spec.extra.get("profile"):
             run.profile_paths = save_profiles(lab.apply(engine.finish_profile), spec.extra["profile"], run_id)
         run.params, run.holders, run.copies = gather_parameters(lab)
@@ -316,6 +320,17 @@ def record_step(run: Run, results: list[dict], spec: RunSpec, peak: list[int], s
     _routing_metrics(run, results, routed, spec.strategy.ep)
     _precision_metrics(run, results)
     run.metrics["memory_bytes"] = _memory(results)      # per rank, after this step
+
+
+def add_events(run: Run, events: list[dict], spec: RunSpec, peak: list[int], step: int) -> None:
+    """Events that come after their step was recorded (a checkpoint's spans): appended, and
+    the metrics of the steps they belong to computed again."""
+    if not events:
+        return
+    run.timeline.extend(events)
+    for s in sorted({e["step"] for e in events}):
+        run.step_entries[s] = step_entry([e for e in run.timeline.events if e["step"] == s], len(peak))
+    run.metrics.update(_metrics(run.step_entries, len(peak), spec, list(peak), step))
 
 
 def _routing_metrics(run: Run, results: list[dict], before: list, ep: int) -> None:
