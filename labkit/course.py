@@ -79,6 +79,16 @@ EXERCISES = {
         "α + S/β = 0.1 ms + 0.2 ms = 0.3 ms: at this size latency is a third of the time; at 1 MB it "
         "would be half a percent (0.1 ms of 20.1).",
         "the α-β model: t = α + S/β, in seconds, then in milliseconds."),
+    "hsdp_inter": Exercise(
+        "A model of S = 1 MB trained with ZeRO-3 over 4 ranks on 2 nodes of 2: each rank sends "
+        "3 · (n−1)/n · S = 2.25 MB a step between nodes (two all-gathers and a reduce-scatter over all "
+        "4). Under HSDP (dp_shard=2, each shard group inside one node), how many MB does each rank "
+        "send between nodes a step?",
+        lambda: 2 * (2 - 1) / 2 * (1.0 / 2),
+        "The gathers and the reduce-scatter stay inside the node; between nodes goes only the all-reduce "
+        "of each rank's shard, S/2, over the 2 replicas: 2(n−1)/n · S/2 = 0.5 MB, a 4.5× cut, for "
+        "twice the parameters a rank holds (S/2 instead of S/4).",
+        "which collective's group spans the two nodes under HSDP, and over how many bytes?"),
     "moe_active": Exercise(
         "A mixture-of-experts layer with 8 experts and top_k = 2 (Mixtral's): what fraction of the "
         "layer's expert parameters does one token use?",

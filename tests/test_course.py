@@ -46,7 +46,7 @@ def test_bubble_goal_is_reached_by_the_hints_m_whatever_the_machine_adds():
     ("zbv_p4", 3 / 51, 3 / 11), ("drift_kind", "Math or precision", "sync"), ("cp_tokens", 8192, 4096),
     ("zero3_forward", 1 / 3, 2 / 3),
     ("ep_dispatch_bytes", 4096 * 8 * 7168 * 2 * 7 / 8, 4096 * 8 * 7168 * 2), ("ep_imbalance", 4, 1),
-    ("dp_traffic", 1.5, 2.0), ("bucketed_ms", 20.97, 41.9), ("ps_ring", 8, 4), ("sendrecv_ms", 0.3, 0.2),
+    ("dp_traffic", 1.5, 2.0), ("bucketed_ms", 20.97, 41.9), ("ps_ring", 8, 4), ("sendrecv_ms", 0.3, 0.2), ("hsdp_inter", 0.5, 2.25),
     ("moe_active", 0.25, 2 / 4), ("gqa_kv", 8388608, 33554432), ("whatif_link", 50, 20)])
 def test_exercises_judge_the_answer_and_hold_it_back(question, right, wrong):
     prompt = course.check(question)

@@ -164,6 +164,27 @@ def test_04_incast_lasts_the_busiest_receivers_time_and_only_dp_crosses_nodes():
             assert inter == v["tier_parameter_bytes"][rank] and intra > 0, v["tiers"]
 
 
+def test_04_placement_moves_the_bytes_and_hsdp_keeps_the_slow_link_light():
+    """04's text: with 2,048 rows tp moves more than dp, so tp across nodes puts its bytes on the
+    slow link and takes longer than tp inside; HSDP sends less than a quarter of ZeRO-3's bytes
+    between nodes, holds twice the parameters a rank, has the shorter step, and both match one
+    process."""
+    _, v = notebook("04_communication")
+    if "placed" not in v:         # fewer than 4 engines
+        return
+    inside, across = (v["placed"][w].metrics for w in ("inside", "across"))
+    tp_bytes, dp_bytes = inside["bytes_sent_by_tier"]["intra"][0], inside["bytes_sent_by_tier"]["inter"][0]
+    assert tp_bytes > 5 * dp_bytes, (tp_bytes, dp_bytes)
+    assert across["bytes_sent_by_tier"]["inter"][0] == tp_bytes and across["bytes_sent_by_tier"]["intra"][0] == dp_bytes
+    assert across["step_time_s"] > inside["step_time_s"], (across["step_time_s"], inside["step_time_s"])
+    zero3, hsdp = (v["sharded"][n] for n in ("ZeRO-3 over 4", "HSDP 2 x 2"))
+    assert hsdp.metrics["bytes_sent_by_tier"]["inter"][0] < zero3.metrics["bytes_sent_by_tier"]["inter"][0] / 4
+    assert hsdp.metrics["memory_bytes"][0]["params"] == 2 * zero3.metrics["memory_bytes"][0]["params"]
+    assert hsdp.metrics["step_time_s"] < zero3.metrics["step_time_s"]
+    for run in (zero3, hsdp):
+        assert run.max_diff(v["one_process"]) < 1e-5
+
+
 # -- the claims of notebooks 07, 08, 10 and 11 (each checked on the notebook's own run) ------------
 def test_07_tp_pays_in_exposed_comm():
     """07's text: at both widths TP leaves a larger share of its step in exposed comm than PP.
@@ -515,6 +536,10 @@ CLAIMS = {
         ('On the emulated link time follows those bytes: t', test_04_on_the_emulated_link_times_follow_the_bytes),
         ('On raw gloo the same runs need not follow the by', 'hedged'),
         ('`labkit.Link(gpus_per_node=2, inter_bandwidth=..', 'method'),
+        ('With 2,048 rows it moves about six times more, a', test_04_placement_moves_the_bytes_and_hsdp_keeps_the_slow_link_light),
+        ("Across nodes, tp's 3.1 MB per rank take the 20 M", test_04_placement_moves_the_bytes_and_hsdp_keeps_the_slow_link_light),
+        ("HSDP sends less than a quarter of ZeRO-3's bytes", test_04_placement_moves_the_bytes_and_hsdp_keeps_the_slow_link_light),
+        ('On a cluster the same trade decides `dp_shard`: ', 'cluster'),
         ('`Strategy(compression=...)` shrinks each gradien', 'method'),
         ('Same model, data and seed for every run below; o', 'method'),
         ('On a GPU that is cheap next to a slow network; o', 'hedged'),

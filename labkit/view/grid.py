@@ -65,8 +65,11 @@ def draw_grid(dims: ParallelDims, ax=None, gpus_per_node: int | None = None):
     ax.set_ylim(1.3 * rows - 0.2, -0.4)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(f"dp={dims.dp} × pp={dims.pp}" + (f" × tp={dims.tp}" if dims.tp > 1 else "")
-                 + ": arrows = pipeline (p2p), dashed = dp group (all-reduce)"
-                 + (", green box = tp group (f/g all-reduces)" if dims.tp > 1 else "")
-                 + (f"; edge colour = node of {gpus_per_node}" if gpus_per_node else ""), fontsize="small")
+    title = (f"dp={dims.dp} × pp={dims.pp}" + (f" × tp={dims.tp}" if dims.tp > 1 else "")
+             + ": arrows = pipeline (p2p), dashed = dp group (all-reduce)"
+             + (", green box = tp group (f/g all-reduces)" if dims.tp > 1 else "")
+             + (f"; edge colour = node of {gpus_per_node} engines" if gpus_per_node else ""))
+    from .canvas import fit_title        # ipywidgets comes with it: only when a grid is drawn
+
+    ax.set_title(fit_title(ax.figure, title, fontsize="small"), fontsize="small")
     return ax.figure
