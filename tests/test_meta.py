@@ -143,3 +143,20 @@ def test_lab_run_refuses_an_unknown_init_before_any_engine():
     from labkit.run.runner import validate
     with pytest.raises(ValueError, match="init='lazy' is unknown"):
         validate(RunSpec(labkit.Strategy(), MODELS["mlp"], init="lazy"), 1)
+
+
+def test_a_corpus_first_read_inside_a_factory_built_on_meta_stays_on_the_cpu():
+    """The notebook builds a factory on ``meta`` to check it; a factory that reads
+    ``data.vocab_size`` loads (and caches) the corpus there: its tensors must still be real."""
+    from labkit.data.text import load_corpus
+    from labkit.run.runner import model_for_checks
+
+    load_corpus.cache_clear()
+    data = labkit.data.text(batch=2, block_size=8)
+
+    def factory():
+        return labkit.models.gpt(block_size=8, vocab_size=data.vocab_size, n_layer=1, n_head=2, n_embd=16)()
+
+    assert next(model_for_checks(factory, seed=0).parameters()).device.type == "meta"
+    x, y = data(0)
+    assert x.device.type == "cpu" and y.device.type == "cpu"

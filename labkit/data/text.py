@@ -64,8 +64,9 @@ def load_corpus(source: str, val_fraction: float) -> Corpus:
     kept = set(KEPT)
     text = "".join(ch for ch in raw if ch in kept)
     chars = "".join(sorted(set(text)))
-    table = torch.zeros(128, dtype=torch.uint8)
-    table[torch.tensor([ord(c) for c in chars])] = torch.arange(len(chars), dtype=torch.uint8)
+    cpu = torch.device("cpu")      # even when first read inside a factory built under torch.device("meta")
+    table = torch.zeros(128, dtype=torch.uint8, device=cpu)
+    table[torch.tensor([ord(c) for c in chars], device=cpu)] = torch.arange(len(chars), dtype=torch.uint8, device=cpu)
     ids = table[torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8).long()]
     return Corpus(chars, ids, int(len(ids) * (1 - val_fraction)))
 
