@@ -188,7 +188,7 @@ def run(args) -> int:
             return published.main("sc21" if args.validate else args.published)
         model, cluster = _model_and_cluster(args)
         if args.model_config:
-            print(model.describe(ep=args.ep) + ("" if args.seq else f" (seq: the config's max_position_embeddings; "
+            print(model.describe(ep=args.ep) + ("" if args.seq else " (seq: the config's max_position_embeddings; "
                                                           "--seq sets the training length)"))
         if any(getattr(args, n) is not None for n in ("tp", "pp", "dp")):
             return _one(args, model, cluster)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import psutil
 
 from .. import engine
 from ..errors import ControllerDiedError, EngineDiedError, EngineNotAnsweringError, LabError
 from . import calls, lifetime
+
+if TYPE_CHECKING:                   # the class that inherits Recovery
+    from .lab import Lab
 
 
 class Recovery:
