@@ -35,7 +35,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..parallel import context
+from .. import attention as context     # the attention hook cp takes over (labkit.parallel.context)
 
 TP_PLAN = {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
 # Sequence parallelism (optional): where the residual stream is cut along the sequence (after

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..parallel import context
+from .. import attention as context     # the attention hook cp takes over (labkit.parallel.context)
 from .moe import MoE, MoEOutput, SwiGLU
 
 

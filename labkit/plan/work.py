@@ -303,7 +303,7 @@ class _Recording:
         for params in [[p for p in net.parameters() if id(p) not in self.inside]] + \
                 [list(b.parameters()) for _, b in self.found]:
             c.grads.update((_storage(p.grad), j) for j, p in enumerate(params) if p.grad is not None)
-        hooks, before = self.watch(), context._active
+        hooks, before = self.watch(), context.current()
         with c:
             c.sink = self.sink("pre", "fwd")
             if cp > 1:                          # attention goes through the stand-in

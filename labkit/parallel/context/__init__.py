@@ -37,9 +37,9 @@ engine side (the ring, the collectives) is reached through :mod:`.layout`.
 """
 from __future__ import annotations
 
-CP_MODES = ("ring", "allgather", "ulysses")       # .ring, .allgather, .ulysses
+from ...attention import activate, active, attention, current, deactivate, local_attention, positions  # noqa: F401  (the hook a model calls, re-exported)
 
-_active = None        # this engine's ContextParallel while a cp job is set up (labkit.parallel.build)
+CP_MODES = ("ring", "allgather", "ulysses")       # .ring, .allgather, .ulysses
 
 
 def check_strategy(s) -> None:
@@ -115,16 +115,15 @@ def probe(model, x) -> dict:
     stopping at the first attention once positions were asked for: the checks' model may sit
     on the ``meta`` device, where what follows (a MoE router's data-dependent indexing) cannot run."""
     import torch
-    global _active
-    before, counting = _active, _Probe()
-    _active = counting
+    before, counting = current(), _Probe()
+    activate(counting)
     try:
         with torch.no_grad():
             model(x)
     except _Seen:
         pass
     finally:
-        _active = before
+        activate(before)
     return counting.calls
 
 
@@ -151,47 +150,3 @@ class _Probe:
         return torch.arange(t, device=device)
 
 
-def active() -> bool:
-    """Whether attention on this rank goes across a cp group (or the checks' probe is counting):
-    a model whose own attention differs from :func:`local_attention` (labkit's GPT writes its
-    scores out) takes :func:`attention` only then, so its cp = 1 arithmetic stays its own."""
-    return _active is not None
-
-
-def attention(q, k, v, causal: bool = True, scale: float | None = None):
-    """Softmax attention of ``q`` (B, H, T, hd) over ``k``, ``v`` (B, Hkv, T, hd), Hkv dividing H;
-    across the cp group when a context-parallel job is built on this rank, else torch's sdpa.
-    ``scale`` multiplies the scores (None: 1/√hd)."""
-    if _active is None:
-        return local_attention(q, k, v, causal, scale)
-    if scale is None:          # the default scale: a stand-in context (the planner's counter) needs none
-        return _active.attention(q, k, v, causal)
-    return _active.attention(q, k, v, causal, scale)
-
-
-def positions(t: int, device=None):
-    """Global positions (t,) of the ``t`` tokens this rank holds (``arange(t)`` without cp)."""
-    if _active is None:
-        import torch
-        return torch.arange(t, device=device)
-    return _active.positions(t, device)
-
-
-def local_attention(q, k, v, causal: bool = True, scale: float | None = None):
-    """Torch's scaled_dot_product_attention, key/value heads repeated to the query heads."""
-    import torch.nn.functional as F
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-
-
-def activate(ctx) -> None:
-    """Make ``ctx`` (a :class:`.layout.ContextParallel`) this engine's context; None forgets it."""
-    global _active
-    _active = ctx
-
-
-def deactivate() -> None:
-    """Forget this engine's context (its job is dropped): later code computes as one process."""
-    activate(None)
