@@ -127,7 +127,7 @@ def test_the_search_tries_hsdp_and_ranks_it_above_zero3_across_nodes():
     model, cluster = _model("llama3-8b", 8192), Cluster.of(64, "a100")
     ranked = search(model, cluster, 64, tp=1, pp=1, zero=(3,), recompute=("full",), microbatch_sizes=(1,),
                     dp_mode="bucketed").ranked
-    assert [p.strategy.dp_shard for p in ranked] == [8, 0]               # a node's 8 GPUs shard, 8 replicas
+    assert [p.strategy.dp_shard for p in ranked] == [8, None]               # a node's 8 GPUs shard, 8 replicas
     hsdp, flat = ranked
     assert hsdp.parts["bytes_by_tier"]["inter"] < flat.parts["bytes_by_tier"]["inter"] / 10
     assert hsdp.memory["total"] > flat.memory["total"]                   # the price: states over 8, not 64

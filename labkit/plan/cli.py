@@ -54,8 +54,8 @@ def add_parser(subparsers) -> None:
     one.add_argument("--cp-mode", choices=strategy_choices("cp_mode"), default="ring")
     one.add_argument("--dp-mode", choices=strategy_choices("dp_mode"), default="bucketed",
                      help="bucketed: gradients reduced after backward; overlap/ddp: under it")
-    one.add_argument("--dp-shard", type=int, default=0,
-                     help="HSDP: ZeRO inside groups of this many dp ranks, replicated across them (0: all of dp)")
+    one.add_argument("--dp-shard", type=int, default=None,
+                     help="HSDP: ZeRO inside groups of this many dp ranks, replicated across them (default: all of dp)")
     one.add_argument("--ep", type=int, default=1, help="expert-parallel degree (dividing dp and the experts)")
     one.add_argument("--ep-overlap", choices=strategy_choices("ep_overlap"), default=None,
                      help="with --ep > 1: 'microbatch' (the default there) hides the all-to-alls, 'none' exposes them")

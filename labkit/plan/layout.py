@@ -72,10 +72,10 @@ class ClusterStrategy:
     """Strategy's dp modes: "bucketed" reduces the gradients after backward (Megatron-LM in
     2021, so the published table's default here); "overlap" and "ddp" under the last
     micro-batch's backward."""
-    dp_shard: int = 0
+    dp_shard: int | None = None
     """HSDP: ZeRO (zero ≥ 1) inside groups of dp_shard consecutive dp ranks, replicated across
-    the dp / dp_shard groups (torchtitan's data_parallel_shard_degree, FSDP's HYBRID_SHARD);
-    0 means dp_shard = dp (ZeRO over all of dp·cp)."""
+    the dp / dp_shard groups (torchtitan's data_parallel_shard_degree, FSDP's HYBRID_SHARD), as
+    ``Strategy.dp_shard``; None means ZeRO over all of dp·cp."""
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts split over ep dp ranks (the ranks
     ``pp·tp`` apart, so the group spans ep·pp·tp consecutive GPUs), tokens sent to them and
@@ -97,7 +97,8 @@ class ClusterStrategy:
     def __post_init__(self, dp_overlap):
         self._deprecated(dp_overlap)
         require_whole(self, ("dp", "pp", "tp", "microbatch_size", "chunks", "ep", "cp"))
-        require_whole(self, ("dp_shard",), minimum=0)
+        if self.dp_shard is not None:
+            require_whole(self, ("dp_shard",))
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ClusterStrategy.zero={self.zero!r} must be 0, 1, 2 or 3")
         for name, priced in PRICED.items():
@@ -112,7 +113,7 @@ class ClusterStrategy:
                              f"must divide dp={self.dp} and needs zero ≥ 1 (got zero={self.zero})")
         if self.dp_shard and self.ep > 1:
             raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} with ep={self.ep}: HSDP is priced for "
-                             "dense weights only; use ep=1, or dp_shard=0")
+                             "dense weights only; use ep=1, or dp_shard=None")
         if self.dp % self.ep:
             raise ValueError(f"ClusterStrategy.ep={self.ep} must divide dp={self.dp}: experts are spread over dp "
                              f"ranks; use an ep dividing {self.dp}")
@@ -202,7 +203,7 @@ class ClusterStrategy:
         if self.dp_shard and "dp_shard" not in shared:
             raise ValueError(f"ClusterStrategy.dp_shard={self.dp_shard} has no labkit.Strategy field to run it with; "
                              "run it without, or price it only")
-        kept = {n: getattr(self, n) for n in shared if n != "dp_shard" or self.dp_shard}   # 0: Strategy's default
+        kept = {n: getattr(self, n) for n in shared}
         return Strategy(**kept, microbatches=self.microbatches(global_batch))
 
     def label(self) -> str:

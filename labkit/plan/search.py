@@ -95,14 +95,14 @@ def _placed(model, global_batch, n, t, c, mode, dp, pp, zero, microbatch_sizes, 
 
 
 def _shard_degrees(dp: int, span: int, node: int, zero: int, ep: int, dp_shards):
-    """dp_shard values for ``dp`` replicas ``span`` GPUs apart: 0 (ZeRO over all of dp) and, with
+    """dp_shard values for ``dp`` replicas ``span`` GPUs apart: None (ZeRO over all of dp) and, with
     ZeRO and ep = 1, HSDP whose shard group fills a node (or each of ``dp_shards``)."""
     if zero == 0 or ep > 1:
-        return (0,)
+        return (None,)
     if dp_shards is not None:
-        return tuple(d for d in dp_shards if d == 0 or dp % d == 0)
+        return tuple(d for d in dp_shards if d is None or dp % d == 0)
     fill = node // span if node % span == 0 else 0
-    return (0, fill) if 1 < fill < dp and dp % fill == 0 else (0,)
+    return (None, fill) if 1 < fill < dp and dp % fill == 0 else (None,)
 
 
 def _expert_degrees(model, dp: int, ep, ep_overlaps):
