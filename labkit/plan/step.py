@@ -5,7 +5,10 @@ forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation
 selective the attention core again (a Decoder: torchtitan's op policy, wk, wo, w3 and the
 memory-bound work again); the logits 2·b·s·h·V on the last stage), over tp, each
 GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
-memory-bound work at HBM bandwidth.
+memory-bound work at HBM bandwidth. The attention core (QKᵀ and PV) where the GPU has a measured
+FlashAttention rate (``Hardware.attention_flops``) is that kernel: the causal half of the s×s
+square at its forward rate, 2.5× that in backward at its backward rate (:func:`attention_times`);
+elsewhere a GEMM over the full square. At 128K tokens it is most of a Llama layer's time.
 
 Communication: every call is ``AlphaBeta.seconds`` (α once per call, nccl-tests' bus factors) on
 the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBand):
