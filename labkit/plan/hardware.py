@@ -116,9 +116,10 @@ A100 = Hardware(name="A100 80GB", peak_flops=312e12, hbm_bytes=81920 * MiB, hbm_
 # H100 SXM5 in a DGX H100: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity), 80 GiB HBM3
 # (nvidia-smi on an "H100 80GB HBM3": 81559 MiB) at 3.35 TB/s (NVIDIA H100 datasheet); NVLink 4: 900 GB/s both directions = 450 GB/s each way, ~360 GB/s
 # busbw; 8× NDR 400 Gb/s per node = 50 GB/s per GPU, ~45 GB/s achieved (DGX H100 guide).
-# Attention: FlashAttention-2 on an H100 SXM5, bf16, head dim 128, sequence 16K, causal: 335
-# TFLOP/s forward, 322 backward (Shah et al. 2024, "FlashAttention-3", arXiv 2407.08608, Figs. 5
-# and 6; Dao 2023, FlashAttention-2 §4.1: "up to 335 TFLOPs/s" on H100). FlashAttention-2 is the
+# Attention: FlashAttention-2 on an H100 SXM5, bf16, head dim 128, 16 heads, sequence 16K: 335
+# TFLOP/s forward with the causal mask, 322 backward (plotted without it) (Shah et al. 2024,
+# "FlashAttention-3", arXiv 2407.08608, Figs. 5 and 6; Dao 2023, FlashAttention-2 §4.1: "up to
+# 335 TFLOPs/s" on H100). 16 heads of 128 is a Llama 3 405B layer's share on one of tp = 8 GPUs. FlashAttention-2 is the
 # public kernel of early 2024, when Llama 3 405B was trained; FlashAttention-3 (July 2024) reaches
 # ~600 and would be a preset of its own.
 FLASH_ATTENTION_2_H100 = (335e12, 322e12)
