@@ -131,3 +131,28 @@ def test_the_search_tries_hsdp_and_ranks_it_above_zero3_across_nodes():
     hsdp, flat = ranked
     assert hsdp.parts["bytes_by_tier"]["inter"] < flat.parts["bytes_by_tier"]["inter"] / 10
     assert hsdp.memory["total"] > flat.memory["total"]                   # the price: states over 8, not 64
+
+
+# -- attention at its kernel's measured rate ------------------------------------------------------
+
+def test_attention_is_the_flash_kernels_causal_half_at_its_measured_rate_on_h100():
+    import dataclasses
+
+    from labkit.plan.step import attention_times, layer_times
+
+    model = Decoder(layers=2, hidden=4096, heads=32, kv_heads=8, ffn_hidden=8192, vocab=1000, seq=32768)
+    s = ClusterStrategy(tp=8, cp=4, cp_mode="allgather", sequence_parallel=True)
+    full = 4 * (32768 // 4) * 32768 * 4096 / 8              # QKᵀ and PV over the full square, one tp rank
+    h100 = Cluster.of(64, "h100")
+    forward, backward = h100.hardware.attention_flops
+    assert attention_times(model, h100, s) == pytest.approx((full / 2 / forward, 2.5 * full / 2 / backward))
+    # without a measured kernel: the full square as GEMMs, backward twice forward (SC21's A100 runs)
+    a100 = Cluster.of(64, "a100")
+    t = full / (a100.hardware.peak_flops * a100.hardware.efficiency(512))
+    assert attention_times(model, a100, s) == pytest.approx((t, 2 * t))
+    # the layer carries exactly that core: twice the kernel's rate takes half of it off the layer
+    fast = dataclasses.replace(h100, hardware=dataclasses.replace(h100.hardware, attention_flops=(2 * forward,
+                                                                                                    2 * backward)))
+    (f, b, *_), (f2, b2, *_) = layer_times(model, h100, s, "dense", 0.0), layer_times(model, fast, s, "dense", 0.0)
+    core_f, core_b = attention_times(model, h100, s)
+    assert (f - f2, b - b2) == pytest.approx((core_f / 2, core_b / 2))

@@ -91,6 +91,13 @@ class Hardware:
     SMs and waste tiles (NVIDIA, "Matrix Multiplication Background User's Guide", wave and
     tile quantisation)."""
 
+    attention_flops: tuple[float, float] = ()
+    """Measured (forward, backward) FLOP/s of the fused attention kernel the runs on this GPU
+    use (FlashAttention), counted as its authors count them: the causal half of the s×s square,
+    backward 2.5 × forward (5 matmuls against 2: it recomputes the scores). Empty: no such
+    kernel measured here, and the core is priced as GEMMs over the full square (Megatron-LM
+    2021's unfused attention, what the SC21 reproduction ran)."""
+
     def efficiency(self, d: float) -> float:
         """Share of peak a GEMM whose smallest dimension on one GPU is ``d`` reaches (the local
         Machine's ``efficiency`` has the same form, its plateau in the measured rate)."""
@@ -109,15 +116,22 @@ A100 = Hardware(name="A100 80GB", peak_flops=312e12, hbm_bytes=81920 * MiB, hbm_
 # H100 SXM5 in a DGX H100: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity), 80 GiB HBM3
 # (nvidia-smi on an "H100 80GB HBM3": 81559 MiB) at 3.35 TB/s (NVIDIA H100 datasheet); NVLink 4: 900 GB/s both directions = 450 GB/s each way, ~360 GB/s
 # busbw; 8× NDR 400 Gb/s per node = 50 GB/s per GPU, ~45 GB/s achieved (DGX H100 guide).
+# Attention: FlashAttention-2 on an H100 SXM5, bf16, head dim 128, 16 heads, sequence 16K: 335
+# TFLOP/s forward with the causal mask, 322 backward (plotted without it) (Shah et al. 2024,
+# "FlashAttention-3", arXiv 2407.08608, Figs. 5 and 6; Dao 2023, FlashAttention-2 §4.1: "up to
+# 335 TFLOPs/s" on H100). 16 heads of 128 is a Llama 3 405B layer's share on one of tp = 8 GPUs. FlashAttention-2 is the
+# public kernel of early 2024, when Llama 3 405B was trained; FlashAttention-3 (July 2024) reaches
+# ~600 and would be a preset of its own.
+FLASH_ATTENTION_2_H100 = (335e12, 322e12)
 H100 = Hardware(name="H100 SXM", peak_flops=989e12, hbm_bytes=81559 * MiB, hbm_bandwidth=3.35e12,
                 nvlink=AlphaBeta(beta=360 * GB, alpha=8e-6), ib=AlphaBeta(beta=45 * GB, alpha=15e-6),
-                gemm_max_efficiency=0.70, gemm_half_dim=256.0)
+                gemm_max_efficiency=0.70, gemm_half_dim=256.0, attention_flops=FLASH_ATTENTION_2_H100)
 
 # H200 SXM: the same GH100 compute as H100 (989 TFLOP/s dense bf16) with 141 GB HBM3e
 # (nvidia-smi: 143771 MiB) at 4.8 TB/s (NVIDIA H200 product brief); the same NVLink 4 and NDR fabric in a DGX H200.
 H200 = Hardware(name="H200", peak_flops=989e12, hbm_bytes=143771 * MiB, hbm_bandwidth=4.8e12,
                 nvlink=AlphaBeta(beta=360 * GB, alpha=8e-6), ib=AlphaBeta(beta=45 * GB, alpha=15e-6),
-                gemm_max_efficiency=0.72, gemm_half_dim=256.0)
+                gemm_max_efficiency=0.72, gemm_half_dim=256.0, attention_flops=FLASH_ATTENTION_2_H100)
 
 PRESETS = {"a100": A100, "h100": H100, "h200": H200}
 

@@ -28,7 +28,10 @@ Published: TFLOP/s per GPU and BF16 MFU, model FLOPs (no recomputation), so the 
 stage: CP16 over 131,072-token sequences, with the paper's all-gather context parallelism
 (§3.3.2: K and V all-gathered, then attention on the local query chunks, the chunks load
 balanced; "the all-gather communication latency is exposed on the critical path"), priced
-as ``cp_mode="allgather"``. Chunks: one layer each (:data:`LLAMA3_CHUNKS`). Memory, on the
+as ``cp_mode="allgather"``; there attention is most of the time, priced as the
+FlashAttention-2 kernel's measured H100 rate (:data:`~labkit.plan.hardware.FLASH_ATTENTION_2_H100`),
+the public kernel when 405B was trained: FlashAttention-3's rate would put row 3 near +48 %,
+so this row reads the kernel more than the parallelism. Chunks: one layer each (:data:`LLAMA3_CHUNKS`). Memory, on the
 ranks that hold the most: under the interleaved schedule every rank runs 2(p − r − 1) + (v − 1)·p
 chunk forwards before its first backward (all m·v at 16 micro-batches), so rank 1 holds 141 (at
 32 micro-batches) or 128 layer-micro-batches; each layer keeps what its backward reads (the

@@ -5,7 +5,10 @@ forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation
 selective the attention core again (a Decoder: torchtitan's op policy, wk, wo, w3 and the
 memory-bound work again); the logits 2·b·s·h·V on the last stage), over tp, each
 GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
-memory-bound work at HBM bandwidth.
+memory-bound work at HBM bandwidth. The attention core (QKᵀ and PV) where the GPU has a measured
+FlashAttention rate (``Hardware.attention_flops``) is that kernel: the causal half of the s×s
+square at its forward rate, 2.5× that in backward at its backward rate (:func:`attention_times`);
+elsewhere a GEMM over the full square. At 128K tokens it is most of a Llama layer's time.
 
 Communication: every call is ``AlphaBeta.seconds`` (α once per call, nccl-tests' bus factors) on
 the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBand):
@@ -89,6 +92,22 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
     return fwd, bwd
 
 
+def attention_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> tuple[float, float]:
+    """Seconds of one layer's attention core (QKᵀ and the weighted sum of V) for one micro-batch:
+    (forward, backward). On a GPU with a measured FlashAttention rate (``Hardware.attention_flops``)
+    the kernel does the causal half of the square, a context-parallel rank half of its share too
+    (Llama 3's 2×cp chunks balance it, §3.3.2), and its backward recomputes the scores: 2.5× the
+    forward's FLOPs, at the kernel's own measured rate, not a GEMM's. Without one, the full square
+    as GEMMs at the layer's efficiency, backward twice the forward (Megatron-LM 2021)."""
+    hw, tokens = cluster.hardware, s.tokens(model.seq)
+    full = model.attention_core_flops(tokens) / s.tp
+    if not hw.attention_flops:
+        t = full / (hw.peak_flops * hw.efficiency(min(model.hidden / s.tp, tokens)))
+        return t, 2 * t
+    forward_rate, backward_rate = hw.attention_flops
+    return full / 2 / forward_rate, 2.5 * full / 2 / backward_rate
+
+
 def elementwise_time(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (norms, activations, softmax, dropout,
     residuals): each activation the layer writes (:func:`~labkit.plan.memory.layer_written_bytes`)
@@ -126,20 +145,21 @@ def layer_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: s
 
     def gemm_s(flops: float, d: float) -> float:
         return flops / s.tp / (hw.peak_flops * hw.efficiency(d))
-    gemm_f = sum(gemm_s(f, d) for f, _, d in groups)
+    # the GEMMs without the attention core, which attention_times prices on its own
+    gemm_f = sum(gemm_s(f, d) for f, _, d in groups) - gemm_s(model.attention_core_flops(tokens), groups[0][2])
     gemm_w = sum(gemm_s(w, d) for _, w, d in groups)
     memory_bound = elementwise_time(model, cluster, s, kind)
     expert_f = sum(gemm_s(f, d) for f, _, d in groups[1:])              # the routed experts
     ep_f, ep_b = expert_comm_times(model, cluster, s, expert_f) if kind == "moe" else (0.0, 0.0)
-    core_f = gemm_s(model.attention_core_flops(tokens), groups[0][2])
+    core_f, core_b = attention_times(model, cluster, s)
     cp_f, cp_b = context_comm_times(model, cluster, s, core_f)
-    f = gemm_f + memory_bound + 2 * tp_ar + ep_f + cp_f
-    b = 2 * (gemm_f + memory_bound) + 2 * tp_ar + ep_b + cp_b
+    f = gemm_f + core_f + memory_bound + 2 * tp_ar + ep_f + cp_f
+    b = 2 * (gemm_f + memory_bound) + core_b + 2 * tp_ar + ep_b + cp_b
     if s.recompute == "full":
         b += f
-    elif s.recompute == "selective":        # the attention core again, or torchtitan's op policy
-        b += gemm_s(model.selective_flops(kind, tokens), groups[0][2]) \
-            + (memory_bound if isinstance(model, Decoder) else 0.0)
+    elif s.recompute == "selective":        # torchtitan's op policy, or Megatron's: the attention core again
+        b += gemm_s(model.selective_flops(kind, tokens), groups[0][2]) + memory_bound \
+            if isinstance(model, Decoder) else core_f
     again = s.recompute == "full"
     return f, b, gemm_w, ep_f + ep_b + (ep_f if again else 0.0), cp_f + cp_b + (cp_f if again else 0.0)
 
