@@ -466,7 +466,7 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
 def _machine(**kw) -> Machine:
     base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
                 comm={f: plan.AlphaBeta(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES}, engines=2)
-    return Machine(**(base | kw))
+    return Machine.of(**(base | kw))
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])
