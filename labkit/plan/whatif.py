@@ -28,11 +28,8 @@ from ..analysis.events import group_ranks
 from ..analysis.graph import COLLECTIVES, EPS, StepGraph
 from ..analysis.timeline import Timeline
 from ..analysis.des import Compute, Issue, Sim, Wait
+from .hardware import ring_steps
 from .rebucket import check as check_rebucket, rebucket
-
-RING_STEPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 1}
-"""α's paid per call, by kind; others (all-gather, reduce-scatter, broadcast, all-to-all): n − 1."""
-
 
 @dataclass
 class WhatIf:
@@ -211,7 +208,7 @@ def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
     if n < 2:
         return 0.0
     alpha, beta = link.alpha_beta(link.tier(ranks))
-    steps = RING_STEPS.get(kind, lambda n: n - 1)(n)
+    steps = ring_steps({"allreduce": "all_reduce", "recv": "send"}.get(kind, kind), n)   # others: n − 1
     return steps * alpha + nbytes / beta
 
 
