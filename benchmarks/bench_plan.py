@@ -127,7 +127,10 @@ def without(machine, term: str):
     if term == "cold_Bps":
         return replace(machine, cold_Bps=((1, machine.memory_Bps),))
     value = getattr(machine, term)
-    return replace(machine, **{term: type(value)() if isinstance(value, (dict, tuple)) else 0.0})
+    off = type(value)() if isinstance(value, (dict, tuple)) else 0.0
+    if hasattr(machine.host, term):
+        return replace(machine, host=replace(machine.host, **{term: off}))
+    return replace(machine, **{term: off})
 
 
 def terms(machine) -> list[str]:

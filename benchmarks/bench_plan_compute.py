@@ -84,7 +84,7 @@ def main() -> None:
     measure = importlib.import_module("labkit.plan.measure")
     probes, _ = measure._alone(0.2, None)
     dram = measure._shared(0.2)                 # one process: its share is the whole bus
-    machine = Machine(cores=1.0, **probes, dram_Bps=dram)
+    machine = Machine.of(cores=1.0, **probes, dram_Bps=dram)
     print(f"host {machine.op_s * 1e6:.1f} µs/op; cache "
           f"{machine.cache_bytes / 2 ** 20:.0f} MiB")
     print(f"{'model':>16} {'rows':>4} | {'forward ms':>17} | {'backward ms':>17} | {'optimizer ms':>17}")

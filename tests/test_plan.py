@@ -4,6 +4,7 @@ two engines (slow)."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 
@@ -466,7 +467,7 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
 def _machine(**kw) -> Machine:
     base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, op_s=5e-6, action_s=1e-4,
                 comm={f: plan.AlphaBeta(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES}, engines=2)
-    return Machine(**(base | kw))
+    return Machine.of(**(base | kw))
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])
@@ -589,6 +590,13 @@ def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
         _machine(cores=0)
     with pytest.raises(ValueError, match="comm lacks"):
         _machine(comm={"all_reduce": (1e-5, 1e9)})
+    # the records' numbers keep their own names: in Machine.of, as attributes, and one a key in the file
+    linked = _machine(dram_Bps=3e9, call_s=7e-6, engines=4, link_alpha_beta=(1e-4, 5e8))
+    assert (linked.memory.dram_Bps, linked.host.call_s, linked.measured.link) == (3e9, 7e-6, (1e-4, 5e8))
+    assert (linked.dram_Bps, linked.call_s, linked.engines, linked.link_alpha_beta) == (3e9, 7e-6, 4, (1e-4, 5e8))
+    linked.save(tmp_path / "linked.json")
+    assert {"dram_Bps", "call_s", "engines", "link_alpha_beta"} <= set(json.loads((tmp_path / "linked.json").read_text()))
+    assert Machine.load(tmp_path / "linked.json") == linked and len(fields(Machine)) <= 12
 
 
 def test_a_models_work_is_its_counted_operations():

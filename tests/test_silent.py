@@ -378,7 +378,7 @@ class KeywordBlocks(MaskedLM):
 
 
 def test_the_planner_prices_a_model_that_takes_keyword_tensors():
-    machine = labkit.plan.Machine(cores=2.0, engines=2)
+    machine = labkit.plan.Machine.of(cores=2.0, engines=2)
     for s in (labkit.Strategy(dp=2), labkit.Strategy(dp=2, microbatches=2)):
         pred = labkit.plan.simulate(s, machine, model=KeywordBlocks, batch=8, data=keyword_batches,
                                     loss="cross_entropy")

@@ -2,13 +2,11 @@
 
 In the shape of Calculon's system description (compute rate with a size → efficiency table,
 per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :class:`Machine`
-is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines
-(matmuls of a few sizes and two shapes, an elementwise loop, tiny autograd ops, collectives of
-a few sizes, one message with its sender busy and idle, a step of a trivial model at two
-micro-batch counts). It takes no model and runs no strategy the planner predicts;
-:func:`labkit.plan.simulate` prices any model's counted operations (:mod:`labkit.plan.work`)
-with it, by the formulas of :mod:`labkit.plan.price`. With an emulated link (``lab.link``)
-the link's α and β are the machine's too: a call takes the link's time or gloo's, whichever is longer.
+is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines,
+with no model and no strategy; :func:`labkit.plan.simulate` prices any model's counted
+operations (:mod:`labkit.plan.work`) with it, by the formulas of :mod:`labkit.plan.price`.
+Eleven fields: the cores, the matmul curve, the memory hierarchy, the elementwise table, the
+host's costs, the α-β per family, gloo's three delays, and what it was measured on.
 
     >>> machine = labkit.plan.measure(lab)
     >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
@@ -16,7 +14,7 @@ the link's α and β are the machine's too: a call takes the link's time or gloo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from . import price
 from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
@@ -29,8 +27,7 @@ step_s, a residual of the simulator rather than a measurement)."""
 
 
 def _link(value) -> AlphaBeta:
-    """A family's AlphaBeta: itself, a saved one's dict, or an (α seconds per ring step, β bytes/s)
-    pair as earlier machines saved it."""
+    """A family's AlphaBeta: itself, a saved one's dict, or an (α seconds per ring step, β bytes/s) pair."""
     if isinstance(value, AlphaBeta):
         return value
     if isinstance(value, dict):
@@ -39,19 +36,10 @@ def _link(value) -> AlphaBeta:
     return AlphaBeta(alpha=alpha, beta=beta, per_step=True)
 
 
-@dataclass(frozen=True)
-class Machine:
-    """What one step costs on this machine; every field a physical quantity, measured alone."""
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """One engine's memory hierarchy: a cache and the memory bus beyond it."""
 
-    cores: float
-    """Cores the engines' threads share (may be fractional on a loaded host): how many engines
-    multiplying at once keep each one's alone rate. Measured: matmuls on every engine at once
-    against one engine alone (at most the engines, and the CPUs they may run on). The simulator shares them among runnable threads."""
-    matmul: tuple = ((1e6, 1e9),)
-    """(FLOPs of one product, FLOP/s of one thread) rows, ascending: the rate of a product is
-    interpolated in log FLOPs. Measured: float32 matmuls of a few sizes on one engine alone (median of five runs),
-    each divided by its shape's efficiency (``matmul_half_dim``): the rate of a product whose
-    smallest dimension is large."""
     memory_Bps: float = 5e9
     """Bytes per second one thread reads plus writes in an elementwise op whose tensors are in
     the cache. Measured: add_ on 1 MiB tensors, one engine alone."""
@@ -61,64 +49,86 @@ class Machine:
     products going round N weights of 1 MiB; the largest N whose product stays nearer its
     in-cache time than its cold one."""
     dram_Bps: float = 5e9
-    """Bytes per second an op streams from and to memory beyond the cache (an elementwise op's
-    operands, a product's weights read once a step): each engine's share, since the engines
-    share the memory bus and a step runs on all of them at once. Measured: add_ on 64 MiB
-    tensors on every engine at once, the median."""
+    """Bytes per second an op streams from and to memory beyond the cache, each engine's share of
+    the bus (a step runs on all engines at once). Measured: add_ on 64 MiB tensors on every
+    engine at once, the median."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    """Seconds the host's Python and dispatch add, whatever the arithmetic."""
+
+    op_s: float = 5e-6
+    """Per aten op (dispatch, autograd bookkeeping; a view the op makes rides on it). Measured:
+    forward and backward of a chain of one-element ops ÷ the ops counted that are not views."""
+    setup_s: dict = field(default_factory=dict)
+    """aten op name → seconds a call of that kind takes beyond ``op_s`` whatever its size (its
+    kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list on a
+    4×4 tensor, less an add on the same tensor."""
+    action_s: float = 1e-4
+    """Per action of the executor (a forward or backward of a micro-batch: hooks, recording).
+    Measured: a trivial model's step at 8 micro-batches against 1, per extra action, less the
+    host and arithmetic of the ops those actions counted."""
+    call_s: float = 0.0
+    """Per labkit.comm call posted (bookkeeping, gloo's post; on an emulated link the departure
+    stamp too). Measured: the thread's CPU time around posting a 32 KiB isend and irecv."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What the machine was measured on: not physics, but what prices its calls."""
+
+    engines: int = 1
+    """Engines the measurement ran on."""
+    link: tuple = ()
+    """(α seconds per message, β bytes/s per rank) of the emulated link the lab ran on, as it
+    imposes them (() for gloo as it is): a call takes the link's time or gloo's own (``comm``),
+    whichever is longer (labkit.Link)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """What one step costs on this machine; every field a physical quantity, measured alone."""
+
+    cores: float
+    """Cores the engines' threads share (may be fractional on a loaded host). Measured: matmuls on
+    every engine at once against one engine alone (at most the engines and the CPUs they may
+    run on). The simulator shares them among runnable threads."""
+    matmul: tuple = ((1e6, 1e9),)
+    """(FLOPs of one product, FLOP/s of one thread) rows, ascending, interpolated in log FLOPs.
+    Measured: float32 matmuls of a few sizes on one engine alone (median of five runs), each
+    divided by its shape's efficiency: the rate of a product whose smallest dimension is large."""
+    matmul_half_dim: float = 0.0
+    """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d, the form the
+    cluster planner gives a GPU's GEMMs (``Hardware.gemm_half_dim``). Measured: a 16×512×512
+    product against a 64×256×256 one, the same FLOPs."""
+    memory: Memory = Memory()
+    """The cache, its rate and the bus beyond it (:class:`Memory`)."""
     elementwise: dict = field(default_factory=dict)
     """aten op name → seconds per output element of an op whose arithmetic, not its bytes,
     bounds it (GELU's erf, SiLU's exp, softmax). Measured: each op of a fixed list on a
     1024×512 tensor in the cache. Ops not listed are priced by their bytes."""
-    setup_s: dict = field(default_factory=dict)
-    """aten op name → host seconds a call of that kind takes beyond ``op_s`` whatever its size
-    (its kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list
-    on a 4×4 tensor, less an add on the same tensor."""
-    op_s: float = 5e-6
-    """Host seconds per aten op (dispatch, autograd bookkeeping; a view the op makes rides on it).
-    Measured: forward and backward of a chain of one-element ops, divided by the ops counted
-    that are not views."""
-    action_s: float = 1e-4
-    """Host seconds the executor adds per action (a forward or backward of a micro-batch):
-    hooks, recording, Python. Measured: a trivial model's step at 8 micro-batches against 1,
-    per extra action, less the host and arithmetic of the ops those actions counted."""
-    call_s: float = 0.0
-    """Host seconds the issuing thread spends posting one labkit.comm call (bookkeeping, gloo's
-    post; on an emulated link the departure stamp too). Measured: the thread's CPU time
-    around posting a 32 KiB isend and irecv."""
+    host: Host = Host()
+    """Host seconds per op, per kind of op, per action and per posted call (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
-    """family → :class:`~labkit.plan.hardware.AlphaBeta`, the cluster planner's type, with α per ring
-    step (``per_step``: gloo sends each step as a message) and β bytes/s per rank: a call of S
-    bytes on n ranks takes steps(n)·α + bus(n)·S/β. An (α, β) pair is read as such an AlphaBeta.
-    Measured: each family at four sizes on every engine (a send as half a ping-pong's round
-    trip); on an emulated link, still gloo's own (the link is ``link_alpha_beta``)."""
+    """family → :class:`~labkit.plan.hardware.AlphaBeta` with α per ring step (gloo sends each
+    step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
+    engine (a send as half a ping-pong's round trip), gloo's own even on an emulated link."""
     wake_s: float = 0.0
     """Seconds a point-to-point message waits for its sender's process to get a core when the
-    sender went on computing after posting it and every core is taken: gloo delivers a message
-    in a handshake (the receiver's ready notice, then the write) run by a thread that must be
-    scheduled beside the compute thread, and an emulated link's stamp and sleep add wake-ups
-    of their own. Measured: one message's delivery while its sender computes, against while
-    it waits (median of many, the lab's link on as the steps run it)."""
+    sender went on computing and every core is taken (gloo's handshake runs on a thread that
+    must be scheduled). Measured: one message's delivery while its sender computes, against
+    while it waits (trimmed means, the lab's link on)."""
     cross_s: float = 0.0
-    """Seconds a point-to-point message takes longer when one in the other direction between
-    the same two ranks is in flight (a 1F1B pipeline's activations and gradients): gloo's
-    handshakes on one pair wait on each other. Measured: an exchange of 16 KiB both ways at
-    once, less one message one way (half a ping-pong), gloo as it is."""
+    """Seconds a point-to-point message takes longer when one in the other direction between the
+    same two ranks is in flight (1F1B's activations and gradients). Measured: a 16 KiB exchange
+    both ways at once, less one message one way, gloo as it is."""
     join_s: float = 0.0
-    """Seconds of an all-reduce of one number over every engine (gloo as it is): what a
-    collective on an emulated link pays first, to agree on its start (``labkit.comm.calls._join``);
-    a group of n pays it in proportion to its ring steps, n − 1. Measured: the median of
-    such all-reduces, each after a barrier."""
-    matmul_half_dim: float = 0.0
-    """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d (a micro-batch
-    of few rows, or a weight gradient summed over them), the form the cluster planner gives a
-    GPU's GEMMs (``Hardware.gemm_half_dim``). Measured: a 16×512×512 product against a
-    64×256×256 one, the same FLOPs."""
-    engines: int = 1
-    """Engines the measurement ran on."""
-    link_alpha_beta: tuple = ()
-    """(α seconds per message, β bytes/s per rank) of the emulated link the lab ran on, as it
-    imposes them (() for gloo as it is): a call takes the link's time or gloo's own (``comm``),
-    whichever is longer (labkit.Link)."""
+    """Seconds a collective on an emulated link pays first to agree on its start, a group of n in
+    proportion to n − 1 (``labkit.comm.calls._join``). Measured: the median all-reduce of one
+    number over every engine, each after a barrier."""
+    measured: Measured = Measured()
+    """The engines and the emulated link it was measured on (:class:`Measured`)."""
 
     def __post_init__(self):
         if not self.engines >= 1:
@@ -132,6 +142,36 @@ class Machine:
             raise ValueError(f"Machine.comm lacks {missing}; give an AlphaBeta (or α seconds, β bytes/s) for each of "
                              f"{FAMILIES}")
         object.__setattr__(self, "comm", {f: _link(v) for f, v in self.comm.items()})
+
+    @classmethod
+    def of(cls, **numbers) -> "Machine":
+        """A Machine from its numbers by their own names (``memory_Bps=``, ``op_s=``, ``engines=``,
+        ``link_alpha_beta=`` …), as :func:`~labkit.plan.measure.measure` finds them and a file keeps them."""
+        records = {}
+        for name, record in (("memory", Memory), ("host", Host), ("measured", Measured)):
+            own = {f.name: numbers.pop(f.name) for f in fields(record) if f.name in numbers}
+            if name == "measured" and "link_alpha_beta" in numbers:
+                own["link"] = tuple(numbers.pop("link_alpha_beta"))
+            records[name] = record(**own)
+        return cls(**numbers, **records)
+
+    def numbers(self) -> dict:
+        """Every number by its own name, the records unpacked (what :meth:`save` writes)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("memory", "host", "measured")}
+        out.update(asdict(self.memory), **asdict(self.host), engines=self.engines, link_alpha_beta=self.link_alpha_beta)
+        out["comm"] = {f: asdict(ab) for f, ab in self.comm.items()}
+        return out
+
+    # -- the records' numbers by their own names ---------------------------------------------
+    memory_Bps = property(lambda self: self.memory.memory_Bps)
+    cache_bytes = property(lambda self: self.memory.cache_bytes)
+    dram_Bps = property(lambda self: self.memory.dram_Bps)
+    op_s = property(lambda self: self.host.op_s)
+    setup_s = property(lambda self: self.host.setup_s)
+    action_s = property(lambda self: self.host.action_s)
+    call_s = property(lambda self: self.host.call_s)
+    engines = property(lambda self: self.measured.engines)
+    link_alpha_beta = property(lambda self: self.measured.link)
 
     # -- prices: labkit.plan.price's formulas on this machine ---------------------------------
     def efficiency(self, dim: float) -> float:
@@ -155,7 +195,7 @@ class Machine:
     # -- files -------------------------------------------------------------------------------
     def save(self, path) -> None:
         with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
+            json.dump(self.numbers(), f, indent=1)
 
     @classmethod
     def load(cls, path) -> "Machine":
@@ -167,8 +207,7 @@ class Machine:
                              "(they did not make the planner's held-out predictions better); measure it again with "
                              "labkit.plan.measure(lab)")
         d["matmul"] = tuple(tuple(r) for r in d["matmul"])
-        d["link_alpha_beta"] = tuple(d.get("link_alpha_beta", ()))
-        return cls(**d)
+        return cls.of(**d)
 
     def __str__(self) -> str:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)

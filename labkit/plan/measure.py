@@ -340,9 +340,9 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
         call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
-    machine = Machine(cores, **alone, comm=comm, wake_s=wake, call_s=call_s, cross_s=cross, join_s=join,
-                      engines=world, link_alpha_beta=tuple(link_ab))
-    return replace(machine, action_s=_action_s(lab, machine))
+    machine = Machine.of(cores=cores, **alone, comm=comm, wake_s=wake, call_s=call_s, cross_s=cross, join_s=join,
+                         engines=world, link_alpha_beta=link_ab)
+    return replace(machine, host=replace(machine.host, action_s=_action_s(lab, machine)))
 
 
 def _action_s(lab, machine: Machine) -> float:

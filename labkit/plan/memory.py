@@ -78,23 +78,21 @@ take the rest (a few GB on an 80 GB part, as PyTorch's memory snapshots typicall
 def layer_activation_bytes(model: ModelShape, s: ClusterStrategy, kind: str = "dense") -> float:
     """Activations one layer keeps for one micro-batch (Korthikanti et al. 2022, Table 2, for a
     GPT; the module docstring's counts for a Decoder)."""
+    sbh, t = s.tokens(model.seq) * model.hidden, s.tp
+    if s.recompute == "full":                   # the layer's input alone
+        return 2 * sbh / (t if s.sequence_parallel else 1)
     if isinstance(model, Decoder):
         return decoder_activation_bytes(model, s, kind)
-    sbh, t = s.tokens(model.seq) * model.hidden, s.tp
     attn = 5 * model.heads * model.seq / model.hidden
-    if s.recompute == "full":
-        return 2 * sbh / (t if s.sequence_parallel else 1)
     if s.sequence_parallel:
         return sbh * (34 + (0 if s.recompute == "selective" else attn)) / t
     return sbh * (10 + 24 / t + (0 if s.recompute == "selective" else attn / t))
 
 
 def decoder_activation_bytes(model: Decoder, s: ClusterStrategy, kind: str) -> float:
-    """A Llama-family layer with FlashAttention (module docstring)."""
+    """A Llama-family layer with FlashAttention, without full recomputation (module docstring)."""
     h, t = model.hidden, s.tp
     sbh = s.tokens(model.seq) * h
-    if s.recompute == "full":
-        return 2 * sbh / (t if s.sequence_parallel else 1)
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     op_policy = s.recompute == "selective"
     replicated = 4.0                                                  # two norm outputs, or input and w2's output
@@ -168,13 +166,15 @@ def replica_groups(model, s: ClusterStrategy) -> list[dict]:
     return out
 
 
+def sharded(s: ClusterStrategy, groups: dict, stage: int) -> float:
+    """Parameters of one rank's ``groups`` it keeps of a state ZeRO shards from ``stage`` on: each
+    group's over its replicas (over the dp_shard·cp of them in its HSDP group)."""
+    return sum(n / (ranks * s.shard_group // s.replicas if s.zero >= stage else 1) for ranks, n in groups.items())
+
+
 def model_state_bytes(s: ClusterStrategy, groups: dict) -> tuple[float, float, float]:
-    """Weights, gradients and optimizer state of one rank's ``groups`` (module docstring), each
-    sharded by ZeRO over its replicas (over the dp_shard·cp of them in its HSDP group)."""
-    def part(per_param: float, stage: int) -> float:
-        return per_param * sum(n / (ranks * s.shard_group // s.replicas if s.zero >= stage else 1)
-                               for ranks, n in groups.items())
-    return part(2, 3), part(2, 2), part(12, 1)
+    """Weights, gradients and optimizer state of one rank's ``groups`` (module docstring)."""
+    return 2 * sharded(s, groups, 3), 2 * sharded(s, groups, 2), 12 * sharded(s, groups, 1)
 
 
 def loss_bytes(model, s: ClusterStrategy) -> float:

@@ -1,15 +1,10 @@
 """Predict a step from a :class:`~labkit.plan.machine.Machine` and a model's counted operations.
 
-``simulate(strategy, machine, model=, batch=)`` writes each rank's program as the executor
-runs it, prices every piece from the model's own operations (:mod:`labkit.plan.work`) with
-the machine's numbers, and runs the programs through the one simulator
-(:mod:`labkit.analysis.des`):
-
-one piece per axis, as parallel/ runs it: dp and ZeRO (:mod:`.data_programs`), pipelines
-(:mod:`.pipeline_programs`), Megatron tp (:mod:`.tensor_programs`), cp's attention across the
-ring (:mod:`.context_programs`), ep's exchanges round the experts (:mod:`.expert_programs`).
-Every piece is priced by :mod:`labkit.plan.price`; every action pays the machine's host cost
-per action, every op its host cost per op, every posted call its host cost per call.
+``simulate(strategy, machine, model=, batch=)`` writes each rank's program as the executor runs
+it, one piece per axis as parallel/ runs it (dp and ZeRO :mod:`.data_programs`, pipelines
+:mod:`.pipeline_programs`, Megatron tp :mod:`.tensor_programs`, cp :mod:`.context_programs`, ep
+:mod:`.expert_programs`), prices every piece by :mod:`labkit.plan.price` from the model's own
+operations (:mod:`labkit.plan.work`) and runs the programs through :mod:`labkit.analysis.des`.
 """
 from __future__ import annotations
 

@@ -1,30 +1,16 @@
 """What if the gradient buckets were another size: the measured step rebuilt with the executor's buckets.
 
-A bucket size changes the step's shape (how many calls, where each leaves), so
-``run.whatif(bucket_mb=…)`` cannot re-price the measured calls; it rebuilds them and replays
-the rest of the step as measured (:mod:`labkit.plan.whatif`):
-
-* **the buckets**: the executor fills them with :func:`labkit.parallel.data.fill_buckets` over
-  the model's parameters in registration order; the run's own parameters (``run.params``) are
-  filled again at the run's size, each bucket matched to its recorded call (by its tensor
-  count: a mismatch is refused), and filled at the new size;
-* **where a new bucket leaves**: once its last gradient is ready. A measured bucket left when
-  its last gradient arrived (overlap and ddp: inside the backward that added it; bucketed: after
-  backward), so every gradient in it was ready by its post; within one bucket the gradients are
-  taken to arrive evenly by bytes since the previous bucket's post (or the backward's start): the
-  recorder sees the buckets, not each gradient;
-* **where it is waited for**: where the rank waited for the measured bucket holding that last
-  gradient;
-* **its price**: the link's α-β on its bytes, as any replayed call (the new link's, or the
-  run's own); gloo's own time the measured buckets' median gloo time per byte (gloo's own α
-  is not resolved from one run's few calls: a smaller bucket is charged no extra latency of
-  gloo's, a larger one saves none); each member's rest (its thread noting the call late) that
-  of the measured bucket holding the last gradient, on that member. A new bucket that is a
-  measured one (the same tensors) keeps that bucket's own measured price, so a rebuild at the
-  run's own size is the plain replay.
-
-Only plain data parallelism is rebuilt (dp > 1, dp_mode bucketed, overlap or ddp, no ZeRO, no
-other axis, no compression): other shapes are refused with what to use instead.
+A bucket size changes the step's shape, so ``run.whatif(bucket_mb=…)`` rebuilds the calls and
+replays the rest as measured (:mod:`labkit.plan.whatif`). The run's parameters are filled again
+by :func:`labkit.parallel.data.fill_buckets` at the run's size (each bucket matched to its
+recorded call by tensor count; a mismatch is refused) and at the new size. A new bucket leaves
+once its last gradient is ready (within a measured bucket the gradients are taken to arrive
+evenly by bytes since the previous post: the recorder sees buckets, not gradients), is waited
+for where the bucket holding that gradient was, and is priced by the link's α-β on its bytes
+plus gloo's measured median time per byte (gloo's own α is not resolved from one run's few
+calls) and that bucket's members' rest. A new bucket equal to a measured one keeps its measured
+price, so a rebuild at the run's own size is the plain replay. Only plain data parallelism is
+rebuilt (dp > 1, dp_mode bucketed, overlap or ddp, nothing else); other shapes are refused.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ from ..parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
 from .model import Decoder
-from .memory import fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, stage_kinds
+from .memory import fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, sharded, stage_kinds
 from .simulation import simulate_scale
 from .traffic import bytes_by_tier, dp_calls
 
@@ -186,8 +186,7 @@ def stage_costs(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> Stag
     # dense gradients over dp·cp, each routed expert's over its dp·cp/ep replicas (traffic.dp_calls)
     calls, groups = dp_calls(model, s), max(replica_groups(model, s), key=lambda g: sum(g.values()))
     dp_sync = sum(c.seconds(cluster) for c in calls)
-    optimizer = ADAM_BYTES_PER_PARAM * sum(n / (ranks * s.shard_group // s.replicas if s.zero >= 1 else 1)
-                                           for ranks, n in groups.items()) / hw.hbm_bandwidth
+    optimizer = ADAM_BYTES_PER_PARAM * sharded(s, groups, 1) / hw.hbm_bandwidth
     return StageCosts(per_stage(0, logit_f), per_stage(1, 2 * logit_f), p2p, dp_sync, optimizer,
                       tp_comm=max(model.stage_layers(stages)) * 4 * tp_ar, ep_comm=max(per_stage(3)), cp_comm=max(per_stage(4)),
                       bwd_weight=per_stage(2, logit_f), dp_gather_fwd=sum(c.seconds(cluster) for c in calls if c.forward))

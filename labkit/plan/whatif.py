@@ -1,50 +1,17 @@
 """What if: a measured step replayed with another link, faster compute, or a straggler healed.
 
 ``run.whatif(link=labkit.Link(bandwidth=200e6), compute=1.0, straggler=None)`` turns each
-measured step into the planner's programs (:mod:`labkit.analysis.des`, the one event-driven core
-that :func:`labkit.plan.simulate` runs too) and runs them again:
-
-* each rank's **compute spans** keep their measured durations, times ``compute`` (0.1: a
-  ten times faster machine), and a ``straggler`` rank's are scaled, kind by kind (forward,
-  backward, optimizer), to the other ranks' median time in that kind and step (the planted or
-  real slowness removed where it was);
-* **host time** between a rank's recorded spans (Python, the data, the framework) is kept as
-  measured: it is not compute that a faster chip shortens;
-* each **call** is issued where the rank issued it (an asynchronous bucket from inside the
-  backward that completed it) and waited for where the rank waited (``waited``, recorded by
-  :mod:`labkit.comm`; a trace without it: where the rank's compute lane sat idle until the
-  call ended, else before the step's last compute span). Collectives join their members
-  (the ``group`` each span carries) and run in order per rank, as on an emulated link; a
-  message pairs its send and receive;
-* a call is **re-priced** by the link's α-β: ``steps·α + wire bytes / β`` (2(n−1) steps for
-  an all-reduce, n − 1 for all-gather, reduce-scatter, broadcast and all-to-all, one for a
-  message; the wire bytes are what the rank put on the wire, ``bytes``: :meth:`labkit.Link.seconds`
-  written per rank). Its measured time is cut into three parts, each re-priced by what it
-  depends on, as :mod:`labkit.comm.emulate` composes them:
-
-  - **gloo's own work**, from when gloo reached the call (its last member's entry, once gloo
-    was through the group's previous call: gloo runs a group's calls in order) to when gloo
-    was through it (``moved`` on its first member, recorded before the link's wait; on raw
-    gloo its first member's end). It is work on the cores, kept as measured;
-  - **the link's time**, from when every member's link was free (the calls before it on
-    those links through) for α-β of the old link: replaced by the new link's, on the link's
-    own queue (``Sim(gloo_queue=True)``), so the next call of the group may start gloo's
-    work meanwhile;
-  - **each member's rest**: when that member noted the call beyond both (its thread waking
-    from the link's sleep, a watcher thread noting a reduce-scatter): kept per member
-    (``Issue.tail``), after the call's end on that member only.
-
-  A call then ends at max(gloo, new link) plus its member's rest; a faster link cannot make a
-  call shorter than gloo made it. A run on an emulated link cannot be replayed on raw gloo
-  (``link=None``): the link hid how long gloo's calls would wait on one another.
-
-``link``, ``compute`` and ``straggler`` are exact replays of the measured graph: its nodes and
-edges kept, some re-priced. ``bucket_mb`` changes the graph's shape and **rebuilds** it: the
-executor's own buckets filled again at the new size over the run's parameters, each placed where
-its last gradient was ready and priced from the measured buckets (:mod:`labkit.plan.rebucket`;
-plain data parallelism only). The other knobs that change the shape — micro-batches, the dp
-mode, the schedule, ZeRO — are refused: predict those with :func:`labkit.plan.simulate`, which
-builds the executor's action lists from the model's counted operations and a measured Machine.
+measured step into programs of the one event-driven core (:mod:`labkit.analysis.des`, which
+:func:`labkit.plan.simulate` runs too) and runs them again: compute spans as measured (times
+``compute``; a ``straggler``'s, kind by kind, brought to its peers' median), host time between
+spans as measured (not compute a faster chip shortens), each call issued where it was posted and
+waited for where it was waited. A call's measured time is cut into gloo's own work (kept), the
+link's α-β time (replaced by the new link's, on the link's own queue) and each member's rest (kept
+on that member): it ends at max(gloo, new link) plus its member's rest, so a faster link cannot
+make a call shorter than gloo made it (docs/design.md, "The step as a graph"). A run on an
+emulated link cannot be replayed on raw gloo (``link=None``): the link hid how long gloo's calls
+would wait on one another. ``bucket_mb`` changes the graph's shape and rebuilds it
+(:mod:`labkit.plan.rebucket`); the other shape knobs are :func:`labkit.plan.simulate`'s.
 
     >>> fast = run.whatif(link=labkit.Link(bandwidth=200e6, latency=2e-4))
     >>> fast.step_time_s, fast.timeline.bound_by()
@@ -61,11 +28,8 @@ from ..analysis.events import group_ranks
 from ..analysis.graph import COLLECTIVES, EPS, StepGraph
 from ..analysis.timeline import Timeline
 from ..analysis.des import Compute, Issue, Sim, Wait
+from .hardware import ring_steps
 from .rebucket import check as check_rebucket, rebucket
-
-RING_STEPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 1}
-"""α's paid per call, by kind; others (all-gather, reduce-scatter, broadcast, all-to-all): n − 1."""
-
 
 @dataclass
 class WhatIf:
@@ -244,7 +208,7 @@ def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
     if n < 2:
         return 0.0
     alpha, beta = link.alpha_beta(link.tier(ranks))
-    steps = RING_STEPS.get(kind, lambda n: n - 1)(n)
+    steps = ring_steps({"allreduce": "all_reduce", "recv": "send"}.get(kind, kind), n)   # others: n − 1
     return steps * alpha + nbytes / beta
 
 
