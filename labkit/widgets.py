@@ -209,10 +209,11 @@ class Dashboard:
             w.observe(self._changed, names="value")
             w.add_class(f"labkit-{name}")            # stable handles for browser tests
         self.controls = c
-        button = W.Layout(width="90px")
-        self.run_button = W.Button(description="Run", button_style="primary", icon="play", layout=button)
-        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, layout=button)
-        self.pin_button = W.Button(description="Pin", icon="thumb-tack", layout=button,
+        def button():                    # never squeezed to "…" by a narrow notebook column
+            return W.Layout(width="90px", flex="0 0 auto")
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play", layout=button())
+        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, layout=button())
+        self.pin_button = W.Button(description="Pin", icon="thumb-tack", layout=button(),
                                    tooltip="keep this run; the Compare tab shows it beside the next")
         self.run_button.on_click(self.run)
         self.stop_button.on_click(self.stop)
@@ -222,8 +223,8 @@ class Dashboard:
                                    tooltip="outline the chain of spans that set the step's length")
         self.path_box.add_class("labkit-critical-path")
         self.path_box.observe(lambda _change: self._redraw(), names="value")
-        self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="120px"))
-        self.status = W.HTML(layout=W.Layout(min_width="360px", flex="1 1 360px"))
+        self.progress = W.IntProgress(value=0, min=0, max=steps, layout=W.Layout(width="120px", flex="0 0 auto"))
+        self.status = W.HTML(layout=W.Layout(min_width="280px", flex="1 1 280px"))
         self.status.add_class("labkit-status")
         # per group, what this model cannot run and why (form.model_limits), under its title
         self.notes = {axis: W.HTML(layout=W.Layout(width=CONTROL_WIDTH)) for _, axis in form.GROUPS}
@@ -255,7 +256,7 @@ class Dashboard:
         panel = W.HBox([group(title, names) for title, names in form.groups()],
                        layout=W.Layout(flex_flow="row wrap"))
         buttons = W.HBox([self.run_button, self.stop_button, self.pin_button, self.progress, self.status],
-                         layout=W.Layout(align_items="center"))
+                         layout=W.Layout(align_items="center", flex_flow="row wrap"))   # the status under them when narrow
         options = W.HBox([c["model"], c["steps"], c["auto"], self.path_box], layout=W.Layout(flex_flow="row wrap"))
         return W.VBox([buttons, options, panel, self.tabs], layout=W.Layout(width="100%"))
 
