@@ -190,6 +190,10 @@ def test_dashboard_has_tp_controls_and_a_model_choice():
     assert list(dash.controls["model"].options) == ["gpt", "mlp"]
     dash.set(dp=1, tp=2, tp_mode="dtensor")
     assert not dash.run_button.disabled and dash.spec().loss == "cross_entropy"
-    dash.set(model="mlp")                    # the MLP has no tensor-parallel plan
-    assert dash.run_button.disabled and "tp_plan" in dash.status_text
+    dash.set(model="mlp")                    # the MLP has no tensor-parallel plan: tp's ranks go to dp
+    c = dash.controls
+    assert (c["tp"].value, c["dp"].value) == (1, 2) and c["tp"].disabled and not dash.run_button.disabled
+    assert any("tp_plan" in note.value for note in dash.notes.values())
+    with pytest.raises(ValueError, match="tp_plan"):
+        dash.set(tp=2)
     dash.close()
