@@ -58,16 +58,17 @@ class LabkitReduceScatter(DefaultReduceScatter):
         self.unit = unit               # which fully_shard unit: "block layers.0", "root (a, b)"
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        same_size_everywhere(input_tensor.numel(), group, self.unit)
+        same_size_everywhere(input_tensor.numel(), group, self.unit, input_tensor.device)
         comm.reduce_scatter(output_tensor, input_tensor, group, name="fsdp2 reduce-scatter", op=op)
         return None
 
 
-def same_size_everywhere(numel: int, group, unit: str) -> None:
+def same_size_everywhere(numel: int, group, unit: str, device=None) -> None:
     """Raise CommMismatch on every rank unless every rank of ``group`` reduce-scatters
-    ``numel`` elements: gloo would abort the process on a size that differs."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([numel]), group=group)
+    ``numel`` elements: gloo would abort the process on a size that differs. The sizes travel
+    on the gradients' ``device`` (NCCL moves only GPU tensors)."""
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([numel], device=device), group=group)
     sizes = [int(t) for t in sizes]
     if len(set(sizes)) == 1:
         return
