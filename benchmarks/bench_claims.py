@@ -15,7 +15,7 @@ not claimed there).
 
 * overlap (notebook 01): dp=2, an MLP of width 256 and depth 8, batch 1024, 0.5 MiB buckets,
   3 steps a run, bucketed and overlap five times each in turn (``labkit.compare``): overlap's
-  exposed comm time is under three quarters of bucketed's in every pair; the step-time verdict
+  exposed comm time is under three quarters of bucketed's in every pair or all but one, and in the medians; the step-time verdict
   never names bucketed faster (it names overlap, or says within noise) — both claimed on the
   link only; and how often the verdict names overlap, on both. Emulated: a link on which the gradients all-reduce in the time backward takes
   (``Link.balanced``, measured on the trial's own raw bucketed run).
@@ -79,9 +79,13 @@ def overlap_trial(lab, steps: int) -> dict:
     lab.link = None
     exposed = lambda res: {m: [r.metrics["exposed_comm_fraction"] * r.metrics["step_time_s"]  # noqa: E731
                                for r in res.runs[m]] for m in res.names}
-    hidden = lambda res: all(o < 0.75 * b for b, o in zip(*exposed(res).values()))  # noqa: E731
+
+    def hidden(res) -> bool:                  # 01's text: every pair or all but one, and the medians
+        b, o = exposed(res).values()
+        return sum(x < 0.75 * y for y, x in zip(b, o)) >= len(b) - 1 and median(o) < 0.75 * median(b)
     seen("01 step-time verdicts raw / link", (raw.verdict, emulated.verdict))
-    return {"overlap exposes < 3/4 of bucketed's comm, 5/5 pairs (01)": (None, hidden(emulated)),
+    seen("01 exposed comm s on the link, bucketed / overlap", list(exposed(emulated).values()))
+    return {"overlap exposes < 3/4 of bucketed's comm, ≥ 4/5 pairs and median (01)": (None, hidden(emulated)),
             "step verdict never names bucketed faster (01)": (None, emulated.faster != "bucketed"),
             "step verdict names overlap faster (01, counted)": (raw.faster == "overlap", emulated.faster == "overlap")}
 
