@@ -71,3 +71,18 @@ def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, **KW)
     run = lab4.run(strategy, model=model, steps=1, lr=0.3, **KW)
     assert per_rank(pred.timeline.events, 4) == per_rank(run.timeline.events, 4)
+
+
+def test_an_all_to_all_is_priced_by_its_busiest_member_sent_or_received():
+    """A link is shared on both sides (labkit.Link): three ranks each sending 10 kB to one that
+    sends nothing take as long as that rank's 30 kB coming in, not one sender's 10 kB."""
+    from types import SimpleNamespace
+
+    from labkit.plan.expert_programs import ExpertPrograms
+    builder = SimpleNamespace(m=_machine())
+    group = (0, 1, 2, 3)
+    incast = ExpertPrograms.a2a(builder, "k", group, [1e4, 1e4, 1e4, 0], 0, "x", 0, received=[0, 0, 0, 3e4])
+    even = ExpertPrograms.a2a(builder, "k", group, [3e4] * 4, 0, "x", 0)
+    alone = ExpertPrograms.a2a(builder, "k", group, [1e4, 1e4, 1e4, 0], 0, "x", 0)
+    assert (incast.seconds, incast.link) == (even.seconds, even.link)
+    assert incast.seconds > alone.seconds and incast.bytes == 1e4

@@ -6,7 +6,7 @@ compute (sorting, its experts on the rows that arrive, weighting back: ``ExpertP
 own code, counted), the rows as the first step's tokens route; with ``ep_overlap="microbatch"``
 two halves whose exchanges travel under each other's experts; the experts' gradients summed
 over their replicas after the dense sync over dp. An all-to-all is priced as gloo runs it: every
-pair's message posted at once, one latency and the busiest member's bytes.
+pair's message posted at once, one latency and the busiest member's bytes, sent or received.
 :class:`ExpertPrograms` is a part of :class:`labkit.plan.physical.Builder`.
 """
 from __future__ import annotations
@@ -41,8 +41,9 @@ class ExpertPrograms:
             back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
             for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
                 label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
+                got = back if sent is out else out                   # what each member receives
                 call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
-                                         me, label, mb)
+                                         me, label, mb, received=[row * x for x in got])
         # the int64 sizes, both halves' in one exchange: (E,) per rank, or [destination, half, local expert]
         per = 8 * n * (ep - 1) // ep if halves == [None] else 16 * (n // ep) * (ep - 1)
         sizes = self.a2a(("a2a counts", first, mb, layer), group, [per] * ep, me, f"{layer} counts", mb)
@@ -57,15 +58,17 @@ class ExpertPrograms:
             items += [Wait(call[b, h].key), ops[end, h]]
         return items
 
-    def a2a(self, key, group, sent: list, me: int, name, mb) -> Issue:
-        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member. gloo's
-        alltoallv posts every member's n − 1 sends and receives at once, then waits for them
-        all (gloo/alltoallv.cc): one message's latency, its busiest member's bytes. An emulated
-        link prices it as a pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the bytes
-        leaving the busiest member); the call takes the longer."""
+    def a2a(self, key, group, sent: list, me: int, name, mb, received: list | None = None) -> Issue:
+        """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member and
+        ``received[i]`` arriving at it (default: as many as leave). gloo's alltoallv posts every
+        member's n − 1 sends and receives at once, then waits for them all (gloo/alltoallv.cc):
+        one message's latency, its busiest member's bytes. An emulated link prices it as a
+        pairwise exchange (``labkit.Link.seconds``: (n − 1)·α and the busiest member's bytes,
+        sent or received, since a link is shared on both sides); the call takes the longer."""
         n = len(group)
-        own, link = price.comm_parts(self.m, "all_to_all", max(sent) * n / (n - 1), n,
-                                  gloo=price.comm_parts(self.m, "send", max(sent), 2)[0])
+        busiest = max(max(sent), max(received or sent))
+        own, link = price.comm_parts(self.m, "all_to_all", busiest * n / (n - 1), n,
+                                  gloo=price.comm_parts(self.m, "send", busiest, 2)[0])
         return Issue(key, group, own, "all_to_all", name, int(sent[me]), None, mb, link=link)
 
     def expert_sync(self, d: int) -> list:
