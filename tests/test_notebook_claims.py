@@ -51,8 +51,9 @@ def notebook(stem: str):
 
 
 def test_02_bubble_falls_with_m_and_follows_the_formula():
-    """02's text: the bubble falls with m, and its schedule part stays within −0.05 / +0.10 of
-    (p−1)/(m+p−1).
+    """02's text: the schedule's bubble falls with m and stays within −0.05 / +0.10 of
+    (p−1)/(m+p−1); the whole measured bubble falls from m = 1 to 4 (beyond, the lab's overhead
+    can make it stall or rise: 4 times in 10 from 4 to 16 in bench_claims --load 1).
 
     The formula holds for stages that cost the same; 02 sweeps a model whose two stages do
     (a thin input layer: with 8 equal layers split by parameters, stage 0's backward is ~0.77
@@ -61,8 +62,8 @@ def test_02_bubble_falls_with_m_and_follows_the_formula():
     per-action overhead is idle time outside the schedule and only adds to ``bubble_fraction``
     (on a loaded CI machine it reached 0.09 at m = 16 while the schedule part read 0.08 against
     0.06). Stalls of one stage that show up as its neighbour's wait land in the schedule part,
-    hence the asymmetric band. "Falls" is checked on both over each quadrupling of m (and from
-    1 to 2), where the formula drops by at least 0.14, so a stall cannot flip it; a schedule
+    hence the asymmetric band. "Falls" is checked on the schedule part over each quadrupling of
+    m (and from 1 to 2), where the formula drops by at least 0.14, so a stall cannot flip it; a schedule
     that serialises the stages (0.5 at every m) or idles far more than the formula fails.
     """
     _, v = notebook("02_pipeline")
@@ -75,9 +76,9 @@ def test_02_bubble_falls_with_m_and_follows_the_formula():
         assert want - 0.05 <= got <= want + 0.10, \
             f"m={m}: schedule_bubble_fraction {got:.3f}, formula {want:.3f}; {split}"
         assert total >= got - 1e-9, f"m={m}: bubble_fraction {total:.3f} < its schedule part {got:.3f}"
-    for name, series in (("bubble_fraction", measured), ("schedule_bubble_fraction", scheduled)):
-        assert series[1] < series[0] and all(b < a for a, b in zip(series, series[2:])), \
-            f"{name} not falling with m: {series}"
+    assert scheduled[1] < scheduled[0] and all(b < a for a, b in zip(scheduled, scheduled[2:])), \
+        f"schedule_bubble_fraction not falling with m: {scheduled}"
+    assert measured[2] < measured[0], f"bubble_fraction not lower at m=4 than at m=1: {measured}"
 
 
 def test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here():
@@ -98,9 +99,10 @@ def test_02_interleaving_sends_three_times_the_messages_and_is_not_faster_here()
 def test_01_overlap_hides_comm_that_bucketed_exposes():
     """01's text, on the emulated link (comm as long as backward, off the CPU): bucketed reduces
     after backward (no overlap); overlap and ddp launch buckets while backward runs, so their
-    comm overlaps compute; in at least four of the five bucketed/overlap pairs (the count the
-    notebook prints) overlap leaves under three quarters of bucketed's comm time exposed, and its
-    median does; the exposed-comm verdict never crowns bucketed; one 8 MiB bucket overlaps nothing. The step-time verdict is printed by labkit.compare, which
+    comm overlaps compute; overlap's median exposed comm time is below bucketed's (how far below,
+    and in how many pairs under three quarters, the notebook prints and its text gives as ranges
+    measured by bench_claims --load 1); the exposed-comm verdict never crowns bucketed; one 8 MiB
+    bucket overlaps nothing. The step-time verdict is printed by labkit.compare, which
     says "within noise" when the load swings more than overlap saves; bench_claims counts it."""
     _, v = notebook("01_data_parallel")
     m = v["runs.metrics"]
@@ -109,8 +111,8 @@ def test_01_overlap_hides_comm_that_bucketed_exposes():
         assert m[mode]["overlap_fraction"] > 0.2, (mode, m[mode]["overlap_fraction"])
     exposed = v["exposed_s"]
     assert len(exposed["bucketed"]) == len(exposed["overlap"]) == 5
-    assert v["ahead"] == sum(o < 0.75 * b for b, o in zip(exposed["bucketed"], exposed["overlap"])) >= 4, exposed
-    assert statistics.median(exposed["overlap"]) < 0.75 * statistics.median(exposed["bucketed"]), exposed
+    assert v["ahead"] == sum(o < 0.75 * b for b, o in zip(exposed["bucketed"], exposed["overlap"])), exposed
+    assert statistics.median(exposed["overlap"]) < statistics.median(exposed["bucketed"]), exposed
     assert labkit.Comparison.of(exposed).faster in ("overlap", None), exposed
     shares = v["under_compute"]
     assert shares["one 8 MiB bucket"] < 0.05 < 0.2 < shares["0.5 MiB buckets"], shares
@@ -200,11 +202,11 @@ def test_07_tp_pays_in_exposed_comm():
 
 def test_08_prefetch_overlaps_more_of_the_gathers():
     """08's text, on the emulated link at batch 1024: prefetch=1 raises the share of ZeRO-3's
-    comm that overlaps compute clearly (by more than 0.1; it rose by 0.3 when measured); on raw
-    gloo it rises too. Step time is not claimed (it moved either way)."""
+    comm that overlaps compute clearly (checked: by more than 0.05; it rose by 0.10–0.24 in ten
+    trials of bench_claims --load 1, about 0.3 on a quiet machine); on raw gloo it rises too. Step time is not claimed (it moved either way)."""
     _, v = notebook("08_sharding")
     overlap, raw = v["prefetch_overlap"], v["prefetch_raw"]
-    assert overlap["1"] > overlap["0"] + 0.1, overlap
+    assert overlap["1"] > overlap["0"] + 0.05, overlap
     assert raw["1"] > raw["0"], raw
 
 
@@ -513,7 +515,9 @@ def outcome_sentences(nb) -> list[str]:
 CLAIMS = {
     "01_data_parallel": [
         ('`labkit.compare` ran the two modes five times ea', 'verdict'),
-        ('On the link overlap leaves well under three quar', test_01_overlap_hides_comm_that_bucketed_exposes),
+        ("On the link overlap's median run leaves less co", test_01_overlap_hides_comm_that_bucketed_exposes),
+        ('By how much depends on the machine: on a quiet o', 'quoted'),
+        ("The link's time does not move with the load, but", 'hedged'),
         ('The step time usually follows, by about what was', 'verdict'),
         ('On a GPU cluster, where a NIC moves the bytes be', 'cluster'),
         ('(One bucket holding everything cannot leave befo', test_01_overlap_hides_comm_that_bucketed_exposes),
