@@ -53,7 +53,7 @@ def notebook(stem: str):
 def test_02_bubble_falls_with_m_and_follows_the_formula():
     """02's text: the schedule's bubble falls with m and stays within −0.05 / +0.10 of
     (p−1)/(m+p−1); the whole measured bubble falls from m = 1 to 4 (beyond, the lab's overhead
-    can make it stall or rise: 4 times in 10 from 4 to 16 in bench_claims --load 1).
+    can make it stall or rise: 4 times in 20 from 4 to 16 in bench_claims --load 1).
 
     The formula holds for stages that cost the same; 02 sweeps a model whose two stages do
     (a thin input layer: with 8 equal layers split by parameters, stage 0's backward is ~0.77
@@ -202,7 +202,7 @@ def test_07_tp_pays_in_exposed_comm():
 
 def test_08_prefetch_overlaps_more_of_the_gathers():
     """08's text, on the emulated link at batch 1024: prefetch=1 raises the share of ZeRO-3's
-    comm that overlaps compute clearly (checked: by more than 0.05; it rose by 0.10–0.24 in ten
+    comm that overlaps compute clearly (checked: by more than 0.05; it rose by 0.10–0.26 in twenty
     trials of bench_claims --load 1, about 0.3 on a quiet machine); on raw gloo it rises too. Step time is not claimed (it moved either way)."""
     _, v = notebook("08_sharding")
     overlap, raw = v["prefetch_overlap"], v["prefetch_raw"]
