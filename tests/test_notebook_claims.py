@@ -203,7 +203,8 @@ def test_07_tp_pays_in_exposed_comm():
 def test_08_prefetch_overlaps_more_of_the_gathers():
     """08's text, on the emulated link at batch 1024: prefetch=1 raises the share of ZeRO-3's
     comm that overlaps compute clearly (checked: by more than 0.05; it rose by 0.10–0.26 in twenty
-    trials of bench_claims --load 1, about 0.3 on a quiet machine); on raw gloo it rises too. Step time is not claimed (it moved either way)."""
+    trials of bench_claims --load 1, about 0.3 on a quiet machine); on raw gloo it rises too.
+    Step time is not claimed (it moved either way)."""
     _, v = notebook("08_sharding")
     overlap, raw = v["prefetch_overlap"], v["prefetch_raw"]
     assert overlap["1"] > overlap["0"] + 0.05, overlap
