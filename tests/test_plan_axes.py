@@ -86,3 +86,17 @@ def test_an_all_to_all_is_priced_by_its_busiest_member_sent_or_received():
     alone = ExpertPrograms.a2a(builder, "k", group, [1e4, 1e4, 1e4, 0], 0, "x", 0)
     assert (incast.seconds, incast.link) == (even.seconds, even.link)
     assert incast.seconds > alone.seconds and incast.bytes == 1e4
+
+
+@pytest.mark.parametrize("order", ["tp,cp,pp,dp", "dp,cp,pp,tp"])
+def test_the_planner_places_the_axes_in_the_strategy_s_order(order):
+    """Strategy.order moves tp across the ranks as the lab does: the predicted tp all-reduces run
+    in the grid's tp groups ((0, 1), (2, 3) by default; (0, 2), (1, 3) with dp fastest)."""
+    from labkit.grid import ParallelDims
+
+    mlp = labkit.models.mlp(width=32, depth=4)
+    plan_ = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+    pred = plan.simulate(labkit.Strategy(dp=2, tp=2, order=order), _machine(), model=mlp, batch=8, tp_plan=plan_)
+    tp = {tuple(map(int, e["group"].split(","))) for e in pred.timeline.events
+          if e["kind"] == "allreduce" and e["name"].startswith("tp")}
+    assert tp == {tuple(g) for g in ParallelDims(dp=2, tp=2, order=order).tp_groups()}

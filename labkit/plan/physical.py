@@ -123,7 +123,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
             from .work import unaccumulated
             self.w = unaccumulated(work)
         self.dpc = s.dp * s.cp           # the ranks that average gradients (and ZeRO's shards): dp × cp
-        self.grid = ParallelDims(s.dp, s.pp, s.tp, s.cp)
+        self.grid = ParallelDims(s.dp, s.pp, s.tp, s.cp, order=s.order)       # where each axis sits
         self.tp_split(plan)
 
     def programs(self) -> list[list]:
