@@ -79,20 +79,13 @@ def overlap_trial(lab, steps: int) -> dict:
     lab.link = labkit.Link.balanced(raw.typical("bucketed"), latency=100e-6)
     emulated = pair()
     lab.link = None
-    exposed = lambda res: {m: [r.metrics["exposed_comm_fraction"] * r.metrics["step_time_s"]  # noqa: E731
-                               for r in res.runs[m]] for m in res.names}
-
-    def hidden(res) -> bool:                  # 01's text: overlap's median below bucketed's
-        b, o = exposed(res).values()
-        return median(o) < median(b)
-
-    def most(res) -> bool:                    # 01's quiet-machine figure: under ¾ in all pairs but one
-        b, o = exposed(res).values()
-        return sum(x < 0.75 * y for y, x in zip(b, o)) >= len(b) - 1
+    b, o = ([r.metrics["exposed_comm_fraction"] * r.metrics["step_time_s"] for r in emulated.runs[m]]
+            for m in ("bucketed", "overlap"))                            # exposed comm seconds, in pairs
+    most = sum(x < 0.75 * y for y, x in zip(b, o)) >= len(b) - 1      # 01's quiet-machine figure
     seen("01 step-time verdicts raw / link", (raw.verdict, emulated.verdict))
-    seen("01 exposed comm s on the link, bucketed / overlap", list(exposed(emulated).values()))
-    return {"overlap's median exposed comm below bucketed's (01)": (None, hidden(emulated)),
-            "overlap exposes < 3/4 of bucketed's in ≥ 4/5 pairs (01, counted)": (None, most(emulated)),
+    seen("01 exposed comm s on the link, bucketed / overlap", [b, o])
+    return {"overlap's median exposed comm below bucketed's (01)": (None, median(o) < median(b)),
+            "overlap exposes < 3/4 of bucketed's in ≥ 4/5 pairs (01, counted)": (None, most),
             "step verdict never names bucketed faster (01)": (None, emulated.faster != "bucketed"),
             "step verdict names overlap faster (01, counted)": (raw.faster == "overlap", emulated.faster == "overlap")}
 

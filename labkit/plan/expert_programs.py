@@ -39,9 +39,9 @@ class ExpertPrograms:
                 ops[part, h] = Compute(price.seconds(self.m, pair[0 if fwd else 1].ops), kind, name, mb)
             out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
             back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
-            for what, sent in (("dispatch", out if fwd else back), ("combine", back if fwd else out)):
+            for what, (sent, got) in (("dispatch", (out, back)), ("combine", (back, out))):
+                sent, got = (sent, got) if fwd else (got, sent)      # bytes leaving, arriving per member
                 label = f"{layer} {what}{'' if h is None else f' mb{h}'}{'' if fwd else ' backward'}"
-                got = back if sent is out else out                   # what each member receives
                 call[what, h] = self.a2a(("a2a", first, mb, layer, what, h, fwd), group, [row * x for x in sent],
                                          me, label, mb, received=[row * x for x in got])
         # the int64 sizes, both halves' in one exchange: (E,) per rank, or [destination, half, local expert]
