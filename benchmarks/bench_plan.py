@@ -6,7 +6,9 @@
 
 The machine is measured once (``labkit.plan.measure``: matmuls, an elementwise loop, tiny
 autograd ops, collectives, a trivial model's host costs; no model of the cases, no strategy of
-the cases); then every case (strategies, model widths and depths, micro-batch counts, degrees
+the cases), and each case's model has its pieces timed in sequence on this process, one
+thread, at the case's micro-batch size (``labkit.plan.work.profile``: the model alone, no
+strategy, no engine); then every case (strategies, model widths and depths, micro-batch counts, degrees
 a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
 over ep ranks) is simulated from it and run on the lab, twice.
 The two runs ``measure`` itself takes of a trivial model (its host cost per action) are
@@ -15,9 +17,9 @@ the measured step time (median of the two runs), the predicted, their ratio, the
 over the first (how far a measurement predicts itself: the floor under the ratio), and the
 exposed-comm fraction measured/predicted; then how many cases meet the targets (step time
 within 15 % on 2 engines, 20 % on 4; exposed comm within 0.07); then the ablation: the
-held-out error with each host and gloo term of the machine switched off (:data:`TERMS`, each
-set to nothing; the matmul shape term with the table as measured, undivided), so a term that
-does not make the held-out cases better shows it; and the host's load average (``os.getloadavg``), since the engines share their cores
+held-out error with each host term of the machine switched off (:data:`TERMS`, each set to
+nothing) and with the model's timed pieces left out (``profile``: the ops' table prices alone),
+so a term that does not make the held-out cases better shows it; and the host's load average (``os.getloadavg``), since the engines share their cores
 with whatever else runs; ``--remeasure`` measures the machine again before each case, so a
 drift of that load between the measurement and the case is taken out.
 ``--link bandwidth,latency``: the lab runs on an emulated link (``labkit.Link``), whose α and
@@ -109,23 +111,16 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
 
 
 KEYS = ("step_time_s", "exposed_comm_fraction", "bubble_fraction")
-TERMS = ("call_s", "wake_s", "cross_s", "join_s", "action_s", "matmul_half_dim", "setup_s", "elementwise",
-         "view_s", "sleep_s", "step_s", "comm_load", "attention_Fps", "cold_Bps")
-"""The machine's terms beyond the compute table, the memory rates and the link's α-β that the
-ablation switches off one at a time (those the machine still has: the last six went when the
-ablation on the emulated link showed them earning nothing, or as a fitted residual)."""
+TERMS = ("call_s", "action_s", "setup_s", "elementwise", "op_s")
+"""The machine's host terms and the compute table's refinements that the ablation switches off
+one at a time (each set to nothing), beside the model's own pieces timed (``profile``): a term
+whose removal leaves the held-out cases as good is not earning its place. Those the machine no
+longer has went when this ablation on the emulated link showed them earning nothing
+(``labkit.plan.machine.DELETED``)."""
 
 
 def without(machine, term: str):
-    """``machine`` with ``term`` switched off: a number 0, a table empty; the shape term with the
-    matmul table as measured (each row times its shape's efficiency); the cold rows at the
-    in-cache memory rate."""
-    if term == "matmul_half_dim":
-        from labkit.plan.measure import MATMUL_SHAPES
-        rows = tuple((f, r * machine.efficiency(min(shape))) for (f, r), shape in zip(machine.matmul, MATMUL_SHAPES))
-        return replace(machine, matmul=rows, matmul_half_dim=0.0)
-    if term == "cold_Bps":
-        return replace(machine, cold_Bps=((1, machine.memory_Bps),))
+    """``machine`` with ``term`` switched off: a number 0, a table empty."""
     value = getattr(machine, term)
     off = type(value)() if isinstance(value, (dict, tuple)) else 0.0
     if hasattr(machine.host, term):
@@ -143,6 +138,8 @@ def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
     ablated = {t: plan.simulate(strategy, without(machine, t), model=spec["model"], batch=spec["batch"],
                                 tp_plan=tp_plan, **kw).metrics["step_time_s"] for t in terms(machine)}
+    ablated["profile"] = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan,
+                                       profile=False, **kw).metrics["step_time_s"]
     runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
             for _ in range(2)]
     row = {f"predicted_{k}": pred.metrics[k] for k in KEYS}

@@ -41,13 +41,28 @@ def lab4():
     return lab_with(4)
 
 
+SHARED = {"lab2": 2, "lab4": 4, "at_step_2": 2, "saved": 2}
+"""Fixtures that use a shared lab, and its engines (``at_step_2`` and ``saved`` call lab_with)."""
+
+
+def _engines(item) -> int:
+    """The shared lab's engines ``item`` uses, 0 for none."""
+    return max((SHARED[f] for f in getattr(item, "fixturenames", ()) if f in SHARED), default=0)
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that uses a shared lab starts engines: it is ``slow`` (pyproject's marker),
     so ``-m "not slow"`` runs the pure layer alone. Tests that start their own engines or
-    processes carry the mark themselves."""
+    processes carry the mark themselves.
+
+    The items are then grouped by the shared lab they use (none first, then 2 engines, then 4;
+    the files' order kept inside each group): only one lab lives at a time on 2 cores, and each
+    start costs 5–8 s, so running the 2- and 4-engine tests as the files interleave them started
+    about thirty labs where two will do."""
     for item in items:
-        if {"lab2", "lab4"} & set(getattr(item, "fixturenames", ())):
+        if _engines(item):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_engines)
 
 
 # -- notebooks: each executed once per session, shared by test_notebooks and test_notebook_claims

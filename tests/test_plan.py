@@ -522,43 +522,10 @@ def test_processor_sharing_two_threads_on_one_core_take_twice_as_long():
     two = [[Compute(1.0, "fwd")], [Compute(1.0, "fwd")]]
     assert max(e["end"] for e in Sim(two, cores=1.0).run()) == pytest.approx(2.0)
     assert max(e["end"] for e in Sim(two, cores=2.0).run()) == pytest.approx(1.0)
-    # a transfer in flight asks for `load` cores per member: beside one compute on one core
-    # (1 + 2·0.5 = 2 asks) both progress at half speed
+    # a transfer in flight asks for no core: beside one compute on one core both go at full speed
     beside = [[Issue("x", (0, 1), 1.0, "allreduce"), Compute(1.0, "bwd"), Wait("x")], [Issue("x", (0, 1), 1.0, "allreduce"), Wait("x")]]
-    ends = {e["kind"]: e["end"] for e in Sim(beside, cores=1.0, load=0.5).run() if e["rank"] == 0}
-    assert ends == pytest.approx({"bwd": 2.0, "allreduce": 2.0})
-
-
-def test_a_message_waits_for_a_core_only_when_its_sender_computes_on_taken_cores():
-    def sent(then, cores):
-        programs = [[Issue("m", (0, 1), 1.0, "send", ordered=False)] + then,
-                    [Issue("m", (0, 1), 1.0, "recv", ordered=False), Wait("m")]]
-        return next(e["end"] for e in Sim(programs, cores=cores, wake=0.5).run() if e["kind"] == "recv")
-    assert sent([Compute(3.0, "fwd")], cores=1.0) == pytest.approx(1.5)    # the sender computes on the one core
-    assert sent([Wait("m")], cores=1.0) == pytest.approx(1.0)              # the sender waits for it
-    assert sent([Compute(3.0, "fwd")], cores=4.0) == pytest.approx(1.0)    # a core is free for its thread
-    assert sent([Compute(0.2, "fwd")], cores=1.0) == pytest.approx(1.2)    # its span ends first: its core frees
-
-
-def test_a_message_crossing_one_the_other_way_takes_cross_longer():
-    def ends(second_way):
-        programs = [[Issue("a", (0, 1), 1.0, "send", ordered=False), Wait("a")],
-                    [Issue("a", (0, 1), 1.0, "recv", ordered=False), Wait("a")]]
-        if second_way:           # rank 1 sends back at once, while "a" is in flight
-            programs[1].insert(0, Issue("b", (1, 0), 1.0, "send", ordered=False))
-            programs[0].insert(0, Issue("b", (1, 0), 1.0, "recv", ordered=False))
-        return sorted(e["end"] for e in Sim(programs, cores=4, cross=0.5).run() if e["kind"] == "recv")
-    assert ends(False) == pytest.approx([1.0])
-    assert ends(True) == pytest.approx([1.5, 1.5])      # each started beside the other
-
-    def on_link(link):           # gloo's 1.0 s and its crossing, under an emulated link's time
-        programs = [[Issue("b", (1, 0), 1.0, "recv", ordered=False, link=link),
-                     Issue("a", (0, 1), 1.0, "send", ordered=False, link=link), Wait("a"), Wait("b")],
-                    [Issue("b", (1, 0), 1.0, "send", ordered=False, link=link),
-                     Issue("a", (0, 1), 1.0, "recv", ordered=False, link=link), Wait("a"), Wait("b")]]
-        return sorted(e["end"] for e in Sim(programs, cores=4, cross=0.5, links=True).run() if e["kind"] == "recv")
-    assert on_link(2.0) == pytest.approx([2.0, 2.0])    # the link's 2 s hide gloo's 1.5
-    assert on_link(1.2) == pytest.approx([1.5, 1.5])    # gloo's 1.5 outlast the link's 1.2
+    ends = {e["kind"]: e["end"] for e in Sim(beside, cores=1.0).run() if e["rank"] == 0}
+    assert ends == pytest.approx({"bwd": 1.0, "allreduce": 1.0})
 
 
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
@@ -583,8 +550,6 @@ def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(saved))
     assert Machine.load(tmp_path / "old.json") == machine
     assert machine.rate(1e5) == 2e9 and machine.rate(1e9) == 2e10
-    skinny = _machine(matmul_half_dim=8.0)                  # a product's smallest dimension costs rate
-    assert skinny.rate(1e9, dim=8) == pytest.approx(1e10) and skinny.rate(1e9, dim=0) == 2e10
     assert 2e9 < machine.rate(3e6) < 2e10
     with pytest.raises(ValueError, match="cores"):
         _machine(cores=0)
@@ -599,6 +564,28 @@ def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
     assert Machine.load(tmp_path / "linked.json") == linked and len(fields(Machine)) <= 12
 
 
+def test_a_models_pieces_timed_in_sequence_price_its_ops_at_what_they_took():
+    """work.profile times each piece of a step (each block's forward and backward, the loss, the
+    optimizer) as the executor runs them; work.timed hands each piece's ops a factor so that the
+    piece costs what it took, and the ops keep their prices' shares of it."""
+    import labkit
+    from labkit.plan.work import count, profile, timed
+
+    model = labkit.models.mlp(width=64, depth=3)
+    seconds = profile(model, 8, repeats=3)
+    blocks = {(i, phase) for i in range(5) for phase in ("fwd", "bwd")}
+    assert blocks | {("post", "fwd"), ("post", "bwd"), ("opt", "fwd")} <= set(seconds)
+    assert all(t >= 0 for t in seconds.values()) and all(seconds[i, "fwd"] > 0 for i in range(5))
+    machine = _machine()
+    work = timed(count(model, 8), seconds, machine)
+    for i, b in enumerate(work.blocks):
+        assert machine.seconds(b.fwd.ops) == pytest.approx(seconds[i, "fwd"])
+        assert machine.seconds(b.bwd.ops) == pytest.approx(seconds[i, "bwd"])
+    assert machine.seconds(work.optimizer.ops) == pytest.approx(seconds["opt", "fwd"])
+    share = lambda ops: [machine.op_seconds(o) / machine.seconds(ops) for o in ops]    # noqa: E731
+    assert share(work.blocks[0].fwd.ops) == pytest.approx(share(count(model, 8).blocks[0].fwd.ops))
+
+
 def test_a_models_work_is_its_counted_operations():
     import labkit
     from labkit.plan.work import count
@@ -609,8 +596,6 @@ def test_a_models_work_is_its_counted_operations():
     assert [b.bwd.flops for b in work.blocks] == [linear, 0, 2 * linear, 0, 2 * linear]   # block 0: no input grad
     assert all(sum(o.flops for o in b.bwd.ops if o.weight_grad) == linear for b in work.blocks[::2])
     assert work.blocks[0].params == [64 * 64, 64] and work.blocks[0].out_numel == 64
-    assert [o.dim for o in work.blocks[2].fwd.ops if o.flops] == [8]          # 8 rows × 64 × 64
-    assert sorted(o.dim for o in work.blocks[2].bwd.ops if o.flops) == [8, 8]     # input grad, weight grad
     # as the executor runs a step: each backward adds into the gradients, the step zeroes them in place
     added = [o for o in work.blocks[2].bwd.ops if o.name == "accumulate_grad"]
     assert sorted(o.elements for o in added) == [64, 64 * 64] and all(o.weight_grad for o in added)   # W's part
@@ -686,30 +671,19 @@ def test_a_bucket_goes_out_inside_its_block_once_its_gradients_are_added():
     assert backward[0]["end"] <= first["start"] < backward[-1]["end"]
 
 
-def test_each_step_of_a_collective_waits_for_a_core_when_its_members_compute_on_taken_cores():
-    """A ring's steps are messages: on taken cores each waits ``wake`` for its thread's turn, as a
-    point-to-point message does; on free cores none does."""
-    def ends(cores, steps):
-        call = Issue("grads", (0, 1), 0.05, "allreduce", "bucket 0", steps=steps)
-        programs = [[call, Compute(1.0, "bwd", "B"), Wait("grads")] for _ in range(2)]
-        events = Sim(programs, cores=cores, load=0.0, wake=0.1).run()
-        return [e["end"] for e in events if e["kind"] == "allreduce"]
-    assert ends(2.0, 2) == pytest.approx([0.25, 0.25]) and ends(2.0, 1) == pytest.approx([0.15, 0.15])
-    assert ends(4.0, 2) == pytest.approx([0.05, 0.05])
-
-
 def test_a_calls_time_on_the_emulated_link_is_a_wait_off_the_cores():
     """gloo's own work shares the cores; the link's time beyond it runs on the wall clock: a
     collective of 0.1 s of gloo and 0.5 s of link ends at 0.5 s while both ranks compute on one core."""
     def programs():
         call = Issue("grads", (0, 1), 0.1, "allreduce", "bucket 0", link=0.5)
         return [[call, Compute(1.0, "fwd", "F"), Wait("grads")] for _ in range(2)]
-    events = Sim(programs(), cores=1.0, load=0.25, links=True).run()
+    events = Sim(programs(), cores=1.0, links=True).run()
     comm = [e for e in events if e["kind"] == "allreduce"]
     fwd = [e for e in events if e["kind"] == "fwd"]
     assert all(e["end"] == pytest.approx(0.5) for e in comm)
-    # while gloo's 0.1 s runs (0.25 s at 0.4 of a core) each compute gets 0.4 of the core, then half
-    assert all(e["end"] == pytest.approx(0.25 + (1.0 - 0.1) / 0.5) for e in fwd)
+    # gloo's 0.1 s asks for no core (it goes at the computes' shared speed, under the link's 0.5);
+    # the two computes share the one core
+    assert all(e["end"] == pytest.approx(2.0) for e in fwd)
 
 
 def plan_import_graph() -> dict:
@@ -759,7 +733,8 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
 
     machine = plan.measure(lab2, seconds=0.05)
     assert machine.engines == 2 and machine.cores > 0 and machine.op_s > 0
-    assert all(r > 0 for _, r in machine.matmul) and set(machine.comm) == set(FAMILIES)
+    assert set(machine.matmul) == {"nn", "nt", "tn"} and set(machine.comm) == set(FAMILIES)
+    assert all(r > 0 for rows in machine.matmul.values() for _, r in rows)
     assert machine.dram_Bps > 0 and machine.action_s >= 0 and machine.cache_bytes > 0
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
@@ -838,14 +813,16 @@ def test_cpu_attention_is_counted_with_torchs_sdpa_formula():
 def test_an_op_pays_its_cold_bytes_and_the_longer_of_its_bytes_and_its_arithmetic():
     from labkit.plan.work import Op
 
-    m = _machine(memory_Bps=1e10, dram_Bps=1e9, elementwise={"gelu": 1e-8}, op_s=0.0, matmul_half_dim=0.0)
+    m = _machine(memory_Bps=1e10, dram_Bps=1e9, elementwise={"gelu": 1e-8}, op_s=0.0)
     gelu = Op("gelu", 0.0, 8e6, elements=1_000_000)
     assert m.op_seconds(gelu) == pytest.approx(1e-2)                        # arithmetic: 1e6 × 10 ns
     assert m.op_seconds(Op("add", 0.0, 8e6, elements=1_000_000)) == pytest.approx(8e-4)
     assert m.op_seconds(Op("add", 0.0, 8e6, elements=1_000_000, cold=4e6)) == pytest.approx(4e-4 + 4e-3)
-    product = Op("mm", 2e9, 0.0, dim=32, cold=1e6)
-    rate = m.rate(2e9, 32)
+    product = Op("mm", 2e9, 0.0, cold=1e6)
+    rate = m.rate(2e9)
     assert m.op_seconds(product) == pytest.approx(2e9 / rate + 1e6 / 1e9)    # its cold weight at the rate beyond the cache
+    # its piece timed in sequence at twice its price: the factor doubles it, host and all
+    assert m.op_seconds(Op("mm", 2e9, 0.0, cold=1e6, factor=2.0)) == pytest.approx(2 * (2e9 / rate + 1e6 / 1e9))
 
 
 def test_a_view_costs_nothing_of_its_own_and_an_op_with_a_setup_of_its_own_pays_it_beside_op_s():
@@ -907,16 +884,3 @@ def test_on_an_emulated_link_a_message_leaves_after_the_collectives_posted_befor
     arrive = lambda links: next(e["end"] for e in Sim(programs(), cores=4, links=links).run()  # noqa: E731
                                 if e["kind"] == "recv")
     assert arrive(False) == pytest.approx(0.1) and arrive(True) == pytest.approx(2.1)
-
-
-def test_on_an_emulated_link_a_collective_first_pays_its_start_stamp_and_a_message_does_not():
-    import labkit
-
-    link = labkit.Link(bandwidth=50e6, latency=2e-4)
-    on_link = dict(link_alpha_beta=(link.latency, link.bandwidth), engines=4)
-    stamped, bare = _machine(join_s=3e-3, **on_link), _machine(**on_link)
-    gloo = _machine().comm_s("all_reduce", 1 << 10, 4)
-    assert stamped.comm_s("all_reduce", 1 << 10, 4) == pytest.approx(max(gloo + 3e-3, bare.comm_s("all_reduce", 1 << 10, 4)))
-    assert stamped.comm_s("all_reduce", 1 << 10, 2) == pytest.approx(max(_machine().comm_s("all_reduce", 1 << 10, 2) + 1e-3,
-                                                                         link.seconds("all_reduce", 1 << 10, 2)))
-    assert stamped.comm_s("send", 1 << 10, 2) == bare.comm_s("send", 1 << 10, 2)

@@ -13,27 +13,17 @@ it and it is at the head of each member's stream (:meth:`Sim._start_ready`, the 
 sends meet receives and collectives meet their members), and it takes ``seconds`` of work on the
 cores (gloo's own) and, on an emulated link, at least ``link`` seconds of wall time.
 
-The cores are shared by processor sharing (Kleinrock 1967; Calculon's ``processor_usage``
-plays the same part for transfers): a running compute span asks for one core, a transfer in
-flight for ``load`` cores per member; when the asks exceed ``cores`` every job progresses at
-cores / asks of its speed. A waiting thread asks for nothing.
-
-A point-to-point message is latency-bound rather than work-bound: it is delivered by a
-handshake that a comm thread of each end runs. When it starts while a member is computing
-and the cores are all taken, that thread first waits for a core: ``wake`` seconds (the
-scheduler's turn), or less if the member's compute span ends sooner and frees its own core.
-A collective is a ring of such messages: each of its ``steps`` waits the same way.
-Two messages in opposite directions between the same two ranks, in flight at once, each take
-``cross`` longer: gloo's two handshakes on one pair wait on each other. On an emulated link
-that delay is gloo's, so it hides under the link's time as far as that time exceeds gloo's
-own (``Issue.link``).
+The cores are shared by processor sharing (Kleinrock 1967): a running compute span asks for
+one core; when the asks exceed ``cores`` every span progresses at cores / asks of its speed. A
+waiting thread asks for nothing, and neither does a call in flight: gloo's own work goes at the
+same shared speed, its copies showing no cost of their own beside a step's compute.
 
 On an emulated link (``links=True``) each rank's link is one more resource, as
 :class:`labkit.Link` imposes it: a call takes its poster's link when posted (a collective both
 sides, a message the sending side), once the calls posted before it are through, and a message
 takes its receiver's receiving side when it arrives; so a pipeline's gradient sent after a
 backward's buckets waits for all of them to leave. The link's time is a wait off the cores
-(``labkit.Link`` sleeps it off): a call asks for cores only while gloo's own work lasts.
+(``labkit.Link`` sleeps it off).
 
 With ``gloo_queue`` gloo's work and the link's time run on queues of their own, as
 :mod:`labkit.comm.emulate` keeps them: gloo works through a group's calls in order (the next
@@ -78,12 +68,9 @@ class Issue:
     ordered: bool = True
     """In order on the rank's comm stream (collectives); False: matched by key alone, as
     point-to-point messages are matched by tag."""
-    steps: int = 1
-    """Messages each member sends one after another (a ring's steps): on taken cores each waits
-    for its thread's turn as a point-to-point message does (``wake``)."""
     link: float = 0.0
     """The call's time on an emulated link (0: none), a wait off the cores: the call takes the
-    longer of that and gloo's own ``seconds`` (with a message's crossing), the cores' work."""
+    longer of that and gloo's own ``seconds``."""
     tail: float = 0.0
     """Wall time after its link time before the call completes on this rank (its thread's
     wake-up), the stream and link already free for the next call: a replayed call's measured
@@ -122,9 +109,6 @@ class Sim:
 
     programs: list
     cores: float = 1.0
-    load: float = 0.0
-    wake: float = 0
-    cross: float = 0
     links: bool = False
     gloo_queue: bool = False
     """On an emulated link, whether a collective frees its members' streams once gloo's own work
@@ -136,7 +120,7 @@ class Sim:
         self.t, self.pc = 0, [0] * n
         self.busy = [None] * n                     # the compute job of each rank
         self.streams = [[] for _ in range(n)]      # posted, unfinished calls, in order
-        self.posts, self.done, self.calls, self.loose, self.crossed = {}, set(), {}, {}, set()
+        self.posts, self.done, self.calls, self.loose = {}, set(), {}, {}
         self.waited, self.recorded = {}, {}       # (key, rank) → when it reached the Wait; its event
         self.left, self.arrived = set(), set()     # eager messages sent; (key, receiver) not yet received
         self.running: list[_Job] = []
@@ -194,12 +178,8 @@ class Sim:
                 del self.loose[key]
                 if call.eager:
                     self.left.add(key)
-                cross = self._crossing(call.group)
-                if cross:
-                    self.crossed.add(key)
                 until = self.t + self._queue(key, call.link, call.group, False) + call.link
-                self.running.append(_Job(call.seconds + cross + self._wait_for_core(call.group),
-                                         self.load * len(posted), self.t, ("call", key), until))
+                self.running.append(_Job(call.seconds, 0.0, self.t, ("call", key), until))
         started = True
         while started:
             started = False
@@ -213,8 +193,7 @@ class Sim:
                     for m in group:
                         self.streams[m][0] = None          # in flight: the stream is busy
                     until = self.t + self._queue(key, call.link, group, True) + call.link
-                    job = _Job(call.seconds + call.steps * self._wait_for_core(group), self.load * len(group),
-                               self.t, ("call", key), until)
+                    job = _Job(call.seconds, 0.0, self.t, ("call", key), until)
                     self.running.append(job)
                     started = True
 
@@ -243,27 +222,6 @@ class Sim:
             begin = max(self.t, self.reserved.pop((key, sender)), self.rx[receiver])
             self.rx[receiver] = begin + seconds
         return begin - self.t
-
-    def _wait_for_core(self, group) -> float:
-        """A message's wait for a core when a member computes and the cores are all taken: ``wake``,
-        or until that member's compute span ends (module docstring)."""
-        computing = [self.busy[m] for m in group if self.busy[m] is not None]
-        asks = sum(j.ask for j in self.running if j.remaining > 0)
-        if not computing or asks + 1 <= self.cores:
-            return 0
-        speed = min(1.0, self.cores / asks)
-        return min(self.wake, min(j.remaining for j in computing) / speed)
-
-    def _crossing(self, group) -> float:
-        """``cross`` when a message the other way between the same two ranks is in flight; that
-        one, if it had not crossed another yet, takes ``cross`` longer too (module docstring)."""
-        back = [j for j in self.running if j.what[0] == "call" and not self.calls[j.what[1]].ordered
-                and self.calls[j.what[1]].group == tuple(reversed(group))]
-        for j in back:
-            if j.what[1] not in self.crossed:
-                self.crossed.add(j.what[1])
-                j.remaining += self.cross
-        return self.cross if back else 0
 
     # -- time --------------------------------------------------------------------------------
     def _step(self) -> None:

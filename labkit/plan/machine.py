@@ -1,12 +1,13 @@
 """The machine the lab's engines run on, as a handful of measured physical numbers.
 
-In the shape of Calculon's system description (compute rate with a size → efficiency table,
-per network α, β and how much compute a transfer takes) and ASTRA-sim's: a :class:`Machine`
-is what :func:`labkit.plan.measure.measure` finds with its own micro-benchmarks on the engines,
-with no model and no strategy; :func:`labkit.plan.simulate` prices any model's counted
-operations (:mod:`labkit.plan.work`) with it, by the formulas of :mod:`labkit.plan.price`.
-Eleven fields: the cores, the matmul curve, the memory hierarchy, the elementwise table, the
-host's costs, the α-β per family, gloo's three delays, and what it was measured on.
+In the shape of Calculon's system description (a compute rate by size, per network α and β)
+and ASTRA-sim's: a :class:`Machine` is what :func:`labkit.plan.measure.measure` finds with its
+own micro-benchmarks on the engines, with no model and no strategy; :func:`labkit.plan.simulate`
+prices any model's counted operations (:mod:`labkit.plan.work`) with it, by the formulas of
+:mod:`labkit.plan.price`, the model's own pieces timed in sequence sharing out what they took
+(:func:`labkit.plan.work.profile`). Seven fields: the cores, the matmul curve, the memory
+hierarchy, the elementwise table, the host's costs, the α-β per family, and what it was
+measured on.
 
     >>> machine = labkit.plan.measure(lab)
     >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
@@ -21,7 +22,8 @@ from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure 
 from .price import VIEWS  # noqa: F401  (work and measure read it here)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link")
+DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link", "matmul_half_dim", "wake_s",
+           "cross_s", "join_s")
 """Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
 step_s, a residual of the simulator rather than a measurement)."""
 
@@ -96,12 +98,7 @@ class Machine:
     run on). The simulator shares them among runnable threads."""
     matmul: tuple = ((1e6, 1e9),)
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending, interpolated in log FLOPs.
-    Measured: float32 matmuls of a few sizes on one engine alone (median of five runs), each
-    divided by its shape's efficiency: the rate of a product whose smallest dimension is large."""
-    matmul_half_dim: float = 0.0
-    """d½ of the efficiency d/(d + d½) of a product whose smallest dimension is d, the form the
-    cluster planner gives a GPU's GEMMs (``Hardware.gemm_half_dim``). Measured: a 16×512×512
-    product against a 64×256×256 one, the same FLOPs."""
+    Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
     memory: Memory = Memory()
     """The cache, its rate and the bus beyond it (:class:`Memory`)."""
     elementwise: dict = field(default_factory=dict)
@@ -114,19 +111,6 @@ class Machine:
     """family → :class:`~labkit.plan.hardware.AlphaBeta` with α per ring step (gloo sends each
     step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
     engine (a send as half a ping-pong's round trip), gloo's own even on an emulated link."""
-    wake_s: float = 0.0
-    """Seconds a point-to-point message waits for its sender's process to get a core when the
-    sender went on computing and every core is taken (gloo's handshake runs on a thread that
-    must be scheduled). Measured: one message's delivery while its sender computes, against
-    while it waits (trimmed means, the lab's link on)."""
-    cross_s: float = 0.0
-    """Seconds a point-to-point message takes longer when one in the other direction between the
-    same two ranks is in flight (1F1B's activations and gradients). Measured: a 16 KiB exchange
-    both ways at once, less one message one way, gloo as it is."""
-    join_s: float = 0.0
-    """Seconds a collective on an emulated link pays first to agree on its start, a group of n in
-    proportion to n − 1 (``labkit.comm.calls._join``). Measured: the median all-reduce of one
-    number over every engine, each after a barrier."""
     measured: Measured = Measured()
     """The engines and the emulated link it was measured on (:class:`Measured`)."""
 
@@ -137,6 +121,7 @@ class Machine:
             raise ValueError(f"Machine.cores={self.cores!r} must be > 0")
         if not self.matmul or any(len(r) != 2 or r[1] <= 0 for r in self.matmul):
             raise ValueError("Machine.matmul must be (FLOPs, FLOP/s > 0) rows")
+        object.__setattr__(self, "matmul", tuple(tuple(r) for r in self.matmul))
         missing = [f for f in FAMILIES if f not in self.comm]
         if missing:
             raise ValueError(f"Machine.comm lacks {missing}; give an AlphaBeta (or α seconds, β bytes/s) for each of "
@@ -174,11 +159,8 @@ class Machine:
     link_alpha_beta = property(lambda self: self.measured.link)
 
     # -- prices: labkit.plan.price's formulas on this machine ---------------------------------
-    def efficiency(self, dim: float) -> float:
-        return price.efficiency(self, dim)
-
-    def rate(self, flops: float, dim: float = 0) -> float:
-        return price.rate(self, flops, dim)
+    def rate(self, flops: float) -> float:
+        return price.rate(self, flops)
 
     def op_seconds(self, op, k: float = 1.0) -> float:
         return price.op_seconds(self, op, k)
@@ -215,10 +197,9 @@ class Machine:
                          for k, c in self.comm.items())
         link = (f"; link α {self.link_alpha_beta[0] * 1e6:.0f} µs β {self.link_alpha_beta[1] / 1e6:.0f} MB/s"
                 if self.link_alpha_beta else "")
-        return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; a product of smallest "
-                f"dimension d at d/(d + {self.matmul_half_dim:.1f}); memory {self.memory_Bps / 1e9:.1f} GB/s in a "
+        return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; "
+                f"memory {self.memory_Bps / 1e9:.1f} GB/s in a "
                 f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it; host "
                 f"{self.op_s * 1e6:.1f} µs/op (more for {sum(v > 0 for v in self.setup_s.values())} kinds of op), "
                 f"{self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
-                f"µs/call; {comm}; a message waits {self.wake_s * 1e6:.0f} µs for a busy sender, "
-                f"{self.cross_s * 1e6:.0f} µs crossing another; a start stamp {self.join_s * 1e6:.0f} µs{link})")
+                f"µs/call; {comm}{link})")

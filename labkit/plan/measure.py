@@ -3,10 +3,9 @@
 Each number is the median of a few timed runs: matmuls of a
 few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
 the host cost per op; the same product on every engine at once for the cores they share; the
-four families of collectives at four sizes (the emulated link's α and β are known); one
-message delivered while its sender computes, against while it waits, for the wait for a core;
-a trivial model's step at 1 and 8 micro-batches for the executor's host cost per action. No
-model of the user's and no strategy it will predict runs.
+four families of collectives at four sizes (the emulated link's α and β are known); the CPU
+time of posting a message; a trivial model's step at 1 and 8 micro-batches for the executor's
+host cost per action. No model of the user's and no strategy it will predict runs.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
-    rate and the cache's size, elementwise and setup costs, host cost per op and per view) and
+    rate and the cache's size, elementwise and setup costs, host cost per op) and
     the CPUs it may use. The rate beyond the cache is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
@@ -44,15 +43,10 @@ def _alone(seconds: float, rank_only: int | None = 0):
     if rank_only is not None and dist.get_rank() != rank_only:
         return None
 
-    def timed(m, k, n, seconds=seconds, chunks=5):
+    def timed(m, k, n):
         a, b = torch.randn(m, k), torch.randn(k, n)
-        return _loop(lambda: a @ b, seconds, chunks)
-    # the same FLOPs at smallest dimension 16 and 64, timed in turn (a drift of the host's load
-    # meets both): the median r = e(16)/e(64) with e(d) = d/(d + d½) gives d½
-    r = median(timed(64, 256, 256, seconds / 5, 1) / timed(16, 512, 512, seconds / 5, 1) for _ in range(7))
-    half = max(0.0, 1024 * (1 - r) / (64 * r - 16)) if 64 * r > 16 else 64.0
-    table = [(2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n) / (min(m, k, n) / (min(m, k, n) + half)))
-             for m, k, n in MATMUL_SHAPES]
+        return _loop(lambda: a @ b, seconds)
+    table = tuple((2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n)) for m, k, n in MATMUL_SHAPES)
     memory = _stream(1, seconds / 2)
     cache = _cache(seconds)
     elementwise = {name: _loop(lambda f=f, x=torch.randn(1024, 512): f(x), seconds / 8) / (1024 * 512)
@@ -74,7 +68,7 @@ def _alone(seconds: float, rank_only: int | None = 0):
     tiny = torch.randn(4, 4)
     base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
     setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
-    return {"matmul": tuple(table), "memory_Bps": memory, "op_s": op_s, "matmul_half_dim": half,
+    return {"matmul": table, "memory_Bps": memory, "op_s": op_s,
             "cache_bytes": cache, "elementwise": elementwise, "setup_s": setup}, len(os.sched_getaffinity(0))
 
 
@@ -147,12 +141,10 @@ def _together(seconds: float) -> float:
     return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds, chunks=1)
 
 
-def _messages(rounds: int, busy_s: float = 0.03):
-    """On ranks 0 and 1 (the others return at once), 32 KiB messages with labkit.comm's
-    isend/irecv, as a pipeline sends an activation: (the CPU seconds posting one takes on the
-    issuing thread, and on rank 1 the mean delivery while the sender computes ``busy_s``
-    after posting, less the mean while the sender waits; :func:`_trimmed_mean`). ``busy_s`` is long beside the wait,
-    so the sender's span ending (which frees its core) does not cut the wait short."""
+def _posting(rounds: int):
+    """On ranks 0 and 1 (the others return at once): the median CPU seconds posting a 32 KiB
+    message with labkit.comm's isend (rank 0) or irecv (rank 1) takes on the issuing thread,
+    as a pipeline posts an activation (on an emulated link its departure stamp too)."""
     import time
 
     import torch
@@ -166,44 +158,18 @@ def _messages(rounds: int, busy_s: float = 0.03):
         return None
     rec = session().recorder
     was, rec.enabled = rec.enabled, False
-    a, b = torch.randn(64, 512), torch.randn(512, 512)
-    x = torch.zeros(8192)
-    delivered, posting = {True: [], False: []}, []
+    x, posting = torch.zeros(8192), []
     try:
-        for k in range(2 * rounds):
-            busy = k % 2 == 1               # alternate, so a change of the host's load meets both
-            stamp = torch.zeros(1, dtype=torch.float64)
+        for _ in range(rounds):
             dist.barrier(group=_pair())
-            cpu, stamp[0] = time.thread_time(), time.perf_counter()
-            if me == 0:
-                handle = comm.isend(x, 1, name="probe", check=False)
-                posting.append(time.thread_time() - cpu)
-                end = time.perf_counter() + busy_s * busy
-                while time.perf_counter() < end:          # the stage's next compute
-                    a @ b
-                handle.wait()
-                dist.send(stamp, 1)
-            else:
-                handle = comm.irecv(x, 0, name="probe", check=False)
-                posting.append(time.thread_time() - cpu)
-                handle.wait()
-                done = time.perf_counter()
-                dist.recv(stamp, 0)
-                delivered[busy].append(done - float(stamp[0]))
+            cpu = time.thread_time()
+            handle = comm.isend(x, 1, name="probe", check=False) if me == 0 else \
+                comm.irecv(x, 0, name="probe", check=False)
+            posting.append(time.thread_time() - cpu)
+            handle.wait()
     finally:
         rec.enabled = was
-    wake = max(0.0, _trimmed_mean(delivered[True]) - _trimmed_mean(delivered[False])) if me == 1 else None
-    return median(posting), wake
-
-
-def _trimmed_mean(values, cut: float = 0.1) -> float:
-    """The mean of ``values`` without the highest and lowest ``cut`` of them. A message's extra
-    wait is either none or a scheduler's turn of milliseconds: what a step's many messages add
-    up to is the mean, where the median jumps from one to the other as the odds pass a half."""
-    xs = sorted(values)
-    k = int(len(xs) * cut)
-    xs = xs[k:len(xs) - k] or xs
-    return sum(xs) / len(xs)
+    return median(posting)
 
 
 _PAIR = {}
@@ -225,11 +191,10 @@ COMM_SIZES = (1 << 14, 1 << 18, 1 << 21, 1 << 24)
 """Bytes per call the collectives are timed at: a pipeline's activations up to a large bucket."""
 
 
-def _ping_pong(nbytes: int, n: int, me: int, both: bool = False):
+def _ping_pong(nbytes: int, n: int, me: int):
     """One message each way between neighbour pairs (0↔1, 2↔3, …; an odd last rank idles), sent
     as a pipeline sends them (labkit.comm's isend and irecv, no header); the call's
-    time is half the round trip, one message's (OSU's osu_latency). ``both``: the two messages
-    at once, crossing (a 1F1B pipeline's activation and gradient), the call's time is both."""
+    time is half the round trip, one message's (OSU's osu_latency)."""
     import torch
 
     from .. import comm
@@ -241,8 +206,6 @@ def _ping_pong(nbytes: int, n: int, me: int, both: bool = False):
     # no header, as a stage sends every activation after its first
     send = lambda: comm.isend(out, peer, name="probe", check=False)       # noqa: E731
     recv = lambda: comm.irecv(inbox, peer, name="probe", check=False)     # noqa: E731
-    if both:
-        return lambda: [h.wait() for h in (recv(), send())]
     if me % 2 == 0:
         return lambda: (send().wait(), recv().wait())
     return lambda: (recv().wait(), send().wait())
@@ -251,8 +214,7 @@ def _ping_pong(nbytes: int, n: int, me: int, both: bool = False):
 def _comm(seconds: float):
     """On every engine: the median seconds per call of each family at each of COMM_SIZES (through
     labkit.comm as a step issues them, recording off; a send's is half a ping-pong's round
-    trip), the slowest rank's; and a message crossing one the other way."""
-    import torch
+    trip), the slowest rank's."""
     import torch.distributed as dist
 
     from ..bench.sweep import _operation
@@ -268,21 +230,14 @@ def _comm(seconds: float):
                 call = _ping_pong(nbytes, n, me) if family == "send" else \
                     _operation(family, "torch", nbytes, n, me)[0]
                 out[(family, nbytes)] = _per_message(call, 6 if family == "send" else 3)
-        stamp = torch.zeros(1, dtype=torch.float64)       # an emulated link's start stamp
-        out[("join", 8)] = _per_message(lambda: dist.all_reduce(stamp, op=dist.ReduceOp.MAX), 3)
-        # both ways at once between the same pair, the smallest size
-        exchange, one_way = _ping_pong(COMM_SIZES[0], n, me, both=True), _ping_pong(COMM_SIZES[0], n, me)
-        out[("exchange", COMM_SIZES[0])] = _per_message(exchange, 1, runs=30, calls=1, summary=_trimmed_mean)
-        out[("one way", COMM_SIZES[0])] = _per_message(one_way, 2, runs=30, calls=1, summary=_trimmed_mean)
     finally:
         rec.enabled = was
     return out
 
 
-def _per_message(call, messages: int, runs: int = 5, calls: int = 3, summary=None) -> float:
+def _per_message(call, messages: int, runs: int = 5, calls: int = 3) -> float:
     """Seconds per message of ``call`` (warmed once): ``runs`` timed runs of ``calls`` calls, each
-    run started together after a barrier, ``messages`` messages in a run; their median, or
-    ``summary`` of them (:func:`_trimmed_mean` for a wait that is none or a scheduler's turn)."""
+    run started together after a barrier, ``messages`` messages in a run; their median."""
     import time
 
     import torch.distributed as dist
@@ -295,7 +250,7 @@ def _per_message(call, messages: int, runs: int = 5, calls: int = 3, summary=Non
         for _ in range(calls):
             call()
         times.append((time.perf_counter() - t0) / messages)
-    return (summary or median)(times)
+    return median(times)
 
 
 def _fit(family: str, n: int, times: dict) -> tuple[float, float]:
@@ -316,13 +271,13 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
     alone, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
-    table, half = alone["matmul"], alone["matmul_half_dim"]
+    table = alone["matmul"]
     together = lab.apply(_together, seconds)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
-    # the together-product is 64×512×512, table row 2's shape: compare at its efficiency
-    cores = max(0.25, min(float(world), float(cpus), sum(together) / (table[2][1] * 64 / (64 + half))))
+    # the together-product is 64×512×512, table row 2's shape
+    cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
     alone["dram_Bps"] = median(lab.apply(_shared, seconds))     # beyond the cache the engines share the bus
-    comm, link_ab, wake, call_s, cross, join = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0, 0.0, 0.0, 0.0
+    comm, link_ab, call_s = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
@@ -335,13 +290,10 @@ def measure(lab, seconds: float = 0.2) -> Machine:
                 lab.link = link
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
-        cross = max(0.0, times[("exchange", COMM_SIZES[0])] - times[("one way", COMM_SIZES[0])])
-        join = times[("join", 8)]
         lab.apply(_make_pair)
-        probes = [r for r in lab.apply(_messages, max(8, int(seconds * 100))) if r is not None]
-        call_s, wake = sum(p[0] for p in probes) / 2, probes[1][1]
-    machine = Machine.of(cores=cores, **alone, comm=comm, wake_s=wake, call_s=call_s, cross_s=cross, join_s=join,
-                         engines=world, link_alpha_beta=link_ab)
+        probes = [r for r in lab.apply(_posting, max(8, int(seconds * 100))) if r is not None]
+        call_s = sum(probes) / 2
+    machine = Machine.of(cores=cores, **alone, comm=comm, call_s=call_s, engines=world, link_alpha_beta=link_ab)
     return replace(machine, host=replace(machine.host, action_s=_action_s(lab, machine)))
 
 
@@ -349,12 +301,12 @@ def _action_s(lab, machine: Machine) -> float:
     """The executor's host seconds per action (a forward or a backward of a micro-batch): a
     trivial model (width 8, depth 2), each rank's 8 samples stepped in 8 micro-batches and in 1,
     in turn three times; the extra time per extra action (14), on one engine's share of the
-    cores, less what the extra micro-batches' counted ops cost by themselves (:mod:`.price`).
-    The sync, the optimizer and the step's own bookkeeping are the same at both counts."""
+    cores, less what the extra micro-batches' forwards and backwards take timed in sequence on
+    this process (:func:`labkit.plan.work.profile`, as :func:`~labkit.plan.simulate` prices a
+    model's). The sync, the optimizer and the step's own bookkeeping are the same at both counts."""
     from ..config import Strategy
     from ..models import mlp
-    from . import price
-    from .work import count
+    from .work import profile
 
     model, world = mlp(width=8, depth=2), lab.world_size
     plans = [Strategy(dp=world, microbatches=m, dp_mode="bucketed") if world > 1 else Strategy(microbatches=m)
@@ -364,7 +316,5 @@ def _action_s(lab, machine: Machine) -> float:
     extra = median(r[1] - r[0] for r in runs) / max(1.0, world / machine.cores)     # the engines share the cores
 
     def ops_s(size: int) -> float:
-        w = count(model, size)
-        return sum(price.seconds(machine, p.fwd.ops) + price.seconds(machine, p.bwd.ops)
-                   for p in [w.pre, *w.blocks, w.post])
+        return sum(t for (piece, _), t in profile(model, size).items() if piece != "opt")
     return max(0.0, extra - (8 * ops_s(1) - ops_s(8))) / 14

@@ -18,7 +18,7 @@ from .context_programs import ContextPrograms
 from .data_programs import DataPrograms
 from ..analysis.des import Compute, Issue, Wait
 from .expert_programs import ExpertPrograms
-from .machine import Machine, bus_factor, ring_steps
+from .machine import Machine, bus_factor
 from .pipeline_programs import PipelinePrograms
 from .tensor_programs import TensorPrograms
 
@@ -69,8 +69,12 @@ def check(strategy, machine: Machine, model) -> None:
 
 
 def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None, loss="mse",
-             tp_plan: dict | None = None, optimizer: str = "sgd") -> Simulated:
-    """Predict one step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments)."""
+             tp_plan: dict | None = None, optimizer: str = "sgd", profile: bool = True) -> Simulated:
+    """Predict one step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments).
+    ``profile``: each piece of the model's step (a block's forward, its backward, the loss, the
+    optimizer) costs what it took timed in sequence on this process at the micro-batch size
+    (:func:`labkit.plan.work.profile`, kept per model and size), its ops sharing it by their
+    prices; False: the ops' prices alone."""
     check(strategy, machine, model)
     strategy.check_batch(batch)
     size = batch // (strategy.dp * strategy.microbatches)
@@ -81,6 +85,9 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         context.check_model(strategy, built, resolve_data(data, built, batch, 0))
         expert.check_model(strategy, built)
     work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes)
+    if profile:
+        from .work import timed
+        work = timed(work, _profile(model, size, data, loss, optimizer), machine)
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
@@ -98,6 +105,19 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 
 
 _CACHE: dict = {}
+
+
+def _profile(model, size, data, loss, optimizer) -> dict:
+    """The model's pieces timed at ``size`` (:func:`labkit.plan.work.profile`), kept per model."""
+    from .work import profile
+    try:
+        key = ("profile", model, size, data, loss, optimizer)
+        hash(key)
+    except TypeError:
+        return profile(model, size, data, loss, optimizer)
+    if key not in _CACHE:
+        _CACHE[key] = profile(model, size, data, loss, optimizer)
+    return _CACHE[key]
 
 
 def _count(model, size, data, loss, optimizer, cp=1, ep=1, cache_bytes=float("inf")):
@@ -152,8 +172,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         own, link = price.comm_parts(self.m, family, nbytes, n)
         if family == "send":
             return Issue(key, group, own, kind, name, int(nbytes), peer, mb, ordered=False, link=link)
-        return Issue(key, group, own, kind, name, int(round(bus_factor(family, n) * nbytes)), peer, mb,
-                     steps=ring_steps(family, n), link=link)
+        return Issue(key, group, own, kind, name, int(round(bus_factor(family, n) * nbytes)), peer, mb, link=link)
 
     def blocking(self, key, group, family, nbytes, kind, name, mb=None) -> list:
         return [self.call(key, group, family, nbytes, kind, name, mb), Wait(key)]

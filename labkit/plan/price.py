@@ -5,17 +5,20 @@ A step is each rank's program (:mod:`labkit.plan.physical`) run through the simu
 :class:`~labkit.plan.machine.Machine`'s measured numbers and nothing else.
 
 **Compute.** An op (:class:`labkit.plan.work.Op`: its FLOPs F, bytes moved B of which C come
-from beyond the cache, output elements E, smallest dimension d), scaled by k (a tensor-parallel
-shard), takes one thread
+from beyond the cache, output elements E), scaled by k (a tensor-parallel shard), takes one thread
 
-    t = h + h_op +  k·F / (R(k·F) · d/(d + d½)) + k·C / B_dram                 a product (or attention)
-                    max(k·(B − C)/B_mem + k·C/B_dram,  k·E · e_op)              anything else
+    t = f · (h + h_op +  k·F / R(k·F) + k·C / B_dram)                           a product (or attention)
+    t = f · (h + h_op +  max(k·(B − C)/B_mem + k·C/B_dram,  k·E · e_op))        anything else
 
 with h the host's cost per op (``op_s``), h_op an op's own kernel setup (``setup_s``), R the
-matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), d½ the shape term
-(``matmul_half_dim``; an attention kernel's d is its query length), B_mem and B_dram the
-rates in and beyond the cache, and e_op the seconds per element of an op whose arithmetic
-bounds it (GELU, exp, softmax).
+matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), B_mem and B_dram the
+rates in and beyond the cache, e_op the seconds per element of an op whose arithmetic bounds
+it (GELU, exp, softmax), and f the op's ``factor``: its piece of the step (a block's forward, its
+backward, the loss, the optimizer) timed in sequence over the piece's priced sum
+(:func:`labkit.plan.work.timed`), so that a piece costs what it took and each op its price's
+share. The table prices the ops one by one; in sequence a model's ops cost more (a Linear reads
+its weight transposed, a slower kernel than a @ b; a module call and its hooks run between
+them), which only the sequence itself measures.
 A view (a transpose, a reshape) moves nothing and costs nothing of its own: its host call is
 part of the ``op_s`` of the ops around it, as measured.
 
@@ -26,18 +29,16 @@ gloo's own work, the α-β of that family measured on the engines (α per ring s
 
 (``steps``: n − 1 for a gather or scatter, 2(n − 1) for an all-reduce, 1 for a send; ``bus``:
 the bytes each rank moves per byte of S). On an emulated link the call also waits off the
-cores for the link's α-β, and a collective first agrees on its start (``join_s`` per ring
-step); the call takes the longer of the two:
+cores for the link's α-β; the call takes the longer of the two:
 
-    t_call = max(t_gloo + join·(n − 1)/(engines − 1),  steps(n)·α_link + bus(n)·S/β_link)
+    t_call = max(t_gloo,  steps(n)·α_link + bus(n)·S/β_link)
 
 Posting a call costs the issuing thread ``call_s``.
 
 **Shared cores.** The engines share ``cores`` cores by processor sharing: each running compute
 span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
-link); when the asks exceed the cores every one runs at cores/asks of its speed. A message whose sender is computing
-on full cores waits ``wake_s`` for its thread's turn; two messages crossing between one pair
-each take ``cross_s`` longer (:class:`labkit.analysis.des.Sim` runs this).
+link); when the asks exceed the cores every one runs at cores/asks of its speed
+(:class:`labkit.analysis.des.Sim` runs this).
 """
 from __future__ import annotations
 
@@ -50,14 +51,9 @@ VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand",
 """aten ops that make a view or take metadata: no arithmetic and no bytes; their host call is in ``op_s``."""
 
 
-def efficiency(machine, dim: float) -> float:
-    """d/(d + d½) of a product whose smallest dimension is ``dim`` (1 when not known: 0)."""
-    return dim / (dim + machine.matmul_half_dim) if dim > 0 else 1.0
-
-
-def rate(machine, flops: float, dim: float = 0) -> float:
-    """R(F)·d/(d + d½): FLOP/s of one thread on a product of ``flops`` whose smallest dimension is ``dim``."""
-    return interpolate(machine.matmul, flops) * efficiency(machine, dim)
+def rate(machine, flops: float) -> float:
+    """R(F): FLOP/s of one thread on a product of ``flops``."""
+    return interpolate(machine.matmul, flops)
 
 
 def op_seconds(machine, op, k: float = 1.0) -> float:
@@ -66,9 +62,9 @@ def op_seconds(machine, op, k: float = 1.0) -> float:
         return 0.0
     host, flops, cold = machine.op_s + machine.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
     if flops:
-        return host + flops / rate(machine, flops, op.dim) + cold / machine.dram_Bps
+        return op.factor * (host + flops / rate(machine, flops) + cold / machine.dram_Bps)
     moved = (op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps
-    return host + max(moved, op.elements * k * machine.elementwise.get(op.name, 0.0))
+    return op.factor * (host + max(moved, op.elements * k * machine.elementwise.get(op.name, 0.0)))
 
 
 def seconds(machine, ops, scale=lambda op: 1.0) -> float:
@@ -83,8 +79,6 @@ def comm_parts(machine, family: str, nbytes: float, n: int, gloo: float | None =
     own = machine.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
     if not machine.link_alpha_beta:
         return own, 0.0
-    if family != "send":
-        own += machine.join_s * (n - 1) / max(1, machine.engines - 1)
     alpha, beta = machine.link_alpha_beta
     return own, AlphaBeta(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n)
 
@@ -100,8 +94,7 @@ def simulator(programs, machine):
     from ..analysis.des import Compute, Issue, Sim
     posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
               for prog in programs]
-    return Sim(posted, machine.cores, 0.0, machine.wake_s, machine.cross_s,
-               links=bool(machine.link_alpha_beta))
+    return Sim(posted, machine.cores, links=bool(machine.link_alpha_beta))
 
 
 def interpolate(rows, x: float) -> float:

@@ -39,8 +39,6 @@ class Op:
     linear: str = ""
     weight_grad: bool = False
     """A product whose output is a weight's gradient (the W half of a split backward)."""
-    dim: int = 0
-    """A matrix product's smallest dimension (m, k or n; 0 for other ops): its efficiency."""
     elements: int = 0
     """Elements of its output (an elementwise op's work)."""
     operands: tuple = ()
@@ -49,6 +47,8 @@ class Op:
     """Bytes it reads or writes beyond the cache in a steady step (:func:`warm`)."""
     param: int = -1
     """An ``accumulate_grad``'s parameter: its index among its block's (as ``BlockWork.params``)."""
+    factor: float = 1.0
+    """Its piece's measured seconds over their price (:func:`timed`): 1 where the model was not timed."""
 
 
 @dataclass
@@ -128,7 +128,7 @@ class _Counter(TorchDispatchMode):
             linear = next((self.by_storage[p] for t in ins if (p := _storage(t)) in self.by_storage), "")
             linear = linear or next((self.by_shape[tuple(t.shape)] for t in outs if tuple(t.shape) in self.by_shape), "")
         operands = tuple(dict.fromkeys((_storage(t), t.numel() * t.element_size()) for t in tensors))
-        self.sink.append(Op(name, flops, nbytes, linear, wgrad, _smallest_dim(name, args),
+        self.sink.append(Op(name, flops, nbytes, linear, wgrad,
                             sum(t.numel() for t in outs), operands, param=param))
         return out
 
@@ -142,17 +142,6 @@ def _attention_flops(name: str, args) -> float:
     if name == "_scaled_dot_product_flash_attention_for_cpu_backward":
         return float(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
     return 0.0
-
-
-def _smallest_dim(name: str, args) -> int:
-    """min(m, k, n) of mm, addmm, bmm and baddbmm (their last two operands); a CPU attention
-    kernel's query length (its first operand: q, or the output's gradient); 0 otherwise."""
-    if "scaled_dot_product" in name:
-        return int(args[0].shape[-2])
-    if name not in ("mm", "addmm", "bmm", "baddbmm"):
-        return 0
-    a, b = args[-2], args[-1]
-    return int(min(a.shape[-2], a.shape[-1], b.shape[-1]))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -249,8 +238,8 @@ class _Recording:
     """One step of ``net`` under a :class:`_Counter`, each op sunk into the piece it ran in:
     (block i, "fwd"/"bwd"), ("pre" or "post", phase) outside the blocks, ("opt", "fwd")."""
 
-    def __init__(self, net, found, marked: bool):
-        self.net, self.found, self.counter = net, found, _Counter()
+    def __init__(self, net, found, marked: bool, counter=None):
+        self.net, self.found, self.counter = net, found, counter if counter is not None else _Counter()
         self.marks = _Marks(self.counter) if marked else None
         self.pieces, self.outputs = {}, {}
         self.inside = {id(p) for _, b in found for p in b.parameters()}
@@ -263,12 +252,14 @@ class _Recording:
         forward and backward (which piece the ops go to)."""
         c, hooks = self.counter, []
         c.weights = {tuple(p.shape) for p in self.net.parameters() if p.dim() >= 2}
-        for qual, mod in self.net.named_modules():
+        for qual, mod in self.net.named_modules() if isinstance(c, _Counter) else ():
             if isinstance(mod, nn.Linear):
                 c.by_storage.setdefault(_storage(mod.weight), qual)
                 c.by_shape.setdefault(tuple(mod.weight.shape), qual)
                 hooks += [mod.register_forward_pre_hook(lambda m, a, q=qual: setattr(c, "linear", q)),
                           mod.register_forward_hook(lambda m, a, o: setattr(c, "linear", ""))]
+        if not isinstance(c, _Counter):        # timed: tensor hooks, as the lab's own spans (a full
+            return self.watch_cheaply()         # backward hook's extra autograd nodes cost as much as a block)
         for i, (_, block) in enumerate(self.found):
             hooks += [block.register_forward_pre_hook(lambda m, a, i=i: self.enter(i, "fwd")),
                       block.register_forward_hook(lambda m, a, o, i=i: self.leave_forward(i, o)),
@@ -276,13 +267,32 @@ class _Recording:
                       block.register_full_backward_hook(lambda m, gi, go, i=i: self.leave_backward(i, gi))]
         return hooks
 
+    def watch_cheaply(self) -> list:
+        """Each block's entry and exit in forward; in backward, its output's gradient arriving
+        (its backward begins) and its input's (the piece before it begins)."""
+        def entered(i, args):
+            self.enter(i, "fwd")
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if i == 0 and first is not None and first.requires_grad:
+                first.register_hook(lambda g: setattr(self.counter, "sink", self.sink("pre", "bwd")))
+
+        def left(i, o):
+            self.leave_forward(i, o)
+            out = o[0] if isinstance(o, (tuple, list)) else o
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g: self.enter(i, "bwd"))
+        return [h for i, (_, block) in enumerate(self.found)
+                for h in (block.register_forward_pre_hook(lambda m, a, i=i: entered(i, a)),
+                          block.register_forward_hook(lambda m, a, o, i=i: left(i, o)))]
+
     def enter(self, i: int, phase: str) -> None:
         self.counter.sink = self.sink(i, phase)
         if self.marks is not None and phase == "fwd":
             self.marks.block = i
 
     def leave_forward(self, i: int, o) -> None:
-        self.counter.sink = self.sink("post", "fwd")
+        # timed: what runs from here to the next block's entry is this block's (or the loss's)
+        self.counter.sink = self.sink("post" if isinstance(self.counter, _Counter) else ("after", i), "fwd")
         self.outputs[i] = o[0] if isinstance(o, (tuple, list)) else o
 
     def leave_backward(self, i: int, grads) -> None:
@@ -298,6 +308,7 @@ class _Recording:
         from ..training import build_optimizer
 
         net, c = self.net, self.counter
+        opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
         for p in net.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         for params in [[p for p in net.parameters() if id(p) not in self.inside]] + \
@@ -318,7 +329,6 @@ class _Recording:
                 context.activate(before)
                 for h in hooks:
                     h.remove()
-            opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
             c.sink = self.sink("opt", "fwd")
             opt.step()
             opt.zero_grad(set_to_none=False)
@@ -342,6 +352,88 @@ class _Recording:
                          {q: linears[q] for q in quals}, marks.shapes.get(i, []) if marks else [],
                          marks.moe.get(i, []) if marks else [],
                          [".experts." in f".{q}" for q, _ in module.named_parameters()])
+
+
+class _Clock:
+    """In a :class:`_Recording`'s place of its counter: each time the piece running changes
+    (``sink`` is set), the seconds since the last change go to the piece that ran."""
+
+    def __init__(self):
+        self.linear, self.weights, self.grads, self.by_storage, self.by_shape = "", set(), {}, {}, {}
+        self.seconds, self._sink, self._since = {}, None, 0.0
+
+    @property
+    def sink(self):
+        return self._sink
+
+    @sink.setter
+    def sink(self, piece) -> None:
+        import time
+        now = time.perf_counter()
+        if self._sink is not None:
+            self.seconds[id(self._sink)] = self.seconds.get(id(self._sink), 0.0) + now - self._since
+        self._sink, self._since = piece, now
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sink = None
+
+
+def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", repeats: int = 7) -> dict:
+    """Seconds of each piece of a step of ``model`` on a micro-batch of ``batch`` samples, timed
+    in sequence on this process's one thread (forward, loss, backward and the optimizer, as the
+    executor runs them; the median of ``repeats`` steps after two): {(block i, "pre", "post" or
+    "opt", "fwd" or "bwd"): seconds}. What the model's own ops take one after another, where
+    their table prices miss what runs between them (vTrain's profiling of a layer, Echo's)."""
+    from statistics import median
+
+    from ..parallel.blocks import find_blocks
+
+    net = build_model(model, 0)
+    found = find_blocks(net, None)
+    x, y = resolve_data(data, net, batch, 0)(0)
+    x, y = _rows(x, lambda v: v[:batch]), y[:batch]
+    clock, threads = _Clock(), torch.get_num_threads()
+    rec = _Recording(net, found, marked=False, counter=clock)
+    runs = []
+    torch.set_num_threads(1)             # an engine's one thread (OMP_NUM_THREADS=1)
+    try:
+        for k in range(repeats + 2):
+            clock.seconds = {}
+            rec.step(x, y, resolve_loss(loss), optimizer, 1)
+            if k >= 2:
+                runs.append({key: clock.seconds.get(id(sink), 0.0) for key, sink in rec.pieces.items()})
+    finally:
+        torch.set_num_threads(threads)
+    out = {key: median(r[key] for r in runs) for key in runs[-1]}
+    last = len(found) - 1
+    for (piece, phase), t in list(out.items()):
+        if isinstance(piece, tuple):          # ("after", i): between block i and the next, or the loss
+            del out[piece, phase]
+            into = (piece[1], "fwd") if piece[1] < last else ("post", "fwd")
+            out[into] = out.get(into, 0.0) + t
+    return out
+
+
+def timed(work: ModelWork, seconds: dict, machine) -> ModelWork:
+    """``work`` with each op's ``factor``: its piece's measured ``seconds`` (:func:`profile`)
+    over the piece's price on ``machine``, so the piece costs what it measured and each op its
+    price's share of it (a tensor-parallel shard scales its ops' prices, the factor stays)."""
+    from dataclasses import replace
+
+    from . import price
+
+    def scaled(ops: Ops, key) -> Ops:
+        priced = price.seconds(machine, ops.ops)
+        if key not in seconds or priced <= 0:
+            return ops
+        f = seconds[key] / priced
+        return Ops([replace(o, factor=f) for o in ops.ops])
+    block = lambda b, i: replace(b, fwd=scaled(b.fwd, (i, "fwd")), bwd=scaled(b.bwd, (i, "bwd")))  # noqa: E731
+    return replace(work, blocks=[block(b, i) for i, b in enumerate(work.blocks)], pre=block(work.pre, "pre"),
+                   post=block(work.post, "post"), optimizer=scaled(work.optimizer, ("opt", "fwd")))
 
 
 def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
