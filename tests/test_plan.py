@@ -733,8 +733,7 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
 
     machine = plan.measure(lab2, seconds=0.05)
     assert machine.engines == 2 and machine.cores > 0 and machine.op_s > 0
-    assert set(machine.matmul) == {"nn", "nt", "tn"} and set(machine.comm) == set(FAMILIES)
-    assert all(r > 0 for rows in machine.matmul.values() for _, r in rows)
+    assert all(r > 0 for _, r in machine.matmul) and set(machine.comm) == set(FAMILIES)
     assert machine.dram_Bps > 0 and machine.action_s >= 0 and machine.cache_bytes > 0
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
