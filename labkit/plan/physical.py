@@ -8,7 +8,7 @@ operations (:mod:`labkit.plan.work`) and runs the programs through :mod:`labkit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..analysis.metrics import step_metrics
 from ..analysis.timeline import Timeline
@@ -85,9 +85,11 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         context.check_model(strategy, built, resolve_data(data, built, batch, 0))
         expert.check_model(strategy, built)
     work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes)
-    if profile:
+    if profile:              # cp's attention and ep's experts are priced apart: the pieces' own prices, unmarked
         from .work import timed
-        work = timed(work, _profile(model, size, data, loss, optimizer), machine)
+        plain = (_count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes, marked=False)
+                 if strategy.cp > 1 or strategy.ep > 1 else work)
+        work = timed(work, _profile(model, size, data, loss, optimizer, strategy.cp), machine, plain)
     if strategy.tp > 1:
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
@@ -107,30 +109,29 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 _CACHE: dict = {}
 
 
-def _profile(model, size, data, loss, optimizer) -> dict:
+def _kept(key, make):
+    """``make()``, kept under ``key`` when the key (its model among it) is hashable."""
+    try:
+        hash(key)
+    except TypeError:
+        return make()
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _profile(model, size, data, loss, optimizer, cp=1) -> dict:
     """The model's pieces timed at ``size`` (:func:`labkit.plan.work.profile`), kept per model."""
     from .work import profile
-    try:
-        key = ("profile", model, size, data, loss, optimizer)
-        hash(key)
-    except TypeError:
-        return profile(model, size, data, loss, optimizer)
-    if key not in _CACHE:
-        _CACHE[key] = profile(model, size, data, loss, optimizer)
-    return _CACHE[key]
+    return _kept(("profile", model, size, data, loss, optimizer, cp),
+                 lambda: profile(model, size, data, loss, optimizer, cp=cp))
 
 
-def _count(model, size, data, loss, optimizer, cp=1, ep=1, cache_bytes=float("inf")):
+def _count(model, size, data, loss, optimizer, cp=1, ep=1, cache_bytes=float("inf"), marked=True):
     """The model's counted work, its ops' bytes beyond the cache marked (kept per model)."""
     from .work import count, warm
-    try:
-        key = (model, size, data, loss, optimizer, cp, ep, cache_bytes)
-        hash(key)
-    except TypeError:
-        return warm(count(model, size, data, loss, optimizer, cp=cp, ep=ep), cache_bytes)
-    if key not in _CACHE:
-        _CACHE[key] = warm(count(model, size, data, loss, optimizer, cp=cp, ep=ep), cache_bytes)
-    return _CACHE[key]
+    return _kept((model, size, data, loss, optimizer, cp, ep, cache_bytes, marked),
+                 lambda: warm(count(model, size, data, loss, optimizer, cp=cp, ep=ep, marked=marked), cache_bytes))
 
 
 class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, ExpertPrograms):
@@ -233,12 +234,15 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         def close():
             out.append(Compute(price.seconds(self.m, piece, self.scale), kind, name, mb))
             piece.clear()
+        factor = next((o.factor for o in ops.ops), 1.0)       # the piece's, timed (work.timed)
         for o in ops.ops:
             if o.name in cut:
                 close()
                 what = todo[o.name].pop(0)
-                out += (self.cp_attention(what, (b.name, marks), fwd, kind, name, mb, d, c) if o.name == "attention"
+                part = (self.cp_attention(what, (b.name, marks), fwd, kind, name, mb, d, c) if o.name == "attention"
                         else self.ep_layer(*what, fwd, kind, name, mb, d))
+                out += [replace(x, seconds=x.seconds * factor) if isinstance(x, Compute) and x.kind else x
+                        for x in part]          # their compute is the piece's too
                 marks += 1
                 continue
             piece.append(o)

@@ -211,10 +211,11 @@ def _rows(x, fn):
 
 
 def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", blocks: str | None = None,
-          cp: int = 1, ep: int = 1) -> ModelWork:
+          cp: int = 1, ep: int = 1, marked: bool = True) -> ModelWork:
     """Count ``model``'s work on a micro-batch of ``batch`` samples (``data``: as lab.run's);
     ``cp`` > 1: on one cp rank's 1/cp of every sequence, attention marked, not counted;
-    ``ep`` > 1: the MoE layers' routed experts marked, not counted."""
+    ``ep`` > 1: the MoE layers' routed experts marked, not counted; ``marked=False``: on the
+    same shapes, attention and the experts counted as one process runs them."""
     from ..parallel.blocks import find_blocks
     from ..parallel.expert import moe_layers
 
@@ -227,8 +228,8 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     x, y = _rows(x, lambda v: v[:batch]), y[:batch]      # a dict of inputs: each of its tensors
     if cp > 1:                       # a cp rank's share of the tokens (cp splits the sequence)
         x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
-    rec = _Recording(net, found, marked=cp > 1 or ep > 1)
-    for name, moe in (moe_layers(net) if ep > 1 else []):
+    rec = _Recording(net, found, marked=marked and (cp > 1 or ep > 1))
+    for name, moe in (moe_layers(net) if ep > 1 and marked else []):
         moe._routed = rec.marks.routed(name, moe)
     rec.step(x, y, resolve_loss(loss), optimizer, cp)
     return rec.work(batch)
@@ -317,7 +318,7 @@ class _Recording:
         hooks, before = self.watch(), context.current()
         with c:
             c.sink = self.sink("pre", "fwd")
-            if cp > 1:                          # attention goes through the stand-in
+            if cp > 1 and self.marks is not None:       # attention goes through the stand-in
                 context.activate(self.marks)
             try:
                 value = lossfn(call_model(net, x), y)   # a dict as keyword tensors, as lab.run
@@ -381,12 +382,14 @@ class _Clock:
         self.sink = None
 
 
-def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", repeats: int = 7) -> dict:
+def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", repeats: int = 7,
+            cp: int = 1) -> dict:
     """Seconds of each piece of a step of ``model`` on a micro-batch of ``batch`` samples, timed
     in sequence on this process's one thread (forward, loss, backward and the optimizer, as the
     executor runs them; the median of ``repeats`` steps after two): {(block i, "pre", "post" or
     "opt", "fwd" or "bwd"): seconds}. What the model's own ops take one after another, where
-    their table prices miss what runs between them (vTrain's profiling of a layer, Echo's)."""
+    their table prices miss what runs between them (vTrain's profiling of a layer, Echo's).
+    ``cp`` > 1: on a cp rank's 1/cp of every sequence (as :func:`count`), attending within it."""
     from statistics import median
 
     from ..parallel.blocks import find_blocks
@@ -395,6 +398,8 @@ def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", re
     found = find_blocks(net, None)
     x, y = resolve_data(data, net, batch, 0)(0)
     x, y = _rows(x, lambda v: v[:batch]), y[:batch]
+    if cp > 1:
+        x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
     clock, threads = _Clock(), torch.get_num_threads()
     rec = _Recording(net, found, marked=False, counter=clock)
     runs = []
@@ -417,23 +422,30 @@ def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", re
     return out
 
 
-def timed(work: ModelWork, seconds: dict, machine) -> ModelWork:
+def timed(work: ModelWork, seconds: dict, machine, plain: ModelWork | None = None) -> ModelWork:
     """``work`` with each op's ``factor``: its piece's measured ``seconds`` (:func:`profile`)
     over the piece's price on ``machine``, so the piece costs what it measured and each op its
-    price's share of it (a tensor-parallel shard scales its ops' prices, the factor stays)."""
+    price's share of it (a tensor-parallel shard scales its ops' prices, the factor stays).
+    ``plain``: the same pieces counted unmarked (``count(..., marked=False)``), whose prices
+    the timed pieces are set against, when ``work`` left cp's attention or ep's experts out."""
     from dataclasses import replace
 
     from . import price
 
-    def scaled(ops: Ops, key) -> Ops:
-        priced = price.seconds(machine, ops.ops)
+    plain = plain or work
+
+    def scaled(ops: Ops, like: Ops, key) -> Ops:
+        priced = price.seconds(machine, like.ops)
         if key not in seconds or priced <= 0:
             return ops
         f = seconds[key] / priced
         return Ops([replace(o, factor=f) for o in ops.ops])
-    block = lambda b, i: replace(b, fwd=scaled(b.fwd, (i, "fwd")), bwd=scaled(b.bwd, (i, "bwd")))  # noqa: E731
-    return replace(work, blocks=[block(b, i) for i, b in enumerate(work.blocks)], pre=block(work.pre, "pre"),
-                   post=block(work.post, "post"), optimizer=scaled(work.optimizer, ("opt", "fwd")))
+
+    def block(b, p, i):
+        return replace(b, fwd=scaled(b.fwd, p.fwd, (i, "fwd")), bwd=scaled(b.bwd, p.bwd, (i, "bwd")))
+    return replace(work, blocks=[block(b, p, i) for i, (b, p) in enumerate(zip(work.blocks, plain.blocks))],
+                   pre=block(work.pre, plain.pre, "pre"), post=block(work.post, plain.post, "post"),
+                   optimizer=scaled(work.optimizer, plain.optimizer, ("opt", "fwd")))
 
 
 def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
