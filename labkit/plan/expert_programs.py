@@ -3,7 +3,8 @@ around this rank's experts (parallel/expert/dispatch.py), and the experts' own g
 
 Beside dp, per MoE layer: the sizes, dispatch and combine all-to-alls around the rank's own
 compute (sorting, its experts on the rows that arrive, weighting back: ``ExpertParallelMoE``'s
-own code, counted), the rows as the first step's tokens route; with ``ep_overlap="microbatch"``
+own code, timed in sequence where the model's pieces are, else counted and priced), the rows
+as the first step's tokens route; with ``ep_overlap="microbatch"``
 two halves whose exchanges travel under each other's experts; the experts' gradients summed
 over their replicas after the dense sync over dp. An all-to-all is priced as gloo runs it: every
 pair's message posted at once, one latency and the busiest member's bytes, sent or received.
@@ -23,7 +24,7 @@ class ExpertPrograms:
         the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
         halves of the tokens, each's exchanges in flight under the other's experts. Backward
         mirrors forward (autograd runs the later half first)."""
-        from .expert_work import exchange, routed_ops
+        from .expert_work import exchange, routed_ops, routed_seconds
         ep, n = self.s.ep, moe.n_experts
         first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
         group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
@@ -34,9 +35,12 @@ class ExpertPrograms:
             chosen = chosen if h is None else [x.tensor_split(2)[h] for x in chosen]
             rows, counts = exchange(chosen, n, ep)
             if (layer, d, mb, h) not in self.counted:          # forward and backward alike
-                self.counted[layer, d, mb, h] = routed_ops(moe, chosen[me], counts[me])
+                self.counted[layer, d, mb, h] = (
+                    routed_seconds(moe, chosen[me], counts[me]) if self.timed else
+                    {part: tuple(price.seconds(self.m, x.ops) for x in pair)
+                     for part, pair in routed_ops(moe, chosen[me], counts[me]).items()})
             for part, pair in self.counted[layer, d, mb, h].items():
-                ops[part, h] = Compute(price.seconds(self.m, pair[0 if fwd else 1].ops), kind, name, mb)
+                ops[part, h] = Compute(pair[0 if fwd else 1], kind, name, mb)
             out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
             back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
             for what, (sent, got) in (("dispatch", (out, back)), ("combine", (back, out))):

@@ -33,12 +33,10 @@ def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[
     return out
 
 
-def routed_ops(moe, chosen, counts) -> dict:
-    """One ep rank's compute around a MoE layer's exchanges, as
-    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs it: "pre" sorts its tokens'
-    ``chosen`` (tokens, top_k) experts and gathers their rows, "experts" runs its local experts
-    on what arrives (``counts``: [sender, local expert] rows), "post" weights the results back
-    into the tokens; each (forward Ops, backward Ops), counted."""
+def _routed(moe, chosen, counts) -> dict:
+    """The three parts of one ep rank's compute around a MoE layer's exchanges, as
+    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs them: part → (forward,
+    backward), each a function of no argument (the backward runs the last forward's)."""
     from types import SimpleNamespace
 
     from ..parallel.expert.dispatch import ExpertParallelMoE as EP
@@ -60,10 +58,41 @@ def routed_ops(moe, chosen, counts) -> dict:
 
     def post():
         got["post"] = EP._unpermute(me, x.detach(), back, gates, got["order"], got["token"])
-    out = {}
-    for part, fn in (("pre", pre), ("experts", experts), ("post", post)):
-        fwd = _ops(fn)
-        out[part] = (Ops(fwd), Ops(_ops(lambda: got[part].backward(torch.ones_like(got[part])))))
+
+    def backward(part):
+        return lambda: got[part].backward(torch.ones_like(got[part]))
+    return {part: (fn, backward(part)) for part, fn in (("pre", pre), ("experts", experts), ("post", post))}
+
+
+def routed_ops(moe, chosen, counts) -> dict:
+    """One ep rank's compute around a MoE layer's exchanges (:func:`_routed`): "pre" sorts its
+    tokens' ``chosen`` (tokens, top_k) experts and gathers their rows, "experts" runs its local
+    experts on what arrives (``counts``: [sender, local expert] rows), "post" weights the results
+    back into the tokens; each (forward Ops, backward Ops), counted."""
+    return {part: (Ops(_ops(fwd)), Ops(_ops(bwd))) for part, (fwd, bwd) in _routed(moe, chosen, counts).items()}
+
+
+def routed_seconds(moe, chosen, counts, repeats: int = 5) -> dict:
+    """The same three parts timed in sequence on this process, one thread (as
+    :func:`labkit.plan.work.profile` times a model's pieces: no unsharded step runs them):
+    part → (forward seconds, backward seconds), each the median of ``repeats`` after one."""
+    import time
+    from statistics import median
+
+    parts, threads, out = _routed(moe, chosen, counts), torch.get_num_threads(), {}
+    torch.set_num_threads(1)
+    try:
+        for part, (fwd, bwd) in parts.items():
+            runs = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                fwd()
+                t1 = time.perf_counter()
+                bwd()
+                runs.append((t1 - t0, time.perf_counter() - t1))
+            out[part] = (median(r[0] for r in runs[1:]), median(r[1] for r in runs[1:]))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

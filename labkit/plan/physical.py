@@ -100,7 +100,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
         from .expert_work import routes as route
         routes = route(model, batch, data, strategy.dp, strategy.microbatches)
-    events = price.simulator(Builder(strategy, machine, work, plan, routes).programs(), machine).run()
+    events = price.simulator(Builder(strategy, machine, work, plan, routes, profile).programs(), machine).run()
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
                      Timeline(events, world, title="predicted", grid=strategy), batch)
@@ -138,8 +138,9 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
     """Each rank's program for one step (see the module docstring): the compute of a range of
     blocks with the calls inside it, here; each axis's pieces in its own part."""
 
-    def __init__(self, s, machine: Machine, work, plan: dict, routes=None):
+    def __init__(self, s, machine: Machine, work, plan: dict, routes=None, timed: bool = False):
         self.s, self.m, self.w, self.routes, self.counted = s, machine, work, routes, {}
+        self.timed = timed          # the work's pieces timed (work.timed): an ep rank's own parts timed too
         if s.zero == 3:
             from .work import unaccumulated
             self.w = unaccumulated(work)
@@ -239,10 +240,11 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
             if o.name in cut:
                 close()
                 what = todo[o.name].pop(0)
-                part = (self.cp_attention(what, (b.name, marks), fwd, kind, name, mb, d, c) if o.name == "attention"
-                        else self.ep_layer(*what, fwd, kind, name, mb, d))
-                out += [replace(x, seconds=x.seconds * factor) if isinstance(x, Compute) and x.kind else x
-                        for x in part]          # their compute is the piece's too
+                if o.name == "attention":            # its rounds' compute is the piece's too
+                    out += [replace(x, seconds=x.seconds * factor) if isinstance(x, Compute) and x.kind else x
+                            for x in self.cp_attention(what, (b.name, marks), fwd, kind, name, mb, d, c)]
+                else:
+                    out += self.ep_layer(*what, fwd, kind, name, mb, d)
                 marks += 1
                 continue
             piece.append(o)
