@@ -100,3 +100,27 @@ def test_the_planner_places_the_axes_in_the_strategy_s_order(order):
     tp = {tuple(map(int, e["group"].split(","))) for e in pred.timeline.events
           if e["kind"] == "allreduce" and e["name"].startswith("tp")}
     assert tp == {tuple(g) for g in ParallelDims(dp=2, tp=2, order=order).tp_groups()}
+
+
+def test_an_ep_rank_s_own_parts_are_timed_as_routed_ops_counts_them(monkeypatch):
+    """routed_seconds times the same three parts routed_ops counts (sorting the rank's tokens, its
+    experts on what arrives, weighting back), forward and backward; simulate uses them when the
+    model's pieces are timed, the counted prices when not."""
+    import torch
+
+    from labkit.plan.expert_work import exchange, routed_ops, routed_seconds
+    from labkit.training import build_model
+    from labkit.parallel.expert import moe_layers
+
+    moe = moe_layers(build_model(MOE, 0))[0][1]
+    chosen = [torch.randint(0, 4, (16, 2)) for _ in range(2)]
+    _, counts = exchange(chosen, 4, 2)
+    timed, counted = routed_seconds(moe, chosen[0], counts[0], repeats=2), routed_ops(moe, chosen[0], counts[0])
+    assert set(timed) == set(counted) == {"pre", "experts", "post"}
+    assert all(f > 0 and b > 0 for f, b in timed.values())
+    # simulate takes them: a second a part makes a step of seconds (2 layers × 3 parts × 2 passes)
+    import labkit.plan.expert_work as expert_work
+    monkeypatch.setattr(expert_work, "routed_seconds", lambda *a, **k: {p: (1.0, 1.0) for p in timed})
+    s, machine = labkit.Strategy(dp=2, ep=2), Machine.of(**{**_machine().numbers(), "engines": 2})
+    assert plan.simulate(s, machine, model=MOE, **KW).metrics["step_time_s"] >= 12.0
+    assert plan.simulate(s, machine, model=MOE, profile=False, **KW).metrics["step_time_s"] < 1.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..training import build_model, resolve_data
-from .work import Ops, _ops
+from .work import Ops, _ops, one_thread
 
 
 def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
@@ -79,10 +79,9 @@ def routed_seconds(moe, chosen, counts, repeats: int = 5) -> dict:
     import time
     from statistics import median
 
-    parts, threads, out = _routed(moe, chosen, counts), torch.get_num_threads(), {}
-    torch.set_num_threads(1)
-    try:
-        for part, (fwd, bwd) in parts.items():
+    out = {}
+    with one_thread():
+        for part, (fwd, bwd) in _routed(moe, chosen, counts).items():
             runs = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
@@ -91,8 +90,6 @@ def routed_seconds(moe, chosen, counts, repeats: int = 5) -> dict:
                 bwd()
                 runs.append((t1 - t0, time.perf_counter() - t1))
             out[part] = (median(r[0] for r in runs[1:]), median(r[1] for r in runs[1:]))
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

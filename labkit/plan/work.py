@@ -13,7 +13,9 @@ A :class:`~labkit.plan.machine.Machine` prices the counts (:meth:`Machine.op_sec
 """
 from __future__ import annotations
 
+import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -369,7 +371,6 @@ class _Clock:
 
     @sink.setter
     def sink(self, piece) -> None:
-        import time
         now = time.perf_counter()
         if self._sink is not None:
             self.seconds[id(self._sink)] = self.seconds.get(id(self._sink), 0.0) + now - self._since
@@ -380,6 +381,17 @@ class _Clock:
 
     def __exit__(self, *exc) -> None:
         self.sink = None
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread, as an engine runs (OMP_NUM_THREADS=1), the caller's threads after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", repeats: int = 7,
@@ -400,18 +412,15 @@ def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", re
     x, y = _rows(x, lambda v: v[:batch]), y[:batch]
     if cp > 1:
         x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
-    clock, threads = _Clock(), torch.get_num_threads()
+    clock = _Clock()
     rec = _Recording(net, found, marked=False, counter=clock)
     runs = []
-    torch.set_num_threads(1)             # an engine's one thread (OMP_NUM_THREADS=1)
-    try:
+    with one_thread():
         for k in range(repeats + 2):
             clock.seconds = {}
             rec.step(x, y, resolve_loss(loss), optimizer, 1)
             if k >= 2:
                 runs.append({key: clock.seconds.get(id(sink), 0.0) for key, sink in rec.pieces.items()})
-    finally:
-        torch.set_num_threads(threads)
     out = {key: median(r[key] for r in runs) for key in runs[-1]}
     last = len(found) - 1
     for (piece, phase), t in list(out.items()):
