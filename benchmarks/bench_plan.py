@@ -111,7 +111,7 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
 
 
 KEYS = ("step_time_s", "exposed_comm_fraction", "bubble_fraction")
-TERMS = ("call_s", "action_s", "setup_s", "elementwise", "op_s")
+TERMS = ("call_s", "action_s", "setup_s", "elementwise", "op_s", "refetch")
 """The machine's host terms and the compute table's refinements that the ablation switches off
 one at a time (each set to nothing), beside the model's own pieces timed (``profile``): a term
 whose removal leaves the held-out cases as good is not earning its place. Those the machine no
@@ -125,6 +125,8 @@ def without(machine, term: str):
     off = type(value)() if isinstance(value, (dict, tuple)) else 0.0
     if hasattr(machine.host, term):
         return replace(machine, host=replace(machine.host, **{term: off}))
+    if hasattr(machine.memory, term):
+        return replace(machine, memory=replace(machine.memory, **{term: off}))
     return replace(machine, **{term: off})
 
 

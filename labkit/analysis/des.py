@@ -53,6 +53,9 @@ class Compute:
     kind: str | None = None
     name: str = ""
     microbatch: int | None = None
+    touches: tuple = ()
+    """(key, bytes, seconds per byte already in ``seconds``) of what it reads and writes, for a
+    ``refetch`` simulator: a byte the rank last touched long ago costs more (:class:`Sim`)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,13 @@ class Sim:
     gloo_queue: bool = False
     """On an emulated link, whether a collective frees its members' streams once gloo's own work
     is done, its link time then running on the link's own queue (module docstring)."""
+    refetch: object = None
+    """age seconds → seconds per byte a piece pays for a byte its rank last touched that long
+    ago (a cache that loses what it does not use as the wall clock runs): a compute span with
+    ``touches`` takes that much longer, less what its own ``seconds`` paid (its third field)."""
+    touched: dict = field(default_factory=dict)
+    """(rank, key) → when the rank last began a span touching it (before the step: negative);
+    the run leaves each last touch here."""
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
@@ -147,8 +157,9 @@ class Sim:
                 while self.busy[r] is None and self.pc[r] < len(prog):
                     item = prog[self.pc[r]]
                     if isinstance(item, Compute):
-                        if item.seconds > EPS:
-                            self.busy[r] = _Job(item.seconds, 1.0, self.t, ("compute", r, item))
+                        seconds = item.seconds + self._refetched(item, r)
+                        if seconds > EPS:
+                            self.busy[r] = _Job(seconds, 1.0, self.t, ("compute", r, item))
                             self.running.append(self.busy[r])
                     elif isinstance(item, Issue):
                         self._reserve(item, r)
@@ -169,6 +180,18 @@ class Sim:
                             self.recorded.pop((item.key, r))["waited"] = self.waited[(item.key, r)]
                     self.pc[r] += 1
                     moved = True
+
+    def _refetched(self, item: Compute, r: int) -> float:
+        """Seconds ``item`` pays on rank r for what it touches that r's cache has lost since."""
+        if self.refetch is None or not item.touches:
+            return 0
+        extra = 0.0
+        for key, nbytes, paid in item.touches:
+            last = self.touched.get((r, key))
+            if last is not None:
+                extra += nbytes * max(0.0, self.refetch(self.t - last) - paid)
+            self.touched[(r, key)] = self.t
+        return extra
 
     def _start_ready(self) -> None:
         """Start every call whose members have all posted it and hold it at their streams' head."""

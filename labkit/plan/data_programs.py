@@ -76,8 +76,14 @@ class DataPrograms:
                                  "allgather", f"bucket {k}")
         return out
 
-    def optimizer(self, share: float) -> Compute:
-        return Compute(price.seconds(self.m, self.w.optimizer.ops) * share, "optimizer", "optimizer")
+    def optimizer(self, blocks, first: bool) -> Compute:
+        """The optimizer step on this rank's part of the parameters (:meth:`share`); of what it
+        touches, what its blocks touched too, its tp and ZeRO shard of it."""
+        pieces = [self.w.blocks[i] for i in blocks] + ([self.w.pre] if first else [])
+        mine = {key for b in pieces for ops in (b.fwd, b.bwd) for o in ops.ops for key, _ in o.operands}
+        k = 1 / self.s.tp / (self.dpc if self.s.zero else 1)
+        return Compute(price.seconds(self.m, self.w.optimizer.ops) * self.share(blocks, first), "optimizer",
+                       "optimizer", touches=self.touches(self.w.optimizer.ops, lambda o: k, mine))
 
     def routed(self, i: int) -> list:
         return self.w.blocks[i].routed or [False] * len(self.w.blocks[i].params)
@@ -103,7 +109,7 @@ class DataPrograms:
             if s.zero == 2 and not last_mb:
                 out += after
         out += after + self.expert_sync(d)
-        out.append(self.optimizer(self.share(blocks, True)))
+        out.append(self.optimizer(blocks, True))
         if s.zero in (1, 2):
             out += self.gathers(0, blocks, True, d, 0, t)
         return out
@@ -119,7 +125,7 @@ class DataPrograms:
             out += [act] + self.backward(range(n), d, 0, t, mb, True, True, after=scatter, gather=gather, c=c)
         for key, nbytes in pending:
             out += [Wait(key), self.copy(nbytes / self.dpc)]
-        out.append(self.optimizer(self.share(range(n), True)))
+        out.append(self.optimizer(range(n), True))
         return out
 
     def zero3_bytes(self, i: int) -> int:

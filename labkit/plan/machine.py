@@ -54,6 +54,13 @@ class Memory:
     """Bytes per second an op streams from and to memory beyond the cache, each engine's share of
     the bus (a step runs on all engines at once). Measured: add_ on 64 MiB tensors on every
     engine at once, the median."""
+    refetch: tuple = ()
+    """(age seconds, seconds per byte) rows, ascending: what a piece pays for a byte its rank
+    last touched ``age`` ago, beyond a byte touched a moment ago. The cache loses what a rank
+    does not use as the wall clock runs (a cache shared with the host's other work), whatever
+    the rank computes meanwhile. Measured: products over 16 MiB of weights, each pass after a
+    sleep, at a few sleeps; per byte, the median pass's time beyond back-to-back passes', by
+    the time between the passes' starts. () prices none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +158,7 @@ class Machine:
     memory_Bps = property(lambda self: self.memory.memory_Bps)
     cache_bytes = property(lambda self: self.memory.cache_bytes)
     dram_Bps = property(lambda self: self.memory.dram_Bps)
+    refetch = property(lambda self: self.memory.refetch)
     op_s = property(lambda self: self.host.op_s)
     setup_s = property(lambda self: self.host.setup_s)
     action_s = property(lambda self: self.host.action_s)
@@ -189,17 +197,20 @@ class Machine:
                              "(they did not make the planner's held-out predictions better); measure it again with "
                              "labkit.plan.measure(lab)")
         d["matmul"] = tuple(tuple(r) for r in d["matmul"])
+        d["refetch"] = tuple(tuple(r) for r in d.get("refetch", ()))
         return cls.of(**d)
 
     def __str__(self) -> str:
         rows = ", ".join(f"{f:.0e} FLOP: {r / 1e9:.1f} GFLOP/s" for f, r in self.matmul)
         comm = "; ".join(f"{k} α {c.alpha * 1e6:.0f} µs{' a step' if c.per_step else ''} β {c.beta / 1e9:.2f} GB/s"
                          for k, c in self.comm.items())
+        refetch = (f", {self.refetch[-1][1] * 1e9:.2f} ns/B again for a byte untouched "
+                   f"{self.refetch[-1][0] * 1e3:.0f} ms" if self.refetch else "")
         link = (f"; link α {self.link_alpha_beta[0] * 1e6:.0f} µs β {self.link_alpha_beta[1] / 1e6:.0f} MB/s"
                 if self.link_alpha_beta else "")
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; "
                 f"memory {self.memory_Bps / 1e9:.1f} GB/s in a "
-                f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it; host "
+                f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it{refetch}; host "
                 f"{self.op_s * 1e6:.1f} µs/op (more for {sum(v > 0 for v in self.setup_s.values())} kinds of op), "
                 f"{self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
                 f"µs/call; {comm}{link})")

@@ -49,6 +49,7 @@ def _alone(seconds: float, rank_only: int | None = 0):
     table = tuple((2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n)) for m, k, n in MATMUL_SHAPES)
     memory = _stream(1, seconds / 2)
     cache = _cache(seconds)
+    refetch = _refetch()
     elementwise = {name: _loop(lambda f=f, x=torch.randn(1024, 512): f(x), seconds / 8) / (1024 * 512)
                    for name, f in ELEMENTWISE.items()}
     w = torch.ones(1, requires_grad=True)
@@ -69,7 +70,8 @@ def _alone(seconds: float, rank_only: int | None = 0):
     base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
     setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
     return {"matmul": table, "memory_Bps": memory, "op_s": op_s,
-            "cache_bytes": cache, "elementwise": elementwise, "setup_s": setup}, len(os.sched_getaffinity(0))
+            "cache_bytes": cache, "refetch": refetch, "elementwise": elementwise, "setup_s": setup}, \
+        len(os.sched_getaffinity(0))
 
 
 def _stream(mib: int, seconds: float) -> float:
@@ -102,6 +104,44 @@ def _cache(seconds: float) -> float:
     cold = extra(128)
     warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(n) < cold / 2]
     return float(max(warm, default=1) << 20)
+
+
+REFETCH_SLEEPS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+"""Seconds slept before each pass of :func:`_refetch`: back to back up to a long wait."""
+
+
+def _refetch(passes: int = 7) -> tuple:
+    """(age, seconds per byte) rows: products of 16×512 by sixteen 512×512 weights (16 MiB,
+    beyond one core's L2), each pass after a sleep of each of REFETCH_SLEEPS, ``passes`` times;
+    a row's age is the median time between its passes' starts, its cost per byte the median
+    pass's time beyond the back-to-back passes', over the weights' bytes (0 where it is not
+    beyond). A byte's age is that time: every weight was last read a pass's start before."""
+    import time
+
+    import torch
+    weights, a = [torch.randn(512, 512) for _ in range(16)], torch.randn(16, 512)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+
+    def sweep():
+        for w in weights:
+            a @ w
+    for _ in range(8):
+        sweep()
+    rows = []
+    for pause in REFETCH_SLEEPS:
+        ages, took, begun = [], [], time.perf_counter()
+        for _ in range(passes):
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            sweep()
+            t1 = time.perf_counter()
+            ages.append(t0 - begun)
+            took.append(t1 - t0)
+            begun = t0
+        rows.append((median(ages), median(took)))
+    hot = rows[0][1]
+    return tuple((age, max(0.0, t - hot) / nbytes) for age, t in rows)
 
 
 def _aten(name):

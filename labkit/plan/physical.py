@@ -100,7 +100,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
         from .expert_work import routes as route
         routes = route(model, batch, data, strategy.dp, strategy.microbatches)
-    events = price.simulator(Builder(strategy, machine, work, plan, routes, profile).programs(), machine).run()
+    events = price.step_events(Builder(strategy, machine, work, plan, routes, profile).programs(), machine)
     world = strategy.world_size
     return Simulated(strategy, step_metrics(events, world, batch),
                      Timeline(events, world, title="predicted", grid=strategy), batch)
@@ -165,8 +165,20 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         return self.grid.rank_of(d, p, t, c)
 
     # -- prices ---------------------------------------------------------------------------------
-    def secs(self, ops) -> float:
-        return price.seconds(self.m, ops.ops, self.scale)
+    def touches(self, ops, scale=None, keep=None) -> tuple:
+        """(key, bytes, ρ paid) of what ``ops`` read and write, each once (the first op's), its
+        bytes scaled as the op's work (:meth:`scale`); ``keep``: only these keys."""
+        scale, seen = scale or self.scale, {}
+        for o in ops:
+            k = scale(o)
+            for j, (key, nbytes) in enumerate(o.operands):
+                if key != -1 and key not in seen and (keep is None or key in keep):
+                    seen[key] = (key, nbytes * k, o.paid[j] if o.paid else 0.0)
+        return tuple(seen.values())
+
+    def piece(self, ops, kind, name, mb) -> Compute:
+        """One span of ``ops`` (a list), priced, with what it touches."""
+        return Compute(price.seconds(self.m, ops, self.scale), kind, name, mb, self.touches(ops))
 
     def call(self, key, group, family, nbytes, kind, name, mb=None, peer=None) -> Issue:
         """A posted call of ``family`` moving ``nbytes`` over ``group``, priced (gloo's part, the link's)."""
@@ -187,14 +199,14 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
     def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None, c: int = 0) -> list:
         out, w = [], self.w
         if first:
-            out.append(Compute(self.secs(w.pre.fwd), "fwd", "pre", mb))
+            out.append(self.piece(w.pre.fwd.ops, "fwd", "pre", mb))
         for i in blocks:
             if gather:
                 out += gather(i, "fwd")
             b = w.blocks[i]
             out += self.block(b, b.fwd, "fwd", mb, d, c) + self.tp_calls(b, True, d, p, mb)
         if last:
-            out.append(Compute(self.secs(w.post.fwd), "fwd", "loss", mb))
+            out.append(self.piece(w.post.fwd.ops, "fwd", "loss", mb))
         return out
 
     def backward(self, blocks, d, p, t, mb, first: bool, last: bool, part=None, after=None, gather=None,
@@ -207,7 +219,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         keep = {None: lambda o: True, "I": lambda o: not o.weight_grad, "W": lambda o: o.weight_grad}[part]
         out, w = [], self.w
         if last and part != "W":
-            out.append(Compute(self.secs(w.post.bwd), kind, "loss", mb))
+            out.append(self.piece(w.post.bwd.ops, kind, "loss", mb))
         for i in reversed(list(blocks)):
             if gather:
                 out += gather(i, "bwd")
@@ -216,7 +228,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
             out += self.tp_calls(b, False, d, p, mb) if part != "W" else []
             out += after(i) if after else []
         if first:
-            out.append(Compute(self.secs(w.pre.bwd.where(keep)), kind, "pre", mb))
+            out.append(self.piece(w.pre.bwd.where(keep).ops, kind, "pre", mb))
             out += [x for _, items in issue.get(-1, ()) for x in items]
             out += after(-1) if after else []
         return out
@@ -233,7 +245,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         out, piece, marks = [], [], 0
 
         def close():
-            out.append(Compute(price.seconds(self.m, piece, self.scale), kind, name, mb))
+            out.append(self.piece(list(piece), kind, name, mb))
             piece.clear()
         factor = next((o.factor for o in ops.ops), 1.0)       # the piece's, timed (work.timed)
         for o in ops.ops:

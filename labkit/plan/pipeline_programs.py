@@ -44,7 +44,7 @@ class PipelinePrograms:
         for g in held:
             out += syncs[g][1]
         mine = [i for g in held for i in ranges[g]]
-        out.append(self.optimizer(self.share(mine, 0 in held)))
+        out.append(self.optimizer(mine, 0 in held))
         if s.zero == 1:
             for g in held:
                 out += self.gathers(g, ranges[g], g == 0, d, p, t)

@@ -35,6 +35,18 @@ cores for the link's α-β; the call takes the longer of the two:
 
 Posting a call costs the issuing thread ``call_s``.
 
+**What the cache lost while the rank waited.** A byte a rank last touched a time a ago costs a
+piece beyond what it cost in the piece's own timing (whose age there was a₀):
+
+    t_refetch = Σ_bytes max(0,  ρ(a) − ρ(a₀))
+
+with ρ the machine's ``refetch`` table (seconds per byte by age, interpolated in log age): the
+shared cache loses the bytes a rank is not using as the wall clock runs, not as the rank
+computes, so a pipeline's backward after a wait for its gradient, or a step's first forward,
+streams its weights in again. The ages come from the simulated step itself (its previous
+step's touches for the first), a₀ from the pieces' timing in sequence
+(:func:`labkit.plan.work.timed`).
+
 **Shared cores.** The engines share ``cores`` cores by processor sharing: each running compute
 span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
 link); when the asks exceed the cores every one runs at cores/asks of its speed
@@ -88,13 +100,31 @@ def comm_seconds(machine, family: str, nbytes: float, n: int, gloo: float | None
     return max(comm_parts(machine, family, nbytes, n, gloo))
 
 
-def simulator(programs, machine):
+def refetch(machine, age: float) -> float:
+    """ρ(a): seconds per byte a piece pays for a byte last touched ``age`` seconds ago."""
+    rows = machine.refetch
+    return interpolate(rows, age) if rows and age > 0 else 0.0
+
+
+def simulator(programs, machine, touched=None):
     """The simulator on ``machine``'s shared cores (the module docstring's last paragraph), each
     posted call preceded by its host cost on the issuing thread."""
     from ..analysis.des import Compute, Issue, Sim
     posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
               for prog in programs]
-    return Sim(posted, machine.cores, links=bool(machine.link_alpha_beta))
+    return Sim(posted, machine.cores, links=bool(machine.link_alpha_beta),
+               refetch=(lambda age: refetch(machine, age)) if machine.refetch else None, touched=touched or {})
+
+
+def step_events(programs, machine) -> list[dict]:
+    """One steady step's events: the step run twice, the second's ages of what each rank
+    touches measured from the first's last touches (a step follows a step)."""
+    first = simulator(programs, machine)
+    events = first.run()
+    if not machine.refetch:
+        return events
+    length = max((e["end"] for e in events), default=0.0)
+    return simulator(programs, machine, {k: t - length for k, t in first.touched.items()}).run()
 
 
 def interpolate(rows, x: float) -> float:

@@ -51,6 +51,9 @@ class Op:
     """An ``accumulate_grad``'s parameter: its index among its block's (as ``BlockWork.params``)."""
     factor: float = 1.0
     """Its piece's measured seconds over their price (:func:`timed`): 1 where the model was not timed."""
+    paid: tuple = ()
+    """Seconds per byte of each operand's refetch already in its piece's measured time (the
+    operand's age in the timed sequence, :func:`timed`); () where the model was not timed."""
 
 
 @dataclass
@@ -452,9 +455,41 @@ def timed(work: ModelWork, seconds: dict, machine, plain: ModelWork | None = Non
 
     def block(b, p, i):
         return replace(b, fwd=scaled(b.fwd, p.fwd, (i, "fwd")), bwd=scaled(b.bwd, p.bwd, (i, "bwd")))
-    return replace(work, blocks=[block(b, p, i) for i, (b, p) in enumerate(zip(work.blocks, plain.blocks))],
+    work = replace(work, blocks=[block(b, p, i) for i, (b, p) in enumerate(zip(work.blocks, plain.blocks))],
                    pre=block(work.pre, plain.pre, "pre"), post=block(work.post, plain.post, "post"),
                    optimizer=scaled(work.optimizer, plain.optimizer, ("opt", "fwd")))
+    return _paid(work, seconds, machine)
+
+
+def _paid(work: ModelWork, seconds: dict, machine) -> ModelWork:
+    """``work`` with each op's ``paid``: ρ of each operand's age where the profile timed it, the
+    pieces one after another in a step's order, the second of two steps (each piece's operands
+    taken at its start, as the simulator takes a span's)."""
+    from dataclasses import replace
+
+    from . import price
+
+    n = len(work.blocks)
+    order = ([("pre", "fwd", work.pre.fwd)] + [(i, "fwd", b.fwd) for i, b in enumerate(work.blocks)]
+             + [("post", "fwd", work.post.fwd), ("post", "bwd", work.post.bwd)]
+             + [(i, "bwd", work.blocks[i].bwd) for i in reversed(range(n))]
+             + [("pre", "bwd", work.pre.bwd), ("opt", "fwd", work.optimizer)])
+    now, last, paid = 0.0, {}, {}
+    for second in (False, True):
+        for piece, phase, ops in order:
+            seen = {}
+            for op in ops.ops:
+                for key, _ in op.operands:
+                    if key not in seen:
+                        seen[key] = price.refetch(machine, now - last[key]) if key in last else 0.0
+            if second:
+                paid[id(ops)] = seen
+            last.update(dict.fromkeys(seen, now))
+            now += seconds.get((piece, phase), 0.0)
+    ages = lambda ops: Ops([replace(o, paid=tuple(paid[id(ops)][k] for k, _ in o.operands)) for o in ops.ops])  # noqa: E731
+    block = lambda b: replace(b, fwd=ages(b.fwd), bwd=ages(b.bwd))  # noqa: E731
+    return replace(work, blocks=[block(b) for b in work.blocks], pre=block(work.pre), post=block(work.post),
+                   optimizer=ages(work.optimizer))
 
 
 def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
