@@ -528,6 +528,27 @@ def test_processor_sharing_two_threads_on_one_core_take_twice_as_long():
     assert ends == pytest.approx({"bwd": 1.0, "allreduce": 1.0})
 
 
+def test_a_byte_untouched_for_a_while_is_paid_again_by_its_age_less_what_its_piece_paid():
+    """The cache loses what a rank does not use as the wall clock runs (labkit.plan.price): a span
+    that touches bytes its rank last touched long ago takes bytes × ρ(age) longer, less the ρ its
+    own seconds already held; a byte never touched before, or another rank's, costs nothing."""
+    rho = lambda age: 1e-9 * min(age, 2.0)     # noqa: E731  (seconds per byte by age, saturating)
+    w = (("w", 1e6, 0.0),)
+    program = [Compute(1.0, "fwd", touches=w), Compute(3.0, "fwd"), Compute(1.0, "bwd", touches=w),
+               Compute(1.0, "bwd", touches=(("w", 1e6, 0.5e-9),))]
+    spans = lambda sim: [e["end"] - e["start"] for e in sim.run()]   # noqa: E731
+    # first touch free; 4 s later: +1e6 × ρ(4) = 2 ms; 1.002 s after that +1e6 × (ρ(1.002) − 0.5 ns)
+    assert spans(Sim([program], refetch=rho)) == pytest.approx([1.0, 3.0, 1.002, 1.000502])
+    assert spans(Sim([program])) == pytest.approx([1.0, 3.0, 1.0, 1.0])          # no refetch: as given
+    other = [[Compute(1.0, "fwd", touches=w)], [Compute(5.0, "fwd"), Compute(1.0, "fwd", touches=w)]]
+    assert max(e["end"] for e in Sim(other, cores=2, refetch=rho).run()) == pytest.approx(6.0)
+    # a step follows a step: its first touch is priced by the previous step's last one
+    machine = _machine(refetch=((1e-3, 0.0), (1.0, 1e-9)))
+    once = [[Compute(0.5, "fwd", touches=w), Compute(0.5, "fwd")]]
+    (first, second) = [e["end"] - e["start"] for e in plan.price.step_events(once, machine)]
+    assert first == pytest.approx(0.5 + 1e6 * plan.price.refetch(machine, 1.0)) and second == pytest.approx(0.5)
+
+
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
     late = [[Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")],
             [Compute(3.0, "fwd"), Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")]]
@@ -584,6 +605,12 @@ def test_a_models_pieces_timed_in_sequence_price_its_ops_at_what_they_took():
     assert machine.seconds(work.optimizer.ops) == pytest.approx(seconds["opt", "fwd"])
     share = lambda ops: [machine.op_seconds(o) / machine.seconds(ops) for o in ops]    # noqa: E731
     assert share(work.blocks[0].fwd.ops) == pytest.approx(share(count(model, 8).blocks[0].fwd.ops))
+    # each operand's refetch already in its piece's time: ρ of its age in the timed sequence
+    assert all(op.paid == (0.0,) * len(op.operands) for op in work.blocks[0].fwd.ops)    # no ρ: none paid
+    aged = timed(count(model, 8), seconds, _machine(refetch=((1e-7, 0.0), (1.0, 1e-9))))
+    paid = [p for b in aged.blocks for ops in (b.fwd, b.bwd) for op in ops.ops for p in op.paid]
+    assert all(len(op.paid) == len(op.operands) for b in aged.blocks for op in b.fwd.ops)
+    assert all(0 <= p < 1e-9 for p in paid) and max(paid) > 0
 
 
 def test_a_models_work_is_its_counted_operations():
@@ -735,6 +762,9 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
     assert machine.engines == 2 and machine.cores > 0 and machine.op_s > 0
     assert all(r > 0 for _, r in machine.matmul) and set(machine.comm) == set(FAMILIES)
     assert machine.dram_Bps > 0 and machine.action_s >= 0 and machine.cache_bytes > 0
+    ages = [age for age, _ in machine.refetch]
+    assert ages == sorted(ages) and ages[-1] > 0.05 and all(c >= 0 for _, c in machine.refetch)
+    assert machine.refetch[0][1] == 0.0          # back to back: nothing lost
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
     assert again == machine

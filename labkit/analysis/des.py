@@ -31,6 +31,10 @@ begins once gloo has moved this one's bytes) while each call's link time waits o
 members' links (their reservations); a call completes once both are done. Without it a call
 holds its stream until its link time too is through.
 
+With ``refetch`` a compute span that carries ``touches`` pays for what its rank's cache lost
+since the rank last touched those bytes: bytes × (refetch(age) − what its own seconds paid),
+the age on the wall clock (:mod:`labkit.plan.price`'s formula).
+
 A message may be ``eager`` (a buffered send, as the pipeline schedules' model takes it): it
 leaves on its sender's post alone, and the receiver takes it when it posts its receive.
 
