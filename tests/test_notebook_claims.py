@@ -578,6 +578,7 @@ CLAIMS = {
         ('Large runs combine them: TP within a node, FSDP', 'method'),
     ],
     "09_plan_at_scale": [
+        ('`plan.measure(lab)` runs its own micro-benchmarks', 'method'),
         ('Its exchanges are priced as the link imposes the', 'method'),
         ('Pick tp, pp, micro-batch size, recomputation and', 'method'),
         ('Activations grow with the sequence.', test_09_cp_divides_activations_and_the_long_context_row_is_predicted),

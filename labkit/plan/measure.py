@@ -253,16 +253,19 @@ def _ping_pong(nbytes: int, n: int, me: int):
 
 def _comm(seconds: float):
     """On every engine: the median seconds per call of each family at each of COMM_SIZES (through
-    labkit.comm as a step issues them, recording off; a send's is half a ping-pong's round
-    trip), the slowest rank's."""
+    labkit.comm as a step issues them, recording off, the emulated link off: gloo's own; a
+    send's is half a ping-pong's round trip), the slowest rank's."""
     import torch.distributed as dist
 
     from ..bench.sweep import _operation
     from ..engine import session
 
+    from ..engine.world import set_link
+
     n, me = dist.get_world_size(), dist.get_rank()
-    rec = session().recorder
+    rec, link = session().recorder, session().link
     was, rec.enabled = rec.enabled, False
+    set_link(None)           # gloo's own calls (the lab's link stays: this engine's, restored below)
     out = {}
     try:
         for family in FAMILIES:
@@ -272,6 +275,7 @@ def _comm(seconds: float):
                 out[(family, nbytes)] = _per_message(call, 6 if family == "send" else 3)
     finally:
         rec.enabled = was
+        set_link(link)
     return out
 
 
@@ -322,12 +326,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
             link_ab = link.alpha_beta("intra")
-            lab.link = None
-        try:
-            per_rank = lab.apply(_comm, seconds)
-        finally:
-            if link is not None:
-                lab.link = link
+        per_rank = lab.apply(_comm, seconds)
         times = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         comm = {f: _fit(f, world, times) for f in FAMILIES}
         lab.apply(_make_pair)
