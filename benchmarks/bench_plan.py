@@ -7,7 +7,7 @@
 The machine is measured once (``labkit.plan.measure``: matmuls, an elementwise loop, tiny
 autograd ops, collectives, a trivial model's host costs; no model of the cases, no strategy of
 the cases), and each case's model has its pieces timed in sequence on this process, one
-thread, at the case's micro-batch size (``labkit.plan.work.profile``: the model alone, no
+thread, at the case's micro-batch size (``labkit.plan.profile.profile``: the model alone, no
 strategy, no engine); then every case (strategies, model widths and depths, micro-batch counts, degrees
 a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
 over ep ranks) is simulated from it and run on the lab, twice.
@@ -111,7 +111,7 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
 
 
 KEYS = ("step_time_s", "exposed_comm_fraction", "bubble_fraction")
-TERMS = ("call_s", "action_s", "setup_s", "elementwise", "op_s", "refetch")
+TERMS = ("call_s", "action_s", "op_s", "refetch")
 """The machine's host terms and the compute table's refinements that the ablation switches off
 one at a time (each set to nothing), beside the model's own pieces timed (``profile``): a term
 whose removal leaves the held-out cases as good is not earning its place. Those the machine no
@@ -244,7 +244,7 @@ def main() -> None:
     print(summarise(rows, args.engines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": str(machine), "rows": rows}, f, indent=1)
+            json.dump({"machine": str(machine), "numbers": machine.numbers(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,13 @@ the planner's price of its counted operations — the compute half of the local 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan_compute.py          # ~1 minute
 
 The machine's compute fields (``labkit.plan.measure``'s one-engine probes: matmuls, memory,
-cache, elementwise and setup costs, attention, host cost per op and per view) are measured
+the cache and what it loses by age, host cost per op) are measured
 here in this process; each model then runs its training step as the executor does (gradients
 accumulated into zeros, zeroed in place), and the step's three parts, each the median of five
 timed runs, are printed beside ``Machine.seconds`` of the ops ``labkit.plan.work.count``
-recorded. The tiny models show the host costs alone (their arithmetic is nil); the others
-the products, elementwise ops and cache at the benchmark's micro-batch sizes.
+recorded, the table's prices alone (``simulate`` times the pieces instead). The tiny models
+show the host costs alone (their arithmetic is nil); the others the products, elementwise ops
+and cache at the benchmark's micro-batch sizes.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..training import build_model, resolve_data
-from .work import Ops, _ops, one_thread
+from .profile import one_thread
+from .work import Ops, _ops
 
 
 def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
@@ -74,7 +75,7 @@ def routed_ops(moe, chosen, counts) -> dict:
 
 def routed_seconds(moe, chosen, counts, repeats: int = 5) -> dict:
     """The same three parts timed in sequence on this process, one thread (as
-    :func:`labkit.plan.work.profile` times a model's pieces: no unsharded step runs them):
+    :func:`labkit.plan.profile.profile` times a model's pieces: no unsharded step runs them):
     part → (forward seconds, backward seconds), each the median of ``repeats`` after one."""
     import time
     from statistics import median

@@ -5,9 +5,8 @@ and ASTRA-sim's: a :class:`Machine` is what :func:`labkit.plan.measure.measure` 
 own micro-benchmarks on the engines, with no model and no strategy; :func:`labkit.plan.simulate`
 prices any model's counted operations (:mod:`labkit.plan.work`) with it, by the formulas of
 :mod:`labkit.plan.price`, the model's own pieces timed in sequence sharing out what they took
-(:func:`labkit.plan.work.profile`). Seven fields: the cores, the matmul curve, the memory
-hierarchy, the elementwise table, the host's costs, the α-β per family, and what it was
-measured on.
+(:func:`labkit.plan.profile.profile`). Six fields: the cores, the matmul curve, the memory
+hierarchy, the host's costs, the α-β per family, and what it was measured on.
 
     >>> machine = labkit.plan.measure(lab)
     >>> machine.save("machine.json"); machine = labkit.plan.Machine.load("machine.json")
@@ -23,7 +22,7 @@ from .price import VIEWS  # noqa: F401  (work and measure read it here)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link", "matmul_half_dim", "wake_s",
-           "cross_s", "join_s")
+           "cross_s", "join_s", "elementwise", "setup_s")
 """Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
 step_s, a residual of the simulator rather than a measurement)."""
 
@@ -70,10 +69,6 @@ class Host:
     op_s: float = 5e-6
     """Per aten op (dispatch, autograd bookkeeping; a view the op makes rides on it). Measured:
     forward and backward of a chain of one-element ops ÷ the ops counted that are not views."""
-    setup_s: dict = field(default_factory=dict)
-    """aten op name → seconds a call of that kind takes beyond ``op_s`` whatever its size (its
-    kernel's own setup: GELU's, a loss's, attention's). Measured: each op of a fixed list on a
-    4×4 tensor, less an add on the same tensor."""
     action_s: float = 1e-4
     """Per action of the executor (a forward or backward of a micro-batch: hooks, recording).
     Measured: a trivial model's step at 8 micro-batches against 1, per extra action, less the
@@ -108,10 +103,6 @@ class Machine:
     Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
     memory: Memory = Memory()
     """The cache, its rate and the bus beyond it (:class:`Memory`)."""
-    elementwise: dict = field(default_factory=dict)
-    """aten op name → seconds per output element of an op whose arithmetic, not its bytes,
-    bounds it (GELU's erf, SiLU's exp, softmax). Measured: each op of a fixed list on a
-    1024×512 tensor in the cache. Ops not listed are priced by their bytes."""
     host: Host = Host()
     """Host seconds per op, per kind of op, per action and per posted call (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
@@ -160,7 +151,6 @@ class Machine:
     dram_Bps = property(lambda self: self.memory.dram_Bps)
     refetch = property(lambda self: self.memory.refetch)
     op_s = property(lambda self: self.host.op_s)
-    setup_s = property(lambda self: self.host.setup_s)
     action_s = property(lambda self: self.host.action_s)
     call_s = property(lambda self: self.host.call_s)
     engines = property(lambda self: self.measured.engines)
@@ -211,6 +201,6 @@ class Machine:
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; "
                 f"memory {self.memory_Bps / 1e9:.1f} GB/s in a "
                 f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it{refetch}; host "
-                f"{self.op_s * 1e6:.1f} µs/op (more for {sum(v > 0 for v in self.setup_s.values())} kinds of op), "
+                f"{self.op_s * 1e6:.1f} µs/op, "
                 f"{self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
                 f"µs/call; {comm}{link})")

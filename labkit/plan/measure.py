@@ -1,8 +1,9 @@
 """Measure a :class:`~labkit.plan.machine.Machine` on the lab's engines: its own micro-benchmarks.
 
 Each number is the median of a few timed runs: matmuls of a
-few sizes and an elementwise loop on one engine while the others wait; tiny autograd ops for
-the host cost per op; the same product on every engine at once for the cores they share; the
+few sizes, an add in the cache, products going round more and more weights and over 16 MiB of
+them after sleeps (the cache, and what it loses by age) on one engine while the others wait;
+tiny autograd ops for the host cost per op; the same product on every engine at once for the cores they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
 time of posting a message; a trivial model's step at 1 and 8 micro-batches for the executor's
 host cost per action. No model of the user's and no strategy it will predict runs.
@@ -35,8 +36,8 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
-    rate and the cache's size, elementwise and setup costs, host cost per op) and
-    the CPUs it may use. The rate beyond the cache is :func:`_shared`'s."""
+    rate, the cache's size and what it loses by age, host cost per op) and the CPUs it may use.
+    The rate beyond the cache is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
 
@@ -50,8 +51,6 @@ def _alone(seconds: float, rank_only: int | None = 0):
     memory = _stream(1, seconds / 2)
     cache = _cache(seconds)
     refetch = _refetch()
-    elementwise = {name: _loop(lambda f=f, x=torch.randn(1024, 512): f(x), seconds / 8) / (1024 * 512)
-                   for name, f in ELEMENTWISE.items()}
     w = torch.ones(1, requires_grad=True)
 
     def chain():
@@ -65,13 +64,8 @@ def _alone(seconds: float, rank_only: int | None = 0):
         chain()
     import os
     op_s = _loop(chain, seconds) / sum(op.name not in VIEWS for op in counter.sink)
-    elementwise = {name: max(0.0, t - op_s / (1024 * 512)) for name, t in elementwise.items()}
-    tiny = torch.randn(4, 4)
-    base = _loop(lambda: _aten("add")(tiny, tiny), seconds / 16)
-    setup = {name: max(0.0, _loop(lambda f=f: f(tiny), seconds / 40) - base) for name, f in SETUP.items()}
     return {"matmul": table, "memory_Bps": memory, "op_s": op_s,
-            "cache_bytes": cache, "refetch": refetch, "elementwise": elementwise, "setup_s": setup}, \
-        len(os.sched_getaffinity(0))
+            "cache_bytes": cache, "refetch": refetch}, len(os.sched_getaffinity(0))
 
 
 def _stream(mib: int, seconds: float) -> float:
@@ -142,33 +136,6 @@ def _refetch(passes: int = 7) -> tuple:
         rows.append((median(ages), median(took)))
     hot = rows[0][1]
     return tuple((age, max(0.0, t - hot) / nbytes) for age, t in rows)
-
-
-def _aten(name):
-    import torch
-    return getattr(torch.ops.aten, name)
-
-
-ELEMENTWISE = {
-    "gelu": lambda x: _aten("gelu")(x), "gelu_backward": lambda x: _aten("gelu_backward")(x, x),
-    "silu": lambda x: _aten("silu")(x), "silu_backward": lambda x: _aten("silu_backward")(x, x),
-    "tanh": lambda x: _aten("tanh")(x), "tanh_backward": lambda x: _aten("tanh_backward")(x, x),
-    "sigmoid": lambda x: _aten("sigmoid")(x), "sigmoid_backward": lambda x: _aten("sigmoid_backward")(x, x),
-    "exp": lambda x: _aten("exp")(x), "erf": lambda x: _aten("erf")(x), "rsqrt": lambda x: _aten("rsqrt")(x),
-    "_softmax": lambda x: _aten("_softmax")(x, -1, False),
-    "_softmax_backward_data": lambda x: _aten("_softmax_backward_data")(x, x, -1, x.dtype),
-    "_log_softmax": lambda x: _aten("_log_softmax")(x, -1, False),
-    "_log_softmax_backward_data": lambda x: _aten("_log_softmax_backward_data")(x, x, -1, x.dtype),
-}
-"""Elementwise ops whose arithmetic can bound them, each timed alone (``Machine.elementwise``)."""
-
-SETUP = ELEMENTWISE | {
-    "mse_loss": lambda x: _aten("mse_loss")(x, x), "mean": lambda x: _aten("mean")(x),
-    "index_add": lambda x: _aten("index_add")(x, 0, _aten("arange")(x.shape[0]), x),
-    "_scaled_dot_product_flash_attention_for_cpu":
-        lambda x: _aten("_scaled_dot_product_flash_attention_for_cpu")(*(x.view(1, 1, 4, 4),) * 3, 0.0, True),
-}
-"""Ops whose kernels take a setup of their own, beyond an add's, each timed on a 4×4 tensor (``Machine.setup_s``)."""
 
 
 def _together(seconds: float) -> float:
@@ -341,11 +308,11 @@ def _action_s(lab, machine: Machine) -> float:
     trivial model (width 8, depth 2), each rank's 8 samples stepped in 8 micro-batches and in 1,
     in turn three times; the extra time per extra action (14), on one engine's share of the
     cores, less what the extra micro-batches' forwards and backwards take timed in sequence on
-    this process (:func:`labkit.plan.work.profile`, as :func:`~labkit.plan.simulate` prices a
+    this process (:func:`labkit.plan.profile.profile`, as :func:`~labkit.plan.simulate` prices a
     model's). The sync, the optimizer and the step's own bookkeeping are the same at both counts."""
     from ..config import Strategy
     from ..models import mlp
-    from .work import profile
+    from .profile import profile
 
     model, world = mlp(width=8, depth=2), lab.world_size
     plans = [Strategy(dp=world, microbatches=m, dp_mode="bucketed") if world > 1 else Strategy(microbatches=m)

@@ -73,7 +73,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     """Predict one step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments).
     ``profile``: each piece of the model's step (a block's forward, its backward, the loss, the
     optimizer) costs what it took timed in sequence on this process at the micro-batch size
-    (:func:`labkit.plan.work.profile`, kept per model and size), its ops sharing it by their
+    (:func:`labkit.plan.profile.profile`, kept per model and size), its ops sharing it by their
     prices; False: the ops' prices alone."""
     check(strategy, machine, model)
     strategy.check_batch(batch)
@@ -86,7 +86,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         expert.check_model(strategy, built)
     work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes)
     if profile:              # cp's attention and ep's experts are priced apart: the pieces' own prices, unmarked
-        from .work import timed
+        from .profile import timed
         plain = (_count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes, marked=False)
                  if strategy.cp > 1 or strategy.ep > 1 else work)
         work = timed(work, _profile(model, size, data, loss, optimizer, strategy.cp), machine, plain)
@@ -121,8 +121,8 @@ def _kept(key, make):
 
 
 def _profile(model, size, data, loss, optimizer, cp=1) -> dict:
-    """The model's pieces timed at ``size`` (:func:`labkit.plan.work.profile`), kept per model."""
-    from .work import profile
+    """The model's pieces timed at ``size`` (:func:`labkit.plan.profile.profile`), kept per model."""
+    from .profile import profile
     return _kept(("profile", model, size, data, loss, optimizer, cp),
                  lambda: profile(model, size, data, loss, optimizer, cp=cp))
 

@@ -5,20 +5,19 @@ A step is each rank's program (:mod:`labkit.plan.physical`) run through the simu
 :class:`~labkit.plan.machine.Machine`'s measured numbers and nothing else.
 
 **Compute.** An op (:class:`labkit.plan.work.Op`: its FLOPs F, bytes moved B of which C come
-from beyond the cache, output elements E), scaled by k (a tensor-parallel shard), takes one thread
+from beyond the cache), scaled by k (a tensor-parallel shard), takes one thread
 
-    t = f · (h + h_op +  k·F / R(k·F) + k·C / B_dram)                           a product (or attention)
-    t = f · (h + h_op +  max(k·(B − C)/B_mem + k·C/B_dram,  k·E · e_op))        anything else
+    t = f · (h +  k·F / R(k·F) + k·C / B_dram)                  a product (or attention)
+    t = f · (h +  k·(B − C)/B_mem + k·C/B_dram)                 anything else
 
-with h the host's cost per op (``op_s``), h_op an op's own kernel setup (``setup_s``), R the
-matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), B_mem and B_dram the
-rates in and beyond the cache, e_op the seconds per element of an op whose arithmetic bounds
-it (GELU, exp, softmax), and f the op's ``factor``: its piece of the step (a block's forward, its
-backward, the loss, the optimizer) timed in sequence over the piece's priced sum
-(:func:`labkit.plan.work.timed`), so that a piece costs what it took and each op its price's
-share. The table prices the ops one by one; in sequence a model's ops cost more (a Linear reads
-its weight transposed, a slower kernel than a @ b; a module call and its hooks run between
-them), which only the sequence itself measures.
+with h the host's cost per op (``op_s``), R the matmul table (FLOP/s by the product's FLOPs,
+interpolated in log FLOPs), B_mem and B_dram the rates in and beyond the cache, and f the op's
+``factor``: its piece of the step (a block's forward, its backward, the loss, the optimizer)
+timed in sequence over the piece's priced sum (:func:`labkit.plan.profile.timed`), so that a
+piece costs what it took and each op its price's share. The table prices the ops one by one;
+in sequence a model's ops cost more (a Linear reads its weight transposed, a slower kernel than
+a @ b; a module call and its hooks run between them; GELU's arithmetic), which only the
+sequence itself measures.
 A view (a transpose, a reshape) moves nothing and costs nothing of its own: its host call is
 part of the ``op_s`` of the ops around it, as measured.
 
@@ -45,7 +44,7 @@ shared cache loses the bytes a rank is not using as the wall clock runs, not as 
 computes, so a pipeline's backward after a wait for its gradient, or a step's first forward,
 streams its weights in again. The ages come from the simulated step itself (its previous
 step's touches for the first), a₀ from the pieces' timing in sequence
-(:func:`labkit.plan.work.timed`).
+(:func:`labkit.plan.profile.timed`).
 
 **Shared cores.** The engines share ``cores`` cores by processor sharing: each running compute
 span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
@@ -72,11 +71,10 @@ def op_seconds(machine, op, k: float = 1.0) -> float:
     """t of one counted op, its work scaled by ``k`` (the module docstring's compute formula)."""
     if op.name in VIEWS:
         return 0.0
-    host, flops, cold = machine.op_s + machine.setup_s.get(op.name, 0.0), op.flops * k, op.cold * k
+    host, flops, cold = machine.op_s, op.flops * k, op.cold * k
     if flops:
         return op.factor * (host + flops / rate(machine, flops) + cold / machine.dram_Bps)
-    moved = (op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps
-    return op.factor * (host + max(moved, op.elements * k * machine.elementwise.get(op.name, 0.0)))
+    return op.factor * (host + (op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps)
 
 
 def seconds(machine, ops, scale=lambda op: 1.0) -> float:

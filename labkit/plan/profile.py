@@ -1,0 +1,152 @@
+"""The model's own pieces timed in sequence, where :mod:`labkit.plan.work` only counts them.
+
+vTrain's and Echo's way: a step of the model runs again on this process, one thread, at the
+micro-batch size, with cheap hooks marking where each piece begins (:func:`profile`); each
+piece's time then becomes its ops' ``factor`` over their table prices (:func:`timed`), so a
+piece costs what it took, and what it already paid for its bytes' age is noted (``Op.paid``),
+so the simulator charges only the refetch beyond it (:mod:`labkit.plan.price`).
+
+    >>> seconds = profile(labkit.models.mlp(width=512, depth=8), 16)
+    >>> work = timed(count(model, 16), seconds, machine)
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from ..training import build_model, resolve_data, resolve_loss
+from .work import ModelWork, Ops, _Recording, _rows
+
+
+class _Clock:
+    """In a :class:`_Recording`'s place of its counter: each time the piece running changes
+    (``sink`` is set), the seconds since the last change go to the piece that ran."""
+
+    def __init__(self):
+        self.linear, self.weights, self.grads, self.by_storage, self.by_shape = "", set(), {}, {}, {}
+        self.seconds, self._sink, self._since = {}, None, 0.0
+
+    @property
+    def sink(self):
+        return self._sink
+
+    @sink.setter
+    def sink(self, piece) -> None:
+        now = time.perf_counter()
+        if self._sink is not None:
+            self.seconds[id(self._sink)] = self.seconds.get(id(self._sink), 0.0) + now - self._since
+        self._sink, self._since = piece, now
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sink = None
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread, as an engine runs (OMP_NUM_THREADS=1), the caller's threads after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", repeats: int = 7,
+            cp: int = 1) -> dict:
+    """Seconds of each piece of a step of ``model`` on a micro-batch of ``batch`` samples, timed
+    in sequence on this process's one thread (forward, loss, backward and the optimizer, as the
+    executor runs them; the median of ``repeats`` steps after two): {(block i, "pre", "post" or
+    "opt", "fwd" or "bwd"): seconds}. What the model's own ops take one after another, where
+    their table prices miss what runs between them (vTrain's profiling of a layer, Echo's).
+    ``cp`` > 1: on a cp rank's 1/cp of every sequence (as :func:`count`), attending within it."""
+    from statistics import median
+
+    from ..parallel.blocks import find_blocks
+
+    net = build_model(model, 0)
+    found = find_blocks(net, None)
+    x, y = resolve_data(data, net, batch, 0)(0)
+    x, y = _rows(x, lambda v: v[:batch]), y[:batch]
+    if cp > 1:
+        x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
+    clock = _Clock()
+    rec = _Recording(net, found, marked=False, counter=clock)
+    runs = []
+    with one_thread():
+        for k in range(repeats + 2):
+            clock.seconds = {}
+            rec.step(x, y, resolve_loss(loss), optimizer, 1)
+            if k >= 2:
+                runs.append({key: clock.seconds.get(id(sink), 0.0) for key, sink in rec.pieces.items()})
+    out = {key: median(r[key] for r in runs) for key in runs[-1]}
+    last = len(found) - 1
+    for (piece, phase), t in list(out.items()):
+        if isinstance(piece, tuple):          # ("after", i): between block i and the next, or the loss
+            del out[piece, phase]
+            into = (piece[1], "fwd") if piece[1] < last else ("post", "fwd")
+            out[into] = out.get(into, 0.0) + t
+    return out
+
+
+def timed(work: ModelWork, seconds: dict, machine, plain: ModelWork | None = None) -> ModelWork:
+    """``work`` with each op's ``factor``: its piece's measured ``seconds`` (:func:`profile`)
+    over the piece's price on ``machine``, so the piece costs what it measured and each op its
+    price's share of it (a tensor-parallel shard scales its ops' prices, the factor stays).
+    ``plain``: the same pieces counted unmarked (``count(..., marked=False)``), whose prices
+    the timed pieces are set against, when ``work`` left cp's attention or ep's experts out."""
+    from dataclasses import replace
+
+    from . import price
+
+    plain = plain or work
+
+    def scaled(ops: Ops, like: Ops, key) -> Ops:
+        priced = price.seconds(machine, like.ops)
+        if key not in seconds or priced <= 0:
+            return ops
+        f = seconds[key] / priced
+        return Ops([replace(o, factor=f) for o in ops.ops])
+
+    def block(b, p, i):
+        return replace(b, fwd=scaled(b.fwd, p.fwd, (i, "fwd")), bwd=scaled(b.bwd, p.bwd, (i, "bwd")))
+    work = replace(work, blocks=[block(b, p, i) for i, (b, p) in enumerate(zip(work.blocks, plain.blocks))],
+                   pre=block(work.pre, plain.pre, "pre"), post=block(work.post, plain.post, "post"),
+                   optimizer=scaled(work.optimizer, plain.optimizer, ("opt", "fwd")))
+    return _paid(work, seconds, machine)
+
+
+def _paid(work: ModelWork, seconds: dict, machine) -> ModelWork:
+    """``work`` with each op's ``paid``: ρ of each operand's age where the profile timed it, the
+    pieces one after another in a step's order, the second of two steps (each piece's operands
+    taken at its start, as the simulator takes a span's)."""
+    from dataclasses import replace
+
+    from . import price
+
+    n = len(work.blocks)
+    order = ([("pre", "fwd", work.pre.fwd)] + [(i, "fwd", b.fwd) for i, b in enumerate(work.blocks)]
+             + [("post", "fwd", work.post.fwd), ("post", "bwd", work.post.bwd)]
+             + [(i, "bwd", work.blocks[i].bwd) for i in reversed(range(n))]
+             + [("pre", "bwd", work.pre.bwd), ("opt", "fwd", work.optimizer)])
+    now, last, paid = 0.0, {}, {}
+    for second in (False, True):
+        for piece, phase, ops in order:
+            seen = {}
+            for op in ops.ops:
+                for key, _ in op.operands:
+                    if key not in seen:
+                        seen[key] = price.refetch(machine, now - last[key]) if key in last else 0.0
+            if second:
+                paid[id(ops)] = seen
+            last.update(dict.fromkeys(seen, now))
+            now += seconds.get((piece, phase), 0.0)
+    ages = lambda ops: Ops([replace(o, paid=tuple(paid[id(ops)][k] for k, _ in o.operands)) for o in ops.ops])  # noqa: E731
+    block = lambda b: replace(b, fwd=ages(b.fwd), bwd=ages(b.bwd))  # noqa: E731
+    return replace(work, blocks=[block(b) for b in work.blocks], pre=block(work.pre), post=block(work.post),
+                   optimizer=ages(work.optimizer))
