@@ -140,7 +140,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
 
     def __init__(self, s, machine: Machine, work, plan: dict, routes=None, timed: bool = False):
         self.s, self.m, self.w, self.routes, self.counted = s, machine, work, routes, {}
-        self.timed = timed          # the work's pieces timed (work.timed): an ep rank's own parts timed too
+        self.timed = timed          # the work's pieces timed (profile.timed): an ep rank's own parts timed too
         if s.zero == 3:
             from .work import unaccumulated
             self.w = unaccumulated(work)
@@ -247,7 +247,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         def close():
             out.append(self.piece(list(piece), kind, name, mb))
             piece.clear()
-        factor = next((o.factor for o in ops.ops), 1.0)       # the piece's, timed (work.timed)
+        factor = next((o.factor for o in ops.ops), 1.0)       # the piece's, timed (profile.timed)
         for o in ops.ops:
             if o.name in cut:
                 close()
