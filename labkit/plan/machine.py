@@ -61,6 +61,9 @@ class Memory:
     sleep, at a few sleeps; per byte, the median pass's time beyond back-to-back passes', by
     the time between the passes' starts. () prices none."""
 
+    def __post_init__(self):
+        object.__setattr__(self, "refetch", tuple(tuple(r) for r in self.refetch))      # a file's lists too
+
 
 @dataclass(frozen=True, kw_only=True)
 class Host:
@@ -104,7 +107,7 @@ class Machine:
     memory: Memory = Memory()
     """The cache, its rate and the bus beyond it (:class:`Memory`)."""
     host: Host = Host()
-    """Host seconds per op, per kind of op, per action and per posted call (:class:`Host`)."""
+    """Host seconds per op, per action and per posted call (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
     """family → :class:`~labkit.plan.hardware.AlphaBeta` with α per ring step (gloo sends each
     step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
@@ -186,8 +189,6 @@ class Machine:
             raise ValueError(f"{path} was measured by an earlier labkit: {gone} are no longer part of a Machine "
                              "(they did not make the planner's held-out predictions better); measure it again with "
                              "labkit.plan.measure(lab)")
-        d["matmul"] = tuple(tuple(r) for r in d["matmul"])
-        d["refetch"] = tuple(tuple(r) for r in d.get("refetch", ()))
         return cls.of(**d)
 
     def __str__(self) -> str:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from ..training import build_model, resolve_data, resolve_loss
-from .work import ModelWork, Ops, _Recording, _rows
+from .work import ModelWork, Ops, _Recording, _rows, in_step_order, with_pieces
 
 
 class _Clock:
@@ -104,21 +104,14 @@ def timed(work: ModelWork, seconds: dict, machine, plain: ModelWork | None = Non
 
     from . import price
 
-    plain = plain or work
+    plain = dict(in_step_order(plain or work))
 
-    def scaled(ops: Ops, like: Ops, key) -> Ops:
-        priced = price.seconds(machine, like.ops)
+    def scaled(key, ops: Ops) -> Ops:
+        priced = price.seconds(machine, plain[key].ops)
         if key not in seconds or priced <= 0:
             return ops
-        f = seconds[key] / priced
-        return Ops([replace(o, factor=f) for o in ops.ops])
-
-    def block(b, p, i):
-        return replace(b, fwd=scaled(b.fwd, p.fwd, (i, "fwd")), bwd=scaled(b.bwd, p.bwd, (i, "bwd")))
-    work = replace(work, blocks=[block(b, p, i) for i, (b, p) in enumerate(zip(work.blocks, plain.blocks))],
-                   pre=block(work.pre, plain.pre, "pre"), post=block(work.post, plain.post, "post"),
-                   optimizer=scaled(work.optimizer, plain.optimizer, ("opt", "fwd")))
-    return _paid(work, seconds, machine)
+        return Ops([replace(o, factor=seconds[key] / priced) for o in ops.ops])
+    return _paid(with_pieces(work, scaled), seconds, machine)
 
 
 def _paid(work: ModelWork, seconds: dict, machine) -> ModelWork:
@@ -129,24 +122,17 @@ def _paid(work: ModelWork, seconds: dict, machine) -> ModelWork:
 
     from . import price
 
-    n = len(work.blocks)
-    order = ([("pre", "fwd", work.pre.fwd)] + [(i, "fwd", b.fwd) for i, b in enumerate(work.blocks)]
-             + [("post", "fwd", work.post.fwd), ("post", "bwd", work.post.bwd)]
-             + [(i, "bwd", work.blocks[i].bwd) for i in reversed(range(n))]
-             + [("pre", "bwd", work.pre.bwd), ("opt", "fwd", work.optimizer)])
     now, last, paid = 0.0, {}, {}
     for second in (False, True):
-        for piece, phase, ops in order:
+        for piece, ops in in_step_order(work):
             seen = {}
             for op in ops.ops:
                 for key, _ in op.operands:
                     if key not in seen:
                         seen[key] = price.refetch(machine, now - last[key]) if key in last else 0.0
             if second:
-                paid[id(ops)] = seen
+                paid[piece] = seen
             last.update(dict.fromkeys(seen, now))
-            now += seconds.get((piece, phase), 0.0)
-    ages = lambda ops: Ops([replace(o, paid=tuple(paid[id(ops)][k] for k, _ in o.operands)) for o in ops.ops])  # noqa: E731
-    block = lambda b: replace(b, fwd=ages(b.fwd), bwd=ages(b.bwd))  # noqa: E731
-    return replace(work, blocks=[block(b) for b in work.blocks], pre=block(work.pre), post=block(work.post),
-                   optimizer=ages(work.optimizer))
+            now += seconds.get(piece, 0.0)
+    return with_pieces(work, lambda piece, ops: Ops([replace(o, paid=tuple(paid[piece][k] for k, _ in o.operands))
+                                                     for o in ops.ops]))

@@ -355,6 +355,27 @@ class _Recording:
                          [".experts." in f".{q}" for q, _ in module.named_parameters()])
 
 
+def in_step_order(work: ModelWork) -> list:
+    """[(key, Ops)] of ``work``'s pieces in the order a step runs them: the forwards, the loss,
+    the backwards last block first, the optimizer; keys as :func:`labkit.plan.profile.profile`
+    times them ((block i, "pre", "post" or "opt"), ("fwd" or "bwd"))."""
+    n = len(work.blocks)
+    return ([(("pre", "fwd"), work.pre.fwd)] + [((i, "fwd"), b.fwd) for i, b in enumerate(work.blocks)]
+            + [(("post", "fwd"), work.post.fwd), (("post", "bwd"), work.post.bwd)]
+            + [((i, "bwd"), work.blocks[i].bwd) for i in reversed(range(n))]
+            + [(("pre", "bwd"), work.pre.bwd), (("opt", "fwd"), work.optimizer)])
+
+
+def with_pieces(work: ModelWork, fn) -> ModelWork:
+    """``work`` with each piece's Ops replaced by ``fn(key, ops)`` (keys as :func:`in_step_order`)."""
+    from dataclasses import replace
+
+    def block(b, name):
+        return replace(b, fwd=fn((name, "fwd"), b.fwd), bwd=fn((name, "bwd"), b.bwd))
+    return replace(work, blocks=[block(b, i) for i, b in enumerate(work.blocks)], pre=block(work.pre, "pre"),
+                   post=block(work.post, "post"), optimizer=fn(("opt", "fwd"), work.optimizer))
+
+
 def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
     """``work`` with each op's ``cold`` bytes: the operands a cache of ``cache_bytes`` (least
     recently used out first) does not hold when the op runs, in a steady step's order (forward,
@@ -363,12 +384,10 @@ def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
     from collections import OrderedDict
     from dataclasses import replace
 
-    pieces = ([work.pre.fwd] + [b.fwd for b in work.blocks] + [work.post.fwd, work.post.bwd]
-              + [b.bwd for b in reversed(work.blocks)] + [work.pre.bwd, work.optimizer])
     cache, held, cold = OrderedDict(), 0.0, {}
     for second in (False, True):
-        for piece in pieces:
-            for k, op in enumerate(piece.ops):
+        for piece, ops in in_step_order(work):
+            for k, op in enumerate(ops.ops):
                 missed = 0.0
                 for key, nbytes in op.operands:
                     if key in cache:
@@ -380,11 +399,8 @@ def warm(work: ModelWork, cache_bytes: float) -> ModelWork:
                     while held > cache_bytes and len(cache) > 1:
                         held -= cache.popitem(last=False)[1]
                 if second:
-                    cold[id(piece), k] = missed
-    warmed = lambda piece: Ops([replace(op, cold=cold[id(piece), k]) for k, op in enumerate(piece.ops)])  # noqa: E731
-    block = lambda b: replace(b, fwd=warmed(b.fwd), bwd=warmed(b.bwd))  # noqa: E731
-    return replace(work, blocks=[block(b) for b in work.blocks], pre=block(work.pre), post=block(work.post),
-                   optimizer=warmed(work.optimizer))
+                    cold[piece, k] = missed
+    return with_pieces(work, lambda piece, ops: Ops([replace(op, cold=cold[piece, k]) for k, op in enumerate(ops.ops)]))
 
 
 def unaccumulated(work: ModelWork) -> ModelWork:
