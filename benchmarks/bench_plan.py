@@ -137,11 +137,12 @@ def terms(machine) -> list[str]:
 def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     kw = {k: spec[k] for k in ("data", "loss") if k in spec}
     tp_plan = spec.get("tp_plan") if strategy.tp > 1 else None
-    pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **kw)
+    sim = dict(kw, steps=steps)          # the run's steps: an MoE's routes move as its router trains
+    pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **sim)
     ablated = {t: plan.simulate(strategy, without(machine, t), model=spec["model"], batch=spec["batch"],
-                                tp_plan=tp_plan, **kw).metrics["step_time_s"] for t in terms(machine)}
+                                tp_plan=tp_plan, **sim).metrics["step_time_s"] for t in terms(machine)}
     ablated["profile"] = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan,
-                                       profile=False, **kw).metrics["step_time_s"]
+                                       profile=False, **sim).metrics["step_time_s"]
     runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
             for _ in range(2)]
     row = {f"predicted_{k}": pred.metrics[k] for k in KEYS}

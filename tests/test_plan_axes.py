@@ -68,9 +68,22 @@ def test_ring_rounds_follow_the_causal_split():
 ], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
         "dp4ep2-overlap", "dp4ep4-m2"])
 def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
-    pred = plan.simulate(strategy, _machine(), model=model, **KW)
+    pred = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.3, **KW)
     run = lab4.run(strategy, model=model, steps=1, lr=0.3, **KW)
     assert per_rank(pred.timeline.events, 4) == per_rank(run.timeline.events, 4)
+
+
+def test_an_ep_prediction_routes_each_measured_step_as_the_trained_router_does(lab4):
+    """The router trains, so later steps route unevenly: the bytes each rank sends, per step
+    the run's metrics count (its first left out), are the run's own, not the first step's."""
+    strategy = labkit.Strategy(dp=4, ep=4)
+    run = lab4.run(strategy, model=MOE, steps=4, lr=0.5, **KW)
+    pred = plan.simulate(strategy, _machine(), model=MOE, steps=4, lr=0.5, **KW)
+    first = plan.simulate(strategy, _machine(), model=MOE, steps=1, lr=0.5, **KW)
+    assert list(pred.metrics["bytes_sent"]) == list(run.metrics["bytes_sent"])
+    assert list(first.metrics["bytes_sent"]) != list(run.metrics["bytes_sent"])
+    steps = sorted({e["step"] for e in pred.timeline.events})
+    assert len(steps) == 1        # the timeline: one step, the median one
 
 
 def test_an_all_to_all_is_priced_by_its_busiest_member_sent_or_received():
@@ -124,3 +137,24 @@ def test_an_ep_rank_s_own_parts_are_timed_as_routed_ops_counts_them(monkeypatch)
     s, machine = labkit.Strategy(dp=2, ep=2), Machine.of(**{**_machine().numbers(), "engines": 2})
     assert plan.simulate(s, machine, model=MOE, **KW).metrics["step_time_s"] >= 12.0
     assert plan.simulate(s, machine, model=MOE, profile=False, **KW).metrics["step_time_s"] < 1.0
+
+
+def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_the_block_without_them():
+    """MoE._routed (what ep moves off the block) is timed inside its block's piece; under ep the
+    block costs what it took less them, without the counted prices deciding the share."""
+    from labkit.plan import price
+    from labkit.plan.profile import profile, timed
+    from labkit.plan.work import count
+
+    seconds = profile(MOE, 4, DATA, "cross_entropy", repeats=3)
+    for i in range(2):
+        for phase in ("fwd", "bwd"):
+            assert 0 < seconds[("routed", i), phase] < seconds[i, phase]
+    machine = _machine()
+    work = timed(count(MOE, 4, DATA, "cross_entropy", ep=2), seconds, machine,
+                 count(MOE, 4, DATA, "cross_entropy", ep=2, marked=False))
+    for i, block in enumerate(work.blocks):
+        for phase, ops in (("fwd", block.fwd), ("bwd", block.bwd)):
+            assert price.seconds(machine, ops.ops) == pytest.approx(seconds[i, phase] - seconds[("routed", i), phase])
+    whole = timed(count(MOE, 4, DATA, "cross_entropy"), seconds, machine)      # no ep: the block as it took
+    assert price.seconds(machine, whole.blocks[0].fwd.ops) == pytest.approx(seconds[0, "fwd"])

@@ -1,36 +1,40 @@
 """The compute around expert parallelism's exchanges, counted as :mod:`.work` counts a
-model's: which experts the first step's tokens choose, the rows each rank sends each other, and
-one ep rank's sort, experts and un-permute.
+model's: which experts each step's tokens choose as the router trains, the rows each rank sends
+each other, and one ep rank's sort, experts and un-permute.
 """
 from __future__ import annotations
 
 import torch
 
-from ..training import build_model, resolve_data
 from .profile import one_thread
 from .work import Ops, _ops
 
 
-def routes(model, batch: int, data, ranks: int, microbatches: int) -> list[list[dict]]:
-    """Per dp rank, per micro-batch: {MoE layer name: the experts each token chose (tokens,
-    top_k)} at the first step's data and the seeded weights, as the run's first step routes."""
+def routes(model, batch: int, data, ranks: int, microbatches: int, steps=(0,), lr: float = 0.1, seed: int = 0,
+           momentum: float = 0.0, loss="mse", optimizer: str = "sgd") -> dict:
+    """{step: per dp rank, per micro-batch: {MoE layer name: the experts each token chose
+    (tokens, top_k)}} for each of ``steps``, as the run routes them: its seeded weights trained
+    by the steps before, on that step's data (one process, the whole batch, as
+    :func:`labkit.reference` trains, which every strategy equals). A router moves as it trains,
+    and how unevenly it sends tokens moves with it."""
     from ..parallel.expert import moe_layers
-    net = build_model(model, 0)
-    x, _ = resolve_data(data, net, batch, 0)(0)
-    seen, hooks = {}, []
-    for name, moe in moe_layers(net):
-        def hook(m, args, logits, name=name, moe=moe):     # MoE.forward's own top-k of the router's softmax
-            seen[name] = logits.float().softmax(dim=-1).topk(moe.top_k, dim=-1).indices.reshape(-1, moe.top_k)
-        hooks.append(moe.router.register_forward_hook(hook))
-    out = []
-    with torch.no_grad():
-        for rows in x.chunk(ranks):
-            out.append([])
-            for part in rows.chunk(microbatches):
-                net(part)
-                out[-1].append(dict(seen))
-    for h in hooks:
-        h.remove()
+    from ..run.reference import _train
+
+    wanted, seen, out, forwards = set(steps), {}, {}, []
+
+    def take(step: int) -> None:       # the whole batch's (B, T, k) choices, cut as ranks and micro-batches
+        if step in wanted:
+            out[step] = [[{name: c[rows].reshape(-1, c.shape[-1]) for name, c in seen.items()}
+                          for rows in part.chunk(microbatches)] for part in torch.arange(batch).chunk(ranks)]
+        forwards.append(step)
+
+    def watch(net):
+        for name, moe in moe_layers(net):
+            def hook(m, args, logits, name=name, moe=moe):     # MoE.forward's own top-k of the router's softmax
+                seen[name] = logits.detach().float().softmax(dim=-1).topk(moe.top_k, dim=-1).indices
+            moe.router.register_forward_hook(hook)
+        net.register_forward_hook(lambda m, args, o: take(len(forwards)))     # one forward a step
+    _train(model, batch, max(wanted) + 1, lr, seed, data, loss, momentum, False, optimizer, watch=watch)
     return out
 
 

@@ -69,14 +69,21 @@ def check(strategy, machine: Machine, model) -> None:
 
 
 def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None, loss="mse",
-             tp_plan: dict | None = None, optimizer: str = "sgd", profile: bool = True) -> Simulated:
-    """Predict one step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments).
+             tp_plan: dict | None = None, optimizer: str = "sgd", profile: bool = True, steps: int = 5,
+             lr: float = 0.1, seed: int = 0, momentum: float = 0.0) -> Simulated:
+    """Predict a step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments).
     ``profile``: each piece of the model's step (a block's forward, its backward, the loss, the
     optimizer) costs what it took timed in sequence on this process at the micro-batch size
     (:func:`labkit.plan.profile.profile`, kept per model and size), its ops sharing it by their
-    prices; False: the ops' prices alone."""
+    prices; False: the ops' prices alone.
+    ``steps``, ``lr``, ``seed``, ``momentum``: the run's, for what changes from step to step: with
+    ep, where the tokens go as the router trains (:func:`labkit.plan.expert_work.routes`); each
+    step the run's metrics count is priced, the metrics theirs (the median step, as a run's),
+    the timeline the median step's. Every other step is the same step."""
     check(strategy, machine, model)
     strategy.check_batch(batch)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"simulate: steps={steps!r} must be a whole number ≥ 1 (the run's)")
     size = batch // (strategy.dp * strategy.microbatches)
     if strategy.cp > 1 or strategy.ep > 1:     # the lab's own model checks, its messages
         from ..training import build_model, resolve_data
@@ -96,14 +103,21 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
     else:
         plan = {}
-    routes = None
-    if strategy.ep > 1:                  # where each rank's tokens go, as the first step routes them
-        from .expert_work import routes as route
-        routes = route(model, batch, data, strategy.dp, strategy.microbatches)
-    events = price.step_events(Builder(strategy, machine, work, plan, routes, profile).programs(), machine)
     world = strategy.world_size
-    return Simulated(strategy, step_metrics(events, world, batch),
-                     Timeline(events, world, title="predicted", grid=strategy), batch)
+    if strategy.ep == 1:
+        events = price.step_events(Builder(strategy, machine, work, plan, None, profile).programs(), machine)
+        return Simulated(strategy, step_metrics(events, world, batch),
+                         Timeline(events, world, title="predicted", grid=strategy), batch)
+    from ..run.runner import measured_steps
+    from .expert_work import routes
+    by_step = routes(model, batch, data, strategy.dp, strategy.microbatches, range(measured_steps(steps), steps),
+                     lr=lr, seed=seed, momentum=momentum, loss=loss, optimizer=optimizer)
+    each = {k: price.step_events(Builder(strategy, machine, work, plan, r, profile).programs(), machine)
+            for k, r in by_step.items()}
+    length = {k: max(e["end"] for e in events) for k, events in each.items()}
+    middle = sorted(each, key=length.get)[(len(each) - 1) // 2]
+    return Simulated(strategy, step_metrics([{**e, "step": k} for k, events in each.items() for e in events], world, batch),
+                     Timeline(each[middle], world, title="predicted", grid=strategy), batch)
 
 
 _CACHE: dict = {}

@@ -77,21 +77,53 @@ def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", re
         x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
     clock = _Clock()
     rec = _Recording(net, found, marked=False, counter=clock)
+    routed = _time_routed(net, found)
     runs = []
     with one_thread():
         for k in range(repeats + 2):
             clock.seconds = {}
+            routed.clear()
             rec.step(x, y, resolve_loss(loss), optimizer, 1)
             if k >= 2:
-                runs.append({key: clock.seconds.get(id(sink), 0.0) for key, sink in rec.pieces.items()})
-    out = {key: median(r[key] for r in runs) for key in runs[-1]}
+                runs.append({key: clock.seconds.get(id(sink), 0.0) for key, sink in rec.pieces.items()} | routed)
+    out = {key: median(r.get(key, 0.0) for r in runs) for key in runs[-1]}
     last = len(found) - 1
     for (piece, phase), t in list(out.items()):
-        if isinstance(piece, tuple):          # ("after", i): between block i and the next, or the loss
+        if isinstance(piece, tuple) and piece[0] == "after":   # between block i and the next, or the loss
             del out[piece, phase]
             into = (piece[1], "fwd") if piece[1] < last else ("post", "fwd")
             out[into] = out.get(into, 0.0) + t
     return out
+
+
+def _time_routed(net, found) -> dict:
+    """Each MoE layer's routed experts (``MoE._routed``: the part expert parallelism moves off
+    the block) timed inside its block's piece, forward and backward: {(("routed", i), phase):
+    seconds}, filled as the step runs (the block's own piece still holds them)."""
+    from ..parallel.expert import moe_layers
+
+    seconds, names = {}, [name for name, _ in found]
+
+    def add(key, t):
+        seconds[key] = seconds.get(key, 0.0) + t
+
+    for name, moe in moe_layers(net):
+        i = next((k for k, n in enumerate(names) if name == n or name.startswith(n + ".")), None)
+        if i is None:
+            continue
+        inner = type(moe)._routed.__get__(moe)
+
+        def routed(x, chosen, gates, i=i, inner=inner):
+            t0 = time.perf_counter()
+            out = inner(x, chosen, gates)
+            add((("routed", i), "fwd"), time.perf_counter() - t0)
+            if out.requires_grad and x.requires_grad:     # its backward: the output's gradient to the input's
+                began = []
+                out.register_hook(lambda g: began.append(time.perf_counter()))
+                x.register_hook(lambda g: add((("routed", i), "bwd"), time.perf_counter() - began[0]) if began else None)
+            return out
+        moe._routed = routed
+    return seconds
 
 
 def timed(work: ModelWork, seconds: dict, machine, plain: ModelWork | None = None) -> ModelWork:
@@ -107,10 +139,15 @@ def timed(work: ModelWork, seconds: dict, machine, plain: ModelWork | None = Non
     plain = dict(in_step_order(plain or work))
 
     def scaled(key, ops: Ops) -> Ops:
-        priced = price.seconds(machine, plain[key].ops)
-        if key not in seconds or priced <= 0:
+        if key not in seconds:
             return ops
-        return Ops([replace(o, factor=seconds[key] / priced) for o in ops.ops])
+        took, against = seconds[key], plain[key]
+        if any(o.name == "experts" for o in ops.ops):     # ep: the routed experts, timed inside, left out
+            took, against = took - seconds.get((("routed", key[0]), key[1]), 0.0), ops
+        priced = price.seconds(machine, against.ops)
+        if priced <= 0:
+            return ops
+        return Ops([replace(o, factor=took / priced) for o in ops.ops])
     return _paid(with_pieces(work, scaled), seconds, machine)
 
 

@@ -123,9 +123,13 @@ def _cast(x, dtype):
     return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots, optimizer, dtype=None) -> Reference:
-    """One process, the whole global batch per step: the yardstick's loop (``dtype``: its float64 twin)."""
+def _train(model, batch, steps, lr, seed, data, loss, momentum, snapshots, optimizer, dtype=None,
+           watch=None) -> Reference:
+    """One process, the whole global batch per step: the yardstick's loop (``dtype``: its float64
+    twin; ``watch(net)``: called once the model is built, to hook it before it trains)."""
     net = build_model(model, seed)
+    if watch is not None:
+        watch(net)
     data_fn = resolve_data(data, net, batch, seed)
     if dtype is not None:
         net.to(dtype)
