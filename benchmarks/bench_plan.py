@@ -22,6 +22,10 @@ nothing) and with the model's timed pieces left out (``profile``: the ops' table
 so a term that does not make the held-out cases better shows it; and the host's load average (``os.getloadavg``), since the engines share their cores
 with whatever else runs; ``--remeasure`` measures the machine again before each case, so a
 drift of that load between the measurement and the case is taken out.
+Each case's model has its pieces timed between its two runs, not once for the round: this
+host's own speed drifts (one fixed 4-layer forward and backward, timed every second for four
+minutes: 1.84–4.07 ms, p10–p90 2.16–2.87, its 10-second medians wandering 2.05 → 2.90), so a
+profile taken minutes before a case prices it at another moment's speed.
 ``--link bandwidth,latency``: the lab runs on an emulated link (``labkit.Link``), whose α and
 β the machine takes as they are imposed.
 """
@@ -137,14 +141,19 @@ def terms(machine) -> list[str]:
 def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     kw = {k: spec[k] for k in ("data", "loss") if k in spec}
     tp_plan = spec.get("tp_plan") if strategy.tp > 1 else None
+    def run():
+        return lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
+    runs = [run()]
+    # the model's pieces timed between the two runs (the host's own speed drifts over minutes:
+    # a profile kept from an earlier case would price this one at another moment's speed)
+    plan.physical.forget_profiles()
     sim = dict(kw, steps=steps)          # the run's steps: an MoE's routes move as its router trains
     pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **sim)
     ablated = {t: plan.simulate(strategy, without(machine, t), model=spec["model"], batch=spec["batch"],
                                 tp_plan=tp_plan, **sim).metrics["step_time_s"] for t in terms(machine)}
     ablated["profile"] = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan,
                                        profile=False, **sim).metrics["step_time_s"]
-    runs = [lab.run(strategy, model=spec["model"], batch=spec["batch"], steps=steps, tp_plan=tp_plan, **kw).metrics
-            for _ in range(2)]
+    runs.append(run())
     row = {f"predicted_{k}": pred.metrics[k] for k in KEYS}
     row["without"] = ablated
     row["in_sample"] = bool(spec.get("in_sample"))

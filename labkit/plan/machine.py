@@ -98,9 +98,10 @@ class Machine:
     """What one step costs on this machine; every field a physical quantity, measured alone."""
 
     cores: float
-    """Cores the engines' threads share (may be fractional on a loaded host). Measured: matmuls on
-    every engine at once against one engine alone (at most the engines and the CPUs they may
-    run on). The simulator shares them among runnable threads."""
+    """Cores the engines' threads share (may be fractional on a loaded host). Measured: a product
+    on every engine at once against one engine alone, five pairs back to back, the median (at
+    most the engines and the CPUs they may run on). The simulator shares them among runnable
+    threads."""
     matmul: tuple = ((1e6, 1e9),)
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending, interpolated in log FLOPs.
     Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""

@@ -138,14 +138,28 @@ def _refetch(passes: int = 7) -> tuple:
     return tuple((age, max(0.0, t - hot) / nbytes) for age, t in rows)
 
 
-def _together(seconds: float) -> float:
-    """On every engine at once: a 64×512×512 product's rate."""
+def _together(seconds: float, rank_only: int | None = None) -> float | None:
+    """On every engine at once (``rank_only``: on that rank alone, the others idle): a
+    64×512×512 product's rate."""
     import torch
     import torch.distributed as dist
 
     a, b = torch.randn(64, 512), torch.randn(512, 512)
     dist.barrier()
+    if rank_only is not None and dist.get_rank() != rank_only:
+        return None
     return 2.0 * 64 * 512 * 512 / _loop(lambda: a @ b, seconds, chunks=1)
+
+
+def _cores(lab, seconds: float, pairs: int = 5) -> float:
+    """Engines' worth of one engine alone when all compute at once: the median over ``pairs``
+    of one engine's rate alone and every engine's at once, taken back to back, so a change of
+    the host's load between them meets both (on a shared host the cores it lends drift)."""
+    ratios = []
+    for _ in range(pairs):
+        one = next(r for r in lab.apply(_together, seconds / pairs, 0) if r is not None)
+        ratios.append(sum(lab.apply(_together, seconds / pairs)) / one)
+    return median(ratios)
 
 
 def _posting(rounds: int):
@@ -282,11 +296,8 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     """Measure this lab's :class:`Machine` (some seconds; no model, no strategy)."""
     world = lab.world_size
     alone, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
-    table = alone["matmul"]
-    together = lab.apply(_together, seconds)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
-    # the together-product is 64×512×512, table row 2's shape
-    cores = max(0.25, min(float(world), float(cpus), sum(together) / table[2][1]))
+    cores = max(0.25, min(float(world), float(cpus), _cores(lab, seconds)))
     alone["dram_Bps"] = median(lab.apply(_shared, seconds))     # beyond the cache the engines share the bus
     comm, link_ab, call_s = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0
     if world > 1:

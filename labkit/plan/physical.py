@@ -134,6 +134,13 @@ def _kept(key, make):
     return _CACHE[key]
 
 
+def forget_profiles() -> None:
+    """Drop the kept profiles: :func:`simulate` times a model's pieces again on its next call (a
+    shared host's own speed drifts over minutes; a benchmark times them beside the runs)."""
+    for key in [k for k in _CACHE if k[0] == "profile"]:
+        del _CACHE[key]
+
+
 def _profile(model, size, data, loss, optimizer, cp=1) -> dict:
     """The model's pieces timed at ``size`` (:func:`labkit.plan.profile.profile`), kept per model."""
     from .profile import profile
