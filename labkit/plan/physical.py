@@ -104,17 +104,18 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     else:
         plan = {}
     world = strategy.world_size
-    if strategy.ep == 1:
-        events = price.step_events(Builder(strategy, machine, work, plan, None, profile).programs(), machine)
-        return Simulated(strategy, step_metrics(events, world, batch),
-                         Timeline(events, world, title="predicted", grid=strategy), batch)
-    from ..run.runner import measured_steps
-    from .expert_work import routes
-    by_step = routes(model, batch, data, strategy.dp, strategy.microbatches, range(measured_steps(steps), steps),
-                     lr=lr, seed=seed, momentum=momentum, loss=loss, optimizer=optimizer)
+    by_step = {0: None}                  # every step the same step, but where an MoE's tokens go
+    if strategy.ep > 1:
+        from ..run.runner import measured_steps
+        from .expert_work import routes
+        measured = range(measured_steps(steps), steps)
+        by_step = _kept(("routes", model, batch, data, strategy.dp, strategy.microbatches, measured, lr, seed,
+                         momentum, loss, optimizer),
+                        lambda: routes(model, batch, data, strategy.dp, strategy.microbatches, measured, lr=lr,
+                                       seed=seed, momentum=momentum, loss=loss, optimizer=optimizer))
     each = {k: price.step_events(Builder(strategy, machine, work, plan, r, profile).programs(), machine)
             for k, r in by_step.items()}
-    length = {k: max(e["end"] for e in events) for k, events in each.items()}
+    length = {k: max((e["end"] for e in events), default=0.0) for k, events in each.items()}
     middle = sorted(each, key=length.get)[(len(each) - 1) // 2]
     return Simulated(strategy, step_metrics([{**e, "step": k} for k, events in each.items() for e in events], world, batch),
                      Timeline(each[middle], world, title="predicted", grid=strategy), batch)
