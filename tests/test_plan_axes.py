@@ -158,3 +158,14 @@ def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_t
             assert price.seconds(machine, ops.ops) == pytest.approx(seconds[i, phase] - seconds[("routed", i), phase])
     whole = timed(count(MOE, 4, DATA, "cross_entropy"), seconds, machine)      # no ep: the block as it took
     assert price.seconds(machine, whole.blocks[0].fwd.ops) == pytest.approx(seconds[0, "fwd"])
+
+
+def test_a_transformers_moe_under_ep_is_refused_not_predicted_without_its_all_to_alls():
+    """The planner counts labkit.models' MoE layers; a Mixtral's fused experts it would price as
+    if ep moved nothing. The lab runs it, so simulate says so rather than answer."""
+    pytest.importorskip("transformers")
+    import pathlib
+    mixtral = labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / "mixtral.json")
+    with pytest.raises(ValueError, match="fused experts .*layers.0.*ep=1"):
+        plan.simulate(labkit.Strategy(dp=4, ep=2), _machine(), model=mixtral, data=labkit.data.text(batch=8,
+                      block_size=16), loss="cross_entropy", batch=8)
