@@ -10,7 +10,7 @@ the cases), and each case's model has its pieces timed in sequence on this proce
 thread, at the case's micro-batch size (``labkit.plan.profile.profile``: the model alone, no
 strategy, no engine); then every case (strategies, model widths and depths, micro-batch counts, degrees
 a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
-over ep ranks) is simulated from it and run on the lab, twice.
+over ep ranks, and a transformers LlamaForCausalLM from a config under dp, a pipeline and cp) is simulated from it and run on the lab, twice.
 The two runs ``measure`` itself takes of a trivial model (its host cost per action) are
 repeated as the in-sample cases; every other case is held out. Prints, per case,
 the measured step time (median of the two runs), the predicted, their ratio, the second run
@@ -67,6 +67,17 @@ def _moe(batch: int = 8) -> dict:
     return {"model": model, "batch": batch, "data": data, "loss": "cross_entropy", "label": "moe4x128e4"}
 
 
+def _hf_llama(batch: int = 8) -> dict:
+    """A transformers LlamaForCausalLM from a config, as a user brings one: its own attention
+    (routed through labkit's under cp), its own blocks and tensor plan."""
+    from transformers import LlamaConfig
+    data = labkit.data.text(batch=batch, block_size=64)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, vocab_size=data.vocab_size)
+    return {"model": labkit.models.from_hf(config), "batch": batch, "data": data, "loss": "cross_entropy",
+            "label": "hf-llama4x128"}
+
+
 def in_sample(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     """The runs labkit.plan.measure takes itself (its host cost per action comes from them)."""
     S, n = labkit.Strategy, engines
@@ -108,6 +119,11 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
         if n >= 4:
             out.append((f"{dp4}cp4 {mode}", S(dp=n // 4, cp=4, cp_mode=mode), llama))
     out.append((f"{dp2}cp2 ulysses", S(dp=n // 2, cp=2, cp_mode="ulysses"), llama))
+    # a transformers model as it is: data parallel, a pipeline, its sequence over cp ranks
+    hf = _hf_llama()
+    out += [(f"dp{n} overlap", S(dp=n, dp_mode="overlap"), hf),
+            (f"pp2{pre} 1f1b m4", S(dp=dp, pp=2, schedule="1f1b", microbatches=4, dp_mode="overlap"), hf),
+            (f"{dp2}cp2 ring", S(dp=n // 2, cp=2), hf)]
     # expert parallelism: a MoE llama's experts over 2 (and 4) of the dp ranks, with and without overlap
     out += [(f"dp{n} ep{ep}{' overlap' if o != 'none' else ''}", S(dp=n, ep=ep, ep_overlap=o), _moe())
             for ep in (2, 4) if ep <= n for o in ("none", "microbatch")]

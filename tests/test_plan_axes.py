@@ -3,6 +3,8 @@ rank's bytes sent in a step and its span kinds equal a run's first step of the s
 (the experts' exchanges follow the routing of the first step's tokens; no timing is asserted)."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 import labkit
@@ -13,6 +15,8 @@ DATA = labkit.data.text(batch=8, block_size=16)
 SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size, n_kv_heads=2)
 MOE = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0)
 KW = dict(data=DATA, loss="cross_entropy", batch=8)
+HF_LLAMA = labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / "llama.json")    # its own attention
+
 SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
 
 
@@ -65,8 +69,10 @@ def test_ring_rounds_follow_the_causal_split():
     (labkit.Strategy(dp=4, ep=2), MOE),
     (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), MOE),
     (labkit.Strategy(dp=4, ep=4, microbatches=2, dp_mode="bucketed"), MOE),
+    (labkit.Strategy(dp=2, cp=2), HF_LLAMA),
+    (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), HF_LLAMA),
 ], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
-        "dp4ep2-overlap", "dp4ep4-m2"])
+        "dp4ep2-overlap", "dp4ep4-m2", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses"])
 def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.3, **KW)
     run = lab4.run(strategy, model=model, steps=1, lr=0.3, **KW)
@@ -163,8 +169,6 @@ def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_t
 def test_a_transformers_moe_under_ep_is_refused_not_predicted_without_its_all_to_alls():
     """The planner counts labkit.models' MoE layers; a Mixtral's fused experts it would price as
     if ep moved nothing. The lab runs it, so simulate says so rather than answer."""
-    pytest.importorskip("transformers")
-    import pathlib
     mixtral = labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / "mixtral.json")
     with pytest.raises(ValueError, match="fused experts .*layers.0.*ep=1"):
         plan.simulate(labkit.Strategy(dp=4, ep=2), _machine(), model=mixtral, data=labkit.data.text(batch=8,

@@ -315,10 +315,14 @@ class _Recording:
         for params in [[p for p in net.parameters() if id(p) not in self.inside]] + \
                 [list(b.parameters()) for _, b in self.found]:
             c.grads.update((_storage(p.grad), j) for j, p in enumerate(params) if p.grad is not None)
+        from contextlib import nullcontext
+        from ..parallel.context.hf import routed
+
         hooks, before = self.watch(), context.current()
-        with c:
+        marked = cp > 1 and self.marks is not None          # attention goes through the stand-in
+        with c, routed(net) if marked else nullcontext():   # a transformers model's too, as the lab routes it
             c.sink = self.sink("pre", "fwd")
-            if cp > 1 and self.marks is not None:       # attention goes through the stand-in
+            if marked:
                 context.activate(self.marks)
             try:
                 value = lossfn(call_model(net, x), y)   # a dict as keyword tensors, as lab.run
