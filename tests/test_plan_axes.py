@@ -1,6 +1,7 @@
 """The local planner's context and expert parallelism: what it refuses, and on 4 engines each
 rank's bytes sent in a step and its span kinds equal a run's first step of the same strategy
-(the experts' exchanges follow the routing of the first step's tokens; no timing is asserted)."""
+(the experts' exchanges follow the routing of the first step's tokens; no timing is asserted),
+for labkit's models and a transformers Llama under every axis the planner prices."""
 from __future__ import annotations
 
 import pathlib
@@ -15,6 +16,7 @@ DATA = labkit.data.text(batch=8, block_size=16)
 SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size, n_kv_heads=2)
 MOE = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0)
 KW = dict(data=DATA, loss="cross_entropy", batch=8)
+GPT = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size)     # its head the embedding's weight
 HF_LLAMA = labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / "llama.json")    # its own attention
 
 SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
@@ -26,8 +28,10 @@ def _machine() -> Machine:
 
 
 def per_rank(events, world: int) -> list[tuple[int, set]]:
-    """(bytes sent, span kinds but ``wait``, a timing accident) of each rank."""
-    return [(sum(e["bytes"] for e in events if e["rank"] == r and e["kind"] in SENT),
+    """(bytes sent, span kinds but ``wait``, a timing accident) of each rank; a pipeline's
+    first step also sends each activation's shape once, which no later step does."""
+    return [(sum(e["bytes"] for e in events if e["rank"] == r and e["kind"] in SENT
+                 and not str(e.get("name", "")).endswith(" shape")),
              {e["kind"] for e in events if e["rank"] == r} - {"wait"}) for r in range(world)]
 
 
@@ -69,14 +73,33 @@ def test_ring_rounds_follow_the_causal_split():
     (labkit.Strategy(dp=4, ep=2), MOE),
     (labkit.Strategy(dp=4, ep=2, ep_overlap="microbatch"), MOE),
     (labkit.Strategy(dp=4, ep=4, microbatches=2, dp_mode="bucketed"), MOE),
+    (labkit.Strategy(dp=2, tp=2), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=2, pp=2, microbatches=2), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=4, zero=3), labkit.models.llama(**SIZES)),
+    (labkit.Strategy(dp=2, pp=2, microbatches=2), labkit.models.gpt(**GPT)),
     (labkit.Strategy(dp=2, cp=2), HF_LLAMA),
     (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), HF_LLAMA),
+    (labkit.Strategy(dp=2, tp=2), HF_LLAMA),
+    (labkit.Strategy(dp=2, pp=2, microbatches=2), HF_LLAMA),
+    (labkit.Strategy(dp=4, zero=3), HF_LLAMA),
 ], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
-        "dp4ep2-overlap", "dp4ep4-m2", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses"])
+        "dp4ep2-overlap", "dp4ep4-m2", "dp2tp2", "dp2pp2-m2", "dp4zero3", "gpt-tied-dp2pp2", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
+        "hf-dp2tp2", "hf-dp2pp2-m2", "hf-dp4zero3"])
 def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.3, **KW)
     run = lab4.run(strategy, model=model, steps=1, lr=0.3, **KW)
     assert per_rank(pred.timeline.events, 4) == per_rank(run.timeline.events, 4)
+
+
+def test_buckets_fill_in_the_model_s_own_order_the_head_s_gradient_first(lab4):
+    """Small buckets over a transformers Llama: each bucket's bytes, in the order they go out,
+    are the run's (the head's and final norm's gradients come first, the embedding's last)."""
+    strategy = labkit.Strategy(dp=4, dp_mode="bucketed", bucket_mb=0.02)
+    pred = plan.simulate(strategy, _machine(), model=HF_LLAMA, steps=1, **KW)
+    run = lab4.run(strategy, model=HF_LLAMA, steps=1, **KW)
+    buckets = [[e["bytes"] for e in sorted(t.events, key=lambda e: e["start"]) if e["rank"] == 0
+                and e["kind"] == "allreduce"] for t in (pred.timeline, run.timeline)]
+    assert len(buckets[1]) > 3 and buckets[0] == buckets[1]
 
 
 def test_an_ep_prediction_routes_each_measured_step_as_the_trained_router_does(lab4):

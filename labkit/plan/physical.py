@@ -248,6 +248,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
         out, w = [], self.w
         if last and part != "W":
             out.append(self.piece(w.post.bwd.ops, kind, "loss", mb))
+            out += [x for _, items in issue.get(len(w.blocks), ()) for x in items]
         for i in reversed(list(blocks)):
             if gather:
                 out += gather(i, "bwd")

@@ -27,7 +27,7 @@ class PipelinePrograms:
         for k, a in enumerate(actions):
             if a.op in ("B", "W") or (a.op == "I" and a.stage == 0):
                 last_b[a.stage] = k
-        syncs = {g: self.sync_items(g, ranges[g], g == 0, d, p, t, None) for g in {a.stage for a in actions}}
+        syncs = {g: self.sync_items(g, ranges[g], g == 0, g == stages - 1, d, p, t, None) for g in {a.stage for a in actions}}
         act, out = Compute(self.m.action_s), []
         for k, a in enumerate(actions):
             g, mb = a.stage, a.microbatch
@@ -43,11 +43,16 @@ class PipelinePrograms:
         held = sorted({a.stage for a in actions})
         for g in held:
             out += syncs[g][1]
+        if (0 in held) != (stages - 1 in held):       # a tied weight's two copies summed, after dp (Megatron's embedding group)
+            group = (self.rank(d, 0, t), self.rank(d, s.pp - 1, t))
+            for k, j in self.tied(ranges[0], ranges[-1]):
+                out += self.blocking(("tied", k, j, d, t), group, "all_reduce", 4 * self.local(k, j), "allreduce",
+                                     f"embedding grad {k}.{j}")
         mine = [i for g in held for i in ranges[g]]
-        out.append(self.optimizer(mine, 0 in held))
+        out.append(self.optimizer(mine, 0 in held, stages - 1 in held))
         if s.zero == 1:
             for g in held:
-                out += self.gathers(g, ranges[g], g == 0, d, p, t)
+                out += self.gathers(g, ranges[g], g == 0, g == stages - 1, d, p, t)
         return out
 
     def message(self, a, ranges, d: int, p: int, t: int) -> list:

@@ -85,6 +85,8 @@ class BlockWork:
     Op named "experts" marks where."""
     routed: list = field(default_factory=list)
     """Per parameter (as ``params``): whether it is a routed expert's (ep spreads those)."""
+    names: list = field(default_factory=list)
+    """Per parameter (as ``params``): its qualified name in the model (tp shards by its Linear)."""
 
 
 @dataclass
@@ -97,6 +99,10 @@ class ModelWork:
     post: BlockWork              # after them: final norm, head and the loss
     optimizer: Ops               # one optimizer step over every parameter (sgd or adamw)
     optimizer_params: int
+    order: list = field(default_factory=list)
+    """Every parameter in the model's registration order (the order gradient buckets fill in):
+    the (piece, index among its ``params``) places that hold it, piece -1 the ``pre`` and
+    len(blocks) the ``post``; a weight two blocks share (a tied embedding and head) has two."""
 
 
 class _Counter(TorchDispatchMode):
@@ -343,11 +349,22 @@ class _Recording:
         works = [self.block(i, name, module, linears) for i, (name, module) in enumerate(self.found)]
         ops = lambda piece, phase: Ops(self.pieces.get((piece, phase), []))       # noqa: E731
         in_blocks = {q for w in works for q in w.linears}
-        outside = [p.numel() for p in self.net.parameters() if id(p) not in self.inside]
-        pre = BlockWork("pre", ops("pre", "fwd"), ops("pre", "bwd"), outside, 0,
-                        {q: v for q, v in linears.items() if q not in in_blocks})
-        post = BlockWork("post", ops("post", "fwd"), ops("post", "bwd"), [], 0, {})
-        return ModelWork(batch, works, pre, post, ops("opt", "fwd"), sum(p.numel() for p in self.net.parameters()))
+        # outside the blocks: a parameter whose gradient is added only after the blocks' forward
+        # (the final norm, the head) is the post's, held by the last pipeline stage; the rest the pre's
+        outside = [(q, p) for q, p in self.net.named_parameters() if id(p) not in self.inside]
+        added = {piece: {o.param for o in ops(piece, "bwd").ops if o.name == "accumulate_grad"} for piece in ("pre", "post")}
+        after = {id(p) for j, (_, p) in enumerate(outside) if j in added["post"] and j not in added["pre"]}
+        parts = {"pre": [(q, p) for q, p in outside if id(p) not in after], "post": [(q, p) for q, p in outside if id(p) in after]}
+        pre, post = (BlockWork(piece, ops(piece, "fwd"), ops(piece, "bwd"), [p.numel() for _, p in parts[piece]], 0,
+                               {q: v for q, v in linears.items() if q not in in_blocks} if piece == "pre" else {},
+                               names=[q for q, _ in parts[piece]]) for piece in ("pre", "post"))
+        where = {}
+        for k, own in [(-1, [p for _, p in parts["pre"]])] + [(i, list(b.parameters())) for i, (_, b) in
+                                                              enumerate(self.found)] + [(len(works), [p for _, p in parts["post"]])]:
+            for j, p in enumerate(own):
+                where.setdefault(id(p), []).append((k, j))
+        order = [where[id(p)] for _, p in self.net.named_parameters() if id(p) in where]
+        return ModelWork(batch, works, pre, post, ops("opt", "fwd"), sum(p.numel() for p in self.net.parameters()), order)
 
     def block(self, i: int, name: str, module, linears: dict) -> BlockWork:
         quals = {f"{name}.{q}" if q else name for q, m in module.named_modules() if isinstance(m, nn.Linear)}
@@ -356,7 +373,8 @@ class _Recording:
                          [p.numel() for p in module.parameters()], 0 if o is None else o[0].numel(),
                          {q: linears[q] for q in quals}, marks.shapes.get(i, []) if marks else [],
                          marks.moe.get(i, []) if marks else [],
-                         [".experts." in f".{q}" for q, _ in module.named_parameters()])
+                         [".experts." in f".{q}" for q, _ in module.named_parameters()],
+                         [f"{name}.{q}" for q, _ in module.named_parameters()])
 
 
 def in_step_order(work: ModelWork) -> list:
