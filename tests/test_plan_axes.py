@@ -196,3 +196,12 @@ def test_a_transformers_moe_under_ep_is_refused_not_predicted_without_its_all_to
     with pytest.raises(ValueError, match="fused experts .*layers.0.*ep=1"):
         plan.simulate(labkit.Strategy(dp=4, ep=2), _machine(), model=mixtral, data=labkit.data.text(batch=8,
                       block_size=16), loss="cross_entropy", batch=8)
+
+
+def test_a_tensor_plan_the_planner_would_price_unsharded_is_refused():
+    """A vocabulary-parallel embedding is split by the lab, not by the planner's programs."""
+    gpt = labkit.models.gpt(**GPT)
+    assert plan.simulate(labkit.Strategy(dp=2, tp=2), _machine(), model=gpt, **KW).metrics["step_time_s"] > 0
+    with pytest.raises(ValueError, match="'0.wte': 'rowwise'"):
+        plan.simulate(labkit.Strategy(dp=2, tp=2), _machine(), model=gpt, tp_plan={**gpt.tp_plan, "0.wte": "rowwise"},
+                      **KW)

@@ -107,6 +107,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
         if not plan:
             raise ValueError("simulate: tp > 1 needs the model's tensor plan; pass tp_plan= (as lab.run takes it)")
+        _check_tp_plan(model, plan)
     else:
         plan = {}
     world = strategy.world_size
@@ -125,6 +126,26 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     middle = sorted(each, key=length.get)[(len(each) - 1) // 2]
     return Simulated(strategy, step_metrics([{**e, "step": k} for k, events in each.items() for e in events], world, batch),
                      Timeline(each[middle], world, title="predicted", grid=strategy), batch)
+
+
+def _check_tp_plan(model, plan: dict) -> None:
+    """ValueError for a tensor plan the programs would price as unsharded: a module outside the
+    blocks, one that is not a Linear (a vocabulary-parallel embedding), or a style other than
+    colwise and rowwise (a head's colwise_gather_output)."""
+    import torch
+
+    from ..parallel.blocks import find_blocks
+    from ..parallel.tensor import match_plan
+    from ..training import build_model
+    built = build_model(model, 0)
+    blocks = [name for name, _ in find_blocks(built)]
+    odd = {name: style for name, style in match_plan(built, plan).items()
+           if not any(name == b or name.startswith(f"{b}.") for b in blocks) or style not in ("colwise", "rowwise")
+           or not isinstance(built.get_submodule(name), torch.nn.Linear)}
+    if odd:
+        raise ValueError(f"simulate: the tensor plan splits {odd}, and the planner prices tp on the blocks' "
+                         "Linear layers split colwise or rowwise only (Megatron's f and g); lab.run runs it, or "
+                         "simulate with a plan of the blocks' Linears")
 
 
 _CACHE: dict = {}
