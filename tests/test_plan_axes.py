@@ -77,13 +77,14 @@ def test_ring_rounds_follow_the_causal_split():
     (labkit.Strategy(dp=2, pp=2, microbatches=2), labkit.models.llama(**SIZES)),
     (labkit.Strategy(dp=4, zero=3), labkit.models.llama(**SIZES)),
     (labkit.Strategy(dp=2, pp=2, microbatches=2), labkit.models.gpt(**GPT)),
+    (labkit.Strategy(pp=4, microbatches=4), labkit.models.llama(**SIZES, tie=True)),
     (labkit.Strategy(dp=2, cp=2), HF_LLAMA),
     (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), HF_LLAMA),
     (labkit.Strategy(dp=2, tp=2), HF_LLAMA),
     (labkit.Strategy(dp=2, pp=2, microbatches=2), HF_LLAMA),
     (labkit.Strategy(dp=4, zero=3), HF_LLAMA),
 ], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
-        "dp4ep2-overlap", "dp4ep4-m2", "dp2tp2", "dp2pp2-m2", "dp4zero3", "gpt-tied-dp2pp2", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
+        "dp4ep2-overlap", "dp4ep4-m2", "dp2tp2", "dp2pp2-m2", "dp4zero3", "gpt-tied-dp2pp2", "llama-tied-pp4-embedding-and-head-alone", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
         "hf-dp2tp2", "hf-dp2pp2-m2", "hf-dp4zero3"])
 def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.3, **KW)

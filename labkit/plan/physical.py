@@ -120,7 +120,11 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
                          momentum, loss, optimizer),
                         lambda: routes(model, batch, data, strategy.dp, strategy.microbatches, measured, lr=lr,
                                        seed=seed, momentum=momentum, loss=loss, optimizer=optimizer))
-    each = {k: price.step_events(Builder(strategy, machine, work, plan, r, profile).programs(), machine)
+    stages = None
+    if strategy.pp > 1:
+        from .pipeline_programs import lab_stages
+        stages = _kept(("stages", model, strategy), lambda: lab_stages(model, strategy))
+    each = {k: price.step_events(Builder(strategy, machine, work, plan, r, profile, stages).programs(), machine)
             for k, r in by_step.items()}
     length = {k: max((e["end"] for e in events), default=0.0) for k, events in each.items()}
     middle = sorted(each, key=length.get)[(len(each) - 1) // 2]
@@ -187,8 +191,9 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
     """Each rank's program for one step (see the module docstring): the compute of a range of
     blocks with the calls inside it, here; each axis's pieces in its own part."""
 
-    def __init__(self, s, machine: Machine, work, plan: dict, routes=None, timed: bool = False):
+    def __init__(self, s, machine: Machine, work, plan: dict, routes=None, timed: bool = False, stages=None):
         self.s, self.m, self.w, self.routes, self.counted = s, machine, work, routes, {}
+        self.stages = stages          # each global stage's blocks as the executor cuts them (pipeline_programs.lab_stages)
         self.timed = timed          # the work's pieces timed (profile.timed): an ep rank's own parts timed too
         if s.zero == 3:
             from .work import unaccumulated

@@ -20,8 +20,8 @@ class PipelinePrograms:
 
         s, w = self.s, self.w
         stages = s.pp * s.chunks
-        ranges = split_blocks([sum(b.params) for b in w.blocks], stages, s.split_at,
-                              equal=s.schedule == "interleaved")
+        ranges = self.stages or split_blocks([sum(b.params) for b in w.blocks], stages, s.split_at,
+                                             equal=s.schedule == "interleaved")
         actions = build_schedule(s.schedule, s.pp, s.microbatches, s.chunks)[p]
         last_b = {}
         for k, a in enumerate(actions):
@@ -47,7 +47,7 @@ class PipelinePrograms:
             group = (self.rank(d, 0, t), self.rank(d, s.pp - 1, t))
             for k, j in self.tied(ranges[0], ranges[-1]):
                 out += self.blocking(("tied", k, j, d, t), group, "all_reduce", 4 * self.local(k, j), "allreduce",
-                                     f"embedding grad {k}.{j}")
+                                     f"embedding grad {(self.part(k).names or [''] * (j + 1))[j]}")
         mine = [i for g in held for i in ranges[g]]
         out.append(self.optimizer(mine, 0 in held, stages - 1 in held))
         if s.zero == 1:
@@ -70,6 +70,45 @@ class PipelinePrograms:
 
 
 def _act_bytes(work, ranges, stage: int, direction: str) -> int:
-    """Bytes of the activation (F) or its gradient (B) leaving ``stage``'s boundary."""
-    boundary = ranges[stage][-1] if direction == "F" else ranges[stage][0] - 1
+    """Bytes of the activation (F) or its gradient (B) leaving ``stage``'s boundary: the output
+    of the last block before it (the embedding's, of a block's shape, before the first)."""
+    boundary = ranges[stage].stop - 1 if direction == "F" else ranges[stage].start - 1
     return 4 * work.blocks[max(0, boundary)].out_numel * work.size
+
+
+def lab_stages(model, s) -> list[range] | None:
+    """Each global stage's blocks as the executor cuts the model (:func:`stage_blocks` over its
+    pipeline units: an embedding and a head weigh in the balance and may hold a stage alone),
+    a stage's range empty when it holds only what comes before or after the blocks; None for an
+    ``nn.Sequential`` (its children are the blocks). ValueError for a cut the programs cannot
+    follow: the modules before (or after) the blocks spread over several stages."""
+    from torch import nn
+
+    from ..parallel.blocks import find_blocks
+    from ..parallel.pipeline.modules import pipeline_units
+    from ..parallel.pipeline.stages import stage_blocks
+    from ..training import build_model
+
+    built = build_model(model, 0)
+    if isinstance(built, nn.Sequential):
+        return None
+    blocks = [name for name, _ in find_blocks(built)]
+    paths = [u.path for u in pipeline_units(built)]
+    at = [blocks.index(p) if p in blocks else None for p in paths]
+    inner = [k for k, b in enumerate(at) if b is not None]
+    if not inner or inner != list(range(inner[0], inner[-1] + 1)):
+        raise ValueError(f"simulate: Strategy.pp={s.pp} cuts {type(built).__name__} into units {paths}, and the "
+                         f"planner prices stages of whole blocks ({blocks}) with what comes before and after "
+                         "them; lab.run runs it")
+    piece = [b if b is not None else (-1 if k < inner[0] else len(blocks)) for k, b in enumerate(at)]
+    cut, out = stage_blocks(built, s), []
+    for g, units in enumerate(cut):
+        pieces = [piece[u] for u in units]
+        if (-1 in pieces and g != 0) or (len(blocks) in pieces and g != len(cut) - 1):
+            raise ValueError(f"simulate: Strategy.pp={s.pp} puts {[paths[u] for u in units]} on stage {g}, which "
+                             "splits the modules before or after the blocks over several stages; the planner "
+                             "prices them on the first and the last; give the cut with Strategy(split_at=...)")
+        held = [k for k in pieces if 0 <= k < len(blocks)]
+        start = held[0] if held else (out[-1].stop if out else 0)
+        out.append(range(start, start + len(held)))
+    return out

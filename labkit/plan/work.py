@@ -349,12 +349,13 @@ class _Recording:
         works = [self.block(i, name, module, linears) for i, (name, module) in enumerate(self.found)]
         ops = lambda piece, phase: Ops(self.pieces.get((piece, phase), []))       # noqa: E731
         in_blocks = {q for w in works for q in w.linears}
-        # outside the blocks: a parameter whose gradient is added only after the blocks' forward
-        # (the final norm, the head) is the post's, held by the last pipeline stage; the rest the pre's
+        # outside the blocks, by where the forward reads it: after the blocks (the final norm, the
+        # head) the post's, held by the last pipeline stage; before them the pre's (the first
+        # stage's); a weight both read (a tied embedding and head) both's, as the stages hold it
         outside = [(q, p) for q, p in self.net.named_parameters() if id(p) not in self.inside]
-        added = {piece: {o.param for o in ops(piece, "bwd").ops if o.name == "accumulate_grad"} for piece in ("pre", "post")}
-        after = {id(p) for j, (_, p) in enumerate(outside) if j in added["post"] and j not in added["pre"]}
-        parts = {"pre": [(q, p) for q, p in outside if id(p) not in after], "post": [(q, p) for q, p in outside if id(p) in after]}
+        read = {piece: {key for o in ops(piece, "fwd").ops for key, _ in o.operands} for piece in ("pre", "post")}
+        parts = {"pre": [(q, p) for q, p in outside if _storage(p) in read["pre"] or _storage(p) not in read["post"]],
+                 "post": [(q, p) for q, p in outside if _storage(p) in read["post"]]}
         pre, post = (BlockWork(piece, ops(piece, "fwd"), ops(piece, "bwd"), [p.numel() for _, p in parts[piece]], 0,
                                {q: v for q, v in linears.items() if q not in in_blocks} if piece == "pre" else {},
                                names=[q for q, _ in parts[piece]]) for piece in ("pre", "post"))
