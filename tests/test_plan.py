@@ -634,7 +634,8 @@ def test_a_models_work_is_its_counted_operations():
 STRATEGIES = [dict(dp=2, dp_mode=m) for m in ("naive", "bucketed", "overlap", "ddp")] + \
     [dict(dp=2, zero=z) for z in (1, 2, 3)] + [dict(dp=2, zero=3, prefetch=1), dict(tp=2), dict(dp=2, tp=2)] + \
     [dict(pp=2, schedule=s, chunks=c, microbatches=4) for s, c in
-     (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))] + \
+     (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zbv", 2))] + \
+    [dict(pp=2, schedule="interleaved", chunks=2, microbatches=4, split_at=(2, 4, 6))] + \
     [dict(dp=2, pp=2, schedule="1f1b", microbatches=4, dp_mode="overlap"), dict(dp=2, pp=2, zero=1, microbatches=4)]
 
 

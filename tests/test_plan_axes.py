@@ -206,3 +206,10 @@ def test_a_tensor_plan_the_planner_would_price_unsharded_is_refused():
     with pytest.raises(ValueError, match="'0.wte': 'rowwise'"):
         plan.simulate(labkit.Strategy(dp=2, tp=2), _machine(), model=gpt, tp_plan={**gpt.tp_plan, "0.wte": "rowwise"},
                       **KW)
+
+
+def test_a_pipeline_the_lab_refuses_is_refused_by_the_lab_s_own_check():
+    """A GPT of 4 layers has 6 units (embedding, layers, head): not 4 equal interleaved stages."""
+    with pytest.raises(ValueError, match="interleaved splits the model's 6 blocks"):
+        plan.simulate(labkit.Strategy(pp=2, microbatches=4, schedule="interleaved", chunks=2), _machine(),
+                      model=labkit.models.gpt(**{**GPT, "n_layer": 4}), **KW)
