@@ -201,7 +201,7 @@ def test_a_transformers_moe_under_ep_is_refused_not_predicted_without_its_all_to
 
 def test_a_tensor_plan_the_planner_would_price_unsharded_is_refused():
     """A vocabulary-parallel embedding is split by the lab, not by the planner's programs."""
-    gpt = labkit.models.gpt(**GPT)
+    gpt = labkit.models.gpt(**GPT, tie=False)
     assert plan.simulate(labkit.Strategy(dp=2, tp=2), _machine(), model=gpt, **KW).metrics["step_time_s"] > 0
     with pytest.raises(ValueError, match="'0.wte': 'rowwise'"):
         plan.simulate(labkit.Strategy(dp=2, tp=2), _machine(), model=gpt, tp_plan={**gpt.tp_plan, "0.wte": "rowwise"},

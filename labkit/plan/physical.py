@@ -85,13 +85,12 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"simulate: steps={steps!r} must be a whole number ≥ 1 (the run's)")
     size = batch // (strategy.dp * strategy.microbatches)
-    if strategy.cp > 1 or strategy.ep > 1:     # the lab's own model checks, its messages
-        from ..training import build_model, resolve_data
-        from ..parallel import context, expert
+    _validate(strategy, model, batch, data, loss, tp_plan, optimizer, steps, lr, seed, momentum)
+    if strategy.ep > 1:
+        from ..parallel import expert
+        from ..training import build_model
         built = build_model(model, 0)
-        context.check_model(strategy, built, resolve_data(data, built, batch, 0))
-        expert.check_model(strategy, built)
-        if strategy.ep > 1 and not expert.moe_layers(built):
+        if not expert.moe_layers(built):
             raise ValueError(f"simulate: Strategy.ep={strategy.ep} is priced on labkit.models' MoE layers (their "
                              "routers traced, their experts counted and timed); this model's experts are a "
                              f"transformers model's fused experts ({expert.fused_experts(built)[0][0]}, …), which "
@@ -130,6 +129,16 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     middle = sorted(each, key=length.get)[(len(each) - 1) // 2]
     return Simulated(strategy, step_metrics([{**e, "step": k} for k, events in each.items() for e in events], world, batch),
                      Timeline(each[middle], world, title="predicted", grid=strategy), batch)
+
+
+def _validate(strategy, model, batch, data, loss, tp_plan, optimizer, steps, lr, seed, momentum) -> None:
+    """lab.run's own checks of the run (every axis's rules on the model, the first batch): what
+    the lab refuses, simulate refuses with the lab's message; done once per run's arguments."""
+    from ..parallel.build import RunSpec
+    from ..run.runner import validate
+    spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, tp_plan=tp_plan, optimizer=optimizer)
+    _kept(("validated", strategy, model, batch, data, loss, optimizer, steps, lr, seed, momentum,
+           tuple(sorted((tp_plan or {}).items()))), lambda: validate(spec, strategy.world_size) or True)
 
 
 def _check_tp_plan(model, plan: dict) -> None:

@@ -80,21 +80,16 @@ def lab_stages(model, s) -> list[range] | None:
     """Each global stage's blocks as the executor cuts the model (:func:`stage_blocks` over its
     pipeline units: an embedding and a head weigh in the balance and may hold a stage alone),
     a stage's range empty when it holds only what comes before or after the blocks; None for an
-    ``nn.Sequential`` (its children are the blocks). ValueError for what the lab refuses (its
-    own check) and for a cut the programs cannot follow: the modules before (or after) the
-    blocks spread over several stages."""
-    from types import SimpleNamespace
-
+    ``nn.Sequential`` (its children are the blocks). ValueError for a cut the programs cannot
+    follow: the modules before (or after) the blocks spread over several stages."""
     from torch import nn
 
     from ..parallel.blocks import find_blocks
-    from ..parallel.pipeline import axis
     from ..parallel.pipeline.modules import pipeline_units
     from ..parallel.pipeline.stages import stage_blocks
     from ..training import build_model
 
     built = build_model(model, 0)
-    axis.check_model(SimpleNamespace(strategy=s), built, None)       # the lab's own rules, its messages
     if isinstance(built, nn.Sequential):
         return None
     blocks = [name for name, _ in find_blocks(built)]

@@ -115,6 +115,9 @@ def probe(model, x) -> dict:
     stopping at the first attention once positions were asked for: the checks' model may sit
     on the ``meta`` device, where what follows (a MoE router's data-dependent indexing) cannot run."""
     import torch
+    weight = next(model.parameters(), None)
+    if weight is not None and weight.is_meta and isinstance(x, torch.Tensor) and x.is_floating_point():
+        x = x.to("meta")                 # features into a meta Linear (token ids index a meta table as they are)
     before, counting = current(), _Probe()
     activate(counting)
     try:
