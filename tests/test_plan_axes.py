@@ -17,7 +17,9 @@ SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.voca
 MOE = labkit.models.llama(**SIZES, n_experts=4, top_k=2, aux_loss_coef=0)
 KW = dict(data=DATA, loss="cross_entropy", batch=8)
 GPT = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size)     # its head the embedding's weight
-HF_LLAMA = labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / "llama.json")    # its own attention
+HF = pathlib.Path(__file__).parent / "data" / "hf"
+HF_LLAMA = labkit.models.from_hf(HF / "llama.json")    # its own attention
+HF_MIXTRAL, HF_QWEN3_MOE = labkit.models.from_hf(HF / "mixtral.json"), labkit.models.from_hf(HF / "qwen3_moe.json")
 
 SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
 
@@ -78,13 +80,16 @@ def test_ring_rounds_follow_the_causal_split():
     (labkit.Strategy(dp=4, zero=3), labkit.models.llama(**SIZES)),
     (labkit.Strategy(dp=2, pp=2, microbatches=2), labkit.models.gpt(**GPT)),
     (labkit.Strategy(pp=4, microbatches=4), labkit.models.llama(**SIZES, tie=True)),
+    (labkit.Strategy(dp=4, ep=2), HF_MIXTRAL),
+    (labkit.Strategy(dp=4, ep=4, ep_overlap="microbatch"), HF_QWEN3_MOE),
     (labkit.Strategy(dp=2, cp=2), HF_LLAMA),
     (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), HF_LLAMA),
     (labkit.Strategy(dp=2, tp=2), HF_LLAMA),
     (labkit.Strategy(dp=2, pp=2, microbatches=2), HF_LLAMA),
     (labkit.Strategy(dp=4, zero=3), HF_LLAMA),
 ], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
-        "dp4ep2-overlap", "dp4ep4-m2", "dp2tp2", "dp2pp2-m2", "dp4zero3", "gpt-tied-dp2pp2", "llama-tied-pp4-embedding-and-head-alone", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
+        "dp4ep2-overlap", "dp4ep4-m2", "dp2tp2", "dp2pp2-m2", "dp4zero3", "gpt-tied-dp2pp2", "llama-tied-pp4-embedding-and-head-alone", "hf-mixtral-dp4ep2",
+        "hf-qwen3moe-dp4ep4-overlap", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
         "hf-dp2tp2", "hf-dp2pp2-m2", "hf-dp4zero3"])
 def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.3, **KW)
@@ -103,13 +108,14 @@ def test_buckets_fill_in_the_model_s_own_order_the_head_s_gradient_first(lab4):
     assert len(buckets[1]) > 3 and buckets[0] == buckets[1]
 
 
-def test_an_ep_prediction_routes_each_measured_step_as_the_trained_router_does(lab4):
+@pytest.mark.parametrize("model", [MOE, HF_MIXTRAL], ids=["labkit-moe", "hf-mixtral"])
+def test_an_ep_prediction_routes_each_measured_step_as_the_trained_router_does(lab4, model):
     """The router trains, so later steps route unevenly: the bytes each rank sends, per step
     the run's metrics count (its first left out), are the run's own, not the first step's."""
     strategy = labkit.Strategy(dp=4, ep=4)
-    run = lab4.run(strategy, model=MOE, steps=4, lr=0.5, **KW)
-    pred = plan.simulate(strategy, _machine(), model=MOE, steps=4, lr=0.5, **KW)
-    first = plan.simulate(strategy, _machine(), model=MOE, steps=1, lr=0.5, **KW)
+    run = lab4.run(strategy, model=model, steps=4, lr=0.5, **KW)
+    pred = plan.simulate(strategy, _machine(), model=model, steps=4, lr=0.5, **KW)
+    first = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.5, **KW)
     assert list(pred.metrics["bytes_sent"]) == list(run.metrics["bytes_sent"])
     assert list(first.metrics["bytes_sent"]) != list(run.metrics["bytes_sent"])
     steps = sorted({e["step"] for e in pred.timeline.events})
@@ -169,34 +175,28 @@ def test_an_ep_rank_s_own_parts_are_timed_as_routed_ops_counts_them(monkeypatch)
     assert plan.simulate(s, machine, model=MOE, profile=False, **KW).metrics["step_time_s"] < 1.0
 
 
-def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_the_block_without_them():
-    """MoE._routed (what ep moves off the block) is timed inside its block's piece; under ep the
-    block costs what it took less them, without the counted prices deciding the share."""
+@pytest.mark.parametrize("model", [MOE, HF_MIXTRAL], ids=["labkit-moe", "hf-mixtral"])
+def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_the_block_without_them(model):
+    """MoE._routed, or a transformers block's fused experts (what ep moves off the block), is
+    timed inside its block's piece; under ep the block costs what it took less them, without
+    the counted prices deciding the share."""
     from labkit.plan import price
     from labkit.plan.profile import profile, timed
     from labkit.plan.work import count
 
-    seconds = profile(MOE, 4, DATA, "cross_entropy", repeats=3)
+    seconds = profile(model, 4, DATA, "cross_entropy", repeats=3)
     for i in range(2):
         for phase in ("fwd", "bwd"):
             assert 0 < seconds[("routed", i), phase] < seconds[i, phase]
     machine = _machine()
-    work = timed(count(MOE, 4, DATA, "cross_entropy", ep=2), seconds, machine,
-                 count(MOE, 4, DATA, "cross_entropy", ep=2, marked=False))
+    work = timed(count(model, 4, DATA, "cross_entropy", ep=2), seconds, machine,
+                 count(model, 4, DATA, "cross_entropy", ep=2, marked=False))
     for i, block in enumerate(work.blocks):
+        assert [o.name for o in block.fwd.ops].count("experts") == 1      # where the experts ran, marked
         for phase, ops in (("fwd", block.fwd), ("bwd", block.bwd)):
             assert price.seconds(machine, ops.ops) == pytest.approx(seconds[i, phase] - seconds[("routed", i), phase])
-    whole = timed(count(MOE, 4, DATA, "cross_entropy"), seconds, machine)      # no ep: the block as it took
+    whole = timed(count(model, 4, DATA, "cross_entropy"), seconds, machine)      # no ep: the block as it took
     assert price.seconds(machine, whole.blocks[0].fwd.ops) == pytest.approx(seconds[0, "fwd"])
-
-
-def test_a_transformers_moe_under_ep_is_refused_not_predicted_without_its_all_to_alls():
-    """The planner counts labkit.models' MoE layers; a Mixtral's fused experts it would price as
-    if ep moved nothing. The lab runs it, so simulate says so rather than answer."""
-    mixtral = labkit.models.from_hf(pathlib.Path(__file__).parent / "data" / "hf" / "mixtral.json")
-    with pytest.raises(ValueError, match="fused experts .*layers.0.*ep=1"):
-        plan.simulate(labkit.Strategy(dp=4, ep=2), _machine(), model=mixtral, data=labkit.data.text(batch=8,
-                      block_size=16), loss="cross_entropy", batch=8)
 
 
 def test_a_tensor_plan_the_planner_would_price_unsharded_is_refused():

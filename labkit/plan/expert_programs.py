@@ -24,9 +24,9 @@ class ExpertPrograms:
         the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
         halves of the tokens, each's exchanges in flight under the other's experts. Backward
         mirrors forward (autograd runs the later half first)."""
-        from .expert_work import exchange, routed_ops, routed_seconds
-        ep, n = self.s.ep, moe.n_experts
-        first, me, row = d - d % ep, d % ep, 4 * moe.router.in_features
+        from .expert_work import exchange, routed_ops, routed_seconds, shape
+        (n, width), ep = shape(moe), self.s.ep
+        first, me, row = d - d % ep, d % ep, 4 * width
         group = tuple(self.rank(first + k, 0, 0) for k in range(ep))
         halves = [None] if self.s.ep_overlap == "none" else [0, 1]
         ops, call = {}, {}

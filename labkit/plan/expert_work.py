@@ -17,14 +17,15 @@ def routes(model, batch: int, data, ranks: int, microbatches: int, steps=(0,), l
     by the steps before, on that step's data (one process, the whole batch, as
     :func:`labkit.reference` trains, which every strategy equals). A router moves as it trains,
     and how unevenly it sends tokens moves with it."""
-    from ..parallel.expert import moe_layers
+    from ..parallel.expert import fused_experts, moe_layers
     from ..run.reference import _train
 
     wanted, seen, out, forwards = set(steps), {}, {}, []
 
     def take(step: int) -> None:       # the whole batch's (B, T, k) choices, cut as ranks and micro-batches
         if step in wanted:
-            out[step] = [[{name: c[rows].reshape(-1, c.shape[-1]) for name, c in seen.items()}
+            whole = {name: c.reshape(batch, -1, c.shape[-1]) for name, c in seen.items()}
+            out[step] = [[{name: c[rows].reshape(-1, c.shape[-1]) for name, c in whole.items()}
                           for rows in part.chunk(microbatches)] for part in torch.arange(batch).chunk(ranks)]
         forwards.append(step)
 
@@ -33,25 +34,45 @@ def routes(model, batch: int, data, ranks: int, microbatches: int, steps=(0,), l
             def hook(m, args, logits, name=name, moe=moe):     # MoE.forward's own top-k of the router's softmax
                 seen[name] = logits.detach().float().softmax(dim=-1).topk(moe.top_k, dim=-1).indices
             moe.router.register_forward_hook(hook)
+        for name, experts in fused_experts(net):              # a transformers block hands its experts the choices
+            experts.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[1].detach()))
         net.register_forward_hook(lambda m, args, o: take(len(forwards)))     # one forward a step
     _train(model, batch, max(wanted) + 1, lr, seed, data, loss, momentum, False, optimizer, watch=watch)
     return out
 
 
+def shape(moe) -> tuple[int, int]:
+    """(experts, width of a token) of an MoE layer: labkit's MoE, or a transformers block's
+    fused experts (:func:`labkit.parallel.expert.fused_experts`)."""
+    from ..models.moe import MoE
+    from ..parallel.expert import n_experts
+    if isinstance(moe, MoE):
+        return moe.n_experts, moe.router.in_features
+    return n_experts(moe), moe.hidden_dim
+
+
 def _routed(moe, chosen, counts) -> dict:
     """The three parts of one ep rank's compute around a MoE layer's exchanges, as
-    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs them: part → (forward,
-    backward), each a function of no argument (the backward runs the last forward's)."""
+    :class:`labkit.parallel.expert.dispatch.ExpertParallelMoE` runs them (for a transformers
+    block's fused experts, :class:`~labkit.parallel.expert.dispatch.ExpertParallelExperts` on
+    a copy holding the first ep rank's slice): part → (forward, backward), each a function of
+    no argument (the backward runs the last forward's)."""
+    import copy
     from types import SimpleNamespace
 
-    from ..parallel.expert.dispatch import ExpertParallelMoE as EP
+    from ..models.moe import MoE
+    from ..parallel.expert.dispatch import ExpertParallelExperts, ExpertParallelMoE
     ep, local = counts.shape
-    me = SimpleNamespace(top_k=moe.top_k, n_experts=moe.n_experts,      # every expert has the same shapes
-                         experts={str(e): moe.experts[e] for e in range(local)})
-    c, n = moe.router.in_features, len(chosen)
-    x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, moe.top_k, requires_grad=True)
+    k, (_, c), n = chosen.shape[-1], shape(moe), len(chosen)
+    if isinstance(moe, MoE):
+        EP, me = ExpertParallelMoE, SimpleNamespace(top_k=k, n_experts=moe.n_experts,   # every expert has the same shapes
+                                                     experts={str(e): moe.experts[e] for e in range(local)})
+    else:
+        EP, me = ExpertParallelExperts, ExpertParallelExperts(copy.deepcopy(moe), 0, ep, None, "", "none")
+        me.top_k = k
+    x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, k, requires_grad=True)
     arrived = torch.randn(int(counts.sum()), c, requires_grad=True)
-    back = torch.randn(n * moe.top_k, c, requires_grad=True)
+    back = torch.randn(n * k, c, requires_grad=True)
     got = {}
 
     def pre():

@@ -86,16 +86,6 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
         raise ValueError(f"simulate: steps={steps!r} must be a whole number ≥ 1 (the run's)")
     size = batch // (strategy.dp * strategy.microbatches)
     _validate(strategy, model, batch, data, loss, tp_plan, optimizer, steps, lr, seed, momentum)
-    if strategy.ep > 1:
-        from ..parallel import expert
-        from ..training import build_model
-        built = build_model(model, 0)
-        if not expert.moe_layers(built):
-            raise ValueError(f"simulate: Strategy.ep={strategy.ep} is priced on labkit.models' MoE layers (their "
-                             "routers traced, their experts counted and timed); this model's experts are a "
-                             f"transformers model's fused experts ({expert.fused_experts(built)[0][0]}, …), which "
-                             "lab.run spreads over ep but the planner does not count, and would be predicted with "
-                             "no all-to-all at all; run it on the lab (lab.run), or simulate it with ep=1")
     work = _count(model, size, data, loss, optimizer, strategy.cp, strategy.ep, machine.cache_bytes)
     if profile:              # cp's attention and ep's experts are priced apart: the pieces' own prices, unmarked
         from .profile import timed

@@ -97,32 +97,34 @@ def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", re
 
 
 def _time_routed(net, found) -> dict:
-    """Each MoE layer's routed experts (``MoE._routed``: the part expert parallelism moves off
-    the block) timed inside its block's piece, forward and backward: {(("routed", i), phase):
+    """Each MoE layer's routed experts (``MoE._routed``, a transformers block's fused experts: the
+    part expert parallelism moves off the block) timed inside its block's piece, forward and backward: {(("routed", i), phase):
     seconds}, filled as the step runs (the block's own piece still holds them)."""
-    from ..parallel.expert import moe_layers
+    from ..parallel.expert import fused_experts, moe_layers
 
     seconds, names = {}, [name for name, _ in found]
 
     def add(key, t):
         seconds[key] = seconds.get(key, 0.0) + t
 
-    for name, moe in moe_layers(net):
-        i = next((k for k, n in enumerate(names) if name == n or name.startswith(n + ".")), None)
-        if i is None:
-            continue
-        inner = type(moe)._routed.__get__(moe)
-
-        def routed(x, chosen, gates, i=i, inner=inner):
+    def timing(i, inner):
+        def routed(x, *rest):
             t0 = time.perf_counter()
-            out = inner(x, chosen, gates)
+            out = inner(x, *rest)
             add((("routed", i), "fwd"), time.perf_counter() - t0)
             if out.requires_grad and x.requires_grad:     # its backward: the output's gradient to the input's
                 began = []
                 out.register_hook(lambda g: began.append(time.perf_counter()))
                 x.register_hook(lambda g: add((("routed", i), "bwd"), time.perf_counter() - began[0]) if began else None)
             return out
-        moe._routed = routed
+        return routed
+
+    # labkit's MoE layers' routed part, a transformers block's fused experts
+    for name, layer, attr in [(n, m, "_routed") for n, m in moe_layers(net)] + \
+            [(n, m, "forward") for n, m in fused_experts(net)]:
+        i = next((k for k, n in enumerate(names) if name == n or name.startswith(n + ".")), None)
+        if i is not None:
+            setattr(layer, attr, timing(i, getattr(type(layer), attr).__get__(layer)))
     return seconds
 
 

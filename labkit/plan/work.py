@@ -180,6 +180,14 @@ class _Marks:
             return _Hidden.apply(self.counter, "experts", type(moe)._routed.__get__(moe), x, chosen, gates)
         return routed
 
+    def fused(self, name, experts):
+        """A transformers block's fused experts, as :meth:`routed` a MoE's routed part."""
+        def forward(hidden_states, top_k_index, top_k_weights):
+            self.moe.setdefault(self.block, []).append((name, experts))
+            return _Hidden.apply(self.counter, "experts", type(experts).forward.__get__(experts), hidden_states,
+                                 top_k_index, top_k_weights)
+        return forward
+
 
 class _Hidden(torch.autograd.Function):
     """``fn(*inputs)`` whose ops, forward and backward, go to no sink; an Op ``tag`` goes instead."""
@@ -223,7 +231,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     ``ep`` > 1: the MoE layers' routed experts marked, not counted; ``marked=False``: on the
     same shapes, attention and the experts counted as one process runs them."""
     from ..parallel.blocks import find_blocks
-    from ..parallel.expert import moe_layers
+    from ..parallel.expert import fused_experts, moe_layers
 
     net = build_model(model, 0)
     found = find_blocks(net, blocks)
@@ -237,6 +245,8 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     rec = _Recording(net, found, marked=marked and (cp > 1 or ep > 1))
     for name, moe in (moe_layers(net) if ep > 1 and marked else []):
         moe._routed = rec.marks.routed(name, moe)
+    for name, experts in (fused_experts(net) if ep > 1 and marked else []):
+        experts.forward = rec.marks.fused(name, experts)
     rec.step(x, y, resolve_loss(loss), optimizer, cp)
     return rec.work(batch)
 
