@@ -10,7 +10,8 @@ the cases), and each case's model has its pieces timed in sequence on this proce
 thread, at the case's micro-batch size (``labkit.plan.profile.profile``: the model alone, no
 strategy, no engine); then every case (strategies, model widths and depths, micro-batch counts, degrees
 a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
-over ep ranks, and a transformers LlamaForCausalLM from a config under dp, a pipeline and cp) is simulated from it and run on the lab, twice.
+over ep ranks, and a transformers LlamaForCausalLM from a config under dp, a pipeline and cp, and a transformers Mixtral's
+fused experts over ep) is simulated from it and run on the lab, twice.
 The two runs ``measure`` itself takes of a trivial model (its host cost per action) are
 repeated as the in-sample cases; every other case is held out. Prints, per case,
 the measured step time (median of the two runs), the predicted, their ratio, the second run
@@ -78,6 +79,18 @@ def _hf_llama(batch: int = 8) -> dict:
             "label": "hf-llama4x128"}
 
 
+def _hf_mixtral(batch: int = 8) -> dict:
+    """A transformers MixtralForCausalLM from a config: its sparse blocks' fused experts, which
+    ep spreads as they are (the model's own router and experts code)."""
+    from transformers import MixtralConfig
+    data = labkit.data.text(batch=batch, block_size=64)
+    config = MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=64, vocab_size=data.vocab_size,
+                           num_local_experts=4, num_experts_per_tok=2)
+    return {"model": labkit.models.from_hf(config), "batch": batch, "data": data, "loss": "cross_entropy",
+            "label": "hf-mixtral4x128e4"}
+
+
 def in_sample(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     """The runs labkit.plan.measure takes itself (its host cost per action comes from them)."""
     S, n = labkit.Strategy, engines
@@ -127,6 +140,7 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
     # expert parallelism: a MoE llama's experts over 2 (and 4) of the dp ranks, with and without overlap
     out += [(f"dp{n} ep{ep}{' overlap' if o != 'none' else ''}", S(dp=n, ep=ep, ep_overlap=o), _moe())
             for ep in (2, 4) if ep <= n for o in ("none", "microbatch")]
+    out.append((f"dp{n} ep2", S(dp=n, ep=2), _hf_mixtral()))      # a transformers MoE as it is
     return out
 
 

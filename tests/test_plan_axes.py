@@ -20,6 +20,7 @@ GPT = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_
 HF = pathlib.Path(__file__).parent / "data" / "hf"
 HF_LLAMA = labkit.models.from_hf(HF / "llama.json")    # its own attention
 HF_MIXTRAL, HF_QWEN3_MOE = labkit.models.from_hf(HF / "mixtral.json"), labkit.models.from_hf(HF / "qwen3_moe.json")
+HF_QWEN2_MOE = labkit.models.from_hf(HF / "qwen2_moe.json")      # a shared expert beside the routed ones
 
 SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
 
@@ -82,6 +83,7 @@ def test_ring_rounds_follow_the_causal_split():
     (labkit.Strategy(pp=4, microbatches=4), labkit.models.llama(**SIZES, tie=True)),
     (labkit.Strategy(dp=4, ep=2), HF_MIXTRAL),
     (labkit.Strategy(dp=4, ep=4, ep_overlap="microbatch"), HF_QWEN3_MOE),
+    (labkit.Strategy(dp=4, ep=2), HF_QWEN2_MOE),
     (labkit.Strategy(dp=2, cp=2), HF_LLAMA),
     (labkit.Strategy(dp=2, cp=2, cp_mode="ulysses"), HF_LLAMA),
     (labkit.Strategy(dp=2, tp=2), HF_LLAMA),
@@ -89,7 +91,7 @@ def test_ring_rounds_follow_the_causal_split():
     (labkit.Strategy(dp=4, zero=3), HF_LLAMA),
 ], ids=["dp2cp2-ring", "cp4-allgather", "cp4-ring-contiguous", "dp2cp2-allgather-zero1", "dp2cp2-ulysses", "dp4ep2",
         "dp4ep2-overlap", "dp4ep4-m2", "dp2tp2", "dp2pp2-m2", "dp4zero3", "gpt-tied-dp2pp2", "llama-tied-pp4-embedding-and-head-alone", "hf-mixtral-dp4ep2",
-        "hf-qwen3moe-dp4ep4-overlap", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
+        "hf-qwen3moe-dp4ep4-overlap", "hf-qwen2moe-shared-expert-dp4ep2", "hf-dp2cp2-ring", "hf-dp2cp2-ulysses",
         "hf-dp2tp2", "hf-dp2pp2-m2", "hf-dp4zero3"])
 def test_bytes_and_span_kinds_per_rank_equal_a_runs(lab4, strategy, model):
     pred = plan.simulate(strategy, _machine(), model=model, steps=1, lr=0.3, **KW)
