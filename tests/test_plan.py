@@ -811,7 +811,22 @@ def test_on_an_emulated_link_a_call_takes_the_longer_of_the_links_time_and_gloos
     machine = _machine(link_alpha_beta=(link.latency, link.bandwidth))
     for nbytes in (1 << 10, 1 << 22):
         gloo = _machine().comm_s("all_reduce", nbytes, 2)
-        assert machine.comm_s("all_reduce", nbytes, 2) == pytest.approx(max(gloo, link.seconds("all_reduce", nbytes, 2)))
+        stamp = _machine().comm_s("all_reduce", 16, 2)       # every member's start, all-reduced ahead of the payload
+        assert machine.comm_s("all_reduce", nbytes, 2) == pytest.approx(
+            max(gloo + stamp, link.seconds("all_reduce", nbytes, 2)))
+
+
+def test_on_an_emulated_link_a_small_collective_pays_the_stamp_all_reduce_and_a_send_does_not():
+    """labkit.comm joins a collective on the link by all-reducing [start, busiest bytes] before
+    the payload: where gloo's small all-reduce is slower than the link (this host's, ~0.5 ms), a
+    16-byte all-to-all (an MoE layer's counts) takes that all-reduce and its own, not the link's 0.2 ms."""
+    slow = {f: plan.AlphaBeta(alpha=5e-4 if f == "all_reduce" else 1e-4, beta=1e9, per_step=True) for f in FAMILIES}
+    machine = _machine(comm=slow, link_alpha_beta=(2e-4, 50e6))
+    stamp = 2 * 5e-4 + 16 / 1e9
+    assert machine.comm_s("all_to_all", 32, 2, gloo=1e-4) == pytest.approx(stamp + 1e-4)
+    assert machine.comm_s("all_gather", 64, 2) == pytest.approx(stamp + 1e-4 + 32 / 1e9)
+    assert machine.comm_s("send", 16, 2) == pytest.approx(max(1e-4 + 16 / 1e9, 2e-4 + 16 / 50e6))
+    assert _machine(comm=slow).comm_s("all_to_all", 32, 2, gloo=1e-4) == pytest.approx(1e-4)     # no link, no stamp
 
 
 def test_weights_miss_the_cache_when_a_step_outgrows_it_and_not_when_it_fits():

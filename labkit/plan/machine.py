@@ -89,8 +89,9 @@ class Measured:
     """Engines the measurement ran on."""
     link: tuple = ()
     """(α seconds per message, β bytes/s per rank) of the emulated link the lab ran on, as it
-    imposes them (() for gloo as it is): a call takes the link's time or gloo's own (``comm``),
-    whichever is longer (labkit.Link)."""
+    imposes them (() for gloo as it is): a call takes the link's time or gloo's own (``comm``;
+    a collective's with the 16-byte all-reduce that joins it on the link), whichever is longer
+    (labkit.Link, :func:`labkit.plan.price.comm_parts`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,8 +27,13 @@ gloo's own work, the α-β of that family measured on the engines (α per ring s
     t_gloo = steps(n)·α_f + bus(n)·S/β_f
 
 (``steps``: n − 1 for a gather or scatter, 2(n − 1) for an all-reduce, 1 for a send; ``bus``:
-the bytes each rank moves per byte of S). On an emulated link the call also waits off the
-cores for the link's α-β; the call takes the longer of the two:
+the bytes each rank moves per byte of S). On an emulated link a collective first all-reduces
+each member's start (a 16-byte stamp: ``labkit.comm``'s ``_join``, from which the link's
+deadline follows), one more small call of gloo's ahead of the payload's:
+
+    t_gloo += 2(n − 1)·α_all_reduce + 16·2(n − 1)/n / β_all_reduce        (not for a send)
+
+and the call also waits off the cores for the link's α-β; it takes the longer of the two:
 
     t_call = max(t_gloo,  steps(n)·α_link + bus(n)·S/β_link)
 
@@ -56,6 +61,9 @@ from __future__ import annotations
 import math
 
 from .hardware import AlphaBeta
+
+STAMP_BYTES = 16
+"""What a collective on an emulated link all-reduces ahead of its payload: [start, busiest bytes] in float64."""
 
 VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
                    "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk"))
@@ -89,6 +97,8 @@ def comm_parts(machine, family: str, nbytes: float, n: int, gloo: float | None =
     own = machine.comm[family].seconds(family, nbytes, n) if gloo is None else gloo
     if not machine.link_alpha_beta:
         return own, 0.0
+    if family != "send":        # the link's stamp: every member's start, all-reduced ahead of the payload
+        own += machine.comm["all_reduce"].seconds("all_reduce", STAMP_BYTES, n)
     alpha, beta = machine.link_alpha_beta
     return own, AlphaBeta(alpha=alpha, beta=beta, per_step=True).seconds(family, nbytes, n)
 
