@@ -215,3 +215,23 @@ def test_a_pipeline_the_lab_refuses_is_refused_by_the_lab_s_own_check():
     with pytest.raises(ValueError, match="interleaved splits the model's 6 blocks"):
         plan.simulate(labkit.Strategy(pp=2, microbatches=4, schedule="interleaved", chunks=2), _machine(),
                       model=labkit.models.gpt(**{**GPT, "n_layer": 4}), **KW)
+
+
+def test_a_transformers_ep_rank_s_experts_are_counted_as_the_products_they_are():
+    """A fused experts module runs every expert in one ``_grouped_mm``, which torch's
+    flop_registry lacks; and the ep rank's slice, copied from a count that marked the experts,
+    must compute with its own rows, not the count's stand-in: 2·rows·H·2I + 2·rows·I·H forward
+    (gate-up, then down), twice that backward."""
+    import torch
+
+    from labkit.plan.expert_work import routed_ops
+    from labkit.plan.work import count
+
+    data = labkit.data.text(batch=8, block_size=16)
+    work = count(HF_MIXTRAL, 4, data, "cross_entropy", ep=2)
+    _, experts = work.blocks[0].moe[0]
+    counts = torch.tensor([[30, 34], [20, 44]])             # rows arriving: [sender, local expert]
+    fwd, bwd = routed_ops(experts, torch.randint(0, 4, (64, 2)), counts)["experts"]
+    rows, h, i = int(counts.sum()), 64, 128
+    assert fwd.flops == 2 * rows * h * 2 * i + 2 * rows * i * h
+    assert bwd.flops == 2 * fwd.flops

@@ -4,6 +4,8 @@ each other, and one ep rank's sort, experts and un-permute.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .profile import one_thread
@@ -57,7 +59,6 @@ def _routed(moe, chosen, counts) -> dict:
     block's fused experts, :class:`~labkit.parallel.expert.dispatch.ExpertParallelExperts` on
     a copy holding the first ep rank's slice): part → (forward, backward), each a function of
     no argument (the backward runs the last forward's)."""
-    import copy
     from types import SimpleNamespace
 
     from ..models.moe import MoE
@@ -68,7 +69,7 @@ def _routed(moe, chosen, counts) -> dict:
         EP, me = ExpertParallelMoE, SimpleNamespace(top_k=k, n_experts=moe.n_experts,   # every expert has the same shapes
                                                      experts={str(e): moe.experts[e] for e in range(local)})
     else:
-        EP, me = ExpertParallelExperts, ExpertParallelExperts(copy.deepcopy(moe), 0, ep, None, "", "none")
+        EP, me = ExpertParallelExperts, _first_slice(moe, ep)
         me.top_k = k
     x, gates = torch.randn(n, c, requires_grad=True), torch.rand(n, k, requires_grad=True)
     arrived = torch.randn(int(counts.sum()), c, requires_grad=True)
@@ -88,6 +89,27 @@ def _routed(moe, chosen, counts) -> dict:
     def backward(part):
         return lambda: got[part].backward(torch.ones_like(got[part]))
     return {part: (fn, backward(part)) for part, fn in (("pre", pre), ("experts", experts), ("post", post))}
+
+
+_SLICES = weakref.WeakKeyDictionary()
+"""A transformers block's fused experts → {ep: its first ep rank's slice} (:func:`_first_slice`)."""
+
+
+def _first_slice(experts, ep: int):
+    """:class:`~labkit.parallel.expert.dispatch.ExpertParallelExperts` on a copy of ``experts``
+    holding the first of ``ep`` ranks' rows (every rank's have the same shapes), made once per
+    layer and ep (each step and rank prices it again), its gradients cleared."""
+    import copy
+
+    from ..parallel.expert.dispatch import ExpertParallelExperts
+    by_ep = _SLICES.setdefault(experts, {})
+    if ep not in by_ep:
+        mine = copy.deepcopy(experts)
+        mine.__dict__.pop("forward", None)      # the class's own, not a count's or profile's stand-in
+        by_ep[ep] = ExpertParallelExperts(mine, 0, ep, None, "", "none")
+    for p in by_ep[ep].parameters():
+        p.grad = None
+    return by_ep[ep]
 
 
 def routed_ops(moe, chosen, counts) -> dict:

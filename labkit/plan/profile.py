@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from ..training import build_model, resolve_data, resolve_loss
-from .work import ModelWork, Ops, _Recording, _rows, in_step_order, with_pieces
+from .work import ModelWork, Ops, _Recording, _rows, in_step_order, routed_parts, with_pieces
 
 
 class _Clock:
@@ -100,8 +100,6 @@ def _time_routed(net, found) -> dict:
     """Each MoE layer's routed experts (``MoE._routed``, a transformers block's fused experts: the
     part expert parallelism moves off the block) timed inside its block's piece, forward and backward: {(("routed", i), phase):
     seconds}, filled as the step runs (the block's own piece still holds them)."""
-    from ..parallel.expert import fused_experts, moe_layers
-
     seconds, names = {}, [name for name, _ in found]
 
     def add(key, t):
@@ -119,9 +117,7 @@ def _time_routed(net, found) -> dict:
             return out
         return routed
 
-    # labkit's MoE layers' routed part, a transformers block's fused experts
-    for name, layer, attr in [(n, m, "_routed") for n, m in moe_layers(net)] + \
-            [(n, m, "forward") for n, m in fused_experts(net)]:
+    for name, layer, attr in routed_parts(net):
         i = next((k for k, n in enumerate(names) if name == n or name.startswith(n + ".")), None)
         if i is not None:
             setattr(layer, attr, timing(i, getattr(type(layer), attr).__get__(layer)))

@@ -121,7 +121,7 @@ class _Counter(TorchDispatchMode):
             self.sink.append(Op(name, 0.0, 0.0, self.linear))
             return out
         formula = flop_registry.get(func.overloadpacket)
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula else _attention_flops(name, args)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula else _missing_flops(name, args, out)
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -139,10 +139,18 @@ class _Counter(TorchDispatchMode):
         return out
 
 
-def _attention_flops(name: str, args) -> float:
-    """torch's CPU flash attention, which flop_registry lacks: its formulas for the CUDA kernels
-    (``sdpa_flop_count``: the two batched products, causal or not)."""
+def _missing_flops(name: str, args, out) -> float:
+    """Products flop_registry lacks. torch's CPU flash attention: its formulas for the CUDA
+    kernels (``sdpa_flop_count``: the two batched products, causal or not). ``_grouped_mm`` (a
+    transformers MoE's fused experts, every expert's rows in one call): 2 FLOPs per output
+    element per element of the dimension it sums over, which for two 2-D operands (a weight's
+    gradient, grouped along that dimension) is the whole of it, each group its own slice."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    if name == "_grouped_mm":
+        a, b = args[0], args[1]
+        if a.dim() == 2 and b.dim() == 2:
+            return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+        return 2.0 * out.numel() * a.shape[-1]
     if name == "_scaled_dot_product_flash_attention_for_cpu":
         return float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
     if name == "_scaled_dot_product_flash_attention_for_cpu_backward":
@@ -174,19 +182,22 @@ class _Marks:
         self.shapes.setdefault(self.block, []).append((*q.shape[:3], q.shape[3], k.shape[1]))
         return _Hidden.apply(self.counter, "attention", lambda *qkv: local_attention(*qkv, causal), q, k, v)
 
-    def routed(self, name, moe):
-        def routed(x, chosen, gates):
-            self.moe.setdefault(self.block, []).append((name, moe))
-            return _Hidden.apply(self.counter, "experts", type(moe)._routed.__get__(moe), x, chosen, gates)
-        return routed
+    def experts(self, name, layer, attr):
+        """``layer.attr`` (one of :func:`routed_parts`) computing as one process, marked "experts"."""
+        inner = getattr(type(layer), attr).__get__(layer)
 
-    def fused(self, name, experts):
-        """A transformers block's fused experts, as :meth:`routed` a MoE's routed part."""
-        def forward(hidden_states, top_k_index, top_k_weights):
-            self.moe.setdefault(self.block, []).append((name, experts))
-            return _Hidden.apply(self.counter, "experts", type(experts).forward.__get__(experts), hidden_states,
-                                 top_k_index, top_k_weights)
-        return forward
+        def run(*args):
+            self.moe.setdefault(self.block, []).append((name, layer))
+            return _Hidden.apply(self.counter, "experts", inner, *args)
+        return run
+
+
+def routed_parts(net) -> list:
+    """(name, module, attribute) of each MoE layer's routed experts, the part expert parallelism
+    moves off its block: labkit's MoE's ``_routed``, a transformers sparse block's fused experts'
+    ``forward`` (:func:`labkit.parallel.expert.fused_experts`)."""
+    from ..parallel.expert import fused_experts, moe_layers
+    return [(n, m, "_routed") for n, m in moe_layers(net)] + [(n, m, "forward") for n, m in fused_experts(net)]
 
 
 class _Hidden(torch.autograd.Function):
@@ -231,8 +242,6 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     ``ep`` > 1: the MoE layers' routed experts marked, not counted; ``marked=False``: on the
     same shapes, attention and the experts counted as one process runs them."""
     from ..parallel.blocks import find_blocks
-    from ..parallel.expert import fused_experts, moe_layers
-
     net = build_model(model, 0)
     found = find_blocks(net, blocks)
     if not found:
@@ -243,10 +252,8 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     if cp > 1:                       # a cp rank's share of the tokens (cp splits the sequence)
         x, y = _rows(x, lambda v: v[:, :v.shape[1] // cp]), y[:, :y.shape[1] // cp]
     rec = _Recording(net, found, marked=marked and (cp > 1 or ep > 1))
-    for name, moe in (moe_layers(net) if ep > 1 and marked else []):
-        moe._routed = rec.marks.routed(name, moe)
-    for name, experts in (fused_experts(net) if ep > 1 and marked else []):
-        experts.forward = rec.marks.fused(name, experts)
+    for name, layer, attr in (routed_parts(net) if ep > 1 and marked else []):
+        setattr(layer, attr, rec.marks.experts(name, layer, attr))
     rec.step(x, y, resolve_loss(loss), optimizer, cp)
     return rec.work(batch)
 
