@@ -7,7 +7,7 @@
 The machine is measured once (``labkit.plan.measure``: matmuls, an elementwise loop, tiny
 autograd ops, collectives, a trivial model's host costs; no model of the cases, no strategy of
 the cases), and each case's model has its pieces timed in sequence on this process, one
-thread, at the case's micro-batch size (``labkit.plan.profile.profile``: the model alone, no
+thread, at the case's micro-batch size (``labkit.plan.local.profile.profile``: the model alone, no
 strategy, no engine); then every case (strategies, model widths and depths, micro-batch counts, degrees
 a Llama model that no measurement ran, its sequence over cp ranks and its MoE twin's experts
 over ep ranks, and a transformers LlamaForCausalLM from a config under dp, a pipeline and cp, and a transformers Mixtral's
@@ -150,7 +150,7 @@ TERMS = ("call_s", "action_s", "op_s", "refetch")
 one at a time (each set to nothing), beside the model's own pieces timed (``profile``): a term
 whose removal leaves the held-out cases as good is not earning its place. Those the machine no
 longer has went when this ablation on the emulated link showed them earning nothing
-(``labkit.plan.machine.DELETED``)."""
+(``labkit.plan.local.machine.DELETED``)."""
 
 
 def without(machine, term: str):
@@ -176,7 +176,7 @@ def one_case(lab, machine, strategy, spec: dict, steps: int) -> dict:
     runs = [run()]
     # the model's pieces timed between the two runs (the host's own speed drifts over minutes:
     # a profile kept from an earlier case would price this one at another moment's speed)
-    plan.physical.forget_profiles()
+    plan.local.physical.forget_profiles()
     sim = dict(kw, steps=steps)          # the run's steps: an MoE's routes move as its router trains
     pred = plan.simulate(strategy, machine, model=spec["model"], batch=spec["batch"], tp_plan=tp_plan, **sim)
     ablated = {t: plan.simulate(strategy, without(machine, t), model=spec["model"], batch=spec["batch"],

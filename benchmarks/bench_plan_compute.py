@@ -7,7 +7,7 @@ The machine's compute fields (``labkit.plan.measure``'s one-engine probes: matmu
 the cache and what it loses by age, host cost per op) are measured
 here in this process; each model then runs its training step as the executor does (gradients
 accumulated into zeros, zeroed in place), and the step's three parts, each the median of five
-timed runs, are printed beside ``Machine.seconds`` of the ops ``labkit.plan.work.count``
+timed runs, are printed beside ``Machine.seconds`` of the ops ``labkit.plan.local.work.count``
 recorded, the table's prices alone (``simulate`` times the pieces instead). The tiny models
 show the host costs alone (their arithmetic is nil); the others the products, elementwise ops
 and cache at the benchmark's micro-batch sizes.
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import labkit  # noqa: E402
 from labkit.training import build_model, build_optimizer, resolve_data, resolve_loss  # noqa: E402
 from labkit.plan import Machine  # noqa: E402
-from labkit.plan.work import count, warm  # noqa: E402
+from labkit.plan.local.work import count, warm  # noqa: E402
 
 
 def models() -> list[tuple[str, dict, int]]:
@@ -82,7 +82,7 @@ def priced(machine: Machine, spec: dict, rows: int) -> tuple[float, float, float
 
 def main() -> None:
     torch.set_num_threads(1)
-    measure = importlib.import_module("labkit.plan.measure")
+    measure = importlib.import_module("labkit.plan.local.measure")
     probes, _ = measure._alone(0.2, None)
     dram = measure._shared(0.2)                 # one process: its share is the whole bus
     machine = Machine.of(cores=1.0, **probes, dram_Bps=dram)

@@ -12,7 +12,7 @@ their rank order along one axis. This module
 is the one place that turns a rank into its coordinates and back. It imports no torch and
 nothing of labkit, so the engine (:mod:`labkit.engine.grid` builds torch process groups from
 a :class:`ParallelDims`), the timeline and its views (:class:`Grid`) and the planner
-(:mod:`labkit.plan.physical`) all read the same layout.
+(:mod:`labkit.plan.local.physical`) all read the same layout.
 
 Expert parallelism draws its groups from the dp ranks (DeepSeek-V3, Megatron-Core): each dp
 group is cut into runs of ``ep`` consecutive ranks (the ep groups, which exchange tokens), and

@@ -143,12 +143,12 @@ class Link:
         k times slower. Inside a node: the target's NVLink; between nodes (engines beyond
         ``gpus_per_node``, by default the target's node size): its InfiniBand per GPU. The
         target's figures (achieved GEMM rate, nccl-tests bus bandwidths, small-message
-        latencies) are the planner's (:mod:`labkit.plan.hardware`). Latency is dilated too: an
+        latencies) are the planner's (:mod:`labkit.plan.scale.hardware`). Latency is dilated too: an
         H100's 8 µs is the time of ~5 GFLOP, so here it is hundreds of milliseconds per message,
         and the course's small models, which a real H100 node would run latency-bound, are
         latency-bound here as well; ``dataclasses.replace(link, latency=...)`` sets another.
         """
-        from .plan.hardware import hardware
+        from .plan.scale.hardware import hardware
 
         match = re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?(.+?)\s*", str(target))
         if match is None:

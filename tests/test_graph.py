@@ -15,7 +15,7 @@ import labkit
 from labkit.analysis.graph import StepGraph
 from labkit.parallel.pipeline.schedules import build_schedule
 from labkit.analysis.des import Compute, Issue, Sim, Wait
-from labkit.plan.whatif import _link_seconds, replay_step
+from labkit.analysis.whatif import _link_seconds, replay_step
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MB = 1 << 20
@@ -176,12 +176,12 @@ def test_a_rebuild_is_refused_where_it_does_not_reach():
     for strategy in (labkit.Strategy(pp=2), labkit.Strategy(dp=2, zero=1), labkit.Strategy(dp=2, dp_mode="naive")):
         run = SimpleNamespace(strategy=strategy, params={}, timeline=labkit.Timeline([]), link=None)
         with pytest.raises(ValueError, match="plain data parallelism"):
-            labkit.plan.whatif.whatif(run, bucket_mb=1)
+            labkit.analysis.whatif.whatif(run, bucket_mb=1)
     run = SimpleNamespace(strategy=labkit.Strategy(dp=2), params={}, timeline=labkit.Timeline([]), link=None)
     with pytest.raises(ValueError, match="kept no parameters"):
-        labkit.plan.whatif.whatif(run, bucket_mb=1)
+        labkit.analysis.whatif.whatif(run, bucket_mb=1)
     with pytest.raises(ValueError, match="MiB"):
-        labkit.plan.whatif.whatif(run, bucket_mb=0)
+        labkit.analysis.whatif.whatif(run, bucket_mb=0)
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import labkit
 from labkit import comm
 from labkit.comm import collectives
 from labkit.link import Link, compute_rate
-from labkit.plan.hardware import H100
+from labkit.plan.scale.hardware import H100
 from labkit.view.status import link_text
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])     # engines cannot import this file

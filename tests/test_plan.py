@@ -11,9 +11,9 @@ import pytest
 from labkit import plan
 from labkit.plan import Cluster, ClusterStrategy, ModelShape, predict, search
 from labkit.analysis.des import Compute, Issue, Sim, Wait
-from labkit.plan.machine import FAMILIES, Machine
-from labkit.plan.memory import held, layer_activation_bytes, memory_breakdown, rank_memory
-from labkit.plan.step import pipeline_time, stage_costs
+from labkit.plan.local.machine import FAMILIES, Machine
+from labkit.plan.scale.memory import held, layer_activation_bytes, memory_breakdown, rank_memory
+from labkit.plan.scale.step import pipeline_time, stage_costs
 from labkit.parallel.pipeline.schedules import build_schedule, ideal_bubble
 
 GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
@@ -80,7 +80,7 @@ def test_memory_is_the_rank_that_needs_the_most_with_its_own_layers_and_in_fligh
     """Llama 3 405B, pp16 v4, 16 micro-batches: the first half of the ranks run all 64 forwards
     before a backward; rank 0 has one layer fewer (Llama 3's balancing), so rank 1's 8 layers ×
     16 micro-batches are the peak, not rank 0's 7 × 16 · (1 + 15/64)."""
-    from labkit.plan import published
+    from labkit.plan.scale import published
 
     model = published._model("llama3-405b", 8192)
     s = ClusterStrategy(dp=128, pp=16, tp=8, zero=2, schedule="interleaved", chunks=4, sequence_parallel=True)
@@ -119,7 +119,7 @@ def test_search_ranks_what_fits_and_says_when_nothing_does():
 
 def test_published_table_within_the_bound_we_reach():
     """Megatron-LM SC21 Table 1, ten rows on A100: the planner reaches ≤ 10% on every row."""
-    from labkit.plan import published
+    from labkit.plan.scale import published
 
     rows = published.compare()
     assert len(rows) == 10
@@ -153,7 +153,7 @@ def test_closed_form_step_time_matches_the_replay_at_scale():
 
 def test_split_backward_at_scale_has_the_schedules_ideal_bubble():
     """Uniform stages with F = I = W (no comm): the closed form is the schedule's own ideal."""
-    from labkit.plan.step import StageCosts
+    from labkit.plan.scale.step import StageCosts
 
     p, m = 4, 8
     c = StageCosts([1.0] * p, [2.0] * p, 0.0, 0.0, 0.0, bwd_weight=[1.0] * p)
@@ -297,7 +297,7 @@ def test_a_decoder_splits_unevenly_as_llama_3_did_and_a_gpt_does_not():
 
 
 def test_decoder_activations_count_what_backward_reads_and_torchtitans_op_policy():
-    from labkit.plan.memory import decoder_activation_bytes
+    from labkit.plan.scale.memory import decoder_activation_bytes
 
     m = plan.Decoder(layers=2, hidden=1024, heads=16, kv_heads=4, ffn_hidden=4096, vocab=1000, seq=512)
     sbh = 512 * 2 * 1024
@@ -315,7 +315,7 @@ def test_decoder_activations_count_what_backward_reads_and_torchtitans_op_policy
 def test_llama_tables_print_the_error_the_code_computes():
     """Llama 3 Table 4 and torchtitan's A100 table: each row's error is the prediction against
     the published figure (no bound asserted: the figures are reported as they come)."""
-    from labkit.plan import published
+    from labkit.plan.scale import published
 
     rows = published.compare_llama()
     assert len(rows) == len(published.LLAMA3_TABLE4) + len(published.TORCHTITAN_A100)
@@ -340,7 +340,7 @@ def test_llama_tables_print_the_error_the_code_computes():
 DENSE = dict(layers=8, hidden=1024, heads=8, kv_heads=2, vocab=32000, ffn_hidden=4096)
 
 def test_cp_divides_activations_per_rank_and_zero_shards_over_dp_times_cp():
-    from labkit.plan.memory import gathered_kv_bytes, memory_breakdown
+    from labkit.plan.scale.memory import gathered_kv_bytes, memory_breakdown
 
     model = plan.Decoder(**DENSE, seq=65536)
     def mem(**kw):
@@ -357,7 +357,7 @@ def test_cp_divides_activations_per_rank_and_zero_shards_over_dp_times_cp():
 
 @pytest.mark.parametrize("nodes, tp, cp, link", [(1, 2, 4, "nvlink"), (4, 4, 8, "ib")])
 def test_cp_prices_the_all_gather_exposed_and_the_ring_under_its_rounds(nodes, tp, cp, link):
-    from labkit.plan.step import context_comm_times
+    from labkit.plan.scale.step import context_comm_times
 
     model = plan.Decoder(**DENSE, seq=32768)
     cluster = Cluster(nodes=nodes)
@@ -384,7 +384,7 @@ def test_search_turns_to_cp_for_a_long_sequence_and_leaves_short_ones_alone():
 
 
 def test_zero3_prefetches_the_forwards_all_gathers_behind_the_forward():
-    from labkit.plan.step import exposed_dp_sync, stage_costs
+    from labkit.plan.scale.step import exposed_dp_sync, stage_costs
 
     s = ClusterStrategy(dp=64, zero=3, dp_mode="overlap")
     c = stage_costs(plan.Decoder(**DENSE, seq=4096), Cluster(nodes=8), s)
@@ -423,7 +423,7 @@ def test_ep_divides_the_experts_state_and_zero_shards_it_over_their_replicas():
 
 @pytest.mark.parametrize("nodes, dp, tp, link", [(1, 4, 2, "nvlink"), (4, 16, 2, "ib")])
 def test_ep_prices_four_all_to_alls_per_moe_layer_on_the_groups_link(nodes, dp, tp, link):
-    from labkit.plan.step import layer_times
+    from labkit.plan.scale.step import layer_times
 
     moe = plan.Decoder(**EP_BASE, experts=8, top_k=2, expert_ffn=2048)
     cluster, ep = Cluster(nodes=nodes), 4 if link == "nvlink" else 8     # span ep·tp: 8 in a node, 16 across
@@ -489,7 +489,7 @@ def test_core_runs_a_two_stage_gpipe_with_the_ideal_bubble(m):
                     prog.append(Wait(key))
         programs.append(prog)
     events = Sim(programs, cores=p).run()
-    metrics = plan.physical.step_metrics(events, p, m)
+    metrics = plan.local.physical.step_metrics(events, p, m)
     assert metrics["step_time_s"] == pytest.approx((m + p - 1) * 3.0)
     assert metrics["bubble_fraction"] == pytest.approx((p - 1) / (m + p - 1))
 
@@ -529,7 +529,7 @@ def test_processor_sharing_two_threads_on_one_core_take_twice_as_long():
 
 
 def test_a_byte_untouched_for_a_while_is_paid_again_by_its_age_less_what_its_piece_paid():
-    """The cache loses what a rank does not use as the wall clock runs (labkit.plan.price): a span
+    """The cache loses what a rank does not use as the wall clock runs (labkit.plan.local.price): a span
     that touches bytes its rank last touched long ago takes bytes × ρ(age) longer, less the ρ its
     own seconds already held; a byte never touched before, or another rank's, costs nothing."""
     rho = lambda age: 1e-9 * min(age, 2.0)     # noqa: E731  (seconds per byte by age, saturating)
@@ -545,8 +545,8 @@ def test_a_byte_untouched_for_a_while_is_paid_again_by_its_age_less_what_its_pie
     # a step follows a step: its first touch is priced by the previous step's last one
     machine = _machine(refetch=((1e-3, 0.0), (1.0, 1e-9)))
     once = [[Compute(0.5, "fwd", touches=w), Compute(0.5, "fwd")]]
-    (first, second) = [e["end"] - e["start"] for e in plan.price.step_events(once, machine)]
-    assert first == pytest.approx(0.5 + 1e6 * plan.price.refetch(machine, 1.0)) and second == pytest.approx(0.5)
+    (first, second) = [e["end"] - e["start"] for e in plan.local.price.step_events(once, machine)]
+    assert first == pytest.approx(0.5 + 1e6 * plan.local.price.refetch(machine, 1.0)) and second == pytest.approx(0.5)
 
 
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
@@ -590,8 +590,8 @@ def test_a_models_pieces_timed_in_sequence_price_its_ops_at_what_they_took():
     optimizer) as the executor runs them; profile.timed hands each piece's ops a factor so that the
     piece costs what it took, and the ops keep their prices' shares of it."""
     import labkit
-    from labkit.plan.profile import profile, timed
-    from labkit.plan.work import count
+    from labkit.plan.local.profile import profile, timed
+    from labkit.plan.local.work import count
 
     model = labkit.models.mlp(width=64, depth=3)
     seconds = profile(model, 8, repeats=3)
@@ -616,7 +616,7 @@ def test_a_models_pieces_timed_in_sequence_price_its_ops_at_what_they_took():
 
 def test_a_models_work_is_its_counted_operations():
     import labkit
-    from labkit.plan.work import count
+    from labkit.plan.local.work import count
 
     work = count(labkit.models.mlp(width=64, depth=3), batch=8)
     linear = 2 * 8 * 64 * 64
@@ -753,7 +753,7 @@ def test_find_cycle_finds_a_function_level_cycle_and_none_in_a_chain():
 
 def test_plan_modules_sit_in_no_import_cycle_not_even_inside_functions():
     graph = plan_import_graph()
-    assert "labkit.plan.physical" in graph and graph["labkit.plan.step"]       # the scan sees the package
+    assert "labkit.plan.local.physical" in graph and graph["labkit.plan.scale.step"]       # the scan sees the package
     cycle = find_cycle(graph)
     assert not cycle, "labkit.plan import cycle: " + " → ".join(cycle)
 
@@ -831,7 +831,7 @@ def test_on_an_emulated_link_a_small_collective_pays_the_stamp_all_reduce_and_a_
 
 def test_weights_miss_the_cache_when_a_step_outgrows_it_and_not_when_it_fits():
     from labkit.models import mlp
-    from labkit.plan.work import count, warm
+    from labkit.plan.local.work import count, warm
 
     work = count(mlp(width=256, depth=4), batch=8)
     weight = 256 * 256 * 4
@@ -845,7 +845,7 @@ def test_cpu_attention_is_counted_with_torchs_sdpa_formula():
     import torch
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-    from labkit.plan.work import _Counter
+    from labkit.plan.local.work import _Counter
 
     q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
     counter = _Counter()
@@ -858,7 +858,7 @@ def test_cpu_attention_is_counted_with_torchs_sdpa_formula():
 
 
 def test_an_op_pays_its_bytes_in_the_cache_and_its_cold_bytes_beyond_it():
-    from labkit.plan.work import Op
+    from labkit.plan.local.work import Op
 
     m = _machine(memory_Bps=1e10, dram_Bps=1e9, op_s=0.0)
     assert m.op_seconds(Op("gelu", 0.0, 8e6)) == pytest.approx(8e-4)   # its bytes, as an add's
@@ -873,7 +873,7 @@ def test_an_op_pays_its_bytes_in_the_cache_and_its_cold_bytes_beyond_it():
 
 def test_a_view_costs_nothing_of_its_own_and_every_other_op_pays_op_s():
     import labkit
-    from labkit.plan.work import Op, count
+    from labkit.plan.local.work import Op, count
 
     m = _machine(op_s=4e-6, memory_Bps=float("inf"), dram_Bps=float("inf"))
     assert m.op_seconds(Op("t", 0.0, 0.0)) == 0.0                 # its host call is in the ops' op_s

@@ -10,7 +10,7 @@ import pytest
 
 import labkit
 from labkit import plan
-from labkit.plan.machine import FAMILIES, Machine
+from labkit.plan.local.machine import FAMILIES, Machine
 
 DATA = labkit.data.text(batch=8, block_size=16)
 SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=DATA.vocab_size, n_kv_heads=2)
@@ -129,7 +129,7 @@ def test_an_all_to_all_is_priced_by_its_busiest_member_sent_or_received():
     sends nothing take as long as that rank's 30 kB coming in, not one sender's 10 kB."""
     from types import SimpleNamespace
 
-    from labkit.plan.expert_programs import ExpertPrograms
+    from labkit.plan.local.programs.expert import ExpertPrograms
     builder = SimpleNamespace(m=_machine())
     group = (0, 1, 2, 3)
     incast = ExpertPrograms.a2a(builder, "k", group, [1e4, 1e4, 1e4, 0], 0, "x", 0, received=[0, 0, 0, 3e4])
@@ -159,7 +159,7 @@ def test_an_ep_rank_s_own_parts_are_timed_as_routed_ops_counts_them(monkeypatch)
     model's pieces are timed, the counted prices when not."""
     import torch
 
-    from labkit.plan.expert_work import exchange, routed_ops, routed_seconds
+    from labkit.plan.local.expert_work import exchange, routed_ops, routed_seconds
     from labkit.training import build_model
     from labkit.parallel.expert import moe_layers
 
@@ -170,7 +170,7 @@ def test_an_ep_rank_s_own_parts_are_timed_as_routed_ops_counts_them(monkeypatch)
     assert set(timed) == set(counted) == {"pre", "experts", "post"}
     assert all(f > 0 and b > 0 for f, b in timed.values())
     # simulate takes them: a second a part makes a step of seconds (2 layers × 3 parts × 2 passes)
-    import labkit.plan.expert_work as expert_work
+    import labkit.plan.local.expert_work as expert_work
     monkeypatch.setattr(expert_work, "routed_seconds", lambda *a, **k: {p: (1.0, 1.0) for p in timed})
     s, machine = labkit.Strategy(dp=2, ep=2), Machine.of(**{**_machine().numbers(), "engines": 2})
     assert plan.simulate(s, machine, model=MOE, **KW).metrics["step_time_s"] >= 12.0
@@ -182,9 +182,9 @@ def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_t
     """MoE._routed, or a transformers block's fused experts (what ep moves off the block), is
     timed inside its block's piece; under ep the block costs what it took less them, without
     the counted prices deciding the share."""
-    from labkit.plan import price
-    from labkit.plan.profile import profile, timed
-    from labkit.plan.work import count
+    from labkit.plan.local import price
+    from labkit.plan.local.profile import profile, timed
+    from labkit.plan.local.work import count
 
     seconds = profile(model, 4, DATA, "cross_entropy", repeats=3)
     for i in range(2):
@@ -224,8 +224,8 @@ def test_a_transformers_ep_rank_s_experts_are_counted_as_the_products_they_are()
     (gate-up, then down), twice that backward."""
     import torch
 
-    from labkit.plan.expert_work import routed_ops
-    from labkit.plan.work import count
+    from labkit.plan.local.expert_work import routed_ops
+    from labkit.plan.local.work import count
 
     data = labkit.data.text(batch=8, block_size=16)
     work = count(HF_MIXTRAL, 4, data, "cross_entropy", ep=2)

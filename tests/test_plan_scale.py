@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from labkit.plan import Cluster, ClusterStrategy, Decoder, predict
-from labkit.plan.memory import memory_breakdown, rank_memory
-from labkit.plan.published import compare, compare_llama, compare_memory, _model
+from labkit.plan.scale.memory import memory_breakdown, rank_memory
+from labkit.plan.scale.published import compare, compare_llama, compare_memory, _model
 
 
 def test_memory_is_the_hand_count_on_a_small_decoder():
@@ -57,7 +57,7 @@ def test_cluster_strategy_speaks_strategys_names_and_refuses_what_it_does_not_pr
     import dataclasses
 
     import labkit
-    from labkit.plan.layout import PRICED, strategy_choices
+    from labkit.plan.scale.layout import PRICED, strategy_choices
 
     shared = {f.name for f in dataclasses.fields(labkit.Strategy)} & {f.name for f in dataclasses.fields(ClusterStrategy)}
     assert {"dp_mode", "ep_overlap", "schedule", "cp_mode", "recompute", "chunks", "sequence_parallel"} <= shared
@@ -86,8 +86,8 @@ def test_the_boolean_spellings_warn_and_mean_the_same():
 
 def test_hsdp_shards_model_states_over_its_group_and_prices_each_tier():
     from labkit.plan import ModelShape
-    from labkit.plan.hardware import bus_factor
-    from labkit.plan.step import stage_costs
+    from labkit.plan.wire import bus_factor
+    from labkit.plan.scale.step import stage_costs
 
     model, cluster = ModelShape(layers=24, hidden=2048, heads=16), Cluster(nodes=4)      # 32 A100s
     n = model.rank_params(1)[0]                                                         # pp=1, tp=1
@@ -110,7 +110,7 @@ def test_hsdp_shards_model_states_over_its_group_and_prices_each_tier():
 
 def test_tp_bytes_stay_inside_a_node_and_pp_bytes_cross_it():
     from labkit.plan import ModelShape
-    from labkit.plan.hardware import bus_factor
+    from labkit.plan.wire import bus_factor
 
     model = ModelShape(layers=8, hidden=2048, heads=16, seq=1024)
     act = 2 * 1024 * 2048                                                # bf16 b·s·h, one micro-batch
@@ -138,7 +138,7 @@ def test_the_search_tries_hsdp_and_ranks_it_above_zero3_across_nodes():
 def test_attention_is_the_flash_kernels_causal_half_at_its_measured_rate_on_h100():
     import dataclasses
 
-    from labkit.plan.step import attention_times, layer_times
+    from labkit.plan.scale.step import attention_times, layer_times
 
     model = Decoder(layers=2, hidden=4096, heads=32, kv_heads=8, ffn_hidden=8192, vocab=1000, seq=32768)
     s = ClusterStrategy(tp=8, cp=4, cp_mode="allgather", sequence_parallel=True)

@@ -33,7 +33,7 @@ holds its stream until its link time too is through.
 
 With ``refetch`` a compute span that carries ``touches`` pays for what its rank's cache lost
 since the rank last touched those bytes: bytes × (refetch(age) − what its own seconds paid),
-the age on the wall clock (:mod:`labkit.plan.price`'s formula).
+the age on the wall clock (:mod:`labkit.plan.local.price`'s formula).
 
 A message may be ``eager`` (a buffered send, as the pipeline schedules' model takes it): it
 leaves on its sender's post alone, and the receiver takes it when it posts its receive.
@@ -81,7 +81,7 @@ class Issue:
     tail: float = 0.0
     """Wall time after its link time before the call completes on this rank (its thread's
     wake-up), the stream and link already free for the next call: a replayed call's measured
-    excess on that member (labkit.plan.whatif); each member's Issue carries its own."""
+    excess on that member (labkit.analysis.whatif); each member's Issue carries its own."""
     eager: bool = False
     """A message (``ordered=False``, group (sender, receiver)) that leaves on its sender's post
     alone; the receiver takes it when it posts (module docstring)."""

@@ -47,7 +47,7 @@ class Event(TypedDict):
     """A collective's ranks, "0,2" (:func:`group_key`): what joins its members across ranks."""
     waited: NotRequired[float]
     """When the caller waited on an asynchronous call (seconds on the step's clock): where the
-    rank consumed its result, the edge a replay keeps (labkit.plan.whatif)."""
+    rank consumed its result, the edge a replay keeps (labkit.analysis.whatif)."""
     moved: NotRequired[float]
     """On an emulated link: when gloo itself had moved a collective's bytes, before the link's
     wait (a replay on a faster link needs gloo's own time)."""

@@ -23,7 +23,7 @@ equal length, in the schema's order (docs/design.md, "Events"):
     tier        str       optional: on an emulated link, "intra" (inside a node) or "inter" ("")
     =========== ========= ==================================================
 
-The optional columns are what the step graph (labkit.analysis.graph, labkit.plan.whatif) needs
+The optional columns are what the step graph (labkit.analysis.graph, labkit.analysis.whatif) needs
 to join a collective's members across ranks, to know where a rank consumed a call's result, and
 where a send whose receiver came later was posted (labkit.analysis.waits trims its span); events
 without them (older traces) read as "" and NaN, and dicts carry them only when set.

@@ -55,7 +55,7 @@ class Handle:
 
     def _moved(self, at) -> None:
         """On an emulated link: when gloo itself had moved the bytes (CPU clock), before the
-        link's wait; a replay on a faster link needs gloo's own time (labkit.plan.whatif)."""
+        link's wait; a replay on a faster link needs gloo's own time (labkit.analysis.whatif)."""
         if isinstance(at, float) and "moved" not in self.entry:
             self.entry["moved"] = at
 

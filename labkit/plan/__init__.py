@@ -21,16 +21,16 @@ or a Hugging Face config.json::
     labkit.plan.predict(model, labkit.plan.Cluster(nodes=64, hardware="h100"), 512, strategy)
     $ labkit plan --model-config config.json --seq 8192 --gpus 512 --hardware h100 --global-batch 512
 """
-from .hardware import A100, H100, H200, PRESETS, AlphaBeta, Cluster, Hardware, ModelShape, hardware
-from .layout import ClusterStrategy
-from .model import Decoder, from_hf_config
-from .local import LabSearch, search_lab
-from .search import SearchResult, best_at, search
-from .machine import Machine
-from .measure import measure
+from .scale.hardware import A100, H100, H200, PRESETS, AlphaBeta, Cluster, Hardware, ModelShape, hardware
+from .scale.layout import ClusterStrategy
+from .scale.model import Decoder, from_hf_config
+from .local.search import LabSearch, search_lab
+from .scale.search import SearchResult, best_at, search
+from .local.machine import Machine
+from .local.measure import measure
 
-from .physical import Simulated, overlay, simulate
-from .step import Prediction, predict
+from .local.physical import Simulated, overlay, simulate
+from .scale.step import Prediction, predict
 
 __all__ = ["A100", "H100", "H200", "PRESETS", "ModelShape", "Cluster", "Hardware", "AlphaBeta", "hardware", "ClusterStrategy",
            "Decoder", "from_hf_config",

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from .layout import strategy_choices
+from .scale.layout import strategy_choices
 
 POSITIVE = ("layers", "hidden", "heads", "vocab", "seq", "gpus", "gpus_per_node", "global_batch", "tp", "pp", "dp",
             "microbatch_size", "chunks", "top", "cp", "ep")
@@ -109,8 +109,8 @@ def check_args(args) -> None:
 
 
 def _model_and_cluster(args):
-    from .hardware import Cluster, ModelShape
-    from .model import from_hf_config
+    from .scale.hardware import Cluster, ModelShape
+    from .scale.model import from_hf_config
 
     need = ("gpus", "global_batch") if args.model_config else ("layers", "hidden", "heads", "gpus", "global_batch")
     missing = [f"--{n.replace('_', '-')}" for n in need if getattr(args, n) is None]
@@ -132,7 +132,7 @@ def _model_and_cluster(args):
 
 def fits_rule(cluster) -> str:
     """What "fits" means: the usable share of each GPU's memory."""
-    from .memory import USABLE_FRACTION
+    from .scale.memory import USABLE_FRACTION
 
     hbm = cluster.hardware.hbm_bytes
     return (f"fits = at most {100 * USABLE_FRACTION:.0f}% of {hbm / 1e9:.1f} GB ({hbm / 2 ** 20:.0f} MiB) = "
@@ -141,8 +141,8 @@ def fits_rule(cluster) -> str:
 
 
 def _one(args, model, cluster) -> int:
-    from .layout import ClusterStrategy
-    from .step import predict
+    from .scale.layout import ClusterStrategy
+    from .scale.step import predict
 
     if None in (args.tp, args.pp, args.dp):
         raise ValueError("to predict one strategy give all of --tp, --pp and --dp")
@@ -168,7 +168,7 @@ def _one(args, model, cluster) -> int:
 
 
 def _rank(args, model, cluster) -> int:
-    from .search import search
+    from .scale.search import search
 
     result = search(model, cluster, args.global_batch)
     print(result.table(top=args.top))
@@ -184,7 +184,7 @@ def run(args) -> int:
     try:
         check_args(args)
         if args.validate or args.published:
-            from . import published
+            from .scale import published
             return published.main("sc21" if args.validate else args.published)
         model, cluster = _model_and_cluster(args)
         if args.model_config:

@@ -144,11 +144,11 @@ class Run:
         its peers' median: ``.step_time_s``, ``.metrics``, ``.timeline`` (draw it against the
         run with ``labkit.plan.overlay``). Exact replays of the measured graph; ``bucket_mb=``
         rebuilds plain data parallelism's buckets at that size, and the other knobs that change
-        the step's shape (micro-batches, modes) belong to labkit.plan.simulate (:mod:`labkit.plan.whatif`).
+        the step's shape (micro-batches, modes) belong to labkit.plan.simulate (:mod:`labkit.analysis.whatif`).
         Each call keeps the time it took beyond its gloo and link parts as measured (a thread's
         wake-up, a late join), so a run measured on a loaded machine replays its load too: start
         from a run on a quiet one."""
-        from ..plan.whatif import whatif
+        from ..analysis.whatif import whatif
         return whatif(self, link, compute, straggler, **knobs)
 
     def max_diff(self, other) -> MaxDiff:

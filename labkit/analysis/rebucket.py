@@ -1,7 +1,7 @@
 """What if the gradient buckets were another size: the measured step rebuilt with the executor's buckets.
 
 A bucket size changes the step's shape, so ``run.whatif(bucket_mb=…)`` rebuilds the calls and
-replays the rest as measured (:mod:`labkit.plan.whatif`). The run's parameters are filled again
+replays the rest as measured (:mod:`labkit.analysis.whatif`). The run's parameters are filled again
 by :func:`labkit.parallel.data.fill_buckets` at the run's size (each bucket matched to its
 recorded call by tensor count; a mismatch is refused) and at the new size. A new bucket leaves
 once its last gradient is ready (within a measured bucket the gradients are taken to arrive
@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 from statistics import median
 
-from ..parallel.data import fill_buckets
 
 MiB = 1024 * 1024
 BUCKET = re.compile(r"^bucket (\d+) \((\d+) tensors\)$")
@@ -44,6 +43,8 @@ def rebucket(events: list[dict], params, old_mb: float, new_mb: float, priced) -
     """One step's events with its buckets filled again at ``new_mb``, and each new bucket's
     (gloo seconds, this member's rest) by (rank, name): ``priced`` maps a measured bucket's
     (rank, name) to its replayed (gloo seconds, rest) (module docstring)."""
+    from ..parallel.data import fill_buckets       # the run's own filling (analysis sits below parallel)
+
     old = [[name for name, _ in b] for b in fill_buckets(params, lambda p: p[1], old_mb * MiB)]
     new = [[name for name, _ in b] for b in fill_buckets(params, lambda p: p[1], new_mb * MiB)]
     size = dict(params)

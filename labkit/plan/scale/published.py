@@ -3,7 +3,7 @@
     $ labkit plan --published sc21        # Megatron-LM SC21 Table 1 (GPT, A100), also --validate
     $ labkit plan --published llama       # Llama 3 Table 4 (405B, H100), torchtitan's A100 table and
                                           # its published peak memory
-    $ python -m labkit.plan.published llama
+    $ python -m labkit.plan.scale.published llama
 
 Every row is predicted with the hardware presets' datasheet figures and the GEMM efficiency
 curve the SC21 reproduction uses, unchanged: nothing is fitted to these rows.
@@ -13,7 +13,7 @@ Clusters Using Megatron-LM" (SC21, arXiv 2104.04473), Table 1: weak scaling of G
 from 1.7B to 1T parameters on DGX A100 (80 GB) nodes, 8 GPUs per node with NVLink,
 8×200 Gb/s HDR InfiniBand per node; sequence 2048, vocabulary 51,200; mixed precision,
 activation recomputation on every layer. "Achieved TFLOP/s per GPU" counts FLOPs with the
-paper's eq. 3 (recomputation included), which :func:`labkit.plan.step.hardware_flops` follows.
+paper's eq. 3 (recomputation included), which :func:`labkit.plan.scale.step.hardware_flops` follows.
 
     >>> rows = compare()          # one dict per row: published and predicted TFLOP/s, error
     >>> print(table(rows))
@@ -24,19 +24,19 @@ Table 4: Llama 3 405B pre-training on H100 80 GB (700 W) in 8-GPU servers, NVLin
 gradients but keeps the weights gathered after forward (ZeRO-2 here), the interleaved
 schedule, one layer fewer on the first and last stages, no activation checkpointing at 8K.
 Published: TFLOP/s per GPU and BF16 MFU, model FLOPs (no recomputation), so the planner's
-:meth:`~labkit.plan.model.Decoder.model_flops` is compared. The third row is the long-context
+:meth:`~labkit.plan.scale.model.Decoder.model_flops` is compared. The third row is the long-context
 stage: CP16 over 131,072-token sequences, with the paper's all-gather context parallelism
 (§3.3.2: K and V all-gathered, then attention on the local query chunks, the chunks load
 balanced; "the all-gather communication latency is exposed on the critical path"), priced
 as ``cp_mode="allgather"``; there attention is most of the time, priced as the
-FlashAttention-2 kernel's measured H100 rate (:data:`~labkit.plan.hardware.FLASH_ATTENTION_2_H100`),
+FlashAttention-2 kernel's measured H100 rate (:data:`~labkit.plan.scale.hardware.FLASH_ATTENTION_2_H100`),
 the public kernel when 405B was trained: FlashAttention-3's rate would put row 3 near +48 %,
 so this row reads the kernel more than the parallelism. Chunks: one layer each (:data:`LLAMA3_CHUNKS`). Memory, on the
 ranks that hold the most: under the interleaved schedule every rank runs 2(p − r − 1) + (v − 1)·p
 chunk forwards before its first backward (all m·v at 16 micro-batches), so rank 1 holds 141 (at
 32 micro-batches) or 128 layer-micro-batches; each layer keeps what its backward reads (the
 paper: "we proactively deallocate tensors that will not be used for future computation"), with
-sequence parallelism 27.75·s·b·h/t bytes (:mod:`labkit.plan.memory`); and an H100 "80 GB" has
+sequence parallelism 27.75·s·b·h/t bytes (:mod:`labkit.plan.scale.memory`); and an H100 "80 GB" has
 81559 MiB. So the rows fit, as they ran.
 
 **torchtitan.** Source: pytorch/torchtitan ``docs/performance.md`` at commit

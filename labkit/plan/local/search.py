@@ -2,7 +2,7 @@
 
 Tuning on a cluster is: predict, confirm, pick. Here the same loop runs on the lab's own
 engines: every Strategy the lab can run (dp·pp = engines; schedules; micro-batches; dp modes)
-is simulated on the measured :class:`~labkit.plan.machine.Machine`, and with ``verify=lab`` the
+is simulated on the measured :class:`~labkit.plan.local.machine.Machine`, and with ``verify=lab`` the
 ``top`` fastest are run for a few steps, predicted beside measured.
 
     >>> machine = labkit.plan.measure(lab)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import DP_MODES, Strategy
+from ...config import DP_MODES, Strategy
 from .physical import simulate
 
 
@@ -58,8 +58,8 @@ def search_lab(machine, model, batch: int, engines: int, verify=None, top: int =
     """Simulate every runnable Strategy of ``model`` on ``machine``; with ``verify=lab`` run the ``top`` fastest."""
     from torch.nn import Sequential
 
-    from ..training import build_model
-    from ..parallel.blocks import find_blocks
+    from ...training import build_model
+    from ...parallel.blocks import find_blocks
 
     if model is None:
         raise ValueError("search_lab(machine, model=...): pass the model whose strategies to rank")

@@ -1,10 +1,10 @@
-"""The model's own pieces timed in sequence, where :mod:`labkit.plan.work` only counts them.
+"""The model's own pieces timed in sequence, where :mod:`labkit.plan.local.work` only counts them.
 
 vTrain's and Echo's way: a step of the model runs again on this process, one thread, at the
 micro-batch size, with cheap hooks marking where each piece begins (:func:`profile`); each
 piece's time then becomes its ops' ``factor`` over their table prices (:func:`timed`), so a
 piece costs what it took, and what it already paid for its bytes' age is noted (``Op.paid``),
-so the simulator charges only the refetch beyond it (:mod:`labkit.plan.price`).
+so the simulator charges only the refetch beyond it (:mod:`labkit.plan.local.price`).
 
     >>> seconds = profile(labkit.models.mlp(width=512, depth=8), 16)
     >>> work = timed(count(model, 16), seconds, machine)
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..training import build_model, resolve_data, resolve_loss
+from ...training import build_model, resolve_data, resolve_loss
 from .work import ModelWork, Ops, _Recording, _rows, in_step_order, routed_parts, with_pieces
 
 
@@ -67,7 +67,7 @@ def profile(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", re
     ``cp`` > 1: on a cp rank's 1/cp of every sequence (as :func:`count`), attending within it."""
     from statistics import median
 
-    from ..parallel.blocks import find_blocks
+    from ...parallel.blocks import find_blocks
 
     net = build_model(model, 0)
     found = find_blocks(net, None)

@@ -19,8 +19,8 @@ def routes(model, batch: int, data, ranks: int, microbatches: int, steps=(0,), l
     by the steps before, on that step's data (one process, the whole batch, as
     :func:`labkit.reference` trains, which every strategy equals). A router moves as it trains,
     and how unevenly it sends tokens moves with it."""
-    from ..parallel.expert import fused_experts, moe_layers
-    from ..run.reference import _train
+    from ...parallel.expert import fused_experts, moe_layers
+    from ...run.reference import _train
 
     wanted, seen, out, forwards = set(steps), {}, {}, []
 
@@ -46,8 +46,8 @@ def routes(model, batch: int, data, ranks: int, microbatches: int, steps=(0,), l
 def shape(moe) -> tuple[int, int]:
     """(experts, width of a token) of an MoE layer: labkit's MoE, or a transformers block's
     fused experts (:func:`labkit.parallel.expert.fused_experts`)."""
-    from ..models.moe import MoE
-    from ..parallel.expert import n_experts
+    from ...models.moe import MoE
+    from ...parallel.expert import n_experts
     if isinstance(moe, MoE):
         return moe.n_experts, moe.router.in_features
     return n_experts(moe), moe.hidden_dim
@@ -61,8 +61,8 @@ def _routed(moe, chosen, counts) -> dict:
     no argument (the backward runs the last forward's)."""
     from types import SimpleNamespace
 
-    from ..models.moe import MoE
-    from ..parallel.expert.dispatch import ExpertParallelExperts, ExpertParallelMoE
+    from ...models.moe import MoE
+    from ...parallel.expert.dispatch import ExpertParallelExperts, ExpertParallelMoE
     ep, local = counts.shape
     k, (_, c), n = chosen.shape[-1], shape(moe), len(chosen)
     if isinstance(moe, MoE):
@@ -101,7 +101,7 @@ def _first_slice(experts, ep: int):
     layer and ep (each step and rank prices it again), its gradients cleared."""
     import copy
 
-    from ..parallel.expert.dispatch import ExpertParallelExperts
+    from ...parallel.expert.dispatch import ExpertParallelExperts
     by_ep = _SLICES.setdefault(experts, {})
     if ep not in by_ep:
         mine = copy.deepcopy(experts)
@@ -122,7 +122,7 @@ def routed_ops(moe, chosen, counts) -> dict:
 
 def routed_seconds(moe, chosen, counts, repeats: int = 5) -> dict:
     """The same three parts timed in sequence on this process, one thread (as
-    :func:`labkit.plan.profile.profile` times a model's pieces: no unsharded step runs them):
+    :func:`labkit.plan.local.profile.profile` times a model's pieces: no unsharded step runs them):
     part → (forward seconds, backward seconds), each the median of ``repeats`` after one."""
     import time
     from statistics import median

@@ -27,7 +27,7 @@ the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBan
   move the same bytes as reduce-scatter + all-gather, ZeRO-3 gathers the weights again for
   backward: 1.5× (Rajbhandari et al. 2020, §7); HSDP (``dp_shard``) reduce-scatters and gathers
   inside its shard group and all-reduces the shard across the replicas, each on its own tier
-  (:mod:`labkit.plan.traffic`, which also counts every axis's bytes per tier: ``parts
+  (:mod:`labkit.plan.scale.traffic`, which also counts every axis's bytes per tier: ``parts
   ["bytes_by_tier"]``). Full recomputation repeats a forward's calls.
 
 Pipeline: with per-micro-batch rank costs w_r (forward + backward + p2p), GPipe and 1F1B take
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..parallel.pipeline import SPLIT_BACKWARD
+from ...parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
 from .model import Decoder
@@ -110,7 +110,7 @@ def attention_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> 
 
 def elementwise_time(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: str = "dense") -> float:
     """Forward seconds of one layer's memory-bound work (norms, activations, softmax, dropout,
-    residuals): each activation the layer writes (:func:`~labkit.plan.memory.layer_written_bytes`)
+    residuals): each activation the layer writes (:func:`~labkit.plan.scale.memory.layer_written_bytes`)
     written once and read once at HBM bandwidth, 2 × those bytes (what each tp rank touches); backward twice that."""
     return 2 * layer_written_bytes(model, s, kind) / cluster.hardware.hbm_bandwidth
 
@@ -245,7 +245,7 @@ def exposed_dp_sync(c: StageCosts, s: ClusterStrategy, last: list[float]) -> flo
     """Seconds of the dp traffic left exposed. With dp_mode "bucketed" all of it. Overlapped, the
     gradients' reduction hides behind the last micro-batch's backward (DDP's buckets, FSDP's
     reduce-scatters), ``last`` the backward part the gradients appear in; ZeRO-3's all-gathers
-    for the forward (:func:`~labkit.plan.traffic.dp_calls`) are prefetched behind the first
+    for the forward (:func:`~labkit.plan.scale.traffic.dp_calls`) are prefetched behind the first
     micro-batch's forward, layer by layer, as FSDP2 does in both passes (Zhao et al. 2023,
     "PyTorch FSDP", §3.3.3 and §4.1: forward and backward prefetching)."""
     if not s.overlaps_dp:

@@ -15,7 +15,7 @@ s sequence, b micro-batch size, h hidden, a heads, t tensor-parallel degree:
       + sequence parallel     s·b·h·34 / t
     full recompute            2·s·b·h   (the layer's input; / t with sequence parallel)
 
-A Llama-family :class:`~labkit.plan.model.Decoder` is counted tensor by tensor, as what its
+A Llama-family :class:`~labkit.plan.scale.model.Decoder` is counted tensor by tensor, as what its
 backward reads (16-bit, in units of s·b·h; a·d the query width, kv·d the key/value width, f
 the MLP width), with FlashAttention (Dao et al. 2022: no s×s scores kept, so Megatron's
 "selective" has nothing left to drop) and no dropout:

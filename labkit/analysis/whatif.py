@@ -11,7 +11,7 @@ on that member): it ends at max(gloo, new link) plus its member's rest, so a fas
 make a call shorter than gloo made it (docs/design.md, "The step as a graph"). A run on an
 emulated link cannot be replayed on raw gloo (``link=None``): the link hid how long gloo's calls
 would wait on one another. ``bucket_mb`` changes the graph's shape and rebuilds it
-(:mod:`labkit.plan.rebucket`); the other shape knobs are :func:`labkit.plan.simulate`'s.
+(:mod:`labkit.analysis.rebucket`); the other shape knobs are :func:`labkit.plan.simulate`'s.
 
     >>> fast = run.whatif(link=labkit.Link(bandwidth=200e6, latency=2e-4))
     >>> fast.step_time_s, fast.timeline.bound_by()
@@ -24,11 +24,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..analysis.events import group_ranks
-from ..analysis.graph import COLLECTIVES, EPS, StepGraph
-from ..analysis.timeline import Timeline
-from ..analysis.des import Compute, Issue, Sim, Wait
-from .hardware import ring_steps
+from .events import group_ranks
+from .graph import COLLECTIVES, EPS, StepGraph
+from .timeline import Timeline
+from .des import Compute, Issue, Sim, Wait
 from .rebucket import check as check_rebucket, rebucket
 
 @dataclass
@@ -58,7 +57,7 @@ class WhatIf:
 def whatif(run, link="same", compute: float = 1.0, straggler: int | None = None, **knobs) -> WhatIf:
     """``run``'s steps replayed with ``link`` (a labkit.Link; "same": the run's own), compute
     times ``compute``, and ``straggler``'s compute brought to its peers' median (module
-    docstring); ``bucket_mb``: the gradient buckets rebuilt at that size (labkit.plan.rebucket)."""
+    docstring); ``bucket_mb``: the gradient buckets rebuilt at that size (labkit.analysis.rebucket)."""
     bucket_mb = knobs.pop("bucket_mb", None)
     if knobs:
         raise TypeError(f"whatif({', '.join(knobs)}=…): these knobs change the step's shape, which a replay "
@@ -208,7 +207,7 @@ def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
     if n < 2:
         return 0.0
     alpha, beta = link.alpha_beta(link.tier(ranks))
-    steps = ring_steps({"allreduce": "all_reduce", "recv": "send"}.get(kind, kind), n)   # others: n − 1
+    steps = 1 if kind in ("send", "recv") else 2 * (n - 1) if kind == "allreduce" else n - 1    # ring steps
     return steps * alpha + nbytes / beta
 
 

@@ -2,21 +2,21 @@
 :func:`labkit.parallel.pipeline.schedules.build_schedule`, its stages cut by the executor's own
 :func:`~labkit.parallel.pipeline.stages.split_blocks`, activations and their gradients sent
 between neighbours, and with dp the dp modes per stage (their buckets issued after a stage's last
-backward with overlap). :class:`PipelinePrograms` is a part of :class:`labkit.plan.physical.Builder`.
+backward with overlap). :class:`PipelinePrograms` is a part of :class:`labkit.plan.local.physical.Builder`.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..analysis.des import Compute, Wait
+from ....analysis.des import Compute, Wait
 
 
 class PipelinePrograms:
     """The Builder's pp method (it uses its grid, compute and calls)."""
 
     def pipeline(self, d: int, p: int, t: int) -> list:
-        from ..parallel.pipeline.schedules import build_schedule
-        from ..parallel.pipeline.stages import split_blocks
+        from ....parallel.pipeline.schedules import build_schedule
+        from ....parallel.pipeline.stages import split_blocks
 
         s, w = self.s, self.w
         stages = s.pp * s.chunks
@@ -84,10 +84,10 @@ def lab_stages(model, s) -> list[range] | None:
     follow: the modules before (or after) the blocks spread over several stages."""
     from torch import nn
 
-    from ..parallel.blocks import find_blocks
-    from ..parallel.pipeline.modules import pipeline_units
-    from ..parallel.pipeline.stages import stage_blocks
-    from ..training import build_model
+    from ....parallel.blocks import find_blocks
+    from ....parallel.pipeline.modules import pipeline_units
+    from ....parallel.pipeline.stages import stage_blocks
+    from ....training import build_model
 
     built = build_model(model, 0)
     if isinstance(built, nn.Sequential):

@@ -1,31 +1,31 @@
 """Context parallelism in the planner's programs: one attention of a cp rank as ``cp_mode``
 runs it (parallel/context/: the ring's hops under each round's compute, the K/V all-gather,
-Ulysses' all-to-alls), priced from the counted ops of :mod:`.context_work`.
+Ulysses' all-to-alls), priced from the counted ops of :mod:`..context_work`.
 
 Beside dp and zero, every op is counted on a rank's 1/cp of each sequence, each block cut at
-its attention (:func:`labkit.plan.work.count`'s markers). ring: cp rounds, each round's K/V hop
+its attention (:func:`labkit.plan.local.work.count`'s markers). ring: cp rounds, each round's K/V hop
 posted before its pairs (the executor's own ``block_forward``/``block_backward``, counted per
 (query chunk, key chunk) pair the causal split leaves the rank) and waited after them, backward
 passing dK/dV on as well; allgather: a blocking all-gather of K/V before the attention, a
 reduce-scatter of their gradient after its backward; ulysses: blocking all-to-alls of q, k, v
 to a head split before it and of its output back after (their mirrors in backward). Gradients
 are averaged over dp × cp.
-:class:`ContextPrograms` is a part of :class:`labkit.plan.physical.Builder`.
+:class:`ContextPrograms` is a part of :class:`labkit.plan.local.physical.Builder`.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from . import price
-from ..analysis.des import Compute, Wait
+from .. import price
+from ....analysis.des import Compute, Wait
 
 _COUNTED: dict = {}
 
 
 def _attention_ops(how: str, *shape) -> tuple:
-    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.context_work.ring_pair`
+    """A cp mode's attention ops at ``shape``, counted once: :func:`~labkit.plan.local.context_work.ring_pair`
     (how: its pair's relation), ``gathered_attention`` or ``ulysses_attention``."""
-    from .context_work import gathered_attention, ring_pair, ulysses_attention
+    from ..context_work import gathered_attention, ring_pair, ulysses_attention
     key = ("attention", how, shape)
     if key not in _COUNTED:
         _COUNTED[key] = {"gathered": gathered_attention, "ulysses": ulysses_attention}.get(
@@ -77,8 +77,8 @@ class ContextPrograms:
     def ring(self, pair, nbytes, layer, fwd: bool, mb, d, c) -> list:
         """Ring attention: per round, the next K/V hop posted before the round's pairs and waited
         after them; backward also passes each block's dK/dV on, posted once its round made it."""
-        from ..parallel.context.blocks import SKIP, relation
-        from ..parallel.context.layout import rank_chunks
+        from ....parallel.context.blocks import SKIP, relation
+        from ....parallel.context.layout import rank_chunks
         s, n = self.s, self.s.cp
         nxt, prv, me = self.rank(d, 0, 0, (c + 1) % n), self.rank(d, 0, 0, (c - 1) % n), self.rank(d, 0, 0, c)
         def hop(what, j, label):

@@ -1,4 +1,4 @@
-"""Measure a :class:`~labkit.plan.machine.Machine` on the lab's engines: its own micro-benchmarks.
+"""Measure a :class:`~labkit.plan.local.machine.Machine` on the lab's engines: its own micro-benchmarks.
 
 Each number is the median of a few timed runs: matmuls of a
 few sizes, an add in the cache, products going round more and more weights and over 16 MiB of
@@ -171,8 +171,8 @@ def _posting(rounds: int):
     import torch
     import torch.distributed as dist
 
-    from .. import comm
-    from ..engine import session
+    from ... import comm
+    from ...engine import session
 
     me = dist.get_rank()
     if me > 1:
@@ -218,7 +218,7 @@ def _ping_pong(nbytes: int, n: int, me: int):
     time is half the round trip, one message's (OSU's osu_latency)."""
     import torch
 
-    from .. import comm
+    from ... import comm
 
     out, inbox = torch.zeros(max(1, nbytes // 4)), torch.zeros(max(1, nbytes // 4))
     peer = me + 1 if me % 2 == 0 else me - 1
@@ -238,10 +238,10 @@ def _comm(seconds: float):
     send's is half a ping-pong's round trip), the slowest rank's."""
     import torch.distributed as dist
 
-    from ..bench.sweep import _operation
-    from ..engine import session
+    from ...bench.sweep import _operation
+    from ...engine import session
 
-    from ..engine.world import set_link
+    from ...engine.world import set_link
 
     n, me = dist.get_world_size(), dist.get_rank()
     rec, link = session().recorder, session().link
@@ -319,10 +319,10 @@ def _action_s(lab, machine: Machine) -> float:
     trivial model (width 8, depth 2), each rank's 8 samples stepped in 8 micro-batches and in 1,
     in turn three times; the extra time per extra action (14), on one engine's share of the
     cores, less what the extra micro-batches' forwards and backwards take timed in sequence on
-    this process (:func:`labkit.plan.profile.profile`, as :func:`~labkit.plan.simulate` prices a
+    this process (:func:`labkit.plan.local.profile.profile`, as :func:`~labkit.plan.simulate` prices a
     model's). The sync, the optimizer and the step's own bookkeeping are the same at both counts."""
-    from ..config import Strategy
-    from ..models import mlp
+    from ...config import Strategy
+    from ...models import mlp
     from .profile import profile
 
     model, world = mlp(width=8, depth=2), lab.world_size

@@ -1,26 +1,26 @@
-"""Predict a step from a :class:`~labkit.plan.machine.Machine` and a model's counted operations.
+"""Predict a step from a :class:`~labkit.plan.local.machine.Machine` and a model's counted operations.
 
 ``simulate(strategy, machine, model=, batch=)`` writes each rank's program as the executor runs
-it, one piece per axis as parallel/ runs it (dp and ZeRO :mod:`.data_programs`, pipelines
-:mod:`.pipeline_programs`, Megatron tp :mod:`.tensor_programs`, cp :mod:`.context_programs`, ep
-:mod:`.expert_programs`), prices every piece by :mod:`labkit.plan.price` from the model's own
-operations (:mod:`labkit.plan.work`) and runs the programs through :mod:`labkit.analysis.des`.
+it, one piece per axis as parallel/ runs it (dp and ZeRO :mod:`.programs.data`, pipelines
+:mod:`.programs.pipeline`, Megatron tp :mod:`.programs.tensor`, cp :mod:`.programs.context`, ep
+:mod:`.programs.expert`), prices every piece by :mod:`labkit.plan.local.price` from the model's own
+operations (:mod:`labkit.plan.local.work`) and runs the programs through :mod:`labkit.analysis.des`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..analysis.metrics import step_metrics
-from ..analysis.timeline import Timeline
-from ..grid import ParallelDims
+from ...analysis.metrics import step_metrics
+from ...analysis.timeline import Timeline
+from ...grid import ParallelDims
 from . import price
-from .context_programs import ContextPrograms
-from .data_programs import DataPrograms
-from ..analysis.des import Compute, Issue, Wait
-from .expert_programs import ExpertPrograms
+from .programs.context import ContextPrograms
+from .programs.data import DataPrograms
+from ...analysis.des import Compute, Issue, Wait
+from .programs.expert import ExpertPrograms
 from .machine import Machine, bus_factor
-from .pipeline_programs import PipelinePrograms
-from .tensor_programs import TensorPrograms
+from .programs.pipeline import PipelinePrograms
+from .programs.tensor import TensorPrograms
 
 
 @dataclass
@@ -74,10 +74,10 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     """Predict a step of ``strategy`` on ``machine`` for ``model`` (lab.run's arguments).
     ``profile``: each piece of the model's step (a block's forward, its backward, the loss, the
     optimizer) costs what it took timed in sequence on this process at the micro-batch size
-    (:func:`labkit.plan.profile.profile`, kept per model and size), its ops sharing it by their
+    (:func:`labkit.plan.local.profile.profile`, kept per model and size), its ops sharing it by their
     prices; False: the ops' prices alone.
     ``steps``, ``lr``, ``seed``, ``momentum``: the run's, for what changes from step to step: with
-    ep, where the tokens go as the router trains (:func:`labkit.plan.expert_work.routes`); each
+    ep, where the tokens go as the router trains (:func:`labkit.plan.local.expert_work.routes`); each
     step the run's metrics count is priced, the metrics theirs (the median step, as a run's),
     the timeline the median step's. Every other step is the same step."""
     check(strategy, machine, model)
@@ -102,7 +102,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     world = strategy.world_size
     by_step = {0: None}                  # every step the same step, but where an MoE's tokens go
     if strategy.ep > 1:
-        from ..run.runner import measured_steps
+        from ...run.runner import measured_steps
         from .expert_work import routes
         measured = range(measured_steps(steps), steps)
         by_step = _kept(("routes", model, batch, data, strategy.dp, strategy.microbatches, measured, lr, seed,
@@ -111,7 +111,7 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
                                        seed=seed, momentum=momentum, loss=loss, optimizer=optimizer))
     stages = None
     if strategy.pp > 1:
-        from .pipeline_programs import lab_stages
+        from .programs.pipeline import lab_stages
         stages = _kept(("stages", model, strategy), lambda: lab_stages(model, strategy))
     each = {k: price.step_events(Builder(strategy, machine, work, plan, r, profile, stages).programs(), machine)
             for k, r in by_step.items()}
@@ -124,8 +124,8 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
 def _validate(strategy, model, batch, data, loss, tp_plan, optimizer, steps, lr, seed, momentum) -> None:
     """lab.run's own checks of the run (every axis's rules on the model, the first batch): what
     the lab refuses, simulate refuses with the lab's message; done once per run's arguments."""
-    from ..parallel.build import RunSpec
-    from ..run.runner import validate
+    from ...parallel.build import RunSpec
+    from ...run.runner import validate
     spec = RunSpec(strategy, model, data, loss, batch, steps, lr, momentum, seed, tp_plan=tp_plan, optimizer=optimizer)
     _kept(("validated", strategy, model, batch, data, loss, optimizer, steps, lr, seed, momentum,
            tuple(sorted((tp_plan or {}).items()))), lambda: validate(spec, strategy.world_size) or True)
@@ -137,9 +137,9 @@ def _check_tp_plan(model, plan: dict) -> None:
     colwise and rowwise (a head's colwise_gather_output)."""
     import torch
 
-    from ..parallel.blocks import find_blocks
-    from ..parallel.tensor import match_plan
-    from ..training import build_model
+    from ...parallel.blocks import find_blocks
+    from ...parallel.tensor import match_plan
+    from ...training import build_model
     built = build_model(model, 0)
     blocks = [name for name, _ in find_blocks(built)]
     odd = {name: style for name, style in match_plan(built, plan).items()
@@ -173,7 +173,7 @@ def forget_profiles() -> None:
 
 
 def _profile(model, size, data, loss, optimizer, cp=1) -> dict:
-    """The model's pieces timed at ``size`` (:func:`labkit.plan.profile.profile`), kept per model."""
+    """The model's pieces timed at ``size`` (:func:`labkit.plan.local.profile.profile`), kept per model."""
     from .profile import profile
     return _kept(("profile", model, size, data, loss, optimizer, cp),
                  lambda: profile(model, size, data, loss, optimizer, cp=cp))
@@ -331,7 +331,7 @@ def overlay(predicted, measured, step=None, figsize=None):
     ``predicted``: a Simulated or Timeline; ``measured``: a Run or Timeline. step: the
     measured step to draw (default its last); the prediction is one step.
     """
-    from ..view.timeline import _lane
+    from ...view.timeline import _lane
 
     pred = getattr(predicted, "timeline", predicted)
     meas = getattr(measured, "timeline", measured)

@@ -1,10 +1,10 @@
 """The planner's prices: what one counted op and one call cost on a measured machine.
 
-A step is each rank's program (:mod:`labkit.plan.physical`) run through the simulator
+A step is each rank's program (:mod:`labkit.plan.local.physical`) run through the simulator
 (:mod:`labkit.analysis.des`); every piece of a program is priced here, from the
-:class:`~labkit.plan.machine.Machine`'s measured numbers and nothing else.
+:class:`~labkit.plan.local.machine.Machine`'s measured numbers and nothing else.
 
-**Compute.** An op (:class:`labkit.plan.work.Op`: its FLOPs F, bytes moved B of which C come
+**Compute.** An op (:class:`labkit.plan.local.work.Op`: its FLOPs F, bytes moved B of which C come
 from beyond the cache), scaled by k (a tensor-parallel shard), takes one thread
 
     t = f · (h +  k·F / R(k·F) + k·C / B_dram)                  a product (or attention)
@@ -13,7 +13,7 @@ from beyond the cache), scaled by k (a tensor-parallel shard), takes one thread
 with h the host's cost per op (``op_s``), R the matmul table (FLOP/s by the product's FLOPs,
 interpolated in log FLOPs), B_mem and B_dram the rates in and beyond the cache, and f the op's
 ``factor``: its piece of the step (a block's forward, its backward, the loss, the optimizer)
-timed in sequence over the piece's priced sum (:func:`labkit.plan.profile.timed`), so that a
+timed in sequence over the piece's priced sum (:func:`labkit.plan.local.profile.timed`), so that a
 piece costs what it took and each op its price's share. The table prices the ops one by one;
 in sequence a model's ops cost more (a Linear reads its weight transposed, a slower kernel than
 a @ b; a module call and its hooks run between them; GELU's arithmetic), which only the
@@ -49,7 +49,7 @@ shared cache loses the bytes a rank is not using as the wall clock runs, not as 
 computes, so a pipeline's backward after a wait for its gradient, or a step's first forward,
 streams its weights in again. The ages come from the simulated step itself (its previous
 step's touches for the first), a₀ from the pieces' timing in sequence
-(:func:`labkit.plan.profile.timed`).
+(:func:`labkit.plan.local.profile.timed`).
 
 **Shared cores.** The engines share ``cores`` cores by processor sharing: each running compute
 span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 
-from .hardware import AlphaBeta
+from ..wire import AlphaBeta
 
 STAMP_BYTES = 16
 """What a collective on an emulated link all-reduces ahead of its payload: [start, busiest bytes] in float64."""
@@ -117,7 +117,7 @@ def refetch(machine, age: float) -> float:
 def simulator(programs, machine, touched=None):
     """The simulator on ``machine``'s shared cores (the module docstring's last paragraph), each
     posted call preceded by its host cost on the issuing thread."""
-    from ..analysis.des import Compute, Issue, Sim
+    from ...analysis.des import Compute, Issue, Sim
     posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
               for prog in programs]
     return Sim(posted, machine.cores, links=bool(machine.link_alpha_beta),

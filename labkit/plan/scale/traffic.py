@@ -1,6 +1,6 @@
 """What each axis sends at scale, on which tier: the dp calls (plain, ZeRO, HSDP) and bytes per tier.
 
-A group lands on a tier by the GPUs it spans (:meth:`~labkit.plan.hardware.Cluster.link`): the
+A group lands on a tier by the GPUs it spans (:meth:`~labkit.plan.scale.hardware.Cluster.link`): the
 "intra" tier (NVLink) when its consecutive ranks fit in one node, else "inter" (InfiniBand).
 Ranks are ``arange(world).view(dp, pp, cp, tp)``, so a tp group spans tp GPUs, a cp group cp·tp,
 a pp group pp·cp·tp, an ep group ep·pp·cp·tp, and the dp group the whole cluster.
@@ -18,7 +18,7 @@ weights, 2n bytes), over the R = dp·cp ranks that hold them:
 (torchtitan's ``data_parallel_shard_degree`` × ``data_parallel_replicate_degree``, FSDP's
 HYBRID_SHARD: Zhao et al. 2023, "PyTorch FSDP", §3.2.2). A routed expert's parameters go over
 their R/ep replicas. Bytes a rank sends in a call of S bytes on n ranks: nccl-tests' bus factor,
-2(n−1)/n·S for all-reduce, (n−1)/n·S for the others (:func:`~labkit.plan.hardware.bus_factor`).
+2(n−1)/n·S for all-reduce, (n−1)/n·S for the others (:func:`~labkit.plan.wire.bus_factor`).
 
 **Per step, per rank** (the heaviest pipeline rank, m micro-batches, L its layers, a = 2·b·(s/cp)·h
 bytes of activations): tp 4·L·m all-reduces of a (6 with full recomputation; sequence
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hardware import Cluster, bus_factor
+from ..wire import bus_factor
+from .hardware import Cluster
 from .layout import ClusterStrategy
 from .memory import kv_width, replica_groups, stage_kinds
 

@@ -7,7 +7,7 @@
     >>> m.params, m.active_params
 
 Pure arithmetic, like :class:`labkit.plan.ModelShape` (whose methods of the same names it mirrors, so
-:mod:`labkit.plan.step` and :mod:`labkit.plan.memory` price either). A layer is one of two
+:mod:`labkit.plan.scale.step` and :mod:`labkit.plan.scale.memory` price either). A layer is one of two
 kinds: "dense" (attention + a SwiGLU MLP of ``ffn_hidden``) or "moe" (attention + a router over
 ``experts`` SwiGLU experts of ``expert_ffn``, ``top_k`` of them per token, plus an always-on
 shared expert of ``shared_ffn``). Layers before ``dense_layers`` are dense, and after that every
@@ -24,9 +24,9 @@ through: the top_k routed experts, not all of them (DeepSeek-V3, arXiv 2412.1943
 parameters with 37B activated for each token"), and without the input embedding table (a
 lookup, not a matmul).
 
-Experts are replicated over dp unless the strategy sets ``ep`` (:class:`~labkit.plan.layout.
+Experts are replicated over dp unless the strategy sets ``ep`` (:class:`~labkit.plan.scale.layout.
 ClusterStrategy`): then each dp replica keeps and updates 1/ep of them (:meth:`rank_expert_params`
-is what ep divides), and tokens travel by all-to-all (:mod:`labkit.plan.step`); tp splits each
+is what ep divides), and tokens travel by all-to-all (:mod:`labkit.plan.scale.step`); tp splits each
 expert's matrices as it splits the dense MLP.
 """
 from __future__ import annotations
@@ -216,7 +216,7 @@ class Decoder:
 
     def selective_flops(self, kind: str, tokens: int) -> float:
         """Forward FLOPs recomputed in backward under ``recompute="selective"``, torchtitan's op
-        policy (:mod:`labkit.plan.memory`): wk, wo and w3 again, an MoE layer's whole MLP."""
+        policy (:mod:`labkit.plan.scale.memory`): wk, wo and w3 again, an MoE layer's whole MLP."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = 2 * tokens * (h * kv + q * h)
         if kind == "dense":

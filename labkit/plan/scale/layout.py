@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import InitVar, asdict, dataclass, fields
 
-from ..config import Strategy
+from ...config import Strategy
 from .hardware import Cluster, ModelShape, require_whole
 
 PRICED = {

@@ -13,7 +13,7 @@ def ring_pair(b: int, h: int, c: int, hd: int, hkv: int, how: str) -> tuple[Ops,
     """One (query chunk, key chunk) pair of ring attention of ``c`` tokens each, as
     :mod:`labkit.parallel.context.ring` computes it: forward (``block_forward`` and ``merge``)
     and backward (``block_backward`` and its three sums), counted."""
-    from ..parallel.context.blocks import block_backward, block_forward, merge
+    from ...parallel.context.blocks import block_backward, block_forward, merge
     q, dout = torch.randn(b, h, c, hd), torch.randn(b, h, c, hd)
     k, v = torch.randn(b, hkv, c, hd), torch.randn(b, hkv, c, hd)
     out, lse = torch.zeros(b, h, c, hd), torch.full((b, h, c), float("-inf"))
@@ -29,7 +29,7 @@ def ring_pair(b: int, h: int, c: int, hd: int, hkv: int, how: str) -> tuple[Ops,
 def gathered_attention(b: int, h: int, t: int, hd: int, hkv: int, cp: int) -> tuple[Ops, Ops]:
     """All-gather attention (:mod:`labkit.parallel.context.allgather`) of ``t`` queries over the
     ``cp·t`` gathered keys and values, forward and backward, counted (the calls left out)."""
-    from ..parallel.context.layout import token_index
+    from ...parallel.context.layout import token_index
     q, k, v = (torch.randn(b, n, t, hd, requires_grad=True) for n in (h, hkv, hkv))
     sink = {}
 

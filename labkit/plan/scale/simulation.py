@@ -1,17 +1,17 @@
 """The timeline of one predicted step at cluster scale, run on the planner's one simulator.
 
-``Prediction.timeline()`` (:mod:`labkit.plan.step`) draws one pipeline (its pp ranks; dp
+``Prediction.timeline()`` (:mod:`labkit.plan.scale.step`) draws one pipeline (its pp ranks; dp
 replicas are alike): the schedule's action lists (:func:`build_schedule`) priced by the stage
-costs it hands over (:class:`labkit.plan.step.StageCosts`: FLOPs and α-β), each message taking the
+costs it hands over (:class:`labkit.plan.scale.step.StageCosts`: FLOPs and α-β), each message taking the
 point-to-point time, and the dp gradient all-reduce as one call, issued before the rank's last
 backward when ``overlaps_dp`` (dp_mode "overlap" or "ddp": so it runs beside it) or after the schedule without.
 """
 from __future__ import annotations
 
-from ..analysis.timeline import Timeline
-from ..parallel.pipeline import SPLIT_BACKWARD
-from ..parallel.pipeline.schedules import build_schedule
-from ..analysis.des import Compute, Issue, Sim, Wait
+from ...analysis.timeline import Timeline
+from ...parallel.pipeline import SPLIT_BACKWARD
+from ...parallel.pipeline.schedules import build_schedule
+from ...analysis.des import Compute, Issue, Sim, Wait
 
 KINDS = {"F": "fwd", "B": "bwd", "I": "bwd_input", "W": "bwd_weight"}
 

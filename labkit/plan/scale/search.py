@@ -8,7 +8,7 @@ cp a power of two with 2·cp dividing a sequence of at least ``LONG_SEQUENCE`` t
 all-gather; pass ``cp=`` to try it at any length), pp dividing the layers; every ZeRO stage, micro-batch size, schedule (GPipe, 1F1B, zb-h1, and
 interleaved with 2 or 4 chunks where they divide the layers) and recomputation; for a model with
 experts every ep dividing dp and the experts (the all-to-alls overlapped). Each is predicted by
-:func:`labkit.plan.step.predict`; those that do not fit in memory are counted and left out
+:func:`labkit.plan.scale.step.predict`; those that do not fit in memory are counted and left out
 of the ranking; a model that fits no strategy gives a result whose table says so.
 """
 from __future__ import annotations
@@ -231,8 +231,8 @@ def _deprecated_limits(limits: dict) -> None:
 def verify_one(lab, model: ModelShape, global_batch: int, s: ClusterStrategy, steps: int) -> dict:
     """Run ``s`` on ``lab`` for ``steps`` steps: {"strategy", "measured_s"} or {"strategy", "error"}
     (a strategy the planner places but labkit does not run, e.g. zero=3 with pp > 1)."""
-    from .. import models
-    from ..data.text import RandomTokens
+    from ... import models
+    from ...data.text import RandomTokens
 
     try:
         strategy = s.to_strategy(global_batch)

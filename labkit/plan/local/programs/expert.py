@@ -8,12 +8,12 @@ as the first step's tokens route; with ``ep_overlap="microbatch"``
 two halves whose exchanges travel under each other's experts; the experts' gradients summed
 over their replicas after the dense sync over dp. An all-to-all is priced as gloo runs it: every
 pair's message posted at once, one latency and the busiest member's bytes, sent or received.
-:class:`ExpertPrograms` is a part of :class:`labkit.plan.physical.Builder`.
+:class:`ExpertPrograms` is a part of :class:`labkit.plan.local.physical.Builder`.
 """
 from __future__ import annotations
 
-from . import price
-from ..analysis.des import Compute, Issue, Wait
+from .. import price
+from ....analysis.des import Compute, Issue, Wait
 
 
 class ExpertPrograms:
@@ -24,7 +24,7 @@ class ExpertPrograms:
         the tokens out (dispatch) and back (combine), blocking; ep_overlap="microbatch": two
         halves of the tokens, each's exchanges in flight under the other's experts. Backward
         mirrors forward (autograd runs the later half first)."""
-        from .expert_work import exchange, routed_ops, routed_seconds, shape
+        from ..expert_work import exchange, routed_ops, routed_seconds, shape
         (n, width), ep = shape(moe), self.s.ep
         first, me, row = d - d % ep, d % ep, 4 * width
         group = tuple(self.rank(first + k, 0, 0) for k in range(ep))

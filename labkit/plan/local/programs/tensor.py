@@ -1,7 +1,7 @@
 """Tensor parallelism in the planner's programs: Megatron's split as labkit's tp_mode="megatron"
 runs it (parallel/tensor/): the sharded Linears' products at 1/tp, a blocking all-reduce after
 each row-parallel Linear's forward (g) and at each column-parallel one's input in backward (f).
-:class:`TensorPrograms` is a part of :class:`labkit.plan.physical.Builder`.
+:class:`TensorPrograms` is a part of :class:`labkit.plan.local.physical.Builder`.
 """
 from __future__ import annotations
 

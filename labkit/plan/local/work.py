@@ -6,7 +6,7 @@ records every aten operation with its FLOPs (torch's own formulas,
 the block it ran in (the executor's blocks: :func:`labkit.parallel.blocks.units`), to the
 part outside them (embedding before, head and loss after), or to the optimizer's step, and
 to the ``nn.Linear`` it belongs to, so tensor parallelism can shard the right products.
-A :class:`~labkit.plan.machine.Machine` prices the counts (:meth:`Machine.op_seconds`).
+A :class:`~labkit.plan.local.machine.Machine` prices the counts (:meth:`Machine.op_seconds`).
 
     >>> work = count(labkit.models.mlp(width=512, depth=8), batch=16)
     >>> work.blocks[0].fwd.flops, len(work.blocks[0].fwd.ops)
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from ..training import build_model, call_model, resolve_data, resolve_loss
+from ...training import build_model, call_model, resolve_data, resolve_loss
 from .machine import VIEWS
 
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -178,7 +178,7 @@ class _Marks:
         return torch.arange(t, device=device)
 
     def attention(self, q, k, v, causal):
-        from ..parallel.context import local_attention
+        from ...parallel.context import local_attention
         self.shapes.setdefault(self.block, []).append((*q.shape[:3], q.shape[3], k.shape[1]))
         return _Hidden.apply(self.counter, "attention", lambda *qkv: local_attention(*qkv, causal), q, k, v)
 
@@ -196,7 +196,7 @@ def routed_parts(net) -> list:
     """(name, module, attribute) of each MoE layer's routed experts, the part expert parallelism
     moves off its block: labkit's MoE's ``_routed``, a transformers sparse block's fused experts'
     ``forward`` (:func:`labkit.parallel.expert.fused_experts`)."""
-    from ..parallel.expert import fused_experts, moe_layers
+    from ...parallel.expert import fused_experts, moe_layers
     return [(n, m, "_routed") for n, m in moe_layers(net)] + [(n, m, "forward") for n, m in fused_experts(net)]
 
 
@@ -241,7 +241,7 @@ def count(model, batch: int, data=None, loss="mse", optimizer: str = "sgd", bloc
     ``cp`` > 1: on one cp rank's 1/cp of every sequence, attention marked, not counted;
     ``ep`` > 1: the MoE layers' routed experts marked, not counted; ``marked=False``: on the
     same shapes, attention and the experts counted as one process runs them."""
-    from ..parallel.blocks import find_blocks
+    from ...parallel.blocks import find_blocks
     net = build_model(model, 0)
     found = find_blocks(net, blocks)
     if not found:
@@ -328,8 +328,8 @@ class _Recording:
     def step(self, x, y, lossfn, optimizer: str, cp: int) -> None:
         """Forward, loss, backward and the optimizer's step, as the executor runs them: every
         gradient already a tensor of zeros, so each backward adds into it."""
-        from ..parallel import context
-        from ..training import build_optimizer
+        from ...parallel import context
+        from ...training import build_optimizer
 
         net, c = self.net, self.counter
         opt = build_optimizer(net.parameters(), lr=0.1, optimizer=optimizer)
@@ -339,7 +339,7 @@ class _Recording:
                 [list(b.parameters()) for _, b in self.found]:
             c.grads.update((_storage(p.grad), j) for j, p in enumerate(params) if p.grad is not None)
         from contextlib import nullcontext
-        from ..parallel.context.hf import routed
+        from ...parallel.context.hf import routed
 
         hooks, before = self.watch(), context.current()
         marked = cp > 1 and self.marks is not None          # attention goes through the stand-in
@@ -397,7 +397,7 @@ class _Recording:
 
 def in_step_order(work: ModelWork) -> list:
     """[(key, Ops)] of ``work``'s pieces in the order a step runs them: the forwards, the loss,
-    the backwards last block first, the optimizer; keys as :func:`labkit.plan.profile.profile`
+    the backwards last block first, the optimizer; keys as :func:`labkit.plan.local.profile.profile`
     times them ((block i, "pre", "post" or "opt"), ("fwd" or "bwd"))."""
     n = len(work.blocks)
     return ([(("pre", "fwd"), work.pre.fwd)] + [((i, "fwd"), b.fwd) for i, b in enumerate(work.blocks)]

@@ -8,14 +8,14 @@ optimizer step on 1/dp of the parameters; ZeRO 3 gathers each block before its f
 backward (``prefetch``: the next ones ahead) and reduce-scatters it after its backward, and
 what no block holds (the root: embeddings, final norm, head) once per micro-batch, kept from
 the model's forward until its gradients go. The
-ranks that average are dp × cp. :class:`DataPrograms` is a part of :class:`labkit.plan.physical.Builder`.
+ranks that average are dp × cp. :class:`DataPrograms` is a part of :class:`labkit.plan.local.physical.Builder`.
 """
 from __future__ import annotations
 
 from functools import partial
 
-from . import price
-from ..analysis.des import Compute, Wait
+from .. import price
+from ....analysis.des import Compute, Wait
 
 MiB = 1024 * 1024
 
@@ -58,7 +58,7 @@ class DataPrograms:
         """(bytes on this rank, the piece whose backward completes it, its parameters in that
         piece: their indices among the piece's) per bucket, in gradient order; the parameters
         in the model's own order, as the executor fills its buckets."""
-        from ..parallel.data import fill_buckets
+        from ....parallel.data import fill_buckets
 
         params = [(4 * int(self.local(k, j)), k, j) for k, j in self.places(self.held(blocks, first, last))
                   if not (self.routed(k)[j] and self.s.ep > 1)]    # ep: the experts sync apart (expert_sync)

@@ -1,11 +1,11 @@
 """The machine the lab's engines run on, as a handful of measured physical numbers.
 
 In the shape of Calculon's system description (a compute rate by size, per network α and β)
-and ASTRA-sim's: a :class:`Machine` is what :func:`labkit.plan.measure.measure` finds with its
+and ASTRA-sim's: a :class:`Machine` is what :func:`labkit.plan.local.measure.measure` finds with its
 own micro-benchmarks on the engines, with no model and no strategy; :func:`labkit.plan.simulate`
-prices any model's counted operations (:mod:`labkit.plan.work`) with it, by the formulas of
-:mod:`labkit.plan.price`, the model's own pieces timed in sequence sharing out what they took
-(:func:`labkit.plan.profile.profile`). Six fields: the cores, the matmul curve, the memory
+prices any model's counted operations (:mod:`labkit.plan.local.work`) with it, by the formulas of
+:mod:`labkit.plan.local.price`, the model's own pieces timed in sequence sharing out what they took
+(:func:`labkit.plan.local.profile.profile`). Six fields: the cores, the matmul curve, the memory
 hierarchy, the host's costs, the α-β per family, and what it was measured on.
 
     >>> machine = labkit.plan.measure(lab)
@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from . import price
-from .hardware import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
+from ..wire import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
 from .price import VIEWS  # noqa: F401  (work and measure read it here)
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
@@ -46,7 +46,7 @@ class Memory:
     the cache. Measured: add_ on 1 MiB tensors, one engine alone."""
     cache_bytes: float = float("inf")
     """Bytes the cores keep close: an op's operands beyond them come from memory (each op's
-    ``cold`` bytes, :func:`labkit.plan.work.warm`, least recently used out first). Measured:
+    ``cold`` bytes, :func:`labkit.plan.local.work.warm`, least recently used out first). Measured:
     products going round N weights of 1 MiB; the largest N whose product stays nearer its
     in-cache time than its cold one."""
     dram_Bps: float = 5e9
@@ -91,7 +91,7 @@ class Measured:
     """(α seconds per message, β bytes/s per rank) of the emulated link the lab ran on, as it
     imposes them (() for gloo as it is): a call takes the link's time or gloo's own (``comm``;
     a collective's with the 16-byte all-reduce that joins it on the link), whichever is longer
-    (labkit.Link, :func:`labkit.plan.price.comm_parts`)."""
+    (labkit.Link, :func:`labkit.plan.local.price.comm_parts`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +111,7 @@ class Machine:
     host: Host = Host()
     """Host seconds per op, per action and per posted call (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
-    """family → :class:`~labkit.plan.hardware.AlphaBeta` with α per ring step (gloo sends each
+    """family → :class:`~labkit.plan.wire.AlphaBeta` with α per ring step (gloo sends each
     step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
     engine (a send as half a ping-pong's round trip), gloo's own even on an emulated link."""
     measured: Measured = Measured()
@@ -134,7 +134,7 @@ class Machine:
     @classmethod
     def of(cls, **numbers) -> "Machine":
         """A Machine from its numbers by their own names (``memory_Bps=``, ``op_s=``, ``engines=``,
-        ``link_alpha_beta=`` …), as :func:`~labkit.plan.measure.measure` finds them and a file keeps them."""
+        ``link_alpha_beta=`` …), as :func:`~labkit.plan.local.measure.measure` finds them and a file keeps them."""
         records = {}
         for name, record in (("memory", Memory), ("host", Host), ("measured", Measured)):
             own = {f.name: numbers.pop(f.name) for f in fields(record) if f.name in numbers}
@@ -161,7 +161,7 @@ class Machine:
     engines = property(lambda self: self.measured.engines)
     link_alpha_beta = property(lambda self: self.measured.link)
 
-    # -- prices: labkit.plan.price's formulas on this machine ---------------------------------
+    # -- prices: labkit.plan.local.price's formulas on this machine ---------------------------------
     def rate(self, flops: float) -> float:
         return price.rate(self, flops)
 
