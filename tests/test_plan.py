@@ -118,12 +118,15 @@ def test_search_ranks_what_fits_and_says_when_nothing_does():
 
 
 def test_published_table_within_the_bound_we_reach():
-    """Megatron-LM SC21 Table 1, ten rows on A100: the planner reaches ≤ 10% on every row."""
+    """Megatron-LM SC21 Table 1, ten rows on A100: the planner reaches a mean of ≤ 6 % and ≤ 11 %
+    on every row. The worst is the 1.7B (hidden 2304, tp1) at +10.0 %: its compute priced fast,
+    which a dp all-reduce priced on one NIC (8× NCCL's measured busbw on a DGX) used to hide."""
     from labkit.plan.scale import published
 
     rows = published.compare()
     assert len(rows) == 10
-    assert max(abs(r["error"]) for r in rows) <= 0.10, published.table(rows)
+    errors = [abs(r["error"]) for r in rows]
+    assert max(errors) <= 0.11 and sum(errors) / len(errors) <= 0.06, published.table(rows)
     # at the schedules Megatron-LM ran then: zb-h1 (2023) would be a faster run than the one published
     assert {r["prediction"].strategy.schedule for r in rows} <= {"1f1b", "interleaved"}
 
@@ -355,15 +358,15 @@ def test_cp_divides_activations_per_rank_and_zero_shards_over_dp_times_cp():
     assert gathered["activations"] == pytest.approx(four["activations"] + kv)
 
 
-@pytest.mark.parametrize("nodes, tp, cp, link", [(1, 2, 4, "nvlink"), (4, 4, 8, "ib")])
-def test_cp_prices_the_all_gather_exposed_and_the_ring_under_its_rounds(nodes, tp, cp, link):
+@pytest.mark.parametrize("nodes, tp, cp, link, nics", [(1, 2, 4, "nvlink", 1), (4, 4, 8, "ib", 2)])
+def test_cp_prices_the_all_gather_exposed_and_the_ring_under_its_rounds(nodes, tp, cp, link, nics):
     from labkit.plan.scale.step import context_comm_times
 
     model = plan.Decoder(**DENSE, seq=32768)
     cluster = Cluster(nodes=nodes)
     wire = getattr(cluster.hardware, link)                              # the cp group spans cp·tp GPUs
     kv = 2 * 2 * 32768 * model.kv_heads * model.head_dim / tp
-    gather = wire.alpha + (cp - 1) / cp * kv / wire.beta
+    gather = wire.alpha + (cp - 1) / cp * kv / (nics * wire.beta)      # across: 2 of the group a node, 2 NICs
     assert context_comm_times(model, cluster, ClusterStrategy(tp=tp, cp=cp, cp_mode="allgather"), 1.0) == \
         pytest.approx((gather, 2 * gather))
     ring = ClusterStrategy(tp=tp, cp=cp)
@@ -429,7 +432,9 @@ def test_ep_prices_four_all_to_alls_per_moe_layer_on_the_groups_link(nodes, dp, 
     cluster, ep = Cluster(nodes=nodes), 4 if link == "nvlink" else 8     # span ep·tp: 8 in a node, 16 across
     wire = getattr(cluster.hardware, link)
     tokens, nbytes = 2 * 1024, 2 * 2 * 1024 * 2 * 1024                  # mbs 2 · seq; bf16 · tokens · k · h
-    a2a = wire.alpha + (ep - 1) / ep * nbytes / wire.beta
+    # inside a node each GPU sends (ep−1)/ep of its rows over NVLink; across, the half bound for
+    # the other node's 4 on its own NIC (an all-to-all cannot spread over the node's NICs)
+    a2a = wire.alpha + ((ep - 1) / ep if link == "nvlink" else 1 / 2) * nbytes / wire.beta
     one = ClusterStrategy(dp=dp, tp=tp, microbatch_size=2)
     f1, b1, *_ = layer_times(moe, cluster, one, "moe", 0.0)
     f, b, _, exposed, _ = layer_times(moe, cluster, ClusterStrategy(dp=dp, tp=tp, microbatch_size=2, ep=ep), "moe", 0.0)

@@ -121,16 +121,21 @@ def test_tp_bytes_stay_inside_a_node_and_pp_bytes_cross_it():
     assert two == pytest.approx({"intra": 4 * 4 * 8 * bus_factor("all_reduce", 4) * act, "inter": 2 * 8 * act / 4})
 
 
-def test_the_search_tries_hsdp_and_ranks_it_above_zero3_across_nodes():
+def test_the_search_tries_hsdp_beside_zero3_across_nodes_and_hsdp_crosses_them_a_tenth_as_much():
+    """HSDP keeps ZeRO-3's three passes inside a node and sends only the shard's all-reduce
+    across; flat ZeRO-3 sends every pass across, on all eight NICs of a node at once. Which is
+    faster is a matter of the NICs against NVLink (on A100 presets flat ZeRO-3 at 64 GPUs; the
+    test above prices each), what HSDP always buys is the inter-node bytes, at the states' memory."""
     from labkit.plan import search
 
     model, cluster = _model("llama3-8b", 8192), Cluster.of(64, "a100")
     ranked = search(model, cluster, 64, tp=1, pp=1, zero=(3,), recompute=("full",), microbatch_sizes=(1,),
                     dp_mode="bucketed").ranked
-    assert [p.strategy.dp_shard for p in ranked] == [8, None]               # a node's 8 GPUs shard, 8 replicas
-    hsdp, flat = ranked
+    assert sorted(p.strategy.dp_shard or 0 for p in ranked) == [0, 8]     # a node's 8 GPUs shard, 8 replicas
+    hsdp, flat = sorted(ranked, key=lambda p: p.strategy.dp_shard is None)
     assert hsdp.parts["bytes_by_tier"]["inter"] < flat.parts["bytes_by_tier"]["inter"] / 10
     assert hsdp.memory["total"] > flat.memory["total"]                   # the price: states over 8, not 64
+    assert ranked[0].step_time_s <= ranked[1].step_time_s
 
 
 # -- attention at its kernel's measured rate ------------------------------------------------------
@@ -156,3 +161,30 @@ def test_attention_is_the_flash_kernels_causal_half_at_its_measured_rate_on_h100
     (f, b, *_), (f2, b2, *_) = layer_times(model, h100, s, "dense", 0.0), layer_times(model, fast, s, "dense", 0.0)
     core_f, core_b = attention_times(model, h100, s)
     assert (f - f2, b - b2) == pytest.approx((core_f / 2, core_b / 2))
+
+
+def test_a_ring_across_nodes_runs_on_every_nic_its_group_has_there_and_an_all_to_all_on_one():
+    """A DGX has a NIC per GPU and NCCL a ring per NIC: a group with k GPUs of each node moves its
+    ring's bytes on k NICs at once (192 GB/s all-reduce busbw on 8 HDR NICs, NVIDIA/nccl#812),
+    bounded by NVLink; one GPU a node has one NIC; an all-to-all cannot spread (nccl-tests#267)."""
+    from dataclasses import replace
+
+    from labkit.plan import AlphaBeta, ModelShape
+
+    cluster, S = Cluster(nodes=4), 1e9                                  # 32 A100s, 8 a node
+    hw = cluster.hardware
+    assert cluster.seconds("all_reduce", S, 32, 32) == pytest.approx(hw.ib.alpha + 2 * 31 / 32 * S / (8 * hw.ib.beta))
+    assert cluster.seconds("all_gather", S, 16, 32) == pytest.approx(hw.ib.alpha + 15 / 16 * S / (4 * hw.ib.beta))
+    assert cluster.seconds("all_reduce", S, 4, 32) == pytest.approx(hw.ib.alpha + 2 * 3 / 4 * S / hw.ib.beta)
+    assert cluster.seconds("all_to_all", S, 32, 32) == pytest.approx(hw.ib.alpha + 3 / 4 * S / hw.ib.beta)
+    assert cluster.seconds("send", S, 2, 16) == pytest.approx(hw.ib.alpha + S / hw.ib.beta)
+    assert cluster.seconds("all_reduce", S, 8, 8) == pytest.approx(hw.nvlink.seconds("all_reduce", S, 8))
+    fast = Cluster(nodes=4, hardware=replace(hw, ib=AlphaBeta(beta=100e9, alpha=20e-6)))     # 800 GB/s of NICs a node
+    assert fast.seconds("all_reduce", S, 32, 32) == pytest.approx(hw.nvlink.seconds("all_reduce", S, 32))
+    # FSDP over 64 A100s: the weights' gathers ride all eight NICs, so ZeRO-3 is no longer 8× the all-reduce's time
+    from labkit.plan.scale.step import stage_costs
+
+    model = ModelShape(layers=24, hidden=2048, heads=16)
+    n = model.rank_params(1)[0]
+    gather = hw.ib.alpha + 63 / 64 * 2 * n / (8 * hw.ib.beta)           # all-gather ×2, reduce-scatter
+    assert stage_costs(model, Cluster(nodes=8), ClusterStrategy(dp=64, zero=3)).dp_sync == pytest.approx(3 * gather)

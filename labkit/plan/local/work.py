@@ -25,10 +25,6 @@ from torch.utils.flop_counter import flop_registry
 from ...training import build_model, call_model, resolve_data, resolve_loss
 from .machine import VIEWS
 
-MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-           "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution", "convolution_backward")
-
-
 @dataclass(frozen=True)
 class Op:
     """One aten call: its FLOPs (0 for memory-bound ones), its bytes, and the Linear it serves."""
@@ -98,7 +94,6 @@ class ModelWork:
     pre: BlockWork               # outside the blocks, before them (an embedding); may be empty
     post: BlockWork              # after them: final norm, head and the loss
     optimizer: Ops               # one optimizer step over every parameter (sgd or adamw)
-    optimizer_params: int
     order: list = field(default_factory=list)
     """Every parameter in the model's registration order (the order gradient buckets fill in):
     the (piece, index among its ``params``) places that hold it, piece -1 the ``pre`` and
@@ -382,7 +377,7 @@ class _Recording:
             for j, p in enumerate(own):
                 where.setdefault(id(p), []).append((k, j))
         order = [where[id(p)] for _, p in self.net.named_parameters() if id(p) in where]
-        return ModelWork(batch, works, pre, post, ops("opt", "fwd"), sum(p.numel() for p in self.net.parameters()), order)
+        return ModelWork(batch, works, pre, post, ops("opt", "fwd"), order)
 
     def block(self, i: int, name: str, module, linears: dict) -> BlockWork:
         quals = {f"{name}.{q}" if q else name for q, m in module.named_modules() if isinstance(m, nn.Linear)}

@@ -237,7 +237,22 @@ class Cluster:
                              f"use a multiple of {gpus_per_node}")
         return cls(nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node, hardware=hardware)
 
-    def link(self, group_span: int) -> AlphaBeta:
-        """The link a group uses: NVLink when its ``group_span`` consecutive ranks fit in one
-        node, InfiniBand otherwise (a ring across nodes runs at the slowest hop's speed)."""
-        return self.hardware.nvlink if group_span <= self.gpus_per_node else self.hardware.ib
+    def seconds(self, family: str, nbytes: float, ranks: int, span: int) -> float:
+        """Seconds of one call of ``family`` moving ``nbytes`` (nccl-tests' size) over ``ranks``
+        ranks spread evenly over ``span`` consecutive GPUs.
+
+        Inside a node, NVLink. Across nodes the group holds k = ranks·gpus_per_node/span GPUs of
+        each node it spans, and each GPU has its own NIC (a DGX's eight). NCCL runs one ring per
+        NIC, so a ring collective's bytes cross between nodes on k NICs at once: bus(ranks)·S/k
+        on each, while NVLink carries each GPU's bus(ranks)·S inside the node; the longer of the
+        two (a DGX A100's 8 HDR NICs: 192 GB/s all-reduce busbw measured by NCCL's maintainers,
+        NVIDIA/nccl#812; a group with one GPU a node, dp beside tp = 8, has one NIC's worth). An
+        all-to-all cannot spread over the NICs (NVIDIA/nccl-tests#267): each GPU sends its bytes
+        for the other nodes, bus(nodes)·S, on its own NIC, as a send does."""
+        hw = self.hardware
+        if span <= self.gpus_per_node or ranks <= 1:
+            return hw.nvlink.seconds(family, nbytes, ranks)
+        k = max(1, ranks * self.gpus_per_node // span)
+        if family in ("all_to_all", "send"):
+            return hw.ib.seconds(family, nbytes, max(2, ranks // k))
+        return max(hw.ib.seconds(family, nbytes / k, ranks), hw.nvlink.seconds(family, nbytes, ranks) if k > 1 else 0.0)

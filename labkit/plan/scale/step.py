@@ -11,7 +11,8 @@ square at its forward rate, 2.5× that in backward at its backward rate (:func:`
 elsewhere a GEMM over the full square. At 128K tokens it is most of a Llama layer's time.
 
 Communication: every call is ``AlphaBeta.seconds`` (α once per call, nccl-tests' bus factors) on
-the link its group spans (``Cluster.link``: NVLink inside a node, else InfiniBand):
+the links its group spans (``Cluster.seconds``: NVLink inside a node; across nodes InfiniBand,
+a ring collective on as many NICs a node as the group has GPUs there):
 
 * tp (Megatron's f and g): 2 all-reduces of b·s·h a layer in forward, 2 in backward.
 * pp: b·s·h/t to the neighbour, all-gathered over tp (Megatron's scatter/gather, §4.1).
@@ -69,8 +70,8 @@ def expert_comm_times(model, cluster: Cluster, s: ClusterStrategy, expert_fwd: f
     ``expert_fwd``: the routed experts' forward GEMMs, what ``ep_overlap`` hides them behind."""
     if s.ep == 1:
         return 0.0, 0.0
-    link = cluster.link(s.ep * s.pp * s.cp * s.tp)
-    a2a = link.seconds("all_to_all", 2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep)
+    a2a = cluster.seconds("all_to_all", 2 * s.tokens(model.seq) * model.top_k * model.hidden, s.ep,
+                          s.ep * s.pp * s.cp * s.tp)
     if s.ep_overlap == "none":
         return 2 * a2a, 2 * a2a
     return max(0.0, 2 * a2a - expert_fwd), max(0.0, 2 * a2a - 2 * expert_fwd)
@@ -81,14 +82,14 @@ def context_comm_times(model, cluster: Cluster, s: ClusterStrategy, core_fwd: fl
     backward); ``core_fwd``: the rank's attention core forward, what the ring hides under."""
     if s.cp == 1:
         return 0.0, 0.0
-    link = cluster.link(s.cp * s.tp)
+    span = s.cp * s.tp
     kv = 2 * 2 * s.microbatch_size * model.seq * kv_width(model) / s.tp       # K and V, bf16
     if s.cp_mode == "allgather":
-        gather = link.seconds("all_gather", kv, s.cp)
+        gather = cluster.seconds("all_gather", kv, s.cp, span)
         return gather, 2 * gather
     rounds, share = s.cp - 1, core_fwd / s.cp
-    fwd = rounds * max(0.0, link.seconds("send", kv / s.cp, 2) - share)
-    bwd = rounds * max(0.0, link.seconds("send", 2 * kv / s.cp, 2) - 2 * share)
+    fwd = rounds * max(0.0, cluster.seconds("send", kv / s.cp, 2, span) - share)
+    bwd = rounds * max(0.0, cluster.seconds("send", 2 * kv / s.cp, 2, span) - 2 * share)
     return fwd, bwd
 
 
@@ -168,8 +169,7 @@ def stage_costs(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> Stag
     """The costs the closed form and the simulator share."""
     hw, tokens, stages = cluster.hardware, s.tokens(model.seq), s.pp * s.chunks
     act_bytes = 2 * tokens * model.hidden                      # bf16 b·(s/cp)·h
-    tp_link = cluster.link(s.tp)
-    tp_ar = tp_link.seconds("all_reduce", act_bytes, s.tp)
+    tp_ar = cluster.seconds("all_reduce", act_bytes, s.tp, s.tp)
     logit_f = model.logit_forward_flops(tokens) / s.tp / (hw.peak_flops * gemm_efficiency(model, cluster, s))
     kinds_of = stage_kinds(model, stages)
     per_kind = {k: layer_times(model, cluster, s, k, tp_ar) for k in {k for kinds in kinds_of for k in kinds}}
@@ -181,8 +181,8 @@ def stage_costs(model: ModelShape, cluster: Cluster, s: ClusterStrategy) -> Stag
         return out
     p2p = 0.0
     if s.pp > 1:
-        pp_link = cluster.link(s.pp * s.cp * s.tp)
-        p2p = pp_link.seconds("send", act_bytes / s.tp, 2) + tp_link.seconds("all_gather", act_bytes, s.tp)
+        p2p = (cluster.seconds("send", act_bytes / s.tp, 2, s.pp * s.cp * s.tp)
+               + cluster.seconds("all_gather", act_bytes, s.tp, s.tp))
     # dense gradients over dp·cp, each routed expert's over its dp·cp/ep replicas (traffic.dp_calls)
     calls, groups = dp_calls(model, s), max(replica_groups(model, s), key=lambda g: sum(g.values()))
     dp_sync = sum(c.seconds(cluster) for c in calls)

@@ -1,7 +1,8 @@
 """What each axis sends at scale, on which tier: the dp calls (plain, ZeRO, HSDP) and bytes per tier.
 
-A group lands on a tier by the GPUs it spans (:meth:`~labkit.plan.scale.hardware.Cluster.link`): the
-"intra" tier (NVLink) when its consecutive ranks fit in one node, else "inter" (InfiniBand).
+A group lands on a tier by the GPUs it spans: the "intra" tier (NVLink) when its consecutive
+ranks fit in one node, else "inter" (InfiniBand), priced by
+:meth:`~labkit.plan.scale.hardware.Cluster.seconds` (a ring on each node's NICs at once).
 Ranks are ``arange(world).view(dp, pp, cp, tp)``, so a tp group spans tp GPUs, a cp group cp·tp,
 a pp group pp·cp·tp, an ep group ep·pp·cp·tp, and the dp group the whole cluster.
 
@@ -48,7 +49,7 @@ class Call:
     """ZeRO-3's all-gather before the forward (what FSDP prefetches behind it)."""
 
     def seconds(self, cluster: Cluster) -> float:
-        return cluster.link(self.span).seconds(self.family, self.nbytes, self.ranks)
+        return cluster.seconds(self.family, self.nbytes, self.ranks, self.span)
 
     def sent(self) -> float:
         """Bytes one rank sends in this call."""
