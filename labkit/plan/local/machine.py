@@ -17,8 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from . import price
-from ..wire import AlphaBeta, bus_factor, ring_steps  # noqa: F401  (measure and physical price calls with them)
-from .price import VIEWS  # noqa: F401  (work and measure read it here)
+from ..wire import AlphaBeta
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link", "matmul_half_dim", "wake_s",

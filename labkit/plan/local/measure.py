@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from statistics import median
 
-from .machine import FAMILIES, VIEWS, Machine, bus_factor, ring_steps
+from ..wire import bus_factor, ring_steps
+from .machine import FAMILIES, Machine
+from .price import VIEWS
 
 MATMUL_SHAPES = ((16, 128, 128), (64, 256, 256), (64, 512, 512), (128, 1024, 1024), (256, 1024, 2048))
 

@@ -18,7 +18,8 @@ from .programs.context import ContextPrograms
 from .programs.data import DataPrograms
 from ...analysis.des import Compute, Issue, Wait
 from .programs.expert import ExpertPrograms
-from .machine import Machine, bus_factor
+from ..wire import bus_factor
+from .machine import Machine
 from .programs.pipeline import PipelinePrograms
 from .programs.tensor import TensorPrograms
 

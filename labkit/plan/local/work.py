@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from ...training import build_model, call_model, resolve_data, resolve_loss
-from .machine import VIEWS
+from .price import VIEWS
 
 @dataclass(frozen=True)
 class Op:
