@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
+RINGS = ("all_reduce", "all_gather", "reduce_scatter")
+"""The collectives a ring runs, which spread over every link a node's ranks have (:meth:`Link.seconds`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,15 +81,26 @@ class Link:
             return "intra"
         return "intra" if len({r // self.gpus_per_node for r in ranks}) <= 1 else "inter"
 
+    def nics(self, ranks) -> int:
+        """The links a ring over ``ranks`` crosses between nodes on at once: each rank has its own
+        (a DGX's NIC per GPU, NCCL's ring per NIC), so as many as the group's thinnest node
+        holds of it; 1 inside a node."""
+        if self.tier(ranks) == "intra":
+            return 1
+        held: dict[int, int] = {}
+        for r in ranks:
+            held[r // self.gpus_per_node] = held.get(r // self.gpus_per_node, 0) + 1
+        return min(held.values())
+
     def alpha_beta(self, tier: str) -> tuple[float, float]:
-        """(α seconds, β bytes/s) of ``tier``; a ring across nodes runs at its slowest hop's speed."""
+        """(α seconds, β bytes/s) of one rank's link on ``tier``."""
         if tier == "inter":
             alpha = self.latency if self.inter_latency is None else self.inter_latency
             beta = self.bandwidth if self.inter_bandwidth is None else self.inter_bandwidth
             return alpha, beta
         return self.latency, self.bandwidth
 
-    def seconds(self, op: str, nbytes: float, n: int, tier: str = "intra") -> float:
+    def seconds(self, op: str, nbytes: float, n: int, tier: str = "intra", nics: int = 1) -> float:
         """Seconds ``op`` on ``nbytes`` over ``n`` ranks takes on this link.
 
         ``nbytes`` is the op's size in nccl-tests' convention: the whole tensor for all-reduce
@@ -102,7 +115,15 @@ class Link:
             broadcast       (n-1)·α + S/β               (a pipelined chain; busbw = algbw)
             all_to_all      (n-1)·α + (n-1)/n · S/β     (pairwise exchange)
             send            α + S/β
+
+        Across nodes, a ring collective (all-reduce, all-gather, reduce-scatter) of a group with
+        ``nics`` ranks in each of its nodes (:meth:`nics`) runs one ring per rank's link, each
+        with S/nics of the bytes, while the links inside a node carry the whole ring: the longer
+        of the two (NCCL's 192 GB/s all-reduce busbw across DGX A100s with eight 25 GB/s NICs,
+        NVIDIA/nccl#812). An all-to-all, a broadcast's chain and a send stay on one link.
         """
+        if tier == "inter" and nics > 1 and op in RINGS:
+            return max(self.seconds(op, nbytes / nics, n, "inter"), self.seconds(op, nbytes, n, "intra"))
         alpha, beta = self.alpha_beta(tier)
         if op == "send":
             return alpha + nbytes / beta

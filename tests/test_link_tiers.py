@@ -112,6 +112,26 @@ def test_an_all_to_all_is_priced_by_its_busiest_member():
     assert clock.exchange_seconds(3e6, 4, "intra") == pytest.approx(3e-3 + 0.3)
 
 
+def test_a_ring_across_nodes_runs_on_every_link_its_nodes_ranks_have():
+    """Each rank has its own link between nodes (a NIC per GPU) and NCCL a ring per NIC: a ring
+    collective of 2 ranks a node carries half its bytes on each of the two, bounded by the links
+    inside a node; one rank a node, an all-to-all or a send has one link's worth."""
+    from labkit.analysis.whatif import _link_seconds
+
+    link, S = Link(bandwidth=100e6, latency=1e-4, gpus_per_node=2, inter_bandwidth=20e6), 1e6
+    assert [link.nics(r) for r in ([0, 1, 2, 3], [0, 2], [0, 1], [0, 1, 2])] == [2, 1, 1, 1]
+    two = link.seconds("all_reduce", S, 4, "inter", nics=2)
+    assert two == pytest.approx(6e-4 + 1.5 * (S / 2) / 20e6)          # 2(n-1)α + 2(n-1)/n·(S/2)/β
+    assert two < link.seconds("all_reduce", S, 4, "inter")
+    assert link.seconds("all_to_all", S, 4, "inter", nics=2) == link.seconds("all_to_all", S, 4, "inter")
+    fast = Link(bandwidth=10e6, gpus_per_node=2, inter_bandwidth=20e6)  # the links inside are the bound
+    assert fast.seconds("all_gather", S, 4, "inter", nics=2) == pytest.approx(fast.seconds("all_gather", S, 4, "intra"))
+    # the engine's clock prices the call so, and the replay cuts a measured call by the same time
+    assert LinkClock(link, 0).collective("all_reduce", S, [0, 1, 2, 3], 0.0)[2] == pytest.approx(two)
+    assert _link_seconds(link, "allreduce", 1.5 * S, [0, 1, 2, 3]) == pytest.approx(two)
+    assert _link_seconds(link, "allreduce", 1.0 * S, [0, 2]) == pytest.approx(2e-4 + S / 20e6)
+
+
 def test_messages_arriving_at_once_share_the_receivers_side_and_only_they_do():
     second = 10_000 / 1e6                                            # 10 kB at 1 MB/s
     clock = LinkClock(Link(bandwidth=1e6), 0)

@@ -200,14 +200,19 @@ def _began(graph: StepGraph, i: int, rows, through: dict) -> float:
 
 def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
     """The call's α-β time on ``link`` (0 without one): steps·α + wire bytes / β, on the tier
-    its ranks span."""
+    its ranks span; a ring across nodes on all the links its nodes' ranks have (``Link.seconds``)."""
     if link is None:
         return 0.0
     n = len(ranks)
     if n < 2:
         return 0.0
-    alpha, beta = link.alpha_beta(link.tier(ranks))
+    tier = link.tier(ranks)
+    alpha, beta = link.alpha_beta(tier)
     steps = 1 if kind in ("send", "recv") else 2 * (n - 1) if kind == "allreduce" else n - 1    # ring steps
+    nics = link.nics(ranks) if kind in ("allreduce", "allgather", "reduce_scatter") else 1
+    if nics > 1:
+        inside, within = link.alpha_beta("intra")
+        return max(steps * alpha + nbytes / (nics * beta), steps * inside + nbytes / within)
     return steps * alpha + nbytes / beta
 
 

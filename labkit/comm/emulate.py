@@ -47,7 +47,7 @@ class LinkClock:
         """(tier, this rank's start, seconds) of a collective of ``nbytes`` over ``ranks`` issued
         at ``now``; the link is held from this rank's start until :meth:`joined` knows better."""
         tier = self.link.tier(ranks)
-        cost = self.link.seconds(op, nbytes, len(ranks), tier)
+        cost = self.link.seconds(op, nbytes, len(ranks), tier, self.link.nics(ranks))
         with self._lock:
             start = max(now, self.free.get((tier, "tx"), 0.0), self.free.get((tier, "rx"), 0.0))
             self.free[(tier, "tx")] = self.free[(tier, "rx")] = start + cost
