@@ -28,6 +28,7 @@ from .events import group_ranks
 from .graph import COLLECTIVES, EPS, StepGraph
 from .timeline import Timeline
 from .des import Compute, Issue, Sim, Wait
+from ..link import OPS
 from .rebucket import check as check_rebucket, rebucket
 
 @dataclass
@@ -199,21 +200,16 @@ def _began(graph: StepGraph, i: int, rows, through: dict) -> float:
 
 
 def _link_seconds(link, kind: str, nbytes: int, ranks) -> float:
-    """The call's α-β time on ``link`` (0 without one): steps·α + wire bytes / β, on the tier
-    its ranks span; a ring across nodes on all the links its nodes' ranks have (``Link.seconds``)."""
-    if link is None:
+    """The call's α-β time on ``link`` (0 without one): :meth:`labkit.Link.seconds` of the size
+    whose wire bytes (``nbytes``, one rank's) the event recorded, on the tier its ranks span and
+    the links they have there. A kind outside the table: n−1 messages of its bytes, on one link."""
+    if link is None or len(ranks) < 2:
         return 0.0
     n = len(ranks)
-    if n < 2:
-        return 0.0
-    tier = link.tier(ranks)
-    alpha, beta = link.alpha_beta(tier)
-    steps = 1 if kind in ("send", "recv") else 2 * (n - 1) if kind == "allreduce" else n - 1    # ring steps
-    nics = link.nics(ranks) if kind in ("allreduce", "allgather", "reduce_scatter") else 1
-    if nics > 1:
-        inside, within = link.alpha_beta("intra")
-        return max(steps * alpha + nbytes / (nics * beta), steps * inside + nbytes / within)
-    return steps * alpha + nbytes / beta
+    op = {"allreduce": "all_reduce", "allgather": "all_gather", "recv": "send"}.get(kind, kind)
+    op = op if op in OPS else "all_to_all"
+    wire = 2 * (n - 1) / n if op == "all_reduce" else 1.0 if op in ("send", "broadcast") else (n - 1) / n
+    return link.seconds(op, nbytes / wire, n, link.tier(ranks), link.nics(ranks))
 
 
 def _compute_scale(events, world_size: int, compute: float, straggler) -> list[dict]:
