@@ -118,15 +118,15 @@ def test_search_ranks_what_fits_and_says_when_nothing_does():
 
 
 def test_published_table_within_the_bound_we_reach():
-    """Megatron-LM SC21 Table 1, ten rows on A100: the planner reaches a mean of ≤ 6 % and ≤ 11 %
-    on every row. The worst is the 1.7B (hidden 2304, tp1) at +10.0 %: its compute priced fast,
-    which a dp all-reduce priced on one NIC (8× NCCL's measured busbw on a DGX) used to hide."""
+    """Megatron-LM SC21 Table 1, ten rows on A100: the planner reaches a mean of ≤ 4.5 % and
+    ≤ 8 % on every row (4.0 % and 7.5 %, the 310B). Without the attention scores' HBM traffic
+    (``layer_written_bytes``) the small-width rows are priced fast: the 1.7B at +10.0 %."""
     from labkit.plan.scale import published
 
     rows = published.compare()
     assert len(rows) == 10
     errors = [abs(r["error"]) for r in rows]
-    assert max(errors) <= 0.11 and sum(errors) / len(errors) <= 0.06, published.table(rows)
+    assert max(errors) <= 0.08 and sum(errors) / len(errors) <= 0.045, published.table(rows)
     # at the schedules Megatron-LM ran then: zb-h1 (2023) would be a faster run than the one published
     assert {r["prediction"].strategy.schedule for r in rows} <= {"1f1b", "interleaved"}
 

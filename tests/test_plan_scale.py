@@ -28,6 +28,21 @@ def test_memory_is_the_hand_count_on_a_small_decoder():
     assert mem["optimizer"] == pytest.approx(12 * params[1] / 2)
 
 
+def test_a_gpt_layers_memory_bound_work_moves_the_attention_scores_a_decoders_flash_kernel_does_not():
+    from labkit.plan import ModelShape
+    from labkit.plan.scale.memory import layer_activation_bytes, layer_written_bytes
+
+    gpt = ModelShape(layers=2, hidden=256, heads=4, seq=512)
+    s = ClusterStrategy(dp=1, tp=2, microbatch_size=3)
+    kept = 3 * 512 * 256 * (10 + 24 / 2 + 5 * 4 * 512 / 256 / 2)          # Korthikanti's count at t=2
+    assert layer_activation_bytes(gpt, s) == pytest.approx(kept)
+    scores = 2 * 4 * 512 ** 2 * 3 / 2                                     # QKᵀ's output, a/t heads, fp16
+    assert layer_written_bytes(gpt, s) == pytest.approx(kept + scores)
+    # FlashAttention keeps the scores on chip: a Decoder's bytes grow with s, not s²
+    llama = [Decoder(layers=2, hidden=256, heads=4, ffn_hidden=512, vocab=1000, seq=n) for n in (512, 1024)]
+    assert layer_written_bytes(llama[1], s) == pytest.approx(2 * layer_written_bytes(llama[0], s))
+
+
 def test_every_published_run_fits():
     assert all(r["prediction"] is not None and r["prediction"].fits for r in compare())          # SC21 Table 1
     rows = compare_llama()

@@ -109,11 +109,15 @@ def decoder_activation_bytes(model: Decoder, s: ClusterStrategy, kind: str) -> f
 
 def layer_written_bytes(model, s: ClusterStrategy, kind: str = "dense") -> float:
     """Bytes one layer's forward writes for one micro-batch, each tensor once (what its memory-
-    bound work moves): Korthikanti et al.'s no-recompute count for a GPT; for a Decoder what it
-    keeps with the norms' inputs and silu(gate) written too, 8 + (4·a·d + 4·kv·d)/h + 8·f/h."""
+    bound work moves): for a GPT Korthikanti et al.'s no-recompute count and the attention scores
+    QKᵀ writes for the softmax to read, 2·a·s²·b/t (not kept, so not in their count: backward
+    reads the softmax's output; at hidden 2304 a fifth of the layer's bytes); for a Decoder
+    (FlashAttention: no scores in memory) what it keeps with the norms' inputs and silu(gate)
+    written too, 8 + (4·a·d + 4·kv·d)/h + 8·f/h."""
     plain = replace(s, recompute="none")
     if not isinstance(model, Decoder):
-        return layer_activation_bytes(model, plain, kind)
+        scores = 2 * s.tokens(model.seq) * model.heads * model.seq / s.tp
+        return layer_activation_bytes(model, plain, kind) + scores
     f = model.top_k * model.expert_ffn + model.shared_ffn if kind == "moe" else model.ffn_hidden
     tokens = s.tokens(model.seq)
     norm_inputs = 4 * tokens * model.hidden / (s.tp if s.sequence_parallel else 1)
