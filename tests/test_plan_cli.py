@@ -87,6 +87,11 @@ def test_a_config_that_is_a_json_list_is_one_line_and_exit_2(tmp_path, capsys):
     assert rc == 2 and out == "" and "holds a JSON list, not an object" in err and err.count("\n") == 1
 
 
+def test_published_megatron_2022_table_prints(capsys):
+    rc, out, _ = plan(["plan", "--published", "mlsys23"], capsys)
+    assert rc == 0 and "1000B" in out and "sp rc:selective" in out and "mean |error|" in out
+
+
 def test_published_llama_table_prints(capsys):
     rc, out, _ = plan(["plan", "--published", "llama"], capsys)
     assert rc == 0 and "Llama 3 T4" in out and "torchtitan A100" in out and "cp:allgather" in out

@@ -38,6 +38,15 @@ def test_a_gpt_layers_memory_bound_work_moves_the_attention_scores_a_decoders_fl
     assert layer_activation_bytes(gpt, s) == pytest.approx(kept)
     scores = 2 * 4 * 512 ** 2 * 3 / 2                                     # QKᵀ's output, a/t heads, fp16
     assert layer_written_bytes(gpt, s) == pytest.approx(kept + scores)
+    # Megatron's selective recomputation runs the core again: its GEMMs and its s×s tensors
+    from labkit.plan.scale.memory import core_written_bytes
+    from labkit.plan.scale.step import attention_times, layer_times
+
+    cluster = Cluster.of(8, "a100")
+    selective = ClusterStrategy(dp=1, tp=2, microbatch_size=3, recompute="selective")
+    again = layer_times(gpt, cluster, selective, "dense", 0.0)[1] - layer_times(gpt, cluster, s, "dense", 0.0)[1]
+    assert core_written_bytes(gpt, s) == pytest.approx(7 / 2 * scores)
+    assert again == pytest.approx(attention_times(gpt, cluster, s)[0] + 2 * 7 / 2 * scores / 2.0e12)
     # FlashAttention keeps the scores on chip: a Decoder's bytes grow with s, not s²
     llama = [Decoder(layers=2, hidden=256, heads=4, ffn_hidden=512, vocab=1000, seq=n) for n in (512, 1024)]
     assert layer_written_bytes(llama[1], s) == pytest.approx(2 * layer_written_bytes(llama[0], s))

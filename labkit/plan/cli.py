@@ -62,8 +62,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, help="strategies to list when ranking (≥ 1)")
     p.add_argument("--json", help="write the prediction (one strategy) or the ranking here")
     p.add_argument("--validate", action="store_true", help="compare with Megatron-LM SC21 Table 1 and exit")
-    p.add_argument("--published", choices=("sc21", "llama"), help="print a published table with the error per "
-                                                                  "row (sc21: Megatron-LM; llama: Llama 3 and torchtitan)")
+    p.add_argument("--published", choices=("sc21", "mlsys23", "llama"),
+                   help="print a published table with the error per row (sc21: Megatron-LM 2021; mlsys23: "
+                        "Megatron-LM 2022, sequence parallel and selective recomputation; llama: Llama 3 and torchtitan)")
     p.set_defaults(func=run)
 
 

@@ -124,6 +124,13 @@ def layer_written_bytes(model, s: ClusterStrategy, kind: str = "dense") -> float
     return layer_activation_bytes(model, plain, kind) + norm_inputs + 2 * tokens * f / s.tp
 
 
+def core_written_bytes(model, s: ClusterStrategy) -> float:
+    """The s×s tensors a GPT's unfused attention core writes for one micro-batch (Megatron-LM's
+    QKᵀ, scale-mask-softmax, dropout, ·V): the scores, the softmax's output, dropout's mask and
+    output, 2 + 2 + 1 + 2 bytes over a/t heads: 7·a·s²·b/t. What selective recomputation writes again."""
+    return 7 * s.tokens(model.seq) * model.heads * model.seq / s.tp
+
+
 def kv_width(model) -> int:
     """Width of one token's keys (or values): kv_heads·head_dim, or h for a GPT's full heads."""
     return model.kv_heads * model.head_dim if isinstance(model, Decoder) else model.hidden

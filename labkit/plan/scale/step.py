@@ -2,13 +2,16 @@
 
 Compute: each stage's FLOPs per micro-batch (Narayanan et al. 2021, §5.1: a GPT layer's
 forward is 24·b·s·h² + 4·b·s²·h, backward twice that, full recomputation one more forward,
-selective the attention core again (a Decoder: torchtitan's op policy, wk, wo, w3 and the
-memory-bound work again); the logits 2·b·s·h·V on the last stage), over tp, each
-GEMM group at peak × ``Hardware.efficiency(d)``, d its smallest dimension on one GPU; the
-memory-bound work at HBM bandwidth. The attention core (QKᵀ and PV) where the GPU has a measured
-FlashAttention rate (``Hardware.attention_flops``) is that kernel: the causal half of the s×s
-square at its forward rate, 2.5× that in backward at its backward rate (:func:`attention_times`);
-elsewhere a GEMM over the full square. At 128K tokens it is most of a Llama layer's time.
+selective the attention core again (a GPT: Megatron's, the core's GEMMs and its s×s tensors;
+a Decoder: torchtitan's op policy, wk, wo, w3 and the memory-bound work again); the logits
+2·b·s·h·V on the last stage), over tp, each GEMM group at peak × ``Hardware.efficiency(d)``, d
+its smallest dimension on one GPU; the memory-bound work at HBM bandwidth: each tensor a
+layer's forward writes, written and read once (for a GPT the s×s scores too,
+:func:`~labkit.plan.scale.memory.layer_written_bytes`), backward twice that. The attention
+core (QKᵀ and PV) where the GPU has a measured FlashAttention rate (``Hardware.attention_flops``)
+is that kernel: the causal half of the s×s square at its forward rate, 2.5× that in backward at
+its backward rate (:func:`attention_times`); elsewhere a GEMM over the full square. At 128K
+tokens it is most of a Llama layer's time.
 
 Communication: every call is ``AlphaBeta.seconds`` (α once per call, nccl-tests' bus factors) on
 the links its group spans (``Cluster.seconds``: NVLink inside a node; across nodes InfiniBand,
@@ -51,7 +54,7 @@ from ...parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
 from .model import Decoder
-from .memory import fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, sharded, stage_kinds
+from .memory import core_written_bytes, fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, sharded, stage_kinds
 from .simulation import simulate_scale
 from .traffic import bytes_by_tier, dp_calls
 
@@ -160,7 +163,7 @@ def layer_times(model: ModelShape, cluster: Cluster, s: ClusterStrategy, kind: s
         b += f
     elif s.recompute == "selective":        # torchtitan's op policy, or Megatron's: the attention core again
         b += gemm_s(model.selective_flops(kind, tokens), groups[0][2]) + memory_bound \
-            if isinstance(model, Decoder) else core_f
+            if isinstance(model, Decoder) else core_f + 2 * core_written_bytes(model, s) / hw.hbm_bandwidth
     again = s.recompute == "full"
     return f, b, gemm_w, ep_f + ep_b + (ep_f if again else 0.0), cp_f + cp_b + (cp_f if again else 0.0)
 
