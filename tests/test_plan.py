@@ -581,6 +581,18 @@ def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
         Sim([[Issue("x", (0, 1), 1.0, "allreduce"), Wait("x")], []]).run()
 
 
+def test_the_cache_is_the_sizes_that_all_read_warm_up_to_the_first_cold_one():
+    from labkit.plan.local.measure import cache_held
+
+    # 2 and 4 MiB warm, 8 cold: 4 MiB, though a noisy 32 and 64 read warm again (the old rule: 64)
+    assert cache_held(100e-6, [10e-6, 20e-6, 90e-6, 60e-6, 10e-6, 5e-6]) == 4 * 2 ** 20
+    assert cache_held(100e-6, [60e-6] * 6) == 2 ** 20                    # not even 2 MiB
+    assert cache_held(100e-6, [1e-6] * 6) == 64 * 2 ** 20
+    read = []
+    cache_held(100e-6, (read.append(n) or e for n, e in zip("abcdef", [1e-6, 80e-6, 1e-6, 1e-6, 1e-6, 1e-6])))
+    assert read == ["a", "b"]                                             # the sizes past the first cold one are not timed
+
+
 def test_machine_saves_loads_and_interpolates_its_matmul_table(tmp_path):
     machine = _machine()
     machine.save(tmp_path / "m.json")

@@ -86,8 +86,10 @@ def _shared(seconds: float) -> float:
 def _cache(seconds: float) -> float:
     """Bytes of weights that products keep in the cache. Products of 64×512 by 512×512 weights
     go round N weights of 1 MiB; from N = 1 to 128 a product's time climbs from hot to cold;
-    the cache holds the largest N whose time is nearer hot than cold. Each time is the median
-    of five, each taken beside the hot one, so a change of the host's load meets both."""
+    the cache holds N while every size up to N stays nearer hot than cold (a cache that holds
+    N holds less: one size that reads warm beyond a cold one is the host's noise, not a
+    cache). Each time is the median of five, each taken beside the hot one, so a change of
+    the host's load meets both."""
     import torch
     weights, a = [torch.randn(512, 512) for _ in range(128)], torch.randn(64, 512)
 
@@ -98,8 +100,23 @@ def _cache(seconds: float) -> float:
             return _loop(lambda: a @ weights[next(turn) % k], seconds / 40, chunks=1)
         return median(timed(n) - timed(1) for _ in range(5))
     cold = extra(128)
-    warm = [n for n in (2, 4, 8, 16, 32, 64) if extra(n) < cold / 2]
-    return float(max(warm, default=1) << 20)
+    return cache_held(cold, (extra(n) for n in CACHE_MIB))
+
+
+CACHE_MIB = (2, 4, 8, 16, 32, 64)
+"""Working sets :func:`_cache` tries, in MiB, smallest first."""
+
+
+def cache_held(cold: float, extras) -> float:
+    """Bytes of the largest of :data:`CACHE_MIB` up to which every size's extra seconds
+    (``extras``, in that order, read lazily: the first cold one ends it) stay below half the
+    ``cold`` extra; 1 MiB when even 2 does not."""
+    held = 1
+    for n, seconds in zip(CACHE_MIB, extras):
+        if seconds >= cold / 2:
+            break
+        held = n
+    return float(held << 20)
 
 
 REFETCH_SLEEPS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
