@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
@@ -87,10 +88,7 @@ class Link:
         holds of it; 1 inside a node."""
         if self.tier(ranks) == "intra":
             return 1
-        held: dict[int, int] = {}
-        for r in ranks:
-            held[r // self.gpus_per_node] = held.get(r // self.gpus_per_node, 0) + 1
-        return min(held.values())
+        return min(Counter(r // self.gpus_per_node for r in ranks).values())
 
     def alpha_beta(self, tier: str) -> tuple[float, float]:
         """(α seconds, β bytes/s) of one rank's link on ``tier``."""

@@ -116,19 +116,23 @@ def layer_written_bytes(model, s: ClusterStrategy, kind: str = "dense") -> float
     written too, 8 + (4·a·d + 4·kv·d)/h + 8·f/h."""
     plain = replace(s, recompute="none")
     if not isinstance(model, Decoder):
-        scores = 2 * s.tokens(model.seq) * model.heads * model.seq / s.tp
-        return layer_activation_bytes(model, plain, kind) + scores
+        return layer_activation_bytes(model, plain, kind) + 2 * score_elements(model, s)
     f = model.top_k * model.expert_ffn + model.shared_ffn if kind == "moe" else model.ffn_hidden
     tokens = s.tokens(model.seq)
     norm_inputs = 4 * tokens * model.hidden / (s.tp if s.sequence_parallel else 1)
     return layer_activation_bytes(model, plain, kind) + norm_inputs + 2 * tokens * f / s.tp
 
 
+def score_elements(model, s: ClusterStrategy) -> float:
+    """Elements of one s×s tensor of a GPT's attention core on one GPU for one micro-batch: a·s²·b/t."""
+    return s.tokens(model.seq) * model.heads * model.seq / s.tp
+
+
 def core_written_bytes(model, s: ClusterStrategy) -> float:
     """The s×s tensors a GPT's unfused attention core writes for one micro-batch (Megatron-LM's
     QKᵀ, scale-mask-softmax, dropout, ·V): the scores, the softmax's output, dropout's mask and
-    output, 2 + 2 + 1 + 2 bytes over a/t heads: 7·a·s²·b/t. What selective recomputation writes again."""
-    return 7 * s.tokens(model.seq) * model.heads * model.seq / s.tp
+    output, 2 + 2 + 1 + 2 bytes an element: 7·a·s²·b/t. What selective recomputation writes again."""
+    return 7 * score_elements(model, s)
 
 
 def kv_width(model) -> int:

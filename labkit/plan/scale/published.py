@@ -100,18 +100,27 @@ def rows() -> list[dict]:
             for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_SC21_TABLE1]
 
 
+def _as_megatron_ran(model, cluster, batch: int, dp: int, pp: int, tp: int, microbatch_sizes, recompute: str,
+                     sequence_parallel: bool = False):
+    """The fastest strategy that fits at the published degrees among those Megatron-LM ran then:
+    1F1B or interleaved (zb-h1 came in 2023), gradients reduced after backward, the micro-batch
+    size tuned; None when none fits."""
+    from .search import best_at
+
+    return best_at(model, cluster, batch, dp=dp, pp=pp, tp=tp, recompute=(recompute,),
+                   sequence_parallel=(sequence_parallel,), microbatch_sizes=microbatch_sizes, dp_mode="bucketed",
+                   schedules=("1f1b", "interleaved"))
+
+
 def compare(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
     """Predict each row at its published degrees: the best micro-batch size and schedule
     that fit (the published runs were tuned the same way) among the schedules Megatron-LM had
     then (1F1B and interleaved: zb-h1 came in 2023), full recomputation, gradients reduced
     after backward as Megatron-LM did then."""
-    from .search import best_at
-
     result = []
     for row in rows():
-        p = best_at(row["model"], row["cluster"], row["batch"], dp=row["dp"], pp=row["pp"], tp=row["tp"],
-                    recompute=("full",), microbatch_sizes=microbatch_sizes, dp_mode="bucketed",
-                    schedules=("1f1b", "interleaved"))
+        p = _as_megatron_ran(row["model"], row["cluster"], row["batch"], row["dp"], row["pp"], row["tp"],
+                             microbatch_sizes, recompute="full")
         err = (p.tflops_per_gpu - row["published_tflops"]) / row["published_tflops"] if p else float("nan")
         result.append({**row, "prediction": p, "predicted_tflops": p.tflops_per_gpu if p else float("nan"),
                        "error": err})
@@ -123,14 +132,11 @@ def compare_mlsys23(microbatch_sizes=(1, 2, 4, 8)) -> list[dict]:
     and Megatron's selective recomputation (the attention core again), the fastest micro-batch size
     and schedule that fit as in :func:`compare`; the error is of the model FLOPs utilization,
     counted as the paper counts it (:meth:`ModelShape.hardware_flops` without recomputation)."""
-    from .search import best_at
-
     result = []
     for billions, heads, hidden, layers, tp, pp, gpus, batch, seconds, mfu in MEGATRON_MLSYS23:
         model, cluster = ModelShape(layers=layers, hidden=hidden, heads=heads), Cluster.of(gpus, "a100")
-        p = best_at(model, cluster, batch, dp=gpus // (tp * pp), pp=pp, tp=tp, recompute=("selective",),
-                    sequence_parallel=(True,), microbatch_sizes=microbatch_sizes, dp_mode="bucketed",
-                    schedules=("1f1b", "interleaved"))
+        p = _as_megatron_ran(model, cluster, batch, gpus // (tp * pp), pp, tp, microbatch_sizes,
+                             recompute="selective", sequence_parallel=True)
         predicted = (model.hardware_flops(batch, "none") / (p.step_time_s * gpus * cluster.hardware.peak_flops)
                      if p else float("nan"))
         result.append({"billions": billions, "tp": tp, "pp": pp, "gpus": gpus, "batch": batch, "published_s": seconds,

@@ -54,7 +54,8 @@ from ...parallel.pipeline import SPLIT_BACKWARD
 from .hardware import Cluster, ModelShape
 from .layout import ClusterStrategy
 from .model import Decoder
-from .memory import core_written_bytes, fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups, sharded, stage_kinds
+from .memory import (core_written_bytes, fits, gb, kv_width, layer_written_bytes, memory_breakdown, replica_groups,
+                     sharded, stage_kinds)
 from .simulation import simulate_scale
 from .traffic import bytes_by_tier, dp_calls
 
