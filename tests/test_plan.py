@@ -799,6 +799,7 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
     ages = [age for age, _ in machine.refetch]
     assert ages == sorted(ages) and ages[-1] > 0.05 and all(c >= 0 for _, c in machine.refetch)
     assert machine.refetch[0][1] == 0.0          # back to back: nothing lost
+    assert machine.refetch[0][0] < 1.5e-3        # a working set within the cache: back to back is a hot pass's age
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
     assert again == machine

@@ -56,9 +56,10 @@ class Memory:
     """(age seconds, seconds per byte) rows, ascending: what a piece pays for a byte its rank
     last touched ``age`` ago, beyond a byte touched a moment ago. The cache loses what a rank
     does not use as the wall clock runs (a cache shared with the host's other work), whatever
-    the rank computes meanwhile. Measured: products over 16 MiB of weights, each pass after a
-    sleep, at a few sleeps; per byte, the median pass's time beyond back-to-back passes', by
-    the time between the passes' starts. () prices none."""
+    the rank computes meanwhile. Measured: a product over 1 MiB of weight (within the cache, so
+    hot back to back), each pass after a sleep, at sleeps from 0.5 to 100 ms; per byte, the
+    median pass's time beyond back-to-back passes', by the time between the passes' starts.
+    () prices none."""
 
     def __post_init__(self):
         object.__setattr__(self, "refetch", tuple(tuple(r) for r in self.refetch))      # a file's lists too

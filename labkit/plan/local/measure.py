@@ -1,8 +1,8 @@
 """Measure a :class:`~labkit.plan.local.machine.Machine` on the lab's engines: its own micro-benchmarks.
 
 Each number is the median of a few timed runs: matmuls of a
-few sizes, an add in the cache, products going round more and more weights and over 16 MiB of
-them after sleeps (the cache, and what it loses by age) on one engine while the others wait;
+few sizes, an add in the cache, products going round more and more weights, and over 1 MiB of
+weight after sleeps (the cache, and what it loses by age) on one engine while the others wait;
 tiny autograd ops for the host cost per op; the same product on every engine at once for the cores they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
 time of posting a message; a trivial model's step at 1 and 8 micro-batches for the executor's
@@ -119,27 +119,26 @@ def cache_held(cold: float, extras) -> float:
     return float(held << 20)
 
 
-REFETCH_SLEEPS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+REFETCH_SLEEPS = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 """Seconds slept before each pass of :func:`_refetch`: back to back up to a long wait."""
 
 
-def _refetch(passes: int = 7) -> tuple:
-    """(age, seconds per byte) rows: products of 16×512 by sixteen 512×512 weights (16 MiB,
-    beyond one core's L2), each pass after a sleep of each of REFETCH_SLEEPS, ``passes`` times;
-    a row's age is the median time between its passes' starts, its cost per byte the median
-    pass's time beyond the back-to-back passes', over the weights' bytes (0 where it is not
-    beyond). A byte's age is that time: every weight was last read a pass's start before."""
+def _refetch(passes: int = 15) -> tuple:
+    """(age, seconds per byte) rows: a product of 16×512 by one 512×512 weight (1 MiB, within
+    any cache :func:`_cache` finds, so back to back it is hot: a pass takes ~0.1 ms), each pass
+    after a sleep of each of REFETCH_SLEEPS, ``passes`` times; a row's age is the median time
+    between its passes' starts, its cost per byte the median pass's time beyond the
+    back-to-back passes', over the weight's bytes (0 where it is not beyond). A byte's age is
+    that time: the weight was last read a pass's start before. A working set beyond the cache
+    would be cold back to back already, its youngest age a pass's own milliseconds, and a
+    cache that loses its lines within those would read as losing nothing."""
     import time
 
     import torch
-    weights, a = [torch.randn(512, 512) for _ in range(16)], torch.randn(16, 512)
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-
-    def sweep():
-        for w in weights:
-            a @ w
-    for _ in range(8):
-        sweep()
+    weight, a = torch.randn(512, 512), torch.randn(16, 512)
+    nbytes = weight.numel() * weight.element_size()
+    for _ in range(200):
+        a @ weight
     rows = []
     for pause in REFETCH_SLEEPS:
         ages, took, begun = [], [], time.perf_counter()
@@ -147,7 +146,7 @@ def _refetch(passes: int = 7) -> tuple:
             if pause:
                 time.sleep(pause)
             t0 = time.perf_counter()
-            sweep()
+            a @ weight
             t1 = time.perf_counter()
             ages.append(t0 - begun)
             took.append(t1 - t0)
