@@ -800,6 +800,7 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
     assert ages == sorted(ages) and ages[-1] > 0.05 and all(c >= 0 for _, c in machine.refetch)
     assert machine.refetch[0][1] == 0.0          # back to back: nothing lost
     assert machine.refetch[0][0] < 1.5e-3        # a working set within the cache: back to back is a hot pass's age
+    assert machine.message_s > 0 and machine.call_s > 0
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
     assert again == machine
@@ -834,6 +835,23 @@ def test_search_lab_ranks_every_runnable_strategy_of_a_model_on_the_machine():
         "naive", "bucketed", "overlap", "ddp"}
     assert {"gpipe", "1f1b", "zb-h1", "zbv"} <= {s.schedule for s in strategies}
     assert "predicted ms" in result.table()
+
+
+def test_a_message_post_costs_message_s_and_a_collective_post_call_s():
+    """A pipeline posts point-to-point messages (``message_s`` each, the post's wall time beside
+    a computing peer); data parallelism posts collectives (``call_s``); 0 prices a message as a call."""
+    import labkit
+
+    model = labkit.models.mlp(width=64, depth=4)
+    pipe, dp = labkit.Strategy(pp=2, schedule="1f1b", microbatches=4), labkit.Strategy(dp=2, dp_mode="bucketed")
+
+    def step(machine, s):
+        return plan.simulate(s, machine, model=model, batch=32, profile=False).metrics["step_time_s"]
+    base = _machine(call_s=1e-4)
+    slow = _machine(call_s=1e-4, message_s=2e-3)
+    assert step(slow, pipe) > step(base, pipe) + 4 * 2e-3      # rank 0's four sends and receives wait on the path
+    assert step(slow, dp) == pytest.approx(step(base, dp))     # no message posted
+    assert step(_machine(call_s=1e-4, message_s=1e-4), pipe) == pytest.approx(step(base, pipe))
 
 
 def test_on_an_emulated_link_a_call_takes_the_longer_of_the_links_time_and_gloos():

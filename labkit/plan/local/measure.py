@@ -5,7 +5,7 @@ few sizes, an add in the cache, products going round more and more weights, and 
 weight after sleeps (the cache, and what it loses by age) on one engine while the others wait;
 tiny autograd ops for the host cost per op; the same product on every engine at once for the cores they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
-time of posting a message; a trivial model's step at 1 and 8 micro-batches for the executor's
+time of posting a message, and its wall time while the peer computes; a trivial model's step at 1 and 8 micro-batches for the executor's
 host cost per action. No model of the user's and no strategy it will predict runs.
 """
 from __future__ import annotations
@@ -211,6 +211,47 @@ def _posting(rounds: int):
     return median(posting)
 
 
+def _messages(rounds: int = 200, compute_s: float = 1e-3):
+    """On ranks 0 and 1 (the others return None): the mean wall seconds a 32 KiB message's post
+    takes on the issuing thread while the peer computes, as a pipeline posts: each rank posts
+    an irecv from the other, computes ``compute_s`` (16-row products over a 512×512 weight),
+    posts an isend and waits for both, ``rounds`` times (the first tenth not counted)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ... import comm
+    from ...engine import session
+
+    me = dist.get_rank()
+    if me > 1:
+        return None
+    rec, peer = session().recorder, 1 - me
+    was, rec.enabled = rec.enabled, False
+    out, inbox = torch.zeros(8192), torch.zeros(8192)
+    w, a = torch.randn(512, 512), torch.randn(16, 512)
+    posts = []
+    try:
+        dist.barrier(group=_pair())
+        for i in range(rounds):
+            t0 = time.perf_counter()
+            received = comm.irecv(inbox, peer, name="probe", check=False)
+            t1 = time.perf_counter()
+            while time.perf_counter() - t1 < compute_s:
+                a @ w
+            t2 = time.perf_counter()
+            sent = comm.isend(out, peer, name="probe", check=False)
+            t3 = time.perf_counter()
+            received.wait()
+            sent.wait()
+            if i >= rounds // 10:
+                posts += [t1 - t0, t3 - t2]
+    finally:
+        rec.enabled = was
+    return sum(posts) / len(posts)
+
+
 _PAIR = {}
 
 
@@ -317,7 +358,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     cores = max(0.25, min(float(world), float(cpus), _cores(lab, seconds)))
     alone["dram_Bps"] = median(lab.apply(_shared, seconds))     # beyond the cache the engines share the bus
-    comm, link_ab, call_s = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0
+    comm, link_ab, call_s, message_s = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)
         if link is not None:        # gloo's own calls, timed without the link; the link's are known
@@ -328,7 +369,9 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_posting, max(8, int(seconds * 100))) if r is not None]
         call_s = sum(probes) / 2
-    machine = Machine.of(cores=cores, **alone, comm=comm, call_s=call_s, engines=world, link_alpha_beta=link_ab)
+        message_s = median(r for r in lab.apply(_messages) if r is not None)
+    machine = Machine.of(cores=cores, **alone, comm=comm, call_s=call_s, message_s=message_s, engines=world,
+                         link_alpha_beta=link_ab)
     return replace(machine, host=replace(machine.host, action_s=_action_s(lab, machine)))
 
 

@@ -37,7 +37,11 @@ and the call also waits off the cores for the link's α-β; it takes the longer 
 
     t_call = max(t_gloo,  steps(n)·α_link + bus(n)·S/β_link)
 
-Posting a call costs the issuing thread ``call_s``.
+Posting a call costs the issuing thread ``call_s``; posting a point-to-point message (a
+pipeline's activation or gradient, a ring's block) ``message_s``, the post's wall time while
+the peer computes: gloo posts a message in the caller's thread under the lock of the pair it
+travels on, which gloo's device thread holds while it takes in the peer's messages, and with
+the cores computing that thread waits for one (a collective's post only queues its work).
 
 **What the cache lost while the rank waited.** A byte a rank last touched a time a ago costs a
 piece beyond what it cost in the piece's own timing (whose age there was a₀):
@@ -118,7 +122,9 @@ def simulator(programs, machine, touched=None):
     """The simulator on ``machine``'s shared cores (the module docstring's last paragraph), each
     posted call preceded by its host cost on the issuing thread."""
     from ...analysis.des import Compute, Issue, Sim
-    posted = [[y for x in prog for y in ((Compute(machine.call_s), x) if isinstance(x, Issue) else (x,))]
+    message = machine.message_s or machine.call_s
+    posted = [[y for x in prog for y in ((Compute(machine.call_s if x.ordered else message), x)
+                                          if isinstance(x, Issue) else (x,))]
               for prog in programs]
     return Sim(posted, machine.cores, links=bool(machine.link_alpha_beta),
                refetch=(lambda age: refetch(machine, age)) if machine.refetch else None, touched=touched or {})
