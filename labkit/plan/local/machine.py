@@ -117,7 +117,7 @@ class Machine:
     memory: Memory = Memory()
     """The cache, its rate and the bus beyond it (:class:`Memory`)."""
     host: Host = Host()
-    """Host seconds per op, per action and per posted call (:class:`Host`)."""
+    """Host seconds per op, per action, per posted call and per posted message (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
     """family → :class:`~labkit.plan.wire.AlphaBeta` with α per ring step (gloo sends each
     step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
