@@ -849,7 +849,7 @@ def test_a_message_post_costs_message_s_and_a_collective_post_call_s():
         return plan.simulate(s, machine, model=model, batch=32, profile=False).metrics["step_time_s"]
     base = _machine(call_s=1e-4)
     slow = _machine(call_s=1e-4, message_s=2e-3)
-    assert step(slow, pipe) > step(base, pipe) + 4 * 2e-3      # rank 0's four sends and receives wait on the path
+    assert step(slow, pipe) > step(base, pipe) + 4 * 2e-3      # at least four of rank 0's eight posts on the path
     assert step(slow, dp) == pytest.approx(step(base, dp))     # no message posted
     assert step(_machine(call_s=1e-4, message_s=1e-4), pipe) == pytest.approx(step(base, pipe))
 

@@ -5,8 +5,9 @@ few sizes, an add in the cache, products going round more and more weights, and 
 weight after sleeps (the cache, and what it loses by age) on one engine while the others wait;
 tiny autograd ops for the host cost per op; the same product on every engine at once for the cores they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
-time of posting a message, and its wall time while the peer computes; a trivial model's step at 1 and 8 micro-batches for the executor's
-host cost per action. No model of the user's and no strategy it will predict runs.
+time of posting a message, and its wall time while the peer computes; a trivial model's step
+at 1 and 8 micro-batches for the executor's host cost per action. No model of the user's and
+no strategy it will predict runs.
 """
 from __future__ import annotations
 
