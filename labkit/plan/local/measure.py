@@ -11,6 +11,7 @@ no strategy it will predict runs.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from statistics import median
 
@@ -181,6 +182,18 @@ def _cores(lab, seconds: float, pairs: int = 5) -> float:
     return median(ratios)
 
 
+@contextmanager
+def _unrecorded():
+    """This engine's recorder off while a probe's calls run (they are not a step's), then as it was."""
+    from ...engine import session
+    rec = session().recorder
+    was, rec.enabled = rec.enabled, False
+    try:
+        yield
+    finally:
+        rec.enabled = was
+
+
 def _posting(rounds: int):
     """On ranks 0 and 1 (the others return at once): the median CPU seconds posting a 32 KiB
     message with labkit.comm's isend (rank 0) or irecv (rank 1) takes on the issuing thread,
@@ -191,15 +204,12 @@ def _posting(rounds: int):
     import torch.distributed as dist
 
     from ... import comm
-    from ...engine import session
 
     me = dist.get_rank()
     if me > 1:
         return None
-    rec = session().recorder
-    was, rec.enabled = rec.enabled, False
     x, posting = torch.zeros(8192), []
-    try:
+    with _unrecorded():
         for _ in range(rounds):
             dist.barrier(group=_pair())
             cpu = time.thread_time()
@@ -207,8 +217,6 @@ def _posting(rounds: int):
                 comm.irecv(x, 0, name="probe", check=False)
             posting.append(time.thread_time() - cpu)
             handle.wait()
-    finally:
-        rec.enabled = was
     return median(posting)
 
 
@@ -223,17 +231,15 @@ def _messages(rounds: int = 200, compute_s: float = 1e-3):
     import torch.distributed as dist
 
     from ... import comm
-    from ...engine import session
 
     me = dist.get_rank()
     if me > 1:
         return None
-    rec, peer = session().recorder, 1 - me
-    was, rec.enabled = rec.enabled, False
+    peer = 1 - me
     out, inbox = torch.zeros(8192), torch.zeros(8192)
     w, a = torch.randn(512, 512), torch.randn(16, 512)
     posts = []
-    try:
+    with _unrecorded():
         dist.barrier(group=_pair())
         for i in range(rounds):
             t0 = time.perf_counter()
@@ -248,8 +254,6 @@ def _messages(rounds: int = 200, compute_s: float = 1e-3):
             sent.wait()
             if i >= rounds // 10:
                 posts += [t1 - t0, t3 - t2]
-    finally:
-        rec.enabled = was
     return sum(posts) / len(posts)
 
 
@@ -304,18 +308,17 @@ def _comm(seconds: float):
     from ...engine.world import set_link
 
     n, me = dist.get_world_size(), dist.get_rank()
-    rec, link = session().recorder, session().link
-    was, rec.enabled = rec.enabled, False
+    link = session().link
     set_link(None)           # gloo's own calls (the lab's link stays: this engine's, restored below)
     out = {}
     try:
-        for family in FAMILIES:
-            for nbytes in COMM_SIZES:
-                call = _ping_pong(nbytes, n, me) if family == "send" else \
-                    _operation(family, "torch", nbytes, n, me)[0]
-                out[(family, nbytes)] = _per_message(call, 6 if family == "send" else 3)
+        with _unrecorded():
+            for family in FAMILIES:
+                for nbytes in COMM_SIZES:
+                    call = _ping_pong(nbytes, n, me) if family == "send" else \
+                        _operation(family, "torch", nbytes, n, me)[0]
+                    out[(family, nbytes)] = _per_message(call, 6 if family == "send" else 3)
     finally:
-        rec.enabled = was
         set_link(link)
     return out
 
@@ -370,7 +373,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
         lab.apply(_make_pair)
         probes = [r for r in lab.apply(_posting, max(8, int(seconds * 100))) if r is not None]
         call_s = sum(probes) / 2
-        message_s = median(r for r in lab.apply(_messages) if r is not None)
+        message_s = sum(r for r in lab.apply(_messages) if r is not None) / 2     # ranks 0 and 1, as call_s
     machine = Machine.of(cores=cores, **alone, comm=comm, call_s=call_s, message_s=message_s, engines=world,
                          link_alpha_beta=link_ab)
     return replace(machine, host=replace(machine.host, action_s=_action_s(lab, machine)))
