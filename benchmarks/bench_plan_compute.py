@@ -4,12 +4,13 @@ the planner's price of its counted operations — the compute half of the local 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_plan_compute.py          # ~1 minute
 
 The machine's compute fields (``labkit.plan.measure``'s one-engine probes: matmuls, memory,
-the cache and what it loses by age, host cost per op) are measured
+the cache and what it loses by age) are measured
 here in this process; each model then runs its training step as the executor does (gradients
 accumulated into zeros, zeroed in place), and the step's three parts, each the median of five
 timed runs, are printed beside ``Machine.seconds`` of the ops ``labkit.plan.local.work.count``
 recorded, the table's prices alone (``simulate`` times the pieces instead). The tiny models
-show the host costs alone (their arithmetic is nil); the others the products, elementwise ops
+show what the table cannot price (their host cost: only the pieces' timing holds it; their
+arithmetic is nil); the others the products, elementwise ops
 and cache at the benchmark's micro-batch sizes.
 """
 from __future__ import annotations
@@ -86,8 +87,7 @@ def main() -> None:
     probes, _ = measure._alone(0.2, None)
     dram = measure._shared(0.2)                 # one process: its share is the whole bus
     machine = Machine.of(cores=1.0, **probes, dram_Bps=dram)
-    print(f"host {machine.op_s * 1e6:.1f} µs/op; cache "
-          f"{machine.cache_bytes / 2 ** 20:.0f} MiB")
+    print(f"cache {machine.cache_bytes / 2 ** 20:.0f} MiB")
     print(f"{'model':>16} {'rows':>4} | {'forward ms':>17} | {'backward ms':>17} | {'optimizer ms':>17}")
     print(f"{'':>16} {'':>4} | {'meas':>5} {'pred':>5} {'ratio':>5} | {'meas':>5} {'pred':>5} {'ratio':>5} | "
           f"{'meas':>5} {'pred':>5} {'ratio':>5}")

@@ -21,7 +21,7 @@ from ..wire import AlphaBeta
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link", "matmul_half_dim", "wake_s",
-           "cross_s", "join_s", "elementwise", "setup_s")
+           "cross_s", "join_s", "elementwise", "setup_s", "op_s")
 """Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
 step_s, a residual of the simulator rather than a measurement)."""
 
@@ -67,11 +67,8 @@ class Memory:
 
 @dataclass(frozen=True, kw_only=True)
 class Host:
-    """Seconds the host's Python and dispatch add, whatever the arithmetic."""
+    """Seconds the host adds outside the model's pieces (whose own dispatch their timing holds)."""
 
-    op_s: float = 5e-6
-    """Per aten op (dispatch, autograd bookkeeping; a view the op makes rides on it). Measured:
-    forward and backward of a chain of one-element ops ÷ the ops counted that are not views."""
     action_s: float = 1e-4
     """Per action of the executor (a forward or backward of a micro-batch: hooks, recording).
     Measured: a trivial model's step at 8 micro-batches against 1, per extra action, less the
@@ -117,7 +114,7 @@ class Machine:
     memory: Memory = Memory()
     """The cache, its rate and the bus beyond it (:class:`Memory`)."""
     host: Host = Host()
-    """Host seconds per op, per action, per posted call and per posted message (:class:`Host`)."""
+    """Host seconds per action, per posted call and per posted message (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
     """family → :class:`~labkit.plan.wire.AlphaBeta` with α per ring step (gloo sends each
     step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
@@ -141,7 +138,7 @@ class Machine:
 
     @classmethod
     def of(cls, **numbers) -> "Machine":
-        """A Machine from its numbers by their own names (``memory_Bps=``, ``op_s=``, ``engines=``,
+        """A Machine from its numbers by their own names (``memory_Bps=``, ``call_s=``, ``engines=``,
         ``link_alpha_beta=`` …), as :func:`~labkit.plan.local.measure.measure` finds them and a file keeps them."""
         records = {}
         for name, record in (("memory", Memory), ("host", Host), ("measured", Measured)):
@@ -163,7 +160,6 @@ class Machine:
     cache_bytes = property(lambda self: self.memory.cache_bytes)
     dram_Bps = property(lambda self: self.memory.dram_Bps)
     refetch = property(lambda self: self.memory.refetch)
-    op_s = property(lambda self: self.host.op_s)
     action_s = property(lambda self: self.host.action_s)
     call_s = property(lambda self: self.host.call_s)
     message_s = property(lambda self: self.host.message_s)
@@ -213,6 +209,5 @@ class Machine:
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; "
                 f"memory {self.memory_Bps / 1e9:.1f} GB/s in a "
                 f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it{refetch}; host "
-                f"{self.op_s * 1e6:.1f} µs/op, "
                 f"{self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
                 f"µs/call, {self.message_s * 1e6:.0f} µs/message; {comm}{link})")

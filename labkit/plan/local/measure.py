@@ -3,7 +3,7 @@
 Each number is the median of a few timed runs: matmuls of a
 few sizes, an add in the cache, products going round more and more weights, and over 1 MiB of
 weight after sleeps (the cache, and what it loses by age) on one engine while the others wait;
-tiny autograd ops for the host cost per op; the same product on every engine at once for the cores they share; the
+the same product on every engine at once for the cores they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
 time of posting a message, and its wall time while the peer computes; a trivial model's step
 at 1 and 8 micro-batches for the executor's host cost per action. No model of the user's and
@@ -17,7 +17,6 @@ from statistics import median
 
 from ..wire import bus_factor, ring_steps
 from .machine import FAMILIES, Machine
-from .price import VIEWS
 
 MATMUL_SHAPES = ((16, 128, 128), (64, 256, 256), (64, 512, 512), (128, 1024, 1024), (256, 1024, 2048))
 
@@ -40,7 +39,7 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
-    rate, the cache's size and what it loses by age, host cost per op) and the CPUs it may use.
+    rate, the cache's size and what it loses by age) and the CPUs it may use.
     The rate beyond the cache is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
@@ -55,21 +54,8 @@ def _alone(seconds: float, rank_only: int | None = 0):
     memory = _stream(1, seconds / 2)
     cache = _cache(seconds)
     refetch = _refetch()
-    w = torch.ones(1, requires_grad=True)
-
-    def chain():
-        h = w
-        for _ in range(20):
-            h = h * 1.0001 + 0.0
-        h.sum().backward()
-    from .work import _Counter
-    counter = _Counter()
-    with counter:
-        chain()
     import os
-    op_s = _loop(chain, seconds) / sum(op.name not in VIEWS for op in counter.sink)
-    return {"matmul": table, "memory_Bps": memory, "op_s": op_s,
-            "cache_bytes": cache, "refetch": refetch}, len(os.sched_getaffinity(0))
+    return {"matmul": table, "memory_Bps": memory, "cache_bytes": cache, "refetch": refetch}, len(os.sched_getaffinity(0))
 
 
 def _stream(mib: int, seconds: float) -> float:

@@ -76,7 +76,9 @@ def simulate(strategy, machine: Machine, model=None, batch: int = 64, data=None,
     ``profile``: each piece of the model's step (a block's forward, its backward, the loss, the
     optimizer) costs what it took timed in sequence on this process at the micro-batch size
     (:func:`labkit.plan.local.profile.profile`, kept per model and size), its ops sharing it by their
-    prices; False: the ops' prices alone.
+    prices; False: the ops' prices alone, their arithmetic and bytes with none of the host's
+    dispatch between them (a lower bound, far short for a small model; ``bench_plan.py``'s
+    ablation prints what it misses).
     ``steps``, ``lr``, ``seed``, ``momentum``: the run's, for what changes from step to step: with
     ep, where the tokens go as the router trains (:func:`labkit.plan.local.expert_work.routes`); each
     step the run's metrics count is priced, the metrics theirs (the median step, as a run's),
@@ -247,7 +249,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
 
     def copy(self, nbytes: float) -> Compute:
         """Packing or unpacking a bucket: one op reading and writing ``nbytes``."""
-        return Compute(self.m.op_s + 2 * nbytes / self.m.memory_Bps)
+        return Compute(2 * nbytes / self.m.memory_Bps)
 
     # -- compute of a range of blocks, with tp's calls -------------------------------------------
     def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None, c: int = 0) -> list:

@@ -7,19 +7,17 @@ A step is each rank's program (:mod:`labkit.plan.local.physical`) run through th
 **Compute.** An op (:class:`labkit.plan.local.work.Op`: its FLOPs F, bytes moved B of which C come
 from beyond the cache), scaled by k (a tensor-parallel shard), takes one thread
 
-    t = f · (h +  k·F / R(k·F) + k·C / B_dram)                  a product (or attention)
-    t = f · (h +  k·(B − C)/B_mem + k·C/B_dram)                 anything else
+    t = f · (k·F / R(k·F) + k·C / B_dram)                  a product (or attention)
+    t = f · (k·(B − C)/B_mem + k·C/B_dram)                 anything else
 
-with h the host's cost per op (``op_s``), R the matmul table (FLOP/s by the product's FLOPs,
-interpolated in log FLOPs), B_mem and B_dram the rates in and beyond the cache, and f the op's
-``factor``: its piece of the step (a block's forward, its backward, the loss, the optimizer)
-timed in sequence over the piece's priced sum (:func:`labkit.plan.local.profile.timed`), so that a
-piece costs what it took and each op its price's share. The table prices the ops one by one;
-in sequence a model's ops cost more (a Linear reads its weight transposed, a slower kernel than
-a @ b; a module call and its hooks run between them; GELU's arithmetic), which only the
-sequence itself measures.
-A view (a transpose, a reshape) moves nothing and costs nothing of its own: its host call is
-part of the ``op_s`` of the ops around it, as measured.
+with R the matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), B_mem and
+B_dram the rates in and beyond the cache, and f the op's ``factor``: its piece of the step (a
+block's forward, its backward, the loss, the optimizer) timed in sequence over the piece's
+priced sum (:func:`labkit.plan.local.profile.timed`), so that a piece costs what it took and each
+op its price's share. The table prices the ops one by one; in sequence a model's ops cost more
+(a Linear reads its weight transposed, a slower kernel than a @ b; a module call and its hooks
+run between them; each op's dispatch; GELU's arithmetic), which only the sequence itself
+measures. A view (a transpose, a reshape) moves nothing and costs nothing of its own.
 
 **Communication.** A call of ``family`` moving S bytes (nccl-tests' size) over n ranks costs
 gloo's own work, the α-β of that family measured on the engines (α per ring step):
@@ -71,7 +69,7 @@ STAMP_BYTES = 16
 
 VIEWS = frozenset(("detach", "view", "_unsafe_view", "t", "transpose", "expand", "alias", "as_strided", "unsqueeze",
                    "squeeze", "permute", "reshape", "slice", "select", "split", "lift_fresh", "unbind", "chunk"))
-"""aten ops that make a view or take metadata: no arithmetic and no bytes; their host call is in ``op_s``."""
+"""aten ops that make a view or take metadata: no arithmetic and no bytes."""
 
 
 def rate(machine, flops: float) -> float:
@@ -83,10 +81,10 @@ def op_seconds(machine, op, k: float = 1.0) -> float:
     """t of one counted op, its work scaled by ``k`` (the module docstring's compute formula)."""
     if op.name in VIEWS:
         return 0.0
-    host, flops, cold = machine.op_s, op.flops * k, op.cold * k
+    flops, cold = op.flops * k, op.cold * k
     if flops:
-        return op.factor * (host + flops / rate(machine, flops) + cold / machine.dram_Bps)
-    return op.factor * (host + (op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps)
+        return op.factor * (flops / rate(machine, flops) + cold / machine.dram_Bps)
+    return op.factor * ((op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps)
 
 
 def seconds(machine, ops, scale=lambda op: 1.0) -> float:

@@ -112,7 +112,7 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name in VIEWS:            # no arithmetic, no bytes (its host call is in op_s)
+        if name in VIEWS:            # no arithmetic, no bytes
             self.sink.append(Op(name, 0.0, 0.0, self.linear))
             return out
         formula = flop_registry.get(func.overloadpacket)

@@ -89,7 +89,7 @@ class DataPrograms:
                                                                                       kind, f"bucket {k}")]))
                 keys.append((key, nbytes))
             else:
-                after += ([self.copy(nbytes)] if s.dp_mode != "naive" or zero else [Compute(self.m.op_s)])
+                after += [self.copy(nbytes)] if s.dp_mode != "naive" or zero else []
                 after += self.blocking(key, group, family, nbytes, kind, f"bucket {k}")
                 after.append(self.copy(nbytes / (self.dpc if zero else 1)))
         for key, nbytes in keys:
