@@ -145,7 +145,7 @@ def cases(engines: int) -> list[tuple[str, labkit.Strategy, dict]]:
 
 
 KEYS = ("step_time_s", "exposed_comm_fraction", "bubble_fraction")
-TERMS = ("call_s", "message_s", "action_s", "refetch")
+TERMS = ("call_s", "message_s", "action_s", "wake", "refetch")
 """The machine's host terms and the compute table's refinements that the ablation switches off
 one at a time (each set to nothing), beside the model's own pieces timed (``profile``): a term
 whose removal leaves the held-out cases as good is not earning its place. Those the machine no

@@ -568,6 +568,30 @@ def test_a_byte_untouched_for_a_while_is_paid_again_by_its_age_less_what_its_pie
     assert first == pytest.approx(0.5 + 1e6 * plan.local.price.refetch(machine, 1.0)) and second == pytest.approx(0.5)
 
 
+def test_a_rank_that_blocked_pays_its_wake_once_on_its_next_compute_by_how_long_it_slept():
+    """The host's working set goes cold while a rank's thread sleeps in a wait (labkit.plan.local.price):
+    the rank's first compute after it blocked for τ takes W(τ) longer, its later ones and a rank
+    that never blocked nothing; two waits back to back are one sleep, from the first block."""
+    wake = lambda idle: 0.1 * idle      # noqa: E731  (seconds by idle seconds)
+    programs = [[Issue("a", (0, 1), 1.0, "allreduce"), Wait("a"), Compute(1.0, "bwd"), Compute(1.0, "bwd")],
+                [Compute(3.0, "fwd"), Issue("a", (0, 1), 1.0, "allreduce"), Wait("a"), Compute(1.0, "bwd")]]
+    spans = lambda sim: [pytest.approx((e["rank"], e["start"], e["end"] - e["start"])) for e in  # noqa: E731
+                         sorted(sim.run(), key=lambda e: (e["rank"], e["start"])) if e["kind"] == "bwd"]
+    # rank 0 blocks at 0 and goes on at 4 (rank 1's 3 s, then the call's 1 s): + 0.1 × 4 once;
+    # rank 1 blocks at 3, goes on at 4: + 0.1
+    assert spans(Sim(programs, cores=2, wake=wake)) == [(0, 4.0, 1.4), (0, 5.4, 1.0), (1, 4.0, 1.1)]
+    assert spans(Sim(programs, cores=2)) == [(0, 4.0, 1.0), (0, 5.0, 1.0), (1, 4.0, 1.0)]
+    # one sleep over two waits: rank 0 waits for a (done at 2) and then b (done at 4), one wake of 4 s
+    twice = [[Issue("a", (0, 1), 2.0, "allreduce"), Issue("b", (0, 1), 2.0, "allreduce"), Wait("a"), Wait("b"),
+              Compute(1.0, "bwd")], [Issue("a", (0, 1), 2.0, "allreduce"), Issue("b", (0, 1), 2.0, "allreduce")]]
+    assert spans(Sim(twice, cores=2, wake=wake)) == [(0, 4.0, 1.4)]
+    # the machine's table: nothing below its first row, interpolated in log idle above it
+    machine = _machine(wake=((1e-5, 0.0), (1e-3, 2e-4), (1e-2, 5e-4)))
+    assert machine.wake == ((1e-5, 0.0), (1e-3, 2e-4), (1e-2, 5e-4))
+    assert plan.local.price.wake(machine, 1e-6) == 0.0 and plan.local.price.wake(machine, 1e-2) == pytest.approx(5e-4)
+    assert plan.local.price.wake(machine, 10 ** -2.5) == pytest.approx(3.5e-4)
+
+
 def test_a_call_waits_for_every_member_and_in_order_on_each_stream():
     late = [[Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")],
             [Compute(3.0, "fwd"), Issue("a", (0, 1), 1.0, "allreduce"), Issue("b", (0, 1), 1.0, "allreduce"), Wait("b")]]
@@ -801,6 +825,9 @@ def test_measure_saves_loads_and_predicts_a_model_it_never_ran(lab2, tmp_path):
     assert machine.refetch[0][1] == 0.0          # back to back: nothing lost
     assert machine.refetch[0][0] < 1.5e-3        # a working set within the cache: back to back is a hot pass's age
     assert machine.message_s > 0 and machine.call_s > 0
+    idle = [t for t, _ in machine.wake]
+    assert idle == sorted(idle) and idle[-1] > 0.04 and all(w >= 0 for _, w in machine.wake)
+    assert machine.wake[0][1] == 0.0             # back to back: nothing lost
     machine.save(tmp_path / "machine.json")
     again = Machine.load(tmp_path / "machine.json")
     assert again == machine

@@ -35,6 +35,9 @@ With ``refetch`` a compute span that carries ``touches`` pays for what its rank'
 since the rank last touched those bytes: bytes × (refetch(age) − what its own seconds paid),
 the age on the wall clock (:mod:`labkit.plan.local.price`'s formula).
 
+With ``wake`` a rank's first compute after it blocked at a :class:`Wait` pays wake(τ) more, τ
+the time from blocking to going on (the host's own working set lost while its thread slept).
+
 A message may be ``eager`` (a buffered send, as the pipeline schedules' model takes it): it
 leaves on its sender's post alone, and the receiver takes it when it posts its receive.
 
@@ -127,6 +130,8 @@ class Sim:
     touched: dict = field(default_factory=dict)
     """(rank, key) → when the rank last began a span touching it (before the step: negative);
     the run leaves each last touch here."""
+    wake: object = None
+    """idle seconds → seconds a rank's first compute after it blocked pays beyond a hot one."""
     events: list = field(default_factory=list)
 
     def run(self) -> list[dict]:
@@ -138,6 +143,7 @@ class Sim:
         self.waited, self.recorded = {}, {}       # (key, rank) → when it reached the Wait; its event
         self.left, self.arrived = set(), set()     # eager messages sent; (key, receiver) not yet received
         self.running: list[_Job] = []
+        self.idle = {}                             # rank → when it blocked at a Wait (wake)
         self.tx, self.rx, self.reserved = [0.0] * n, [0.0] * n, {}    # each rank's link, busy until (links)
         while True:
             self._advance()
@@ -162,6 +168,9 @@ class Sim:
                     item = prog[self.pc[r]]
                     if isinstance(item, Compute):
                         seconds = item.seconds + self._refetched(item, r)
+                        if r in self.idle:
+                            since = self.idle.pop(r)
+                            seconds += self.wake(self.t - since) if self.wake else 0
                         if seconds > EPS:
                             self.busy[r] = _Job(seconds, 1.0, self.t, ("compute", r, item))
                             self.running.append(self.busy[r])
@@ -179,6 +188,7 @@ class Sim:
                     elif isinstance(item, Wait):
                         self.waited.setdefault((item.key, r), self.t)
                         if (item.key, r) not in self.done:
+                            self.idle.setdefault(r, self.t)
                             break
                         if (item.key, r) in self.recorded:         # where the rank consumed it
                             self.recorded.pop((item.key, r))["waited"] = self.waited[(item.key, r)]

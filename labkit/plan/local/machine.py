@@ -73,6 +73,14 @@ class Host:
     """Per action of the executor (a forward or backward of a micro-batch: hooks, recording).
     Measured: a trivial model's step at 8 micro-batches against 1, per extra action, less the
     host and arithmetic of the ops those actions counted."""
+    wake: tuple = ()
+    """(idle seconds, seconds) rows, ascending: what a rank's first compute after it waited that
+    long pays beyond a hot one. While a rank's thread sleeps in a wait, whatever else runs on its
+    core takes the caches and the branch predictors the host's own code and objects were in (the
+    interpreter's, the dispatcher's, autograd's); the rank's next piece fetches them again, a
+    cost per wake-up, not per byte of the piece. Measured: a tiny MLP's forward and backward
+    (width 8, one row: host work, arithmetic nil) after sleeps from 0.1 to 50 ms; by the median
+    idle, the median pass's time beyond back-to-back passes'. () prices none."""
     call_s: float = 0.0
     """Per labkit.comm call posted (bookkeeping, gloo's post; on an emulated link the departure
     stamp too). Measured: the thread's CPU time around posting a 32 KiB isend and irecv."""
@@ -84,6 +92,9 @@ class Host:
     (a collective's post only queues work for gloo's own threads). Measured: ranks 0 and 1 each
     post a 32 KiB irecv, compute 1 ms, post the isend, 200 times; the mean post. 0: as any
     call (``call_s``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "wake", tuple(tuple(r) for r in self.wake))      # a file's lists too
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +125,8 @@ class Machine:
     memory: Memory = Memory()
     """The cache, its rate and the bus beyond it (:class:`Memory`)."""
     host: Host = Host()
-    """Host seconds per action, per posted call and per posted message (:class:`Host`)."""
+    """Host seconds per action, per wake-up after a wait, per posted call and per posted message
+    (:class:`Host`)."""
     comm: dict = field(default_factory=lambda: {f: AlphaBeta(alpha=50e-6, beta=1e9, per_step=True) for f in FAMILIES})
     """family → :class:`~labkit.plan.wire.AlphaBeta` with α per ring step (gloo sends each
     step as a message) and β bytes/s per rank. Measured: each family at four sizes on every
@@ -161,6 +173,7 @@ class Machine:
     dram_Bps = property(lambda self: self.memory.dram_Bps)
     refetch = property(lambda self: self.memory.refetch)
     action_s = property(lambda self: self.host.action_s)
+    wake = property(lambda self: self.host.wake)
     call_s = property(lambda self: self.host.call_s)
     message_s = property(lambda self: self.host.message_s)
     engines = property(lambda self: self.measured.engines)
@@ -204,10 +217,12 @@ class Machine:
                          for k, c in self.comm.items())
         refetch = (f", {self.refetch[-1][1] * 1e9:.2f} ns/B again for a byte untouched "
                    f"{self.refetch[-1][0] * 1e3:.0f} ms" if self.refetch else "")
+        wake = (f", {self.wake[-1][1] * 1e6:.0f} µs a wake-up after {self.wake[-1][0] * 1e3:.0f} ms idle"
+                if self.wake else "")
         link = (f"; link α {self.link_alpha_beta[0] * 1e6:.0f} µs β {self.link_alpha_beta[1] / 1e6:.0f} MB/s"
                 if self.link_alpha_beta else "")
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; "
                 f"memory {self.memory_Bps / 1e9:.1f} GB/s in a "
                 f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it{refetch}; host "
-                f"{self.action_s * 1e6:.0f} µs/action, {self.call_s * 1e6:.0f} "
+                f"{self.action_s * 1e6:.0f} µs/action{wake}, {self.call_s * 1e6:.0f} "
                 f"µs/call, {self.message_s * 1e6:.0f} µs/message; {comm}{link})")

@@ -2,7 +2,8 @@
 
 Each number is the median of a few timed runs: matmuls of a
 few sizes, an add in the cache, products going round more and more weights, and over 1 MiB of
-weight after sleeps (the cache, and what it loses by age) on one engine while the others wait;
+weight after sleeps (the cache, and what it loses by age) and a tiny model's step after sleeps
+(what the host loses while a rank waits) on one engine while the others wait;
 the same product on every engine at once for the cores they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
 time of posting a message, and its wall time while the peer computes; a trivial model's step
@@ -39,7 +40,7 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 def _alone(seconds: float, rank_only: int | None = 0):
     """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
-    rate, the cache's size and what it loses by age) and the CPUs it may use.
+    rate, the cache's size and what it loses by age, the host's wake) and the CPUs it may use.
     The rate beyond the cache is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
@@ -53,9 +54,10 @@ def _alone(seconds: float, rank_only: int | None = 0):
     table = tuple((2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n)) for m, k, n in MATMUL_SHAPES)
     memory = _stream(1, seconds / 2)
     cache = _cache(seconds)
-    refetch = _refetch()
+    refetch, wake = _refetch(), _wake()
     import os
-    return {"matmul": table, "memory_Bps": memory, "cache_bytes": cache, "refetch": refetch}, len(os.sched_getaffinity(0))
+    return ({"matmul": table, "memory_Bps": memory, "cache_bytes": cache, "refetch": refetch, "wake": wake},
+            len(os.sched_getaffinity(0)))
 
 
 def _stream(mib: int, seconds: float) -> float:
@@ -142,6 +144,42 @@ def _refetch(passes: int = 15) -> tuple:
         rows.append((median(ages), median(took)))
     hot = rows[0][1]
     return tuple((age, max(0.0, t - hot) / nbytes) for age, t in rows)
+
+
+WAKE_SLEEPS = (0.0, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+"""Seconds slept before each pass of :func:`_wake`."""
+
+
+def _wake(passes: int = 15) -> tuple:
+    """(idle, seconds) rows: a tiny MLP's forward and backward (width 8, one row: host work, its
+    arithmetic nil; ~0.1–0.2 ms back to back), each pass after a sleep of each of WAKE_SLEEPS,
+    ``passes`` times; a row's idle is the median time from a pass's end to the next one's start,
+    its cost the median pass's time beyond the back-to-back passes' (0 where it is not beyond)."""
+    import time
+
+    import torch
+
+    from ... import models
+    model, x = models.mlp(width=8, depth=2)(), torch.randn(1, 8)
+
+    def step():
+        model(x).square().mean().backward()
+    for _ in range(200):
+        step()
+    rows, end = [], time.perf_counter()
+    for pause in WAKE_SLEEPS:
+        idle, took = [], []
+        for _ in range(passes):
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            step()
+            idle.append(t0 - end)
+            end = time.perf_counter()
+            took.append(end - t0)
+        rows.append((max(median(idle), 1e-7), median(took)))
+    hot = rows[0][1]
+    return tuple((idle, max(0.0, t - hot)) for idle, t in rows)
 
 
 def _together(seconds: float, rank_only: int | None = None) -> float | None:

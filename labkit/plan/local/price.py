@@ -53,6 +53,15 @@ streams its weights in again. The ages come from the simulated step itself (its 
 step's touches for the first), a₀ from the pieces' timing in sequence
 (:func:`labkit.plan.local.profile.timed`).
 
+**What the host lost while the rank slept.** A rank's first compute after it blocked at a wait
+for a time τ (from blocking to going on) pays once, whatever the piece:
+
+    t_wake = W(τ)
+
+with W the machine's ``wake`` table (seconds by idle time, interpolated in log τ, 0 below its
+first row): the host's own code and objects, not the piece's bytes, went cold while its thread
+slept. A pipeline pays it at every wait for a neighbour's message, a dp step at its last bucket.
+
 **Shared cores.** The engines share ``cores`` cores by processor sharing: each running compute
 span asks for one core (a transfer's own work, gloo's copies, showed no cost beside it on the
 link); when the asks exceed the cores every one runs at cores/asks of its speed
@@ -116,6 +125,12 @@ def refetch(machine, age: float) -> float:
     return interpolate(rows, age) if rows and age > 0 else 0.0
 
 
+def wake(machine, idle: float) -> float:
+    """W(τ): seconds a rank's first compute after ``idle`` seconds blocked pays."""
+    rows = machine.wake
+    return interpolate(rows, idle) if rows and idle > rows[0][0] else 0.0
+
+
 def simulator(programs, machine, touched=None):
     """The simulator on ``machine``'s shared cores (the module docstring's last paragraph), each
     posted call preceded by its host cost on the issuing thread."""
@@ -125,7 +140,8 @@ def simulator(programs, machine, touched=None):
                                           if isinstance(x, Issue) else (x,))]
               for prog in programs]
     return Sim(posted, machine.cores, links=bool(machine.link_alpha_beta),
-               refetch=(lambda age: refetch(machine, age)) if machine.refetch else None, touched=touched or {})
+               refetch=(lambda age: refetch(machine, age)) if machine.refetch else None, touched=touched or {},
+               wake=(lambda idle: wake(machine, idle)) if machine.wake else None)
 
 
 def step_events(programs, machine) -> list[dict]:
