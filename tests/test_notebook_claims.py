@@ -589,7 +589,7 @@ CLAIMS = {
     ],
     "09_plan_at_scale": [
         ('`plan.measure(lab)` runs its own micro-benchmarks', 'method'),
-        ('Their exchanges are priced as the link imposes th', 'method'),
+        ("What the planner does not follow is the rest of", 'quoted'),
         ('Pick tp, pp, micro-batch size, recomputation and', 'method'),
         ('Activations grow with the sequence.', test_09_cp_divides_activations_and_the_long_context_row_is_predicted),
         ("More pipeline stages do not shrink a layer's act", 'formula'),
