@@ -178,6 +178,31 @@ def test_an_ep_rank_s_own_parts_are_timed_as_routed_ops_counts_them(monkeypatch)
 
 
 @pytest.mark.parametrize("model", [MOE, HF_MIXTRAL], ids=["labkit-moe", "hf-mixtral"])
+def test_an_ep_rank_s_experts_touch_their_weights_so_what_the_cache_lost_is_paid(monkeypatch, model):
+    """Under ep the experts' weights leave their block's piece; the span that runs a rank's
+    experts touches them (and their gradients backward), the rank's 1/ep of every expert's
+    bytes, so ``refetch`` prices them after a wait as any piece's bytes."""
+    from labkit.parallel.expert import fused_experts, moe_layers
+    from labkit.plan.local import price
+    from labkit.training import build_model
+
+    seen, step_events = [], price.step_events
+    monkeypatch.setattr(price, "step_events", lambda programs, m: seen.append(programs) or step_events(programs, m))
+    machine = Machine.of(**{**_machine().numbers(), "engines": 2, "refetch": ((1e-6, 0.0), (1.0, 1e-9))})
+    plan.simulate(labkit.Strategy(dp=2, ep=2), machine, model=model, profile=False, **KW)
+    net = build_model(model, 0)
+    experts = [m.experts for _, m in moe_layers(net)] + [e for _, e in fused_experts(net)]
+    every = sum(p.numel() * p.element_size() for p in experts[0].parameters())
+    touched = {}
+    for item in (x for prog in seen[0] for x in prog):
+        for key, nbytes, _ in getattr(item, "touches", ()):
+            if isinstance(key, tuple) and key[0] in ("experts", "experts' gradients"):
+                touched.setdefault(key, set()).add(nbytes)
+    assert sorted({k[0] for k in touched}) == ["experts", "experts' gradients"] and len(touched) == 4    # 2 layers
+    assert all(v == {every // 2} for v in touched.values())
+
+
+@pytest.mark.parametrize("model", [MOE, HF_MIXTRAL], ids=["labkit-moe", "hf-mixtral"])
 def test_the_profile_times_the_routed_experts_inside_their_block_and_ep_prices_the_block_without_them(model):
     """MoE._routed, or a transformers block's fused experts (what ep moves off the block), is
     timed inside its block's piece; under ep the block costs what it took less them, without

@@ -112,6 +112,17 @@ def _first_slice(experts, ep: int):
     return by_ep[ep]
 
 
+def expert_bytes(moe, ep: int) -> int:
+    """Bytes of the routed experts' weights one of ``ep`` ranks holds in an MoE layer (its
+    ``n_experts/ep`` experts, or a transformers block's first slice: every rank's are alike)."""
+    from ...models.moe import MoE
+    if isinstance(moe, MoE):
+        mine = [p for e in range(moe.n_experts // ep) for p in moe.experts[e].parameters()]
+    else:
+        mine = list(_first_slice(moe, ep).parameters())
+    return sum(p.numel() * p.element_size() for p in mine)
+
+
 def routed_ops(moe, chosen, counts) -> dict:
     """One ep rank's compute around a MoE layer's exchanges (:func:`_routed`): "pre" sorts its
     tokens' ``chosen`` (tokens, top_k) experts and gathers their rows, "experts" runs its local

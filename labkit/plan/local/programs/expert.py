@@ -40,7 +40,8 @@ class ExpertPrograms:
                     {part: tuple(price.seconds(self.m, x.ops) for x in pair)
                      for part, pair in routed_ops(moe, chosen[me], counts[me]).items()})
             for part, pair in self.counted[layer, d, mb, h].items():
-                ops[part, h] = Compute(pair[0 if fwd else 1], kind, name, mb)
+                ops[part, h] = Compute(pair[0 if fwd else 1], kind, name, mb,
+                                       self.weights(moe, layer, pair, fwd) if part == "experts" else ())
             out = [sum(rows[s]) - rows[s][s] for s in range(ep)]                        # dispatch's rows
             back = [sum(rows[s][r] for s in range(ep)) - rows[r][r] for r in range(ep)]  # combine's
             for what, (sent, got) in (("dispatch", (out, back)), ("combine", (back, out))):
@@ -61,6 +62,18 @@ class ExpertPrograms:
         for h in order:
             items += [Wait(call[b, h].key), ops[end, h]]
         return items
+
+    def weights(self, moe, layer, pair, fwd: bool) -> tuple:
+        """What the rank's experts touch (:meth:`Builder.touches`' form): their weights, read
+        forward and backward, their gradients added into backward, as bytes of their own, so the
+        cache's loss since the rank last ran them (``refetch``) is paid as for any piece's
+        bytes. Their timing (:func:`~labkit.plan.local.expert_work.routed_seconds`, forward then
+        backward, again and again) paid what a forward and backward's age costs."""
+        from ..expert_work import expert_bytes
+        nbytes = expert_bytes(moe, self.s.ep)
+        paid = price.refetch(self.m, sum(pair)) if self.timed else 0.0
+        weights = (("experts", layer), nbytes, paid)
+        return (weights,) if fwd else (weights, (("experts' gradients", layer), nbytes, paid))
 
     def a2a(self, key, group, sent: list, me: int, name, mb, received: list | None = None) -> Issue:
         """An all-to-all over ``group``, ``sent[i]`` bytes leaving its i-th member and
