@@ -484,7 +484,7 @@ def test_ep_is_searched_for_experts_only_and_refused_where_it_cannot_be():
 
 
 def _machine(**kw) -> Machine:
-    base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, action_s=1e-4,
+    base = dict(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), dram_Bps=1e10, action_s=1e-4,
                 comm={f: plan.AlphaBeta(alpha=20e-6, beta=1e9, per_step=True) for f in FAMILIES}, engines=2)
     return Machine.of(**(base | kw))
 
@@ -934,16 +934,18 @@ def test_cpu_attention_is_counted_with_torchs_sdpa_formula():
     assert bwd.flops == sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)
 
 
-def test_an_op_pays_its_bytes_in_the_cache_and_its_cold_bytes_beyond_it():
+def test_an_op_pays_its_bytes_and_a_product_its_arithmetic_and_its_operands_beyond_the_cache():
     from labkit.plan.local.work import Op
 
-    m = _machine(memory_Bps=1e10, dram_Bps=1e9)
-    assert m.op_seconds(Op("gelu", 0.0, 8e6)) == pytest.approx(8e-4)   # its bytes, as an add's
-    assert m.op_seconds(Op("add", 0.0, 8e6)) == pytest.approx(8e-4)
-    assert m.op_seconds(Op("add", 0.0, 8e6, cold=4e6)) == pytest.approx(4e-4 + 4e-3)
+    m = _machine(dram_Bps=1e9)
+    assert m.op_seconds(Op("gelu", 0.0, 8e6)) == pytest.approx(8e-3)   # its bytes, as an add's
+    assert m.op_seconds(Op("add", 0.0, 8e6)) == pytest.approx(8e-3)
+    assert m.op_seconds(Op("add", 0.0, 8e6, cold=4e6)) == pytest.approx(8e-3)     # every byte streams
+    assert m.op_seconds(Op("add", 0.0, 8e6), k=0.5) == pytest.approx(4e-3)        # a tp shard's half
     product = Op("mm", 2e9, 0.0, cold=1e6)
     rate = m.rate(2e9)
-    assert m.op_seconds(product) == pytest.approx(2e9 / rate + 1e6 / 1e9)    # its cold weight at the rate beyond the cache
+    assert m.op_seconds(Op("mm", 2e9, 0.0)) == pytest.approx(2e9 / rate)        # its operands in the cache: hidden
+    assert m.op_seconds(product) == pytest.approx(2e9 / rate + 1e6 / 1e9)    # its cold weight streamed too
     # its piece timed in sequence at twice its price: the factor doubles it
     assert m.op_seconds(Op("mm", 2e9, 0.0, cold=1e6, factor=2.0)) == pytest.approx(2 * (2e9 / rate + 1e6 / 1e9))
 
@@ -952,7 +954,7 @@ def test_a_view_costs_nothing_of_its_own_and_every_other_op_pays_its_bytes():
     import labkit
     from labkit.plan.local.work import Op, count
 
-    m = _machine(memory_Bps=1e10, dram_Bps=1e9)
+    m = _machine(dram_Bps=1e10)
     assert m.op_seconds(Op("t", 0.0, 8e6)) == 0.0                 # a view moves nothing
     assert m.op_seconds(Op("transpose", 0.0, 8e6, cold=4e6)) == 0.0
     assert m.op_seconds(Op("add", 0.0, 8e6)) == pytest.approx(8e-4)
@@ -966,7 +968,7 @@ def test_a_field_the_ablation_dropped_is_refused_not_ignored(tmp_path):
     import json
 
     for gone in ("attention_Fps", "step_s", "comm_load", "sleep_s", "cold_Bps", "view_s", "elementwise", "setup_s",
-                 "op_s"):
+                 "op_s", "memory_Bps"):
         with pytest.raises(TypeError, match=gone):
             _machine(**{gone: 1.0})
     path = tmp_path / "old.json"

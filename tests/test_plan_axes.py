@@ -26,7 +26,7 @@ SENT = {"send", "allreduce", "allgather", "reduce_scatter", "all_to_all"}
 
 
 def _machine() -> Machine:
-    return Machine.of(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), memory_Bps=1e10, action_s=1e-4,
+    return Machine.of(cores=2.0, matmul=((1e5, 2e9), (1e8, 2e10)), dram_Bps=1e10, action_s=1e-4,
                    comm={f: (20e-6, 1e9) for f in FAMILIES}, engines=4)
 
 

@@ -21,7 +21,7 @@ from ..wire import AlphaBeta
 
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link", "matmul_half_dim", "wake_s",
-           "cross_s", "join_s", "elementwise", "setup_s", "op_s")
+           "cross_s", "join_s", "elementwise", "setup_s", "op_s", "memory_Bps")
 """Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
 step_s, a residual of the simulator rather than a measurement)."""
 
@@ -40,18 +40,16 @@ def _link(value) -> AlphaBeta:
 class Memory:
     """One engine's memory hierarchy: a cache and the memory bus beyond it."""
 
-    memory_Bps: float = 5e9
-    """Bytes per second one thread reads plus writes in an elementwise op whose tensors are in
-    the cache. Measured: add_ on 1 MiB tensors, one engine alone."""
     cache_bytes: float = float("inf")
     """Bytes the cores keep close: an op's operands beyond them come from memory (each op's
     ``cold`` bytes, :func:`labkit.plan.local.work.warm`, least recently used out first). Measured:
     products going round N weights of 1 MiB; the largest N whose product stays nearer its
     in-cache time than its cold one."""
     dram_Bps: float = 5e9
-    """Bytes per second an op streams from and to memory beyond the cache, each engine's share of
-    the bus (a step runs on all engines at once). Measured: add_ on 64 MiB tensors on every
-    engine at once, the median."""
+    """Bytes per second an op streams, reads plus writes, each engine's share of the memory bus
+    while every engine streams (a step runs on all engines at once): an elementwise op's bytes,
+    a product's operands beyond the cache. Measured: add_ on 64 MiB tensors on every engine at
+    once, the median."""
     refetch: tuple = ()
     """(age seconds, seconds per byte) rows, ascending: what a piece pays for a byte its rank
     last touched ``age`` ago, beyond a byte touched a moment ago. The cache loses what a rank
@@ -123,7 +121,7 @@ class Machine:
     """(FLOPs of one product, FLOP/s of one thread) rows, ascending, interpolated in log FLOPs.
     Measured: float32 matmuls of a few sizes on one engine alone (median of five runs)."""
     memory: Memory = Memory()
-    """The cache, its rate and the bus beyond it (:class:`Memory`)."""
+    """The cache, the memory bus's rate and what the cache loses by age (:class:`Memory`)."""
     host: Host = Host()
     """Host seconds per action, per wake-up after a wait, per posted call and per posted message
     (:class:`Host`)."""
@@ -150,7 +148,7 @@ class Machine:
 
     @classmethod
     def of(cls, **numbers) -> "Machine":
-        """A Machine from its numbers by their own names (``memory_Bps=``, ``call_s=``, ``engines=``,
+        """A Machine from its numbers by their own names (``dram_Bps=``, ``call_s=``, ``engines=``,
         ``link_alpha_beta=`` …), as :func:`~labkit.plan.local.measure.measure` finds them and a file keeps them."""
         records = {}
         for name, record in (("memory", Memory), ("host", Host), ("measured", Measured)):
@@ -168,7 +166,6 @@ class Machine:
         return out
 
     # -- the records' numbers by their own names ---------------------------------------------
-    memory_Bps = property(lambda self: self.memory.memory_Bps)
     cache_bytes = property(lambda self: self.memory.cache_bytes)
     dram_Bps = property(lambda self: self.memory.dram_Bps)
     refetch = property(lambda self: self.memory.refetch)
@@ -222,7 +219,6 @@ class Machine:
         link = (f"; link α {self.link_alpha_beta[0] * 1e6:.0f} µs β {self.link_alpha_beta[1] / 1e6:.0f} MB/s"
                 if self.link_alpha_beta else "")
         return (f"Machine({self.engines} engines on {self.cores:.2f} cores; matmul {rows}; "
-                f"memory {self.memory_Bps / 1e9:.1f} GB/s in a "
-                f"cache of {self.cache_bytes / 2 ** 20:.0f} MiB, {self.dram_Bps / 1e9:.1f} GB/s beyond it{refetch}; host "
+                f"a cache of {self.cache_bytes / 2 ** 20:.0f} MiB, memory {self.dram_Bps / 1e9:.1f} GB/s{refetch}; host "
                 f"{self.action_s * 1e6:.0f} µs/action{wake}, {self.call_s * 1e6:.0f} "
                 f"µs/call, {self.message_s * 1e6:.0f} µs/message; {comm}{link})")

@@ -1,10 +1,11 @@
 """Measure a :class:`~labkit.plan.local.machine.Machine` on the lab's engines: its own micro-benchmarks.
 
 Each number is the median of a few timed runs: matmuls of a
-few sizes, an add in the cache, products going round more and more weights, and over 1 MiB of
+few sizes, products going round more and more weights, and over 1 MiB of
 weight after sleeps (the cache, and what it loses by age) and a tiny model's step after sleeps
 (what the host loses while a rank waits) on one engine while the others wait;
-the same product on every engine at once for the cores they share; the
+the same product, and an add over 64 MiB, on every engine at once for the cores and the
+memory bus they share; the
 four families of collectives at four sizes (the emulated link's α and β are known); the CPU
 time of posting a message, and its wall time while the peer computes; a trivial model's step
 at 1 and 8 micro-batches for the executor's host cost per action. No model of the user's and
@@ -39,9 +40,8 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 
 def _alone(seconds: float, rank_only: int | None = 0):
-    """On one engine (the others return at once): the compute fields (matmul table, in-cache memory
-    rate, the cache's size and what it loses by age, the host's wake) and the CPUs it may use.
-    The rate beyond the cache is :func:`_shared`'s."""
+    """On one engine (the others return at once): the compute fields (matmul table, the cache's size and what it loses by age, the host's wake) and the CPUs it may use.
+    The memory's rate is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
 
@@ -52,11 +52,10 @@ def _alone(seconds: float, rank_only: int | None = 0):
         a, b = torch.randn(m, k), torch.randn(k, n)
         return _loop(lambda: a @ b, seconds)
     table = tuple((2.0 * m * k * n, 2.0 * m * k * n / timed(m, k, n)) for m, k, n in MATMUL_SHAPES)
-    memory = _stream(1, seconds / 2)
     cache = _cache(seconds)
     refetch, wake = _refetch(), _wake()
     import os
-    return ({"matmul": table, "memory_Bps": memory, "cache_bytes": cache, "refetch": refetch, "wake": wake},
+    return ({"matmul": table, "cache_bytes": cache, "refetch": refetch, "wake": wake},
             len(os.sched_getaffinity(0)))
 
 
@@ -385,7 +384,7 @@ def measure(lab, seconds: float = 0.2) -> Machine:
     alone, cpus = next(r for r in lab.apply(_alone, seconds) if r is not None)
     # engines' worth of one alone, at most the engines and the CPUs they may run on
     cores = max(0.25, min(float(world), float(cpus), _cores(lab, seconds)))
-    alone["dram_Bps"] = median(lab.apply(_shared, seconds))     # beyond the cache the engines share the bus
+    alone["dram_Bps"] = median(lab.apply(_shared, seconds))     # the engines share the bus
     comm, link_ab, call_s, message_s = {f: (0.0, 1e12) for f in FAMILIES}, (), 0.0, 0.0
     if world > 1:
         link = getattr(lab, "link", None)

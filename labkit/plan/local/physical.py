@@ -249,7 +249,7 @@ class Builder(DataPrograms, PipelinePrograms, TensorPrograms, ContextPrograms, E
 
     def copy(self, nbytes: float) -> Compute:
         """Packing or unpacking a bucket: one op reading and writing ``nbytes``."""
-        return Compute(2 * nbytes / self.m.memory_Bps)
+        return Compute(2 * nbytes / self.m.dram_Bps)
 
     # -- compute of a range of blocks, with tp's calls -------------------------------------------
     def forward(self, blocks, d, p, t, mb, first: bool, last: bool, gather=None, c: int = 0) -> list:

@@ -7,11 +7,13 @@ A step is each rank's program (:mod:`labkit.plan.local.physical`) run through th
 **Compute.** An op (:class:`labkit.plan.local.work.Op`: its FLOPs F, bytes moved B of which C come
 from beyond the cache), scaled by k (a tensor-parallel shard), takes one thread
 
-    t = f · (k·F / R(k·F) + k·C / B_dram)                  a product (or attention)
-    t = f · (k·(B − C)/B_mem + k·C/B_dram)                 anything else
+    t = f · (k·F / R(k·F) + k·C / B_mem)                  a product (or attention)
+    t = f · k·B / B_mem                                   anything else
 
-with R the matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), B_mem and
-B_dram the rates in and beyond the cache, and f the op's ``factor``: its piece of the step (a
+with R the matmul table (FLOP/s by the product's FLOPs, interpolated in log FLOPs), B_mem the
+memory's rate (``dram_Bps``: each engine's share of the bus, every engine streaming; a product's
+arithmetic hides its operands' reads while they are in the cache, and streams those beyond it
+too), and f the op's ``factor``: its piece of the step (a
 block's forward, its backward, the loss, the optimizer) timed in sequence over the piece's
 priced sum (:func:`labkit.plan.local.profile.timed`), so that a piece costs what it took and each
 op its price's share. The table prices the ops one by one; in sequence a model's ops cost more
@@ -93,7 +95,7 @@ def op_seconds(machine, op, k: float = 1.0) -> float:
     flops, cold = op.flops * k, op.cold * k
     if flops:
         return op.factor * (flops / rate(machine, flops) + cold / machine.dram_Bps)
-    return op.factor * ((op.bytes * k - cold) / machine.memory_Bps + cold / machine.dram_Bps)
+    return op.factor * op.bytes * k / machine.dram_Bps
 
 
 def seconds(machine, ops, scale=lambda op: 1.0) -> float:

@@ -89,7 +89,7 @@ class ContextPrograms:
         def round_s(src):      # its pairs, and its buffers: the next block's (fwd), dK/dV's zeroed and summed (bwd)
             hows = [relation(qa, kb, True) for qa in rank_chunks(c, n, s.cp_balance)
                     for kb in rank_chunks(src, n, s.cp_balance)]
-            own = 0.0 if fwd else 4 * nbytes / self.m.memory_Bps
+            own = 0.0 if fwd else 4 * nbytes / self.m.dram_Bps
             return own + sum(price.seconds(self.m, _attention_ops(how, *pair)[0 if fwd else 1].ops)
                              for how in hows if how != SKIP)
 

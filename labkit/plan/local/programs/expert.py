@@ -99,4 +99,4 @@ class ExpertPrograms:
         out = [self.copy(nbytes)]
         if len(group) > 1:
             out += self.blocking(("expert grads", d % s.ep), group, "all_reduce", nbytes, "allreduce", "expert grads")
-        return out + [Compute(2 * nbytes / self.m.memory_Bps), self.copy(nbytes)]
+        return out + [Compute(2 * nbytes / self.m.dram_Bps), self.copy(nbytes)]
