@@ -22,8 +22,9 @@ from ..wire import AlphaBeta
 FAMILIES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 DELETED = ("cold_Bps", "attention_Fps", "step_s", "comm_load", "sleep_s", "view_s", "link", "matmul_half_dim", "wake_s",
            "cross_s", "join_s", "elementwise", "setup_s", "op_s", "memory_Bps")
-"""Fields earlier machines had, dropped by bench_plan.py's ablation on the emulated link (or, as
-step_s, a residual of the simulator rather than a measurement)."""
+"""Fields earlier machines had, dropped when the held-out cases on the emulated link priced as
+well without them (bench_plan.py's ablation, or its rounds' runs priced again: docs/design.md),
+or, as step_s, a residual of the simulator rather than a measurement."""
 
 
 def _link(value) -> AlphaBeta:

@@ -40,8 +40,9 @@ def _loop(fn, seconds: float, chunks: int = 5) -> float:
 
 
 def _alone(seconds: float, rank_only: int | None = 0):
-    """On one engine (the others return at once): the compute fields (matmul table, the cache's size and what it loses by age, the host's wake) and the CPUs it may use.
-    The memory's rate is :func:`_shared`'s."""
+    """On one engine (the others return at once): the compute fields (matmul table, the cache's
+    size and what it loses by age, the host's wake) and the CPUs it may use. The memory's rate
+    is :func:`_shared`'s."""
     import torch
     import torch.distributed as dist
 
