@@ -113,6 +113,32 @@ REFETCH_SLEEPS = (0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 """Seconds slept before each pass of :func:`_refetch`: back to back up to a long wait."""
 
 
+def _after_sleeps(run, sleeps, passes: int) -> list[tuple[float, float, float]]:
+    """``run`` timed after each of ``sleeps`` seconds of sleep, ``passes`` times each (after 200
+    passes back to back): per sleep, the medians of (the time since the previous pass began, the
+    time since it ended, the pass's own time)."""
+    import time
+
+    for _ in range(200):
+        run()
+    rows, begun = [], time.perf_counter()
+    ended = begun
+    for pause in sleeps:
+        ages, idle, took = [], [], []
+        for _ in range(passes):
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            run()
+            t1 = time.perf_counter()
+            ages.append(t0 - begun)
+            idle.append(t0 - ended)
+            took.append(t1 - t0)
+            begun, ended = t0, t1
+        rows.append((median(ages), median(idle), median(took)))
+    return rows
+
+
 def _refetch(passes: int = 15) -> tuple:
     """(age, seconds per byte) rows: a product of 16×512 by one 512×512 weight (1 MiB, within
     any cache :func:`_cache` finds, so back to back it is hot: a pass takes ~0.1 ms), each pass
@@ -122,28 +148,12 @@ def _refetch(passes: int = 15) -> tuple:
     that time: the weight was last read a pass's start before. A working set beyond the cache
     would be cold back to back already, its youngest age a pass's own milliseconds, and a
     cache that loses its lines within those would read as losing nothing."""
-    import time
-
     import torch
     weight, a = torch.randn(512, 512), torch.randn(16, 512)
     nbytes = weight.numel() * weight.element_size()
-    for _ in range(200):
-        a @ weight
-    rows = []
-    for pause in REFETCH_SLEEPS:
-        ages, took, begun = [], [], time.perf_counter()
-        for _ in range(passes):
-            if pause:
-                time.sleep(pause)
-            t0 = time.perf_counter()
-            a @ weight
-            t1 = time.perf_counter()
-            ages.append(t0 - begun)
-            took.append(t1 - t0)
-            begun = t0
-        rows.append((median(ages), median(took)))
-    hot = rows[0][1]
-    return tuple((age, max(0.0, t - hot) / nbytes) for age, t in rows)
+    rows = _after_sleeps(lambda: a @ weight, REFETCH_SLEEPS, passes)
+    hot = rows[0][2]
+    return tuple((age, max(0.0, t - hot) / nbytes) for age, _, t in rows)
 
 
 WAKE_SLEEPS = (0.0, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
@@ -155,31 +165,13 @@ def _wake(passes: int = 15) -> tuple:
     arithmetic nil; ~0.1–0.2 ms back to back), each pass after a sleep of each of WAKE_SLEEPS,
     ``passes`` times; a row's idle is the median time from a pass's end to the next one's start,
     its cost the median pass's time beyond the back-to-back passes' (0 where it is not beyond)."""
-    import time
-
     import torch
 
     from ... import models
     model, x = models.mlp(width=8, depth=2)(), torch.randn(1, 8)
-
-    def step():
-        model(x).square().mean().backward()
-    for _ in range(200):
-        step()
-    rows, end = [], time.perf_counter()
-    for pause in WAKE_SLEEPS:
-        idle, took = [], []
-        for _ in range(passes):
-            if pause:
-                time.sleep(pause)
-            t0 = time.perf_counter()
-            step()
-            idle.append(t0 - end)
-            end = time.perf_counter()
-            took.append(end - t0)
-        rows.append((max(median(idle), 1e-7), median(took)))
-    hot = rows[0][1]
-    return tuple((idle, max(0.0, t - hot)) for idle, t in rows)
+    rows = _after_sleeps(lambda: model(x).square().mean().backward(), WAKE_SLEEPS, passes)
+    hot = rows[0][2]
+    return tuple((max(idle, 1e-7), max(0.0, t - hot)) for _, idle, t in rows)
 
 
 def _together(seconds: float, rank_only: int | None = None) -> float | None:
